@@ -1,0 +1,8 @@
+"""kvledger: an LLM-serving engine whose KV memory is a ledger."""
+
+from .config import EngineConfig, ServerConfig
+from .engine import Engine, EngineCore
+from .errors import KVLedgerError, ModelLoadError, ValidationError
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "EngineConfig", "EngineCore", "KVLedgerError", "ModelLoadError", "ServerConfig", "ValidationError"]

@@ -1,0 +1,68 @@
+"""One dataclass tree for every setting. CLI flags map 1:1 onto these fields (SGLang's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the engine core: model, memory pools, scheduler.
+
+    ``None`` means "derive a sensible value from the model and the machine" (see ``resolve``).
+    """
+
+    model: str | None = None
+    """Path to a GGUF file or a Hugging Face model directory; None = the default SmolLM2 model."""
+    dtype: str = "auto"
+    """auto | float32 | bfloat16. auto picks the faster one on this machine."""
+    page_size: int = 1
+    """Tokens per KV page (1 and 16 are both tested)."""
+    max_total_tokens: int | None = None
+    """KV capacity in tokens (rounded down to whole pages). None: sized from the model (see resolve)."""
+    context_length: int | None = None
+    """Longest sequence (prompt + output). None: the model's own limit."""
+    chunked_prefill_size: int = 512
+    """Most prompt tokens one forward pass takes (all requests together); longer prompts are chunked."""
+    max_running_requests: int = 64
+    """Most requests decoding at once; also the number of request slots."""
+    max_queued_requests: int = 256
+    """Most requests waiting for admission; past it new requests are refused (429)."""
+    enable_mixed_chunk: bool = True
+    """Run a prefill chunk and the running decodes in one forward pass."""
+    enable_prefix_cache: bool = True
+    """Keep finished requests' KV in the radix tree for reuse by later requests."""
+    strict_memory: bool = False
+    """Raise on any ledger violation (tests, CI). Production mode logs, counts, reclaims, serves on."""
+    audit_interval_s: float = 0.0
+    """In production mode, least seconds between two idle audits (0: every time the engine goes idle)."""
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_top_logprobs: int = 20
+    seed: int = 0
+    """Seed of the engine's generator for requests that bring no seed of their own."""
+    num_threads: int | None = None
+    """torch intra-op threads; None leaves torch's default."""
+
+    def replace(self, **changes) -> EngineConfig:
+        known = {f.name for f in fields(self)}
+        unknown = set(changes) - known
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return EngineConfig(**values)
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the HTTP front."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 16
+    engine: EngineConfig = field(default_factory=EngineConfig)

@@ -1,0 +1,212 @@
+"""The offline ``Engine`` API (SGLang's shape): the engine core run in-process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import EngineConfig
+from ..errors import NotFoundError, ValidationError
+from ..scheduler.request import FinishReason, Req, StepOutput
+from .core import EngineCore
+from .detok import TextState
+
+
+@dataclass
+class _Track:
+    req: Req
+    text: TextState
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    finish: FinishReason | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    version: int = 0
+
+    def result(self) -> dict:
+        p = self.req.params
+        meta: dict[str, Any] = {
+            "id": self.req.rid,
+            "prompt_tokens": len(self.req.input_ids),
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish.to_dict() if self.finish else None,
+        }
+        if p.logprobs or p.top_logprobs:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
+        if p.top_logprobs:
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in (top or [])] for top in self.top_logprobs]
+        return {"text": self.text.update(self.output_ids, self.finish), "output_ids": list(self.output_ids), "meta_info": meta}
+
+
+class Engine:
+    """In-process engine::
+
+        eng = kvledger.Engine(model=None, page_size=16, max_total_tokens=8192)
+        eng.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs):
+        loaded = kwargs.pop("loaded_model", None)
+        cfg = EngineConfig(model=model, dtype=dtype).replace(**kwargs)
+        self.core = EngineCore(cfg, loaded=loaded)
+        self._lock = threading.RLock()
+        self._tracks: dict[str, _Track] = {}
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    # -- requests ---------------------------------------------------------------------------------------
+    def _prepare(self, prompt, sampling_params, input_ids, rid) -> tuple[list[Req], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValidationError("give exactly one of prompt and input_ids", param="prompt")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            items = [prompt] if single else list(prompt)
+            ids_list = [self.core.tokenize(p) for p in items]
+        else:
+            single = not (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], (list, tuple)))
+            ids_list = [input_ids] if single else list(input_ids)
+        n = len(ids_list)
+        if n == 0:
+            raise ValidationError("no prompts given", param="prompt")
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(sps) != n:
+            raise ValidationError(f"{len(sps)} sampling_params for {n} prompts", param="sampling_params")
+        rids = rid if isinstance(rid, list) else [rid] * n if rid is None else [rid]
+        if len(rids) != n:
+            raise ValidationError(f"{len(rids)} rids for {n} prompts", param="rid")
+        # Validate everything before submitting anything: a bad item allocates nothing for any item.
+        reqs = [self.core.make_request(ids, sp, r) for ids, sp, r in zip(ids_list, sps, rids)]
+        if len({r.rid for r in reqs}) != len(reqs):
+            raise ValidationError("duplicate rid in one call", param="rid")
+        return reqs, single
+
+    def _submit(self, reqs: list[Req]) -> None:
+        with self._lock:
+            for r in reqs:
+                self.core.submit(r)
+                self._tracks[r.rid] = _Track(r, TextState(self.core.tokenizer, r.params.skip_special_tokens, r.params.stop))
+
+    def _apply(self, outs: list[StepOutput]) -> None:
+        for o in outs:
+            t = self._tracks.get(o.rid)
+            if t is None:
+                continue
+            t.output_ids.extend(o.new_ids)
+            t.logprobs.extend(o.new_logprobs)
+            t.top_logprobs.extend(o.new_top_logprobs)
+            t.completion_tokens = o.completion_tokens
+            t.cached_tokens = o.cached_tokens
+            if o.finished:
+                t.finish = o.finish_reason
+            t.version += 1
+
+    def _step(self) -> None:
+        with self._lock:
+            self._apply(self.core.step())
+
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        session_params: dict | None = None,
+    ):
+        """Generate for one prompt (returns one result) or a list (returns a list, in order).
+
+        Each result is ``{"text", "output_ids", "meta_info"}`` as in ``/generate``. With ``stream``
+        (single prompt only) an iterator of such results, each holding everything so far.
+        """
+        if session_params is not None:
+            raise ValidationError("sessions are not supported yet", param="session_params")
+        reqs, single = self._prepare(prompt, sampling_params, input_ids, rid)
+        if stream:
+            if not single:
+                raise ValidationError("stream=True takes a single prompt", param="stream")
+            self._submit(reqs)
+            return self._stream(reqs[0].rid)
+        self._submit(reqs)
+        try:
+            while any(self._tracks[r.rid].finish is None for r in reqs):
+                self._step()
+            results = [self._tracks[r.rid].result() for r in reqs]
+        finally:
+            for r in reqs:
+                if self._tracks[r.rid].finish is None:
+                    self.core.abort(r.rid, "the caller stopped waiting")
+                    while self._tracks[r.rid].finish is None:
+                        self._step()
+                self._tracks.pop(r.rid, None)
+        return results[0] if single else results
+
+    def _stream(self, rid: str) -> Iterator[dict]:
+        seen = 0
+        try:
+            while True:
+                t = self._tracks[rid]
+                if t.version != seen:
+                    seen = t.version
+                    yield t.result()
+                if t.finish is not None:
+                    return
+                self._step()
+        finally:
+            t = self._tracks.get(rid)
+            if t is not None and t.finish is None:
+                # The consumer went away: abort through the one release path, then drain.
+                self.core.abort(rid, "the stream was closed")
+                while t.finish is None:
+                    self._step()
+            self._tracks.pop(rid, None)
+
+    def abort(self, rid: str) -> None:
+        """Abort a request in any state; it ends with finish_reason abort through the release path."""
+        if not self.core.scheduler.has_rid(rid) and rid not in self._tracks:
+            raise NotFoundError(f"no running request with id {rid!r}", param="rid")
+        self.core.abort(rid)
+
+    def step(self) -> None:
+        """Run one engine iteration (for callers that drive the loop themselves)."""
+        self._step()
+
+    def run_until_idle(self) -> None:
+        while not self.core.scheduler.idle:
+            self._step()
+
+    def flush_cache(self) -> bool:
+        with self._lock:
+            return self.core.flush_cache()
+
+    def memory(self) -> dict:
+        with self._lock:
+            return self.core.memory()
+
+    def audit(self):
+        with self._lock:
+            return self.core.audit()
+
+    def open_session(self, *args, **kwargs):
+        raise NotImplementedError("streaming sessions are not implemented yet")
+
+    def close_session(self, session_id: str):
+        raise NotImplementedError("streaming sessions are not implemented yet")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for rid in list(self._tracks):
+                self.core.abort(rid, "engine shut down")
+            while not self.core.scheduler.idle:
+                self._apply(self.core.step())
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

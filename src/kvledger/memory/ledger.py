@@ -1,0 +1,225 @@
+"""The ledger: who owns each KV page and each request slot, checked cheaply every step and
+recomputed from first principles when idle.
+
+Page states: FREE (in the pool's free list), CACHED (in the radix tree; evictable when unlocked,
+protected otherwise), PRIVATE (one live request's computed-but-uncached tail, over-allocation
+included), SESSION (held by one streaming session). A request slot is free, used by one live request,
+or held by one session. Live requests *borrow* cached pages (the tree still owns them; the request's
+lock keeps them protected).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import MemoryLedgerError
+from .pools import PagePool, ReqSlotPool
+from .radix import RadixCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Holding:
+    """What one live request or session holds, as the ledger sees it."""
+
+    owner: str  # e.g. "req abc" or "session s1"
+    kind: str  # "request" | "session"
+    own_pages: Sequence[int]  # PRIVATE (request) or SESSION (session) pages
+    borrowed_pages: Sequence[int] = ()  # cached pages read under a tree lock
+    slot: int | None = None
+
+
+@dataclass
+class AuditReport:
+    leaked_pages: dict[int, str] = field(default_factory=dict)  # page -> its last owner
+    double_pages: dict[int, list[str]] = field(default_factory=dict)  # page -> its owners
+    leaked_slots: dict[int, str] = field(default_factory=dict)
+    double_slots: dict[int, list[str]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.leaked_pages or self.double_pages or self.leaked_slots or self.double_slots or self.problems
+        )
+
+    @property
+    def num_violations(self) -> int:
+        return (
+            len(self.leaked_pages)
+            + len(self.double_pages)
+            + len(self.leaked_slots)
+            + len(self.double_slots)
+            + len(self.problems)
+        )
+
+    def describe(self, limit: int = 20) -> str:
+        parts = []
+
+        def show(title: str, d: dict) -> None:
+            if d:
+                items = list(d.items())
+                text = ", ".join(f"{k} ({v})" for k, v in items[:limit])
+                more = f", ... {len(items) - limit} more" if len(items) > limit else ""
+                parts.append(f"{title} {len(items)}: {text}{more}")
+
+        show("leaked pages (last owner)", self.leaked_pages)
+        show("pages with several owners", self.double_pages)
+        show("leaked request slots (last owner)", self.leaked_slots)
+        show("request slots with several owners", self.double_slots)
+        parts.extend(self.problems[:limit])
+        return "; ".join(parts) if parts else "ok"
+
+
+class Ledger:
+    """Books of the KV page pool and the request-slot pool."""
+
+    def __init__(
+        self,
+        pages: PagePool,
+        slots: ReqSlotPool,
+        tree: RadixCache,
+        holdings: Callable[[], Iterable[Holding]],
+        strict: bool,
+    ):
+        self.pages = pages
+        self.slots = slots
+        self.tree = tree
+        self.holdings = holdings
+        self.strict = strict
+        self.checks = 0
+        self.violations = 0
+        self.reclaimed_pages = 0
+        self.last_report: AuditReport | None = None
+
+    # -- figures ----------------------------------------------------------------------------------
+    def page_counts(self) -> dict[str, int]:
+        private = session = 0
+        slots_used = 0
+        for h in self.holdings():
+            if h.kind == "session":
+                session += len(h.own_pages)
+            else:
+                private += len(h.own_pages)
+            slots_used += h.slot is not None
+        return {
+            "free": self.pages.num_free,
+            "cached_evictable": self.tree.evictable_pages,
+            "cached_protected": self.tree.protected_pages,
+            "private": private,
+            "session": session,
+            "slots_used": slots_used,
+        }
+
+    def figures(self) -> dict:
+        """The ``memory`` object of /get_server_info and ``Engine.memory()`` (in tokens)."""
+        c = self.page_counts()
+        ps = self.pages.page_size
+        return {
+            "page_size": ps,
+            "kv_total": self.pages.num_pages * ps,
+            "kv_free": c["free"] * ps,
+            "kv_cached_evictable": c["cached_evictable"] * ps,
+            "kv_cached_protected": c["cached_protected"] * ps,
+            "kv_private": c["private"] * ps,
+            "kv_session": c["session"] * ps,
+            "req_slots_total": self.slots.num_slots,
+            "req_slots_free": self.slots.num_free,
+            "leak_check": {"ok": self.violations == 0, "checks": self.checks, "violations": self.violations},
+        }
+
+    # -- the cheap check (every step in strict mode) -----------------------------------------------
+    def check_conservation(self) -> None:
+        c = self.page_counts()
+        total = c["free"] + c["cached_evictable"] + c["cached_protected"] + c["private"] + c["session"]
+        problems = []
+        if total != self.pages.num_pages:
+            problems.append(
+                f"page conservation broken: free {c['free']} + cached_evictable {c['cached_evictable']} + "
+                f"cached_protected {c['cached_protected']} + private {c['private']} + session {c['session']}"
+                f" = {total} != total {self.pages.num_pages}"
+            )
+        if self.slots.num_free + c["slots_used"] != self.slots.num_slots:
+            problems.append(
+                f"slot conservation broken: free {self.slots.num_free} + used {c['slots_used']}"
+                f" != total {self.slots.num_slots}"
+            )
+        if problems:
+            report = self.audit(count=False)
+            report.problems[:0] = problems
+            self._enforce(report)
+
+    # -- the full audit (when idle) ----------------------------------------------------------------
+    def audit(self, count: bool = True) -> AuditReport:
+        """Recompute every page's and slot's owners from the free lists, the tree and the holders."""
+        report = AuditReport()
+        owners: dict[int, list[str]] = defaultdict(list)
+        for p in self.pages.free_list():
+            owners[p].append("free")
+        tree_pages: dict[int, bool] = {}  # page -> protected?
+        evictable = protected = 0
+        for node in self.tree.nodes():
+            state = "cached/protected" if node.lock_ref > 0 else "cached/evictable"
+            for p in node.pages:
+                owners[p].append(state)
+                tree_pages[p] = node.lock_ref > 0
+            if node.lock_ref > 0:
+                protected += len(node.pages)
+            else:
+                evictable += len(node.pages)
+            if node.lock_ref < 0:
+                report.problems.append(f"radix node with negative lock count {node.lock_ref}")
+        if (evictable, protected) != (self.tree.evictable_pages, self.tree.protected_pages):
+            report.problems.append(
+                f"radix counters say evictable {self.tree.evictable_pages} / protected "
+                f"{self.tree.protected_pages}, the tree holds {evictable} / {protected}"
+            )
+        slot_owners: dict[int, list[str]] = defaultdict(list)
+        for s in self.slots.free_list():
+            slot_owners[s].append("free")
+        for h in self.holdings():
+            state = "session" if h.kind == "session" else "private"
+            for p in h.own_pages:
+                owners[p].append(f"{state} to {h.owner}")
+            for p in h.borrowed_pages:
+                if not tree_pages.get(p, False):
+                    report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")
+            if h.slot is not None:
+                slot_owners[h.slot].append(h.owner)
+        for p in range(self.pages.num_pages):
+            o = owners.get(p)
+            if not o:
+                report.leaked_pages[p] = self.pages.last_owner[p]
+            elif len(o) > 1:
+                report.double_pages[p] = o
+        for s in range(self.slots.num_slots):
+            o = slot_owners.get(s)
+            if not o:
+                report.leaked_slots[s] = self.slots.last_owner[s]
+            elif len(o) > 1:
+                report.double_slots[s] = o
+        if count:
+            self.checks += 1
+            self._enforce(report)
+        return report
+
+    def _enforce(self, report: AuditReport) -> None:
+        self.last_report = report
+        if report.ok:
+            return
+        self.violations += report.num_violations
+        msg = f"memory ledger violation: {report.describe()}"
+        if self.strict:
+            raise MemoryLedgerError(msg)
+        # Production: one bug must not take every user down. Log it, count it, take back what
+        # nobody owns, and keep serving.
+        log.error("%s (reclaiming orphans, serving on)", msg)
+        if report.leaked_pages:
+            self.pages.free(list(report.leaked_pages), by="ledger reclaim")
+            self.reclaimed_pages += len(report.leaked_pages)
+        for s in report.leaked_slots:
+            self.slots.free(s, by="ledger reclaim")

@@ -1,0 +1,171 @@
+"""Radix prefix cache over page-aligned token sequences.
+
+Each node holds a run of tokens (a multiple of ``page_size``) and the KV pages that hold them. A node
+with ``lock_ref > 0`` is *protected* (some live request reads it); otherwise it is *evictable*, and
+unlocked leaves are evicted least recently used first. The tree owns its pages: it is the only one
+that frees them (on eviction or flush).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    parent: TreeNode | None = None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def __lt__(self, other: TreeNode) -> bool:  # for the eviction heap
+        return self.last_access < other.last_access
+
+
+class RadixCache:
+    """Prefix cache. ``free_pages`` is called with the pages of evicted nodes."""
+
+    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None], enabled: bool = True):
+        self.page_size = page_size
+        self.enabled = enabled
+        self._free_pages = free_pages
+        self.root = TreeNode()
+        self.root.lock_ref = 1  # the root is never evicted
+        self.evictable_pages = 0
+        self.protected_pages = 0
+        self._clock = 0
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _child_key(self, tokens: list[int], at: int) -> tuple[int, ...]:
+        return tuple(tokens[at : at + self.page_size])
+
+    def _match_len(self, key: list[int], tokens: list[int], at: int) -> int:
+        """Length of the common prefix of ``key`` and ``tokens[at:]``, rounded down to whole pages."""
+        n = min(len(key), len(tokens) - at)
+        i = 0
+        while i < n and key[i] == tokens[at + i]:
+            i += 1
+        return i - i % self.page_size
+
+    def _split(self, node: TreeNode, at: int) -> TreeNode:
+        """Split ``node`` after ``at`` tokens (page-aligned); returns the new upper node."""
+        ps = self.page_size
+        upper = TreeNode(
+            key=node.key[:at],
+            pages=node.pages[: at // ps],
+            parent=node.parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
+        assert node.parent is not None
+        node.parent.children[self._child_key(upper.key, 0)] = upper
+        node.key = node.key[at:]
+        node.pages = node.pages[at // ps :]
+        node.parent = upper
+        upper.children[self._child_key(node.key, 0)] = node
+        return upper
+
+    # -- public API -------------------------------------------------------------------------------
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
+        """Longest cached page-aligned prefix of ``tokens``: (its pages, the deepest node matched)."""
+        node, pages, at = self.root, [], 0
+        if not self.enabled:
+            return pages, node
+        now = self._tick()
+        while len(tokens) - at >= self.page_size:
+            child = node.children.get(self._child_key(tokens, at))
+            if child is None:
+                break
+            m = self._match_len(child.key, tokens, at)
+            if m == 0:
+                break
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = now
+            pages.extend(child.pages)
+            at += m
+            node = child
+        return pages, node
+
+    def insert(self, tokens: list[int], pages: list[int]) -> int:
+        """Insert a page-aligned run; returns how many leading tokens were already cached.
+
+        The caller still owns ``pages`` for that already-cached prefix (duplicates) and must free
+        them; the pages of the newly inserted rest now belong to the tree.
+        """
+        assert len(tokens) % self.page_size == 0 and len(pages) * self.page_size == len(tokens)
+        if not self.enabled or not tokens:
+            return 0
+        ps = self.page_size
+        node, at = self.root, 0
+        now = self._tick()
+        while at < len(tokens):
+            child = node.children.get(self._child_key(tokens, at))
+            if child is None:
+                leaf = TreeNode(key=tokens[at:], pages=pages[at // ps :], parent=node, last_access=now)
+                node.children[self._child_key(tokens, at)] = leaf
+                self.evictable_pages += len(leaf.pages)
+                return at
+            m = self._match_len(child.key, tokens, at)
+            if m < len(child.key):
+                child = self._split(child, m)
+            child.last_access = now
+            at += m
+            node = child
+        return at
+
+    def inc_lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_pages -= len(node.pages)
+                self.protected_pages += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def dec_lock(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self.evictable_pages += len(node.pages)
+                self.protected_pages -= len(node.pages)
+            node.lock_ref -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` pages from unlocked leaves, LRU first (fewer if not possible)."""
+        leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_pages and leaves:
+            node = heapq.heappop(leaves)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[self._child_key(node.key, 0)]
+            self.evictable_pages -= len(node.pages)
+            freed += len(node.pages)
+            self._free_pages(node.pages)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def flush(self) -> int:
+        """Evict everything evictable (used by /flush_cache)."""
+        return self.evict(self.evictable_pages)
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def total_pages(self) -> int:
+        return self.evictable_pages + self.protected_pages

@@ -1,0 +1,19 @@
+"""Model core: loading, the Llama-family forward over a paged KV pool, attention backends, sampling."""
+
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .llama import LlamaModel
+from .loader import LoadedModel, default_model_path, load_model
+from .sampler import SampleResult, SampleRow, Sampler
+
+__all__ = [
+    "ForwardBatch",
+    "LlamaModel",
+    "LoadedModel",
+    "ModelConfig",
+    "SampleResult",
+    "SampleRow",
+    "Sampler",
+    "default_model_path",
+    "load_model",
+]

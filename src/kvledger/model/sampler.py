@@ -1,0 +1,121 @@
+"""Batched sampling: one call per forward for the whole batch, per-request parameters as tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would only add noise)
+
+
+class SamplingSpec(Protocol):
+    """What the sampler reads of a request's sampling parameters."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logprobs: bool
+    top_logprobs: int
+
+
+@dataclass
+class SampleRow:
+    """One request's view for this step."""
+
+    params: SamplingSpec
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None  # a seeded request's own generator; None: the sampler's
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        V = logits.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                # HF/vLLM semantics: every token seen in the prompt or the output.
+                seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+                if seen.numel():
+                    vals = logits[i, seen]
+                    logits[i, seen] = torch.where(
+                        vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                    )
+            if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+                # OpenAI semantics: output tokens only.
+                counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long), minlength=V).float()
+                logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+        """Choose one token per row of ``logits`` (float32 ``[B, V]``)."""
+        B = logits.shape[0]
+        want_lp = [r.params.logprobs or r.params.top_logprobs > 0 for r in rows]
+        # Logprobs are reported from the model's raw distribution (before temperature and penalties),
+        # as vLLM does by default.
+        raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        if any(
+            r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
+            for r in rows
+        ):
+            logits = logits.clone()
+            self._penalize(logits, rows)
+        temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
+        tokens = logits.argmax(dim=-1)
+        sampled = (temps >= GREEDY_EPS).nonzero().flatten()
+        if sampled.numel():
+            idx = sampled.tolist()
+            srows = [rows[i] for i in idx]
+            lg = logits[sampled] / temps[sampled].unsqueeze(1)
+            V = lg.shape[1]
+            ks = torch.tensor([r.params.top_k if 0 < r.params.top_k < V else V for r in srows])
+            if (ks < V).any():
+                kth = lg.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1).unsqueeze(1))
+                lg = lg.masked_fill(lg < kth, float("-inf"))
+            probs = torch.softmax(lg, dim=-1)
+            top_p = torch.tensor([r.params.top_p for r in srows], dtype=torch.float32)
+            min_p = torch.tensor([r.params.min_p for r in srows], dtype=torch.float32)
+            if (top_p < 1.0).any() or (min_p > 0).any():
+                sp, si = probs.sort(dim=-1, descending=True)
+                # A token is dropped when the tokens before it already reach top_p; the first never is.
+                drop = (sp.cumsum(-1) - sp) > top_p.unsqueeze(1)
+                drop |= sp < (min_p * sp[:, :1]).expand_as(sp)
+                sp = sp.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(1, si, sp)
+            noise = torch.empty_like(probs)
+            unseeded = [j for j, r in enumerate(srows) if r.generator is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), V).exponential_(generator=self.generator)
+            for j, r in enumerate(srows):
+                if r.generator is not None:
+                    # Each seeded request draws from its own generator, so its output does not depend
+                    # on what else is in the batch.
+                    noise[j].exponential_(generator=r.generator)
+            # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+            tokens[sampled] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+        tok_list = tokens.tolist()
+        lps: list[float | None] = [None] * B
+        tops: list[list[tuple[int, float]] | None] = [None] * B
+        if raw_lp is not None:
+            for i, r in enumerate(rows):
+                if r.params.logprobs or r.params.top_logprobs > 0:
+                    lps[i] = float(raw_lp[i, tok_list[i]])
+                if r.params.top_logprobs > 0:
+                    v, ix = raw_lp[i].topk(r.params.top_logprobs)
+                    tops[i] = list(zip(ix.tolist(), v.tolist()))
+        return SampleResult(tok_list, lps, tops)

@@ -1,0 +1,150 @@
+"""Validation of a generation request: one function used by the HTTP front and by the scheduler.
+
+A request that fails it gets a ``ValidationError`` (HTTP 400, OpenAI error shape) before anything is
+allocated for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import ValidationError
+from .request import SamplingParams
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class Limits:
+    vocab_size: int
+    context_length: int
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_top_logprobs: int = 20
+    max_stop_token_ids: int = 64
+
+
+_FIELDS = {f.name for f in fields(SamplingParams)}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float))) and not isinstance(v, bool)
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> ValidationError:
+    return ValidationError(message, param=param, code=code)
+
+
+def _number(d: dict, name: str, lo: float, hi: float, *, lo_open=False, hi_open=False) -> float | None:
+    if name not in d or d[name] is None:
+        return None
+    v = d[name]
+    if not _is_num(v) or not math.isfinite(v):
+        raise _bad(name, f"{name} must be a finite number, got {v!r}")
+    if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+        left, right = ("(" if lo_open else "["), (")" if hi_open else "]")
+        raise _bad(name, f"{name} must be in {left}{lo}, {hi}{right}, got {v!r}")
+    return float(v)
+
+
+def validate_input_ids(input_ids: Any, limits: Limits, param: str = "input_ids") -> list[int]:
+    if not isinstance(input_ids, (list, tuple)) or not input_ids:
+        raise _bad(param, "the prompt is empty; send at least one token", "empty_prompt")
+    bad = next((t for t in input_ids if not _is_int(t) or not 0 <= t < limits.vocab_size), None)
+    if bad is not None or any(not _is_int(t) for t in input_ids):
+        raise _bad(param, f"token id {bad!r} is not an integer in [0, {limits.vocab_size})", "invalid_token_id")
+    return list(input_ids)
+
+
+def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
+    """Check every sampling parameter's type and range and return them as ``SamplingParams``."""
+    d = dict(raw or {})
+    if not isinstance(raw, (dict, type(None))):
+        raise _bad("sampling_params", "sampling_params must be an object")
+    unknown = set(d) - _FIELDS - {"n", "max_tokens"}
+    if unknown:
+        raise _bad(sorted(unknown)[0], f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+    p = SamplingParams()
+    if d.get("max_new_tokens") is not None:
+        v = d["max_new_tokens"]
+        if not _is_int(v) or v < 0:
+            raise _bad("max_new_tokens", f"max_new_tokens must be an integer >= 0, got {v!r}")
+        p.max_new_tokens = v
+    if (v := _number(d, "temperature", 0.0, 100.0)) is not None:
+        p.temperature = v
+    if (v := _number(d, "top_p", 0.0, 1.0, lo_open=True)) is not None:
+        p.top_p = v
+    if d.get("top_k") is not None:
+        v = d["top_k"]
+        if not _is_int(v) or v < -1:
+            raise _bad("top_k", f"top_k must be -1 (all), 0 (all) or a positive integer, got {v!r}")
+        p.top_k = v if v > 0 else -1
+    if (v := _number(d, "min_p", 0.0, 1.0)) is not None:
+        p.min_p = v
+    if (v := _number(d, "repetition_penalty", 0.0, 10.0, lo_open=True)) is not None:
+        p.repetition_penalty = v
+    if (v := _number(d, "frequency_penalty", -2.0, 2.0)) is not None:
+        p.frequency_penalty = v
+    if (v := _number(d, "presence_penalty", -2.0, 2.0)) is not None:
+        p.presence_penalty = v
+    stop = d.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop", "stop must be a string or a list of strings")
+        if len(stop) > limits.max_stop_strings:
+            raise _bad("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+        if any(not s or len(s) > limits.max_stop_string_len for s in stop):
+            raise _bad("stop", f"stop strings must have 1 to {limits.max_stop_string_len} characters")
+        p.stop = stop
+    ids = d.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or len(ids) > limits.max_stop_token_ids:
+            raise _bad("stop_token_ids", f"stop_token_ids must be a list of at most {limits.max_stop_token_ids}")
+        for t in ids:
+            if not _is_int(t) or not 0 <= t < limits.vocab_size:
+                raise _bad("stop_token_ids", f"stop token id {t!r} is not in [0, {limits.vocab_size})")
+        p.stop_token_ids = list(ids)
+    for flag in ("ignore_eos", "logprobs", "skip_special_tokens"):
+        if d.get(flag) is not None:
+            if not isinstance(d[flag], bool):
+                raise _bad(flag, f"{flag} must be a boolean")
+            setattr(p, flag, d[flag])
+    if d.get("seed") is not None:
+        v = d["seed"]
+        if not _is_int(v) or not 0 <= v <= MAX_SEED:
+            raise _bad("seed", f"seed must be an integer in [0, 2**63-1], got {v!r}")
+        p.seed = v
+    if d.get("top_logprobs") is not None:
+        v = d["top_logprobs"]
+        if not _is_int(v) or not 0 <= v <= limits.max_top_logprobs:
+            raise _bad("top_logprobs", f"top_logprobs must be an integer in [0, {limits.max_top_logprobs}]")
+        p.top_logprobs = v
+    return p
+
+
+def validate_request(input_ids: Any, sampling: dict | None, limits: Limits) -> tuple[list[int], SamplingParams]:
+    """The one validation: token ids, sampling parameters and context length.
+
+    A prompt of ``context_length`` tokens or more is refused (code ``context_length_exceeded``);
+    a prompt that fits but whose ``max_new_tokens`` would overflow the context has
+    ``max_new_tokens`` clamped to what is left (as SGLang does).
+    """
+    ids = validate_input_ids(input_ids, limits)
+    params = validate_sampling(sampling, limits)
+    if len(ids) >= limits.context_length:
+        raise ValidationError(
+            f"the prompt has {len(ids)} tokens; this model's context is {limits.context_length} tokens "
+            f"(prompt and output together), so the prompt must be shorter",
+            param="input_ids",
+            code="context_length_exceeded",
+        )
+    params.max_new_tokens = min(params.max_new_tokens, limits.context_length - len(ids))
+    return ids, params
