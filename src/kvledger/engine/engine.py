@@ -166,6 +166,22 @@ class Engine:
                     self._step()
             self._tracks.pop(rid, None)
 
+    def add_request(self, input_ids: list[int], sampling_params: dict | None = None, rid: str | None = None) -> str:
+        """Queue one request without waiting (drive it with ``step``); returns its rid."""
+        reqs, _ = self._prepare(None, sampling_params, input_ids, rid)
+        self._submit(reqs)
+        return reqs[0].rid
+
+    def result(self, rid: str, pop: bool = True) -> dict | None:
+        """The result of a request queued with ``add_request`` once it finished (None before)."""
+        with self._lock:
+            t = self._tracks.get(rid)
+            if t is None or t.finish is None:
+                return None
+            if pop:
+                self._tracks.pop(rid)
+            return t.result()
+
     def abort(self, rid: str) -> None:
         """Abort a request in any state; it ends with finish_reason abort through the release path."""
         if not self.core.scheduler.has_rid(rid) and rid not in self._tracks:

@@ -236,7 +236,7 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
                 log.debug("skipping GGUF tensor %s", t.name)
                 continue
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+            w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
             if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
                 w = unpermute_qk(w, config.num_heads)
             elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):

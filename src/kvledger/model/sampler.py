@@ -94,7 +94,7 @@ class Sampler:
                 sp, si = probs.sort(dim=-1, descending=True)
                 # A token is dropped when the tokens before it already reach top_p; the first never is.
                 drop = (sp.cumsum(-1) - sp) > top_p.unsqueeze(1)
-                drop |= sp < (min_p * sp[:, :1]).expand_as(sp)
+                drop |= sp < min_p.unsqueeze(1) * sp[:, :1]
                 sp = sp.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(1, si, sp)
             noise = torch.empty_like(probs)

@@ -1,0 +1,78 @@
+"""Session-wide fixtures: tiny random models (built here, never downloaded) and SmolLM2 (loaded once)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from tests.helpers import build_tiny_model, hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> str:
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_hf(tiny_llama):
+    return hf_model(tiny_llama)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_llama):
+    """The tiny Llama loaded once; engines built from it skip the disk."""
+    from kvledger.model import load_model
+
+    return load_model(tiny_llama)
+
+
+@pytest.fixture
+def make_engine(tiny_loaded):
+    """Build strict-memory engines on the tiny Llama; each is audited clean at teardown."""
+    from kvledger import Engine
+    from tests.helpers import assert_idle_clean
+
+    engines = []
+
+    def make(**kw):
+        opts = dict(dtype="float32", page_size=16, max_total_tokens=4096, strict_memory=True)
+        opts.update(kw)
+        eng = Engine(loaded_model=tiny_loaded, **opts)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        assert_idle_clean(eng)
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded():
+    from kvledger.model import load_model
+
+    try:
+        return load_model(None)
+    except Exception as e:  # the model wheel is part of the test install; say so loudly
+        pytest.fail(f"SmolLM2 unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    import torch
+    import transformers
+
+    from kvledger.model.loader import default_model_path
+
+    path = default_model_path()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
