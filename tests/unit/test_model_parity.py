@@ -93,8 +93,15 @@ def test_greedy_matches_transformers(arch_model, opts):
 def test_mixed_batches_decode_while_others_prefill(arch_model, page_size):
     """(d) Requests arrive while others decode, so prefill chunks and decodes share forwards."""
     path, _, prompts, refs = arch_model
-    eng = Engine(path, dtype="float32", page_size=page_size, max_total_tokens=8192, strict_memory=True,
-                 chunked_prefill_size=48, enable_mixed_chunk=True)
+    eng = Engine(
+        path,
+        dtype="float32",
+        page_size=page_size,
+        max_total_tokens=8192,
+        strict_memory=True,
+        chunked_prefill_size=48,
+        enable_mixed_chunk=True,
+    )
     rids, mixed_steps = [], 0
     for p in prompts:
         rids.append(eng.add_request(p, GREEDY))

@@ -27,7 +27,9 @@ def test_greedy_is_argmax():
 @pytest.mark.parametrize("temperature,top_p", [(1e-9, 1.0), (1e-4, 1e-9), (1.0, 1e-12), (100.0, 1.0)])
 def test_extreme_values_never_nan(temperature, top_p):
     logits = torch.randn(3, 50) * 30
-    res = Sampler().sample(logits, [_row(temperature=temperature, top_p=top_p, logprobs=True) for _ in range(3)])
+    res = Sampler().sample(
+        logits, [_row(temperature=temperature, top_p=top_p, logprobs=True) for _ in range(3)]
+    )
     assert all(0 <= t < 50 for t in res.tokens)
     assert all(lp is not None and math.isfinite(lp) for lp in res.logprobs)
     if temperature < 1e-3 or top_p < 1e-6:
@@ -43,7 +45,10 @@ def test_top_k_1_and_min_p_1_are_greedy():
 def test_seeded_rows_independent_of_batch():
     torch.manual_seed(0)
     logits = torch.randn(6, 200)
-    alone = [Sampler(seed=1).sample(logits[i : i + 1], [_row(seed=42, temperature=1.0)]).tokens[0] for i in range(3)]
+    alone = [
+        Sampler(seed=1).sample(logits[i : i + 1], [_row(seed=42, temperature=1.0)]).tokens[0]
+        for i in range(3)
+    ]
     # Same rows amid different neighbours, in another position, with another engine seed.
     rows = [_row(temperature=1.0), _row(seed=42, temperature=1.0), _row(seed=7, temperature=0.7)]
     mixed = Sampler(seed=99).sample(torch.stack([logits[5], logits[0], logits[4]]), rows).tokens
@@ -79,7 +84,9 @@ def test_seeded_generation_reproducible_across_batch_compositions(make_engine):
     others = [[3 + i] * (5 + 11 * i) for i in range(5)]
     batch = eng.generate(
         input_ids=[*others[:2], target, *others[2:]],
-        sampling_params=[{"max_new_tokens": 20, "temperature": 1.0}] * 2 + [sp] + [{"max_new_tokens": 9, "temperature": 0.5}] * 3,
+        sampling_params=[{"max_new_tokens": 20, "temperature": 1.0}] * 2
+        + [sp]
+        + [{"max_new_tokens": 9, "temperature": 0.5}] * 3,
     )
     assert batch[2]["output_ids"] == alone
     unseeded = eng.generate(input_ids=target, sampling_params={**sp, "seed": None})["output_ids"]

@@ -149,7 +149,9 @@ class EngineCore:
 
     def submit(self, req: Req) -> None:
         if self.scheduler.has_rid(req.rid):
-            raise ConflictError(f"a request with id {req.rid!r} is already running", param="rid", code="duplicate_rid")
+            raise ConflictError(
+                f"a request with id {req.rid!r} is already running", param="rid", code="duplicate_rid"
+            )
         self.scheduler.submit(req)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:

@@ -38,15 +38,21 @@ class _Track:
         if p.logprobs or p.top_logprobs:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
         if p.top_logprobs:
-            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in (top or [])] for top in self.top_logprobs]
-        return {"text": self.text.update(self.output_ids, self.finish), "output_ids": list(self.output_ids), "meta_info": meta}
+            meta["output_top_logprobs"] = [
+                [[lp, t, None] for t, lp in (top or [])] for top in self.top_logprobs
+            ]
+        return {
+            "text": self.text.update(self.output_ids, self.finish),
+            "output_ids": list(self.output_ids),
+            "meta_info": meta,
+        }
 
 
 class Engine:
     """In-process engine::
 
-        eng = kvledger.Engine(model=None, page_size=16, max_total_tokens=8192)
-        eng.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+    eng = kvledger.Engine(model=None, page_size=16, max_total_tokens=8192)
+    eng.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs):
@@ -69,7 +75,9 @@ class Engine:
             items = [prompt] if single else list(prompt)
             ids_list = [self.core.tokenize(p) for p in items]
         else:
-            single = not (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], (list, tuple)))
+            single = not (
+                isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], (list, tuple))
+            )
             ids_list = [input_ids] if single else list(input_ids)
         n = len(ids_list)
         if n == 0:
@@ -90,7 +98,9 @@ class Engine:
         with self._lock:
             for r in reqs:
                 self.core.submit(r)
-                self._tracks[r.rid] = _Track(r, TextState(self.core.tokenizer, r.params.skip_special_tokens, r.params.stop))
+                self._tracks[r.rid] = _Track(
+                    r, TextState(self.core.tokenizer, r.params.skip_special_tokens, r.params.stop)
+                )
 
     def _apply(self, outs: list[StepOutput]) -> None:
         for o in outs:
@@ -166,7 +176,9 @@ class Engine:
                     self._step()
             self._tracks.pop(rid, None)
 
-    def add_request(self, input_ids: list[int], sampling_params: dict | None = None, rid: str | None = None) -> str:
+    def add_request(
+        self, input_ids: list[int], sampling_params: dict | None = None, rid: str | None = None
+    ) -> str:
         """Queue one request without waiting (drive it with ``step``); returns its rid."""
         reqs, _ = self._prepare(None, sampling_params, input_ids, rid)
         self._submit(reqs)

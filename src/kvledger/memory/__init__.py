@@ -4,4 +4,13 @@ from .ledger import AuditReport, Holding, Ledger
 from .pools import KVBuffer, PagePool, ReqSlotPool
 from .radix import RadixCache, TreeNode
 
-__all__ = ["AuditReport", "Holding", "KVBuffer", "Ledger", "PagePool", "RadixCache", "ReqSlotPool", "TreeNode"]
+__all__ = [
+    "AuditReport",
+    "Holding",
+    "KVBuffer",
+    "Ledger",
+    "PagePool",
+    "RadixCache",
+    "ReqSlotPool",
+    "TreeNode",
+]

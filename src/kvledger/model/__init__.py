@@ -4,7 +4,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .llama import LlamaModel
 from .loader import LoadedModel, default_model_path, load_model
-from .sampler import SampleResult, SampleRow, Sampler
+from .sampler import Sampler, SampleResult, SampleRow
 
 __all__ = [
     "ForwardBatch",

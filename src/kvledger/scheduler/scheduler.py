@@ -113,7 +113,9 @@ class Scheduler:
 
     def check_new_rid(self, rid: str) -> None:
         if rid in self.reqs:
-            raise ConflictError(f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid")
+            raise ConflictError(
+                f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid"
+            )
 
     # -- ledger view ----------------------------------------------------------------------------------
     def holdings(self) -> Iterable[Holding]:
@@ -224,10 +226,9 @@ class Scheduler:
                 return out
             n = min(budget, req.seq_len - req.kv_len)
             # Leave room for the running requests' next tokens, or admission would only cause retraction.
-            if (
-                self.kv.available_pages() - self.kv.pages_needed(req, n) < reserve_pages
-                or not self.kv.reserve(req, n)
-            ):
+            if self.kv.available_pages() - self.kv.pages_needed(
+                req, n
+            ) < reserve_pages or not self.kv.reserve(req, n):
                 self.kv.release(req, commit=False)
                 return out
             self.waiting.popleft()
@@ -331,7 +332,9 @@ class Scheduler:
             except Exception as e:
                 log.exception("forward failed for %d requests", len(work))
                 for req, _ in work:
-                    req.mark_finish(FinishReason("abort", f"engine error: {type(e).__name__}: {e}", status=500))
+                    req.mark_finish(
+                        FinishReason("abort", f"engine error: {type(e).__name__}: {e}", status=500)
+                    )
             else:
                 self._process(work, sample_at, result)
             self.last_stats.num_tokens = sum(n for _, n in work)

@@ -58,7 +58,9 @@ def validate_input_ids(input_ids: Any, limits: Limits, param: str = "input_ids")
         raise _bad(param, "the prompt is empty; send at least one token", "empty_prompt")
     bad = next((t for t in input_ids if not _is_int(t) or not 0 <= t < limits.vocab_size), None)
     if bad is not None or any(not _is_int(t) for t in input_ids):
-        raise _bad(param, f"token id {bad!r} is not an integer in [0, {limits.vocab_size})", "invalid_token_id")
+        raise _bad(
+            param, f"token id {bad!r} is not an integer in [0, {limits.vocab_size})", "invalid_token_id"
+        )
     return list(input_ids)
 
 
@@ -107,7 +109,9 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
     ids = d.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or len(ids) > limits.max_stop_token_ids:
-            raise _bad("stop_token_ids", f"stop_token_ids must be a list of at most {limits.max_stop_token_ids}")
+            raise _bad(
+                "stop_token_ids", f"stop_token_ids must be a list of at most {limits.max_stop_token_ids}"
+            )
         for t in ids:
             if not _is_int(t) or not 0 <= t < limits.vocab_size:
                 raise _bad("stop_token_ids", f"stop token id {t!r} is not in [0, {limits.vocab_size})")
@@ -130,7 +134,9 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
     return p
 
 
-def validate_request(input_ids: Any, sampling: dict | None, limits: Limits) -> tuple[list[int], SamplingParams]:
+def validate_request(
+    input_ids: Any, sampling: dict | None, limits: Limits
+) -> tuple[list[int], SamplingParams]:
     """The one validation: token ids, sampling parameters and context length.
 
     A prompt of ``context_length`` tokens or more is refused (code ``context_length_exceeded``);

@@ -1,0 +1,89 @@
+"""Command line: ``kvledger generate`` (offline), ``kvledger serve`` (HTTP server)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from .config import EngineConfig
+from .errors import KVLedgerError
+
+
+def _bool_pair(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    dest = name.replace("-", "_")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(f"--{name}", dest=dest, action="store_true", help=help)
+    g.add_argument(f"--disable-{name.removeprefix('enable-')}", dest=dest, action="store_false")
+    p.set_defaults(**{dest: default})
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, SGLang's names (--page-size, --max-total-tokens, ...)."""
+    d = EngineConfig()
+    p.add_argument("--model", "--model-path", dest="model", default=None,
+                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
+    p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    _bool_pair(p, "enable-mixed-chunk", d.enable_mixed_chunk, "prefill chunks and decodes in one forward")
+    _bool_pair(p, "enable-prefix-cache", d.enable_prefix_cache, "radix prefix cache")
+    p.add_argument("--strict-memory", action="store_true", help="raise on any memory-ledger violation")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--num-threads", type=int, default=d.num_threads)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine import Engine
+
+    cfg = engine_config(args)
+    eng = Engine(**dataclasses.asdict(cfg))
+    prompt = args.prompt
+    if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None) and not args.raw:
+        prompt = eng.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature}
+    shown = ""
+    for chunk in eng.generate(prompt, sp, stream=True):
+        sys.stdout.write(chunk["text"][len(shown) :])
+        sys.stdout.flush()
+        shown = chunk["text"]
+    meta = chunk["meta_info"]
+    print(f"\n[{meta['completion_tokens']} tokens, finish: {meta['finish_reason']['type']}]", file=sys.stderr)
+    eng.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvledger", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion offline (no server)")
+    g.add_argument("prompt")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--log-level", default="warning")
+    add_engine_args(g)
+    g.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KVLedgerError as e:
+        print(f"kvledger: error: {e.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""One validation function: every bad input is a 400 with a named parameter, and allocates nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger import ValidationError
+from kvledger.scheduler import Limits, validate_request
+
+LIMITS = Limits(vocab_size=256, context_length=100)
+
+BAD = [
+    ([], {}, "input_ids"),
+    ([1, 2, 256], {}, "input_ids"),
+    ([1, -1], {}, "input_ids"),
+    ([1, 2.5], {}, "input_ids"),
+    ([1, True], {}, "input_ids"),
+    ("abc", {}, "input_ids"),
+    ([1], {"temperature": -1}, "temperature"),
+    ([1], {"temperature": float("nan")}, "temperature"),
+    ([1], {"temperature": "1"}, "temperature"),
+    ([1], {"top_p": 0}, "top_p"),
+    ([1], {"top_p": 1.5}, "top_p"),
+    ([1], {"top_k": -2}, "top_k"),
+    ([1], {"top_k": 1.5}, "top_k"),
+    ([1], {"min_p": 2}, "min_p"),
+    ([1], {"max_new_tokens": -1}, "max_new_tokens"),
+    ([1], {"max_new_tokens": "10"}, "max_new_tokens"),
+    ([1], {"seed": 2**64}, "seed"),
+    ([1], {"seed": -1}, "seed"),
+    ([1], {"top_logprobs": 21}, "top_logprobs"),
+    ([1], {"stop_token_ids": [256]}, "stop_token_ids"),
+    ([1], {"stop": ["x"] * 17}, "stop"),
+    ([1], {"stop": [""]}, "stop"),
+    ([1], {"stop": [1]}, "stop"),
+    ([1], {"repetition_penalty": 0}, "repetition_penalty"),
+    ([1], {"frequency_penalty": 3}, "frequency_penalty"),
+    ([1], {"ignore_eos": "yes"}, "ignore_eos"),
+    ([1], {"bogus": 1}, "bogus"),
+    ([1] * 100, {}, "input_ids"),
+]
+
+
+@pytest.mark.parametrize("ids,sp,param", BAD, ids=[f"{p}-{i}" for i, (_, _, p) in enumerate(BAD)])
+def test_bad_inputs_name_their_parameter(ids, sp, param):
+    with pytest.raises(ValidationError) as e:
+        validate_request(ids, sp, LIMITS)
+    assert e.value.param == param and e.value.status == 400
+    body = e.value.to_dict()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+
+
+def test_context_length_code_and_clamp():
+    with pytest.raises(ValidationError) as e:
+        validate_request([1] * 100, {}, LIMITS)
+    assert e.value.code == "context_length_exceeded"
+    _, p = validate_request([1] * 90, {"max_new_tokens": 50}, LIMITS)
+    assert p.max_new_tokens == 10
+
+
+def test_good_request_normalised():
+    ids, p = validate_request([1, 2], {"stop": "x", "top_k": 0, "seed": 2**63 - 1, "temperature": 0}, LIMITS)
+    assert ids == [1, 2] and p.stop == ["x"] and p.top_k == -1 and p.seed == 2**63 - 1
+
+
+def test_invalid_engine_call_allocates_nothing(make_engine):
+    eng = make_engine()
+    before = eng.memory()
+    with pytest.raises(ValidationError):
+        eng.generate(input_ids=[[1, 2, 3], [1, 999]], sampling_params={"max_new_tokens": 3})
+    assert eng.memory() == before and not eng.core.scheduler.reqs
