@@ -10,14 +10,16 @@ import torch
 
 
 class KVBuffer:
-    """K and V tensors of all layers: ``k[layer]`` is ``[num_pages * page_size, kv_heads, head_dim]``.
+    """K and V tensors of all layers: ``k[layer]`` is ``[kv_heads, num_pages * page_size, head_dim]``.
 
-    KV slot ``page * page_size + offset`` holds token ``offset`` of page ``page``.
+    KV slot ``page * page_size + offset`` holds token ``offset`` of page ``page``. Heads lead so that a
+    gather of a batch's slots comes out as ``[kv_heads, tokens, head_dim]``, the layout batched
+    attention matmuls want without another copy.
     """
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
-        self.k = torch.zeros(num_layers, num_slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_layers, num_slots, kv_heads, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(num_layers, kv_heads, num_slots, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_layers, kv_heads, num_slots, head_dim, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -16,7 +16,7 @@ from .batch import ForwardBatch
 
 
 class KVBuffer(Protocol):
-    """Per-layer K and V storage: ``k[layer]`` and ``v[layer]`` are ``[num_slots, kv_heads, head_dim]``."""
+    """Per-layer K and V storage: ``k[layer]`` and ``v[layer]`` are ``[kv_heads, num_slots, head_dim]``."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -37,7 +37,7 @@ class _TorchMeta:
     # decode group: requests that bring exactly one token (batched as two padded matmuls)
     dec_tok: torch.Tensor | None  # [Bd] flat token index of each
     dec_kv_idx: torch.Tensor | None  # [Bd, Lmax] KV slots (padded with slot 0)
-    dec_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] additive mask (0 / -inf)
+    dec_mask: torch.Tensor | None  # [1, Bd, 1, Lmax] additive mask (0 / -inf)
     # extend group: requests that bring several tokens (one SDPA call each)
     ext: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (tok_start, n, kv_idx [S], bool mask [n,S])
 
@@ -78,28 +78,31 @@ class TorchAttention:
             valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
             meta.dec_kv_idx = torch.where(valid, meta.dec_kv_idx, 0)
             mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
-            meta.dec_mask = mask[:, None, None, :]
+            meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
         batch.attn_meta = meta
 
     def forward(self, layer, q, k, v, kv, batch):
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
-        k_cache[batch.out_loc] = k.to(k_cache.dtype)
-        v_cache[batch.out_loc] = v.to(v_cache.dtype)
+        k_cache, v_cache = kv.k[layer], kv.v[layer]  # [KVH, slots, D]
+        k_cache[:, batch.out_loc] = k.transpose(0, 1).to(k_cache.dtype)
+        v_cache[:, batch.out_loc] = v.transpose(0, 1).to(v_cache.dtype)
         meta: _TorchMeta = batch.attn_meta
         out = torch.empty_like(q)
-        group = self.num_heads // self.num_kv_heads
+        kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         if meta.dec_tok is not None:
-            bd = meta.dec_tok.shape[0]
-            qd = q[meta.dec_tok].view(bd, self.num_kv_heads, group, self.head_dim)
-            kd = k_cache[meta.dec_kv_idx].permute(0, 2, 3, 1)  # [Bd, KVH, D, L]
-            vd = v_cache[meta.dec_kv_idx].transpose(1, 2)  # [Bd, KVH, L, D]
-            scores = torch.matmul(qd, kd).float() * self.scale + meta.dec_mask
+            bd, lmax = meta.dec_kv_idx.shape
+            flat = meta.dec_kv_idx.flatten()
+            # One gather per layer; batch dims (KVH, B) stay contiguous, so the matmuls copy nothing.
+            kd = k_cache.index_select(1, flat).view(kvh, bd, lmax, d)
+            vd = v_cache.index_select(1, flat).view(kvh, bd, lmax, d)
+            qd = q[meta.dec_tok].view(bd, kvh, group, d).transpose(0, 1)  # [KVH, B, G, D]
+            scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * self.scale + meta.dec_mask
             probs = torch.softmax(scores, dim=-1).to(vd.dtype)
-            out[meta.dec_tok] = torch.matmul(probs, vd).view(bd, self.num_heads, self.head_dim)
+            o = torch.matmul(probs, vd)  # [KVH, B, G, D]
+            out[meta.dec_tok] = o.permute(1, 0, 2, 3).reshape(bd, self.num_heads, d)
         for start, n, kv_idx, mask in meta.ext:
             qe = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ke = k_cache[kv_idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, S, D]
-            ve = v_cache[kv_idx].transpose(0, 1).unsqueeze(0)
+            ke = k_cache.index_select(1, kv_idx).unsqueeze(0)  # [1, KVH, S, D]
+            ve = v_cache.index_select(1, kv_idx).unsqueeze(0)
             o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + n] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,132 @@
+"""The engine process: an ``EngineCore`` driven by a loop that talks to the HTTP front over ZMQ.
+
+Messages are JSON (never pickle: request data comes from clients) over Unix-domain IPC sockets in a
+private (0700) directory. The front binds, the engine connects, one socket pair per engine
+generation so that a restarted engine never receives messages meant for a dead one.
+
+front -> engine: {"type": "add", rid, input_ids, sampling, health}, {"type": "abort", rid, message},
+                 {"type": "call", id, op: "flush_cache" | "memory" | "audit"}
+engine -> front: {"type": "ready", info, limits, config}, {"type": "fatal", message},
+                 {"type": "outputs", items: [StepOutput...], stats}, {"type": "reply", id, result}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+from ..config import EngineConfig
+from ..errors import KVLedgerError
+from ..scheduler.request import FinishReason, StepOutput
+
+log = logging.getLogger("kvledger.engine")
+
+STATS_INTERVAL_S = 0.5
+
+
+def output_to_dict(o: StepOutput) -> dict:
+    d = dataclasses.asdict(o)
+    d["finish_reason"] = None if o.finish_reason is None else dataclasses.asdict(o.finish_reason)
+    return d
+
+
+def error_output(rid: str, e: KVLedgerError, prompt_tokens: int = 0) -> dict:
+    fr = FinishReason("abort", e.message, status=e.status)
+    d = output_to_dict(StepOutput(rid, [], [], [], True, fr, prompt_tokens, 0, 0))
+    d["finish_reason"]["code"] = e.code
+    d["finish_reason"]["param"] = e.param
+    return d
+
+
+def ipc_paths(ipc_dir: str, generation: int) -> tuple[str, str]:
+    return (f"ipc://{ipc_dir}/to_engine_{generation}", f"ipc://{ipc_dir}/from_engine_{generation}")
+
+
+def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = "INFO") -> None:
+    """Entry point of the engine process."""
+    import zmq
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
+    to_engine, from_engine = ipc_paths(ipc_dir, generation)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.connect(to_engine)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(from_engine)
+    try:
+        from .core import EngineCore
+
+        core = EngineCore(EngineConfig(**cfg_dict))
+    except KVLedgerError as e:
+        push.send_json({"type": "fatal", "message": e.message})
+        time.sleep(0.2)
+        return
+    push.send_json(
+        {
+            "type": "ready",
+            "pid": os.getpid(),
+            "info": dataclasses.asdict(core.info),
+            "limits": dataclasses.asdict(core.limits),
+            "config": dataclasses.asdict(core.cfg),
+        }
+    )
+    crash_rid = os.environ.get("KVLEDGER_TEST_CRASH_ON_RID")  # test-only fault injection
+    last_stats = 0.0
+    was_busy = False
+    while True:
+        idle = core.scheduler.idle
+        if pull.poll(0 if not idle else 50):
+            while True:
+                try:
+                    msg = pull.recv_json(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                kind = msg.get("type")
+                if kind == "add":
+                    if crash_rid and msg["rid"] == crash_rid:
+                        os._exit(17)  # simulate an engine death the front must survive
+                    try:
+                        req = core.make_request(msg["input_ids"], msg["sampling"], msg["rid"])
+                        req.is_health_check = bool(msg.get("health"))
+                        core.submit(req)
+                    except KVLedgerError as e:
+                        push.send_json({"type": "outputs", "items": [error_output(msg["rid"], e)]})
+                elif kind == "abort":
+                    core.abort(msg["rid"], msg.get("message") or "aborted by the client")
+                elif kind == "call":
+                    op = msg["op"]
+                    if op == "flush_cache":
+                        result = core.flush_cache()
+                    elif op == "memory":
+                        result = core.memory()
+                    elif op == "audit":
+                        result = core.audit().describe()
+                    else:
+                        result = None
+                    push.send_json({"type": "reply", "id": msg["id"], "result": result})
+                elif kind == "shutdown":
+                    return
+        if core.scheduler.idle and not was_busy:
+            now = time.monotonic()
+            if now - last_stats > STATS_INTERVAL_S:
+                last_stats = now
+                push.send_json({"type": "outputs", "items": [], "stats": _stats(core)})
+            continue
+        outs = core.step()
+        was_busy = not core.scheduler.idle
+        push.send_json(
+            {"type": "outputs", "items": [output_to_dict(o) for o in outs], "stats": _stats(core)}
+        )
+
+
+def _stats(core) -> dict:
+    s = core.scheduler
+    return {
+        "num_running": len(s.running),
+        "num_waiting": len(s.waiting),
+        "retractions": s.total_retractions,
+        "memory": core.memory(),
+        "time": time.time(),
+    }

@@ -1,0 +1,221 @@
+"""The front's handle on the engine process: start, talk over ZMQ, notice death, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ..config import EngineConfig
+from ..engine.process import engine_main, ipc_paths
+from ..errors import ConflictError, KVLedgerError, ModelLoadError
+
+log = logging.getLogger("kvledger.server")
+
+
+class EngineUnavailable(KVLedgerError):
+    status = 503
+    type = "service_unavailable"
+
+
+class EngineClient:
+    """Owns the engine process. Each request gets an asyncio.Queue of output dicts from the engine;
+    a final item has ``finished`` true. If the engine dies, every open queue gets a 503 final item."""
+
+    def __init__(self, cfg: EngineConfig, log_level: str = "info", ready_timeout_s: float = 600.0):
+        self.cfg = cfg
+        self.log_level = log_level
+        self.ready_timeout_s = ready_timeout_s
+        self.ipc_dir = tempfile.mkdtemp(prefix="kvledger-")
+        os.chmod(self.ipc_dir, 0o700)  # private: only this user may talk to the engine
+        self.ctx = zmq.asyncio.Context()
+        self.generation = 0
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.push: zmq.asyncio.Socket | None = None
+        self.pull: zmq.asyncio.Socket | None = None
+        self.ready = False
+        self.info: dict = {}
+        self.limits: dict = {}
+        self.engine_config: dict = {}
+        self.stats: dict = {}
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._ready_event = asyncio.Event()
+        self._closing = False
+        self.restarts = 0
+        self.fatal: str | None = None
+        self.on_stats: Callable[[dict], None] | None = None
+        self.on_death: Callable[[], None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._spawn()
+        self._tasks.append(asyncio.create_task(self._monitor()))
+        await self.wait_ready()
+
+    async def wait_ready(self) -> None:
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), self.ready_timeout_s)
+        except TimeoutError:
+            raise EngineUnavailable("the engine did not become ready in time") from None
+        if self.fatal:
+            raise ModelLoadError(self.fatal)
+
+    def _spawn(self) -> None:
+        self.generation += 1
+        to_engine, from_engine = ipc_paths(self.ipc_dir, self.generation)
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.setsockopt(zmq.LINGER, 0)
+        self.push.bind(to_engine)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.pull.bind(from_engine)
+        mp = multiprocessing.get_context("spawn")
+        cfg = dataclasses.asdict(self.cfg)
+        self.proc = mp.Process(
+            target=engine_main, args=(cfg, self.ipc_dir, self.generation, self.log_level), daemon=True,
+            name=f"kvledger-engine-{self.generation}",
+        )
+        self.proc.start()
+        log.info("engine process %d started (generation %d)", self.proc.pid, self.generation)
+        self._tasks.append(asyncio.create_task(self._recv(self.pull)))
+
+    async def _recv(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            try:
+                msg = await sock.recv_json()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            kind = msg.get("type")
+            if kind == "outputs":
+                for item in msg["items"]:
+                    q = self.streams.get(item["rid"])
+                    if q is not None:
+                        q.put_nowait(item)
+                        if item["finished"]:
+                            self.streams.pop(item["rid"], None)
+                if "stats" in msg:
+                    self.stats = msg["stats"]
+                    if self.on_stats:
+                        self.on_stats(self.stats)
+            elif kind == "reply":
+                fut = self._replies.pop(msg["id"], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg["result"])
+            elif kind == "ready":
+                self.info, self.limits, self.engine_config = msg["info"], msg["limits"], msg["config"]
+                self.ready = True
+                self._ready_event.set()
+                log.info("engine ready (pid %s)", msg.get("pid"))
+            elif kind == "fatal":
+                self.fatal = msg["message"]
+                log.error("engine failed to start: %s", self.fatal)
+                self._ready_event.set()
+
+    async def _monitor(self) -> None:
+        """Notice an engine death within ~0.1 s: fail in-flight requests with 503, start a new engine."""
+        while not self._closing:
+            await asyncio.sleep(0.1)
+            if self.proc is not None and not self.proc.is_alive() and not self._closing:
+                code = self.proc.exitcode
+                self.ready = False
+                self._ready_event.clear()
+                log.error("engine process died (exit code %s); failing %d in-flight requests and restarting",
+                          code, len(self.streams))
+                self._fail_all("the engine process died; retry the request")
+                if self.on_death:
+                    self.on_death()
+                if self.fatal:
+                    return  # it cannot load the model: restarting would only loop
+                for s in (self.push, self.pull):
+                    if s is not None:
+                        s.close(linger=0)
+                self.restarts += 1
+                self._spawn()
+
+    def _fail_all(self, message: str) -> None:
+        streams, self.streams = self.streams, {}
+        for rid, q in streams.items():
+            q.put_nowait(
+                {
+                    "rid": rid, "new_ids": [], "new_logprobs": [], "new_top_logprobs": [], "finished": True,
+                    "finish_reason": {"type": "abort", "message": message, "status": 503, "matched": None},
+                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                }
+            )
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(message))
+        self._replies.clear()
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        if self.proc is not None and self.proc.is_alive():
+            with contextlib.suppress(Exception):
+                await self.push.send_json({"type": "shutdown"})
+            self.proc.join(timeout=3)
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout=3)
+            if self.proc.is_alive():
+                self.proc.kill()
+        for s in (self.push, self.pull):
+            if s is not None:
+                s.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def _check_ready(self) -> None:
+        if not self.ready:
+            raise EngineUnavailable("the engine is not ready (starting or restarting); retry shortly",
+                                    code="engine_not_ready")
+
+    async def submit(self, rid: str, input_ids: list[int], sampling: dict, health: bool = False) -> asyncio.Queue:
+        self._check_ready()
+        if rid in self.streams:
+            raise ConflictError(f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid")
+        q: asyncio.Queue = asyncio.Queue()
+        self.streams[rid] = q
+        await self.push.send_json(
+            {"type": "add", "rid": rid, "input_ids": input_ids, "sampling": sampling, "health": health}
+        )
+        return q
+
+    async def abort(self, rid: str, message: str = "aborted by the client") -> None:
+        if self.ready and self.push is not None:
+            await self.push.send_json({"type": "abort", "rid": rid, "message": message})
+
+    async def call(self, op: str, timeout: float = 30.0) -> Any:
+        self._check_ready()
+        i = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[i] = fut
+        await self.push.send_json({"type": "call", "id": i, "op": op})
+        return await asyncio.wait_for(fut, timeout)
+
+    def alive(self) -> bool:
+        return self.ready and self.proc is not None and self.proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def now(self) -> float:
+        return time.monotonic()

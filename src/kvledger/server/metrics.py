@@ -1,0 +1,59 @@
+"""Prometheus metrics (names prefixed ``kvledger_``), one registry per app (no global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.num_running = Gauge("kvledger_num_running_requests", "Requests admitted and running", registry=r)
+        self.num_waiting = Gauge("kvledger_num_waiting_requests", "Requests waiting for admission", registry=r)
+        self.kv_usage = Gauge("kvledger_kv_usage", "Fraction of KV tokens not free", registry=r)
+        self.kv_tokens = Gauge("kvledger_kv_tokens", "KV tokens by ledger state", ["state"], registry=r)
+        self.req_slots_free = Gauge("kvledger_req_slots_free", "Free request slots", registry=r)
+        self.cache_hit = Counter("kvledger_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.prompt_tokens = Counter("kvledger_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvledger_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("kvledger_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.aborted = Counter("kvledger_aborted_requests", "Aborted requests by reason", ["reason"], registry=r)
+        self.retractions = Gauge("kvledger_retractions", "Retractions since the engine started", registry=r)
+        self.ttft = Histogram("kvledger_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvledger_inter_token_latency_seconds", "Time between tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvledger_e2e_request_latency_seconds", "Request latency",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.audit_runs = Gauge("kvledger_memory_audit_runs", "Idle memory audits run by the engine", registry=r)
+        self.audit_violations = Gauge("kvledger_memory_audit_violations", "Ledger violations found", registry=r)
+        self.sessions = Gauge("kvledger_num_streaming_sessions", "Open streaming sessions", registry=r)
+        self.session_tokens = Gauge("kvledger_streaming_session_held_tokens", "KV tokens held by sessions",
+                                    registry=r)
+        self.engine_restarts = Counter("kvledger_engine_restarts", "Engine process restarts", registry=r)
+
+    def update_engine(self, stats: dict) -> None:
+        self.num_running.set(stats.get("num_running", 0))
+        self.num_waiting.set(stats.get("num_waiting", 0))
+        self.retractions.set(stats.get("retractions", 0))
+        m = stats.get("memory")
+        if not m:
+            return
+        total = max(m["kv_total"], 1)
+        self.kv_usage.set(1 - m["kv_free"] / total)
+        for state in ("free", "cached_evictable", "cached_protected", "private", "session"):
+            self.kv_tokens.labels(state).set(m[f"kv_{state}"])
+        self.req_slots_free.set(m["req_slots_free"])
+        self.session_tokens.set(m["kv_session"])
+        self.audit_runs.set(m["leak_check"]["checks"])
+        self.audit_violations.set(m["leak_check"]["violations"])
+
+    def engine_died(self) -> None:
+        self.num_running.set(0)
+        self.num_waiting.set(0)
+        self.engine_restarts.inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,77 @@
+"""Request bodies (pydantic). Types are strict — "10" is not an int — and ranges are left to the one
+validation function (``scheduler.validation``) so that the front and the engine agree."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class GenerateRequest(_Strict):
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    session_params: dict[str, Any] | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _OpenAICommon(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[Any] | None = None
+    stop_token_ids: list[Any] | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    user: str | None = None
+    rid: str | None = None
+
+
+class CompletionRequest(_OpenAICommon):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_OpenAICommon):
+    messages: list[ChatMessage] = Field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+
+class RidBody(_Strict):
+    rid: str
+
+
+class SessionBody(_Strict):
+    session_id: str | None = None
