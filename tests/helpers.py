@@ -80,3 +80,33 @@ def assert_idle_clean(engine) -> None:
     assert m["kv_private"] == 0 and m["kv_cached_protected"] == 0, m
     assert m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] == m["kv_total"], m
     assert m["leak_check"]["ok"], m
+
+
+def build_tiny_chat_model(path: str, seed: int = 5) -> str:
+    """A tiny random Llama with a real byte-level tokenizer and a chat template (vocab 260)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_vocab))}
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=(
+            "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+        ),
+    )
+    build_tiny_model(
+        path, "llama", seed=seed, vocab_size=len(vocab), bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"]
+    )
+    fast.save_pretrained(path)
+    return path

@@ -22,8 +22,13 @@ def _bool_pair(p: argparse.ArgumentParser, name: str, default: bool, help: str) 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, SGLang's names (--page-size, --max-total-tokens, ...)."""
     d = EngineConfig()
-    p.add_argument("--model", "--model-path", dest="model", default=None,
-                   help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=None,
+        help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
@@ -65,6 +70,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .config import ServerConfig
+    from .server.app import create_app
+
+    cfg = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes,
+        max_n=args.max_n,
+        engine=engine_config(args),
+    )
+    uvicorn.run(
+        create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=10
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvledger", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,8 +103,22 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-level", default="warning")
     add_engine_args(g)
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible and SGLang-compatible HTTP API")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument(
+        "--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)"
+    )
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--log-level", default="info")
+    s.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    s.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
+    add_engine_args(s)
+    s.set_defaults(func=_serve)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args)
     except KVLedgerError as e:

@@ -22,6 +22,7 @@ from .runner import ModelRunner
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_BYTES = 2 * 1024**3  # KV pool size when max_total_tokens is not given (capped by RAM)
+DEFAULT_MAX_KV_TOKENS = 262144  # ... and by this many tokens (tiny models would otherwise get millions)
 
 
 def cpu_has_bf16() -> bool:
@@ -80,7 +81,7 @@ class EngineCore:
         per_token = KVBuffer.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
         total = cfg.max_total_tokens
         if total is None:
-            total = min(DEFAULT_KV_BYTES, _ram_bytes() // 5) // per_token
+            total = min(min(DEFAULT_KV_BYTES, _ram_bytes() // 5) // per_token, DEFAULT_MAX_KV_TOKENS)
         num_pages = max(1, total // ps)
         total = num_pages * ps
         context = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total)

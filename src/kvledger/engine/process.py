@@ -116,9 +116,7 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
             continue
         outs = core.step()
         was_busy = not core.scheduler.idle
-        push.send_json(
-            {"type": "outputs", "items": [output_to_dict(o) for o in outs], "stats": _stats(core)}
-        )
+        push.send_json({"type": "outputs", "items": [output_to_dict(o) for o in outs], "stats": _stats(core)})
 
 
 def _stats(core) -> dict:

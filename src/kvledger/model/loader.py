@@ -252,6 +252,24 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, path)
 
 
+def load_tokenizer(path: str) -> Any | None:
+    """Only the tokenizer (the HTTP front needs no weights). None when the model has none."""
+    if os.path.isdir(path):
+        names = ("tokenizer.json", "tokenizer.model", "vocab.json")
+        return _hf_tokenizer(path) if any(os.path.isfile(os.path.join(path, n)) for n in names) else None
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"model not found: {path}")
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({_one_line(e)})") from None
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        return None
+    return _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+
+
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

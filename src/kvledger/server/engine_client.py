@@ -87,7 +87,9 @@ class EngineClient:
         mp = multiprocessing.get_context("spawn")
         cfg = dataclasses.asdict(self.cfg)
         self.proc = mp.Process(
-            target=engine_main, args=(cfg, self.ipc_dir, self.generation, self.log_level), daemon=True,
+            target=engine_main,
+            args=(cfg, self.ipc_dir, self.generation, self.log_level),
+            daemon=True,
             name=f"kvledger-engine-{self.generation}",
         )
         self.proc.start()
@@ -134,8 +136,11 @@ class EngineClient:
                 code = self.proc.exitcode
                 self.ready = False
                 self._ready_event.clear()
-                log.error("engine process died (exit code %s); failing %d in-flight requests and restarting",
-                          code, len(self.streams))
+                log.error(
+                    "engine process died (exit code %s); failing %d in-flight requests and restarting",
+                    code,
+                    len(self.streams),
+                )
                 self._fail_all("the engine process died; retry the request")
                 if self.on_death:
                     self.on_death()
@@ -152,9 +157,15 @@ class EngineClient:
         for rid, q in streams.items():
             q.put_nowait(
                 {
-                    "rid": rid, "new_ids": [], "new_logprobs": [], "new_top_logprobs": [], "finished": True,
+                    "rid": rid,
+                    "new_ids": [],
+                    "new_logprobs": [],
+                    "new_top_logprobs": [],
+                    "finished": True,
                     "finish_reason": {"type": "abort", "message": message, "status": 503, "matched": None},
-                    "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+                    "prompt_tokens": 0,
+                    "completion_tokens": 0,
+                    "cached_tokens": 0,
                 }
             )
         for fut in self._replies.values():
@@ -184,13 +195,18 @@ class EngineClient:
     # -- requests ----------------------------------------------------------------------------------------
     def _check_ready(self) -> None:
         if not self.ready:
-            raise EngineUnavailable("the engine is not ready (starting or restarting); retry shortly",
-                                    code="engine_not_ready")
+            raise EngineUnavailable(
+                "the engine is not ready (starting or restarting); retry shortly", code="engine_not_ready"
+            )
 
-    async def submit(self, rid: str, input_ids: list[int], sampling: dict, health: bool = False) -> asyncio.Queue:
+    async def submit(
+        self, rid: str, input_ids: list[int], sampling: dict, health: bool = False
+    ) -> asyncio.Queue:
         self._check_ready()
         if rid in self.streams:
-            raise ConflictError(f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid")
+            raise ConflictError(
+                f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid"
+            )
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
         await self.push.send_json(

@@ -4,6 +4,7 @@ abort it through the engine's release path if the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,8 +24,13 @@ class RequestFailed(KVLedgerError):
     def __init__(self, message: str, status: int, code: str | None = None, param: str | None = None):
         super().__init__(message, code=code, param=param)
         self.status = status
-        self.type = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-                     429: "overloaded_error", 503: "service_unavailable"}.get(status, "internal_error")
+        self.type = {
+            400: "invalid_request_error",
+            404: "not_found_error",
+            409: "conflict_error",
+            429: "overloaded_error",
+            503: "service_unavailable",
+        }.get(status, "internal_error")
 
 
 @dataclass
@@ -84,8 +90,12 @@ class Generator:
         import dataclasses
 
         rid = rid or uuid.uuid4().hex
-        st = GenState(rid, params, TextState(self.tokenizer, params.skip_special_tokens, params.stop),
-                      prompt_tokens=len(input_ids))
+        st = GenState(
+            rid,
+            params,
+            TextState(self.tokenizer, params.skip_special_tokens, params.stop),
+            prompt_tokens=len(input_ids),
+        )
         t0 = time.monotonic()
         last = None
         q = await self.client.submit(rid, input_ids, dataclasses.asdict(params), health=health)
@@ -151,10 +161,10 @@ class Generator:
         final: GenState | None = None
 
         async def run() -> GenState:
-            st = None
-            async for st in self.stream(input_ids, params, rid, health):
-                pass
-            return st
+            last = None
+            async for state in self.stream(input_ids, params, rid, health):
+                last = state
+            return last
 
         task = asyncio.create_task(run())
         if disconnected is None:
@@ -167,9 +177,7 @@ class Generator:
                     break
                 if await disconnected():
                     task.cancel()
-                    try:
+                    with contextlib.suppress(asyncio.CancelledError):
                         await task
-                    except asyncio.CancelledError:
-                        pass
                     raise asyncio.CancelledError
         return final

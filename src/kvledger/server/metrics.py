@@ -11,27 +11,45 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.num_running = Gauge("kvledger_num_running_requests", "Requests admitted and running", registry=r)
-        self.num_waiting = Gauge("kvledger_num_waiting_requests", "Requests waiting for admission", registry=r)
+        self.num_waiting = Gauge(
+            "kvledger_num_waiting_requests", "Requests waiting for admission", registry=r
+        )
         self.kv_usage = Gauge("kvledger_kv_usage", "Fraction of KV tokens not free", registry=r)
         self.kv_tokens = Gauge("kvledger_kv_tokens", "KV tokens by ledger state", ["state"], registry=r)
         self.req_slots_free = Gauge("kvledger_req_slots_free", "Free request slots", registry=r)
-        self.cache_hit = Counter("kvledger_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r)
-        self.prompt_tokens = Counter("kvledger_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cache_hit = Counter(
+            "kvledger_cache_hit_tokens", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "kvledger_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
         self.generation_tokens = Counter("kvledger_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("kvledger_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
-        self.aborted = Counter("kvledger_aborted_requests", "Aborted requests by reason", ["reason"], registry=r)
+        self.requests = Counter(
+            "kvledger_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.aborted = Counter(
+            "kvledger_aborted_requests", "Aborted requests by reason", ["reason"], registry=r
+        )
         self.retractions = Gauge("kvledger_retractions", "Retractions since the engine started", registry=r)
-        self.ttft = Histogram("kvledger_time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("kvledger_inter_token_latency_seconds", "Time between tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("kvledger_e2e_request_latency_seconds", "Request latency",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.audit_runs = Gauge("kvledger_memory_audit_runs", "Idle memory audits run by the engine", registry=r)
-        self.audit_violations = Gauge("kvledger_memory_audit_violations", "Ledger violations found", registry=r)
+        self.ttft = Histogram(
+            "kvledger_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "kvledger_inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "kvledger_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.audit_runs = Gauge(
+            "kvledger_memory_audit_runs", "Idle memory audits run by the engine", registry=r
+        )
+        self.audit_violations = Gauge(
+            "kvledger_memory_audit_violations", "Ledger violations found", registry=r
+        )
         self.sessions = Gauge("kvledger_num_streaming_sessions", "Open streaming sessions", registry=r)
-        self.session_tokens = Gauge("kvledger_streaming_session_held_tokens", "KV tokens held by sessions",
-                                    registry=r)
+        self.session_tokens = Gauge(
+            "kvledger_streaming_session_held_tokens", "KV tokens held by sessions", registry=r
+        )
         self.engine_restarts = Counter("kvledger_engine_restarts", "Engine process restarts", registry=r)
 
     def update_engine(self, stats: dict) -> None:

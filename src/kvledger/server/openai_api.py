@@ -1,0 +1,313 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of ``Generator``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..errors import NotFoundError, ValidationError
+from ..scheduler import SamplingParams
+from .generation import Generator, GenState
+from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
+    """OpenAI fields -> SGLang sampling params (range checks happen in the one validation)."""
+    d: dict[str, Any] = {
+        "max_new_tokens": 16 if max_tokens is None else max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "seed": body.seed,
+        "frequency_penalty": body.frequency_penalty,
+        "presence_penalty": body.presence_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs,
+        "top_logprobs": top_logprobs,
+    }
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def finish_reason(st: GenState) -> str | None:
+    if st.finish is None:
+        return None
+    return st.finish["type"]
+
+
+class OpenAIServing:
+    def __init__(self, gen: Generator, name: str, aliases: set[str], limits, tokenizer, max_n: int):
+        self.gen = gen
+        self.name = name
+        self.model_names = {name} | aliases
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.max_n = max_n
+
+    def _check_common(self, body: _OpenAICommon) -> None:
+        if body.model is not None and body.model not in self.model_names:
+            raise NotFoundError(
+                f"the model {body.model!r} does not exist; this server serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        if not 1 <= body.n <= self.max_n:
+            raise ValidationError(f"n must be in [1, {self.max_n}], got {body.n}", param="n")
+
+    def _params(self, ids: list[int], sp: dict):
+        from ..scheduler import validate_request
+
+        return validate_request(ids, sp, self.limits)
+
+    # -- completions ------------------------------------------------------------------------------------
+    def completion_inputs(self, body: CompletionRequest) -> list[list[int]]:
+        p = body.prompt
+        if isinstance(p, str):
+            items: list = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            items = [p]
+        elif isinstance(p, list) and p:
+            items = p
+        else:
+            raise ValidationError("the prompt is empty", param="prompt", code="empty_prompt")
+        out = []
+        for it in items:
+            if isinstance(it, str):
+                if not it:
+                    raise ValidationError("the prompt is empty", param="prompt", code="empty_prompt")
+                if self.tokenizer is None:
+                    raise ValidationError("this model has no tokenizer; send token ids", param="prompt")
+                out.append(self.tokenizer.encode(it))
+            elif isinstance(it, list):
+                out.append(it)
+            else:
+                raise ValidationError(
+                    "prompt must be a string, a list of strings or token ids", param="prompt"
+                )
+        return out
+
+    async def completions(self, body: CompletionRequest, disconnected) -> dict | AsyncIterator[str]:
+        self._check_common(body)
+        if body.echo or body.suffix is not None:
+            raise ValidationError(
+                "echo and suffix are not supported", param="echo" if body.echo else "suffix"
+            )
+        if body.best_of not in (None, body.n):
+            raise ValidationError("best_of other than n is not supported", param="best_of")
+        if body.logprobs is not None and not (isinstance(body.logprobs, int) and 0 <= body.logprobs <= 20):
+            raise ValidationError("logprobs must be an integer in [0, 20]", param="logprobs")
+        sp = sampling_dict(body, body.max_tokens, body.logprobs is not None, body.logprobs or 0)
+        prompts = self.completion_inputs(body)
+        jobs = []
+        for ids in prompts:
+            ids, params = self._params(ids, sp)
+            jobs.extend((ids, params) for _ in range(body.n))
+        base = body.rid or f"cmpl-{uuid.uuid4().hex}"
+        return await self._run(base, jobs, body, disconnected, chat=False)
+
+    # -- chat ----------------------------------------------------------------------------------------------
+    def chat_input(self, body: ChatRequest) -> list[int]:
+        if not body.messages:
+            raise ValidationError("messages must not be empty", param="messages", code="empty_prompt")
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValidationError("this model has no chat template; use /v1/completions", param="messages")
+        msgs = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+            msgs.append({"role": m.role, "content": content or ""})
+        try:
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+        except Exception as e:  # a template error is the client's messages' fault
+            raise ValidationError(f"cannot apply the chat template: {e}", param="messages") from None
+        return list(ids)
+
+    async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
+        self._check_common(body)
+        top = body.top_logprobs or 0
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        sp = sampling_dict(body, max_tokens, body.logprobs, top)
+        ids, params = self._params(self.chat_input(body), sp)
+        base = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True)
+
+    # -- shared --------------------------------------------------------------------------------------------
+    def _logprobs(self, st: GenState, chat: bool, start: int = 0) -> dict | None:
+        if not (st.params.logprobs or st.params.top_logprobs):
+            return None
+        tok = self.tokenizer
+
+        def text(t: int) -> str:
+            return tok.decode([t]) if tok is not None else str(t)
+
+        ids, lps, tops = st.output_ids[start:], st.logprobs[start:], st.top_logprobs[start:]
+        if chat:
+            return {
+                "content": [
+                    {
+                        "token": text(t),
+                        "logprob": lp,
+                        "bytes": list(text(t).encode()),
+                        "top_logprobs": [
+                            {"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
+                            for a, b in (top or [])
+                        ],
+                    }
+                    for t, lp, top in zip(ids, lps, tops)
+                ]
+            }
+        return {
+            "tokens": [text(t) for t in ids],
+            "token_logprobs": lps,
+            "top_logprobs": [{text(a): b for a, b in (top or [])} for top in tops],
+            "text_offset": [],
+        }
+
+    async def _run(
+        self, base: str, jobs: list[tuple[list[int], SamplingParams]], body, disconnected, chat: bool
+    ):
+        model = self.name
+        created = int(time.time())
+        rids = [f"{base}-{i}" for i in range(len(jobs))]
+        if not body.stream:
+            states = await asyncio.gather(
+                *(
+                    self.gen.collect(ids, p, rid, disconnected=disconnected)
+                    for (ids, p), rid in zip(jobs, rids)
+                )
+            )
+            for st in states:
+                err = st.error()
+                if err is not None:
+                    raise err
+            choices = []
+            for i, st in enumerate(states):
+                c: dict[str, Any] = {
+                    "index": i,
+                    "logprobs": self._logprobs(st, chat),
+                    "finish_reason": finish_reason(st),
+                }
+                if chat:
+                    c["message"] = {"role": "assistant", "content": st.visible}
+                else:
+                    c["text"] = st.visible
+                choices.append(c)
+            return {
+                "id": base,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": self._usage(states, jobs),
+            }
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return self._stream(base, jobs, rids, model, created, chat, include_usage)
+
+    def _usage(self, states: list[GenState], jobs) -> dict:
+        p = sum(len(ids) for ids, _ in jobs)
+        c = sum(len(s.output_ids) for s in states)
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
+        }
+
+    async def _stream(self, base, jobs, rids, model, created, chat, include_usage) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids, params, rid):
+            try:
+                async for st in self.gen.stream(ids, params, rid):
+                    await queue.put((i, st, None))
+            except Exception as e:
+                await queue.put((i, None, e))
+            finally:
+                await queue.put((i, None, StopAsyncIteration()))
+
+        def chunk(i: int, delta_text: str | None, fr: str | None, lp=None, role: bool = False) -> dict:
+            c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": fr}
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                c["delta"] = delta
+            else:
+                c["text"] = delta_text or ""
+            return {"id": base, "object": obj, "created": created, "model": model, "choices": [c]}
+
+        tasks = [
+            asyncio.create_task(pump(i, ids, p, rid)) for i, ((ids, p), rid) in enumerate(zip(jobs, rids))
+        ]
+        shown = [0] * len(jobs)
+        tok_shown = [0] * len(jobs)
+        final: list[GenState | None] = [None] * len(jobs)
+        live = len(jobs)
+        try:
+            if chat:
+                for i in range(len(jobs)):
+                    yield sse(chunk(i, "", None, role=True))
+            while live:
+                i, st, err = await queue.get()
+                if isinstance(err, StopAsyncIteration):
+                    live -= 1
+                    continue
+                if err is not None:
+                    status = getattr(err, "status", 500)
+                    yield sse(
+                        {
+                            "error": {
+                                "message": str(err),
+                                "type": getattr(err, "type", "internal_error"),
+                                "param": None,
+                                "code": status,
+                            }
+                        }
+                    )
+                    continue
+                e = st.error()
+                if e is not None and not st.output_ids:
+                    yield sse(e.to_dict())
+                    final[i] = st
+                    continue
+                new_text = st.visible[shown[i] :]
+                shown[i] = len(st.visible)
+                lp = self._logprobs(st, chat, tok_shown[i])
+                tok_shown[i] = len(st.output_ids)
+                if new_text or st.finished or lp:
+                    yield sse(chunk(i, new_text, finish_reason(st), lp))
+                if st.finished:
+                    final[i] = st
+            if include_usage:
+                states = [s for s in final if s is not None]
+                yield sse(
+                    {
+                        "id": base,
+                        "object": obj,
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": self._usage(states, jobs),
+                    }
+                )
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()

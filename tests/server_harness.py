@@ -1,0 +1,87 @@
+"""Start the real server (`python -m kvledger serve`) on loopback for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str | None, *args: str, log_path: str, env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "kvledger", "serve", "--port", str(self.port), *args]
+        if model:
+            cmd += ["--model", model]
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+        self.headers: dict[str, str] = {}
+
+    def wait_healthy(self, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.logs()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy in {timeout}s:\n{self.logs()[-3000:]}")
+
+    def logs(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def info(self) -> dict:
+        r = httpx.get(self.url + "/get_server_info", headers=self.headers, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def wait_idle_clean(self, timeout: float = 10) -> dict:
+        """Every integration test ends here: once idle, no private pages, no protected cache, every
+        slot free, the idle audit clean, and the engine never restarted behind our back."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.info()
+            m = info["memory"]
+            idle = (
+                m["kv_private"] == 0
+                and m["kv_cached_protected"] == 0
+                and m["req_slots_free"] == m["req_slots_total"]
+            )
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert idle, m
+        assert m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] == m["kv_total"], m
+        assert m["leak_check"]["ok"], m
+        return info
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
