@@ -53,6 +53,7 @@ def _paged_prefill_logits(path: str, prompt: list[int], page_size: int) -> torch
         seq_lens=[n],
         logit_index=torch.arange(n),
         req_to_token=table,
+        page_size=page_size,
     )
     return model.forward(batch, kv)
 

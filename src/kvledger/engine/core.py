@@ -17,6 +17,7 @@ from ..memory import KVBuffer
 from ..model import LlamaModel, load_model
 from ..model.loader import LoadedModel
 from ..scheduler import KVManager, Limits, Req, Scheduler, StepOutput, validate_request
+from .malloc import keep_heap_memory
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class EngineCore:
             raise ValidationError("page_size must be >= 1", param="page_size")
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if device == "cpu":
+            keep_heap_memory()
         t0 = time.monotonic()
         loaded = loaded or load_model(cfg.model)
         mc = loaded.config
@@ -96,7 +99,7 @@ class EngineCore:
             strict=cfg.strict_memory,
             holdings=lambda: self.scheduler.holdings(),
         )
-        self.runner = ModelRunner(self.model, self.kv_buffer, self.kv.slots.req_to_token, seed=cfg.seed)
+        self.runner = ModelRunner(self.model, self.kv_buffer, self.kv.slots.req_to_token, ps, seed=cfg.seed)
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -10,7 +10,10 @@ from ..scheduler.request import Req
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVBuffer, req_to_token: torch.Tensor, seed: int = 0):
+    def __init__(
+        self, model: LlamaModel, kv: KVBuffer, req_to_token: torch.Tensor, page_size: int, seed: int = 0
+    ):
+        self.page_size = page_size
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token
@@ -56,6 +59,7 @@ class ModelRunner:
             seq_lens=seq,
             logit_index=torch.tensor(logit_index, dtype=torch.int64),
             req_to_token=self.req_to_token,
+            page_size=self.page_size,
         )
         return batch, sample_at
 

@@ -36,10 +36,12 @@ class AttentionBackend(Protocol):
 class _TorchMeta:
     # decode group: requests that bring exactly one token (batched as two padded matmuls)
     dec_tok: torch.Tensor | None  # [Bd] flat token index of each
-    dec_kv_idx: torch.Tensor | None  # [Bd, Lmax] KV slots (padded with slot 0)
+    dec_kv_idx: torch.Tensor | None  # [Bd, Pmax] KV pages (padded with page 0)
     dec_mask: torch.Tensor | None  # [1, Bd, 1, Lmax] additive mask (0 / -inf)
     # extend group: requests that bring several tokens (one SDPA call each)
     ext: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (tok_start, n, kv_idx [S], bool mask [n,S])
+    dec_k_buf: torch.Tensor | None = None  # gather buffers shared by all layers of one forward
+    dec_v_buf: torch.Tensor | None = None
 
 
 class TorchAttention:
@@ -71,12 +73,17 @@ class TorchAttention:
             start += n
         meta = _TorchMeta(None, None, None, ext)
         if dec_tok:
-            lmax = max(dec_lens)
+            ps = batch.page_size
+            pmax = -(-max(dec_lens) // ps)
+            lmax = pmax * ps
             lens = torch.tensor(dec_lens)
             meta.dec_tok = torch.tensor(dec_tok)
-            meta.dec_kv_idx = batch.req_to_token[dec_rows, :lmax]
+            # Gather whole pages, not tokens: one contiguous page_size*head_dim run per index is several
+            # times faster to copy than single token rows (the gather dominates decode time).
+            pages = batch.req_to_token[dec_rows, :lmax:ps] // ps
+            page_valid = torch.arange(pmax).unsqueeze(0) * ps < lens.unsqueeze(1)
+            meta.dec_kv_idx = torch.where(page_valid, pages, 0)
             valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
-            meta.dec_kv_idx = torch.where(valid, meta.dec_kv_idx, 0)
             mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
         batch.attn_meta = meta
@@ -89,11 +96,19 @@ class TorchAttention:
         out = torch.empty_like(q)
         kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         if meta.dec_tok is not None:
-            bd, lmax = meta.dec_kv_idx.shape
+            bd, pmax = meta.dec_kv_idx.shape
+            ps = batch.page_size
             flat = meta.dec_kv_idx.flatten()
             # One gather per layer; batch dims (KVH, B) stay contiguous, so the matmuls copy nothing.
-            kd = k_cache.index_select(1, flat).view(kvh, bd, lmax, d)
-            vd = v_cache.index_select(1, flat).view(kvh, bd, lmax, d)
+            if meta.dec_k_buf is None:
+                # Reused by every layer of this forward: a fresh multi-MB tensor per layer costs page
+                # faults (glibc hands large blocks back to the OS) that took longer than the copy itself.
+                meta.dec_k_buf = k_cache.new_empty(kvh, bd * pmax, ps, d)
+                meta.dec_v_buf = v_cache.new_empty(kvh, bd * pmax, ps, d)
+            kd = torch.index_select(k_cache.view(kvh, -1, ps, d), 1, flat, out=meta.dec_k_buf)
+            vd = torch.index_select(v_cache.view(kvh, -1, ps, d), 1, flat, out=meta.dec_v_buf)
+            kd = kd.view(kvh, bd, pmax * ps, d)
+            vd = vd.view(kvh, bd, pmax * ps, d)
             qd = q[meta.dec_tok].view(bd, kvh, group, d).transpose(0, 1)  # [KVH, B, G, D]
             scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * self.scale + meta.dec_mask
             probs = torch.softmax(scores, dim=-1).to(vd.dtype)

@@ -27,6 +27,7 @@ class ForwardBatch:
     seq_lens: list[int]
     logit_index: torch.Tensor  # [R] int64, flat positions whose hidden state goes through the LM head
     req_to_token: torch.Tensor  # [slots, max_context] int64, the request-slot table (shared, not copied)
+    page_size: int = 1  # KV slots are grouped in pages of this many tokens (page p = slots p*ps ...)
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
 
     @property
