@@ -34,8 +34,13 @@ def prompts(n: int, length: int, seed: int, vocab: int, prefix: list[int] | None
 def bench_kvledger(args, loaded, results: dict) -> None:
     from kvledger import Engine
 
-    kw = dict(dtype=args.dtype, page_size=16, max_total_tokens=args.kv_tokens, chunked_prefill_size=512,
-              max_running_requests=64)
+    kw = dict(
+        dtype=args.dtype,
+        page_size=16,
+        max_total_tokens=args.kv_tokens,
+        chunked_prefill_size=512,
+        max_running_requests=64,
+    )
     eng = Engine(loaded_model=loaded, **kw)
     vocab = eng.core.limits.vocab_size
     gen = {"max_new_tokens": args.out_len, "temperature": 0, "ignore_eos": True}
@@ -64,7 +69,9 @@ def bench_kvledger(args, loaded, results: dict) -> None:
     shared = prompts(args.requests, 512 + args.in_len, 4, vocab, prefix=sys_prompt)
     for cache in (True, False):
         e2 = Engine(loaded_model=loaded, enable_prefix_cache=cache, **kw)
-        e2.generate(input_ids=sys_prompt + [5], sampling_params={**gen, "max_new_tokens": 1})  # warm the prefix
+        e2.generate(
+            input_ids=[*sys_prompt, 5], sampling_params={**gen, "max_new_tokens": 1}
+        )  # warm the prefix
         t0 = time.perf_counter()
         outs = e2.generate(input_ids=shared, sampling_params=gen)
         dt = time.perf_counter() - t0
@@ -96,8 +103,14 @@ def bench_transformers(args, results: dict) -> None:
         ids = torch.tensor(batch)
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t
 
     gen(prompts(1, 16, 99, vocab), 4)

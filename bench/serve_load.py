@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -18,7 +19,24 @@ import time
 import httpx
 from tqdm.auto import tqdm
 
-WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hex bold jovial kings".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dogs",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "hex",
+    "bold",
+    "jovial",
+    "kings",
+]
 
 
 def prompt_text(rng: random.Random, n_words: int) -> str:
@@ -33,8 +51,15 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def one(client: httpx.AsyncClient, model: str, text: str, out_len: int, bar) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": out_len,
-            "temperature": 0, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": out_len,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, times, usage = None, [], None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -50,10 +75,14 @@ async def one(client: httpx.AsyncClient, model: str, text: str, out_len: int, ba
                 ttft = ttft if ttft is not None else now - t0
                 times.append(now)
     bar.update(1)
-    itl = [b - a for a, b in zip(times, times[1:])]
-    return {"ttft": ttft, "itl": itl, "e2e": time.perf_counter() - t0,
-            "completion_tokens": (usage or {}).get("completion_tokens", len(times)),
-            "prompt_tokens": (usage or {}).get("prompt_tokens", 0)}
+    itl = [b - a for a, b in itertools.pairwise(times)]
+    return {
+        "ttft": ttft,
+        "itl": itl,
+        "e2e": time.perf_counter() - t0,
+        "completion_tokens": (usage or {}).get("completion_tokens", len(times)),
+        "prompt_tokens": (usage or {}).get("prompt_tokens", 0),
+    }
 
 
 async def run(args) -> dict:
@@ -77,12 +106,19 @@ async def run(args) -> dict:
     ttft = [r["ttft"] for r in res if r["ttft"] is not None]
     itl = [x for r in res for x in r["itl"]]
     return {
-        "model": model, "requests": args.requests, "concurrency": args.concurrency, "wall_s": wall,
+        "model": model,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "wall_s": wall,
         "mean_prompt_tokens": statistics.mean(r["prompt_tokens"] for r in res),
-        "output_tok_s": out_tokens / wall, "request_s": len(res) / wall,
-        "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-        "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99),
-        "e2e_p50": pct([r["e2e"] for r in res], 50), "e2e_p99": pct([r["e2e"] for r in res], 99),
+        "output_tok_s": out_tokens / wall,
+        "request_s": len(res) / wall,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+        "e2e_p50": pct([r["e2e"] for r in res], 50),
+        "e2e_p99": pct([r["e2e"] for r in res], 99),
     }
 
 
