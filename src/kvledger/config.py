@@ -36,6 +36,10 @@ class EngineConfig:
     """Raise on any ledger violation (tests, CI). Production mode logs, counts, reclaims, serves on."""
     audit_interval_s: float = 0.0
     """In production mode, least seconds between two idle audits (0: every time the engine goes idle)."""
+    max_sessions: int = 64
+    """Most open streaming sessions; opening another is refused (429)."""
+    session_timeout_s: float | None = 600.0
+    """Idle sessions are closed after this many seconds (a session's own timeout wins)."""
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_top_logprobs: int = 20

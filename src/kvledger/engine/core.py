@@ -17,6 +17,7 @@ from ..memory import KVBuffer
 from ..model import LlamaModel, load_model
 from ..model.loader import LoadedModel
 from ..scheduler import KVManager, Limits, Req, Scheduler, StepOutput, validate_request
+from ..scheduler.sessions import SessionManager
 from .malloc import keep_heap_memory
 from .runner import ModelRunner
 
@@ -104,6 +105,8 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.scheduler = Scheduler(self.cfg, self.runner, self.kv, context, eos, decode=self._decode_raw)
+        self.sessions = SessionManager(self.kv, cfg.max_sessions, cfg.session_timeout_s, ps)
+        self.scheduler.sessions = self.sessions
         self.limits = Limits(
             vocab_size=mc.vocab_size,
             context_length=context,
@@ -151,17 +154,29 @@ class EngineCore:
             raise ValidationError("rid must be a non-empty string of at most 256 characters", param="rid")
         return Req(rid=rid, input_ids=ids, params=params)
 
-    def submit(self, req: Req) -> None:
+    def submit(self, req: Req, session_params: dict | None = None) -> None:
+        """Queue a validated request; with ``session_params`` it becomes a turn of that session."""
         if self.scheduler.has_rid(req.rid):
             raise ConflictError(
                 f"a request with id {req.rid!r} is already running", param="rid", code="duplicate_rid"
             )
+        self.scheduler.check_capacity()
+        if session_params is not None:
+            self.sessions.attach(req, session_params, self.limits.context_length)
         self.scheduler.submit(req)
+
+    # -- sessions ---------------------------------------------------------------------------------------
+    def open_session(self, session_id: str | None = None, timeout: float | None = None) -> str:
+        return self.sessions.open(session_id, timeout)
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.close(session_id)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.scheduler.abort(rid, message)
 
     def step(self) -> list[StepOutput]:
+        self.sessions.expire()
         return self.scheduler.step()
 
     def flush_cache(self) -> bool:
@@ -172,7 +187,9 @@ class EngineCore:
         return True
 
     def memory(self) -> dict:
-        return self.kv.ledger.figures()
+        m = self.kv.ledger.figures()
+        m["num_sessions"] = len(self.sessions.sessions)
+        return m
 
     def audit(self):
         return self.kv.ledger.audit()

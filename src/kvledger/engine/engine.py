@@ -94,10 +94,10 @@ class Engine:
             raise ValidationError("duplicate rid in one call", param="rid")
         return reqs, single
 
-    def _submit(self, reqs: list[Req]) -> None:
+    def _submit(self, reqs: list[Req], session_params: dict | None = None) -> None:
         with self._lock:
             for r in reqs:
-                self.core.submit(r)
+                self.core.submit(r, session_params)
                 self._tracks[r.rid] = _Track(
                     r, TextState(self.core.tokenizer, r.params.skip_special_tokens, r.params.stop)
                 )
@@ -134,15 +134,15 @@ class Engine:
         Each result is ``{"text", "output_ids", "meta_info"}`` as in ``/generate``. With ``stream``
         (single prompt only) an iterator of such results, each holding everything so far.
         """
-        if session_params is not None:
-            raise ValidationError("sessions are not supported yet", param="session_params")
         reqs, single = self._prepare(prompt, sampling_params, input_ids, rid)
+        if session_params is not None and not single:
+            raise ValidationError("a session turn takes a single prompt", param="session_params")
         if stream:
             if not single:
                 raise ValidationError("stream=True takes a single prompt", param="stream")
-            self._submit(reqs)
+            self._submit(reqs, session_params)
             return self._stream(reqs[0].rid)
-        self._submit(reqs)
+        self._submit(reqs, session_params)
         try:
             while any(self._tracks[r.rid].finish is None for r in reqs):
                 self._step()
@@ -177,11 +177,15 @@ class Engine:
             self._tracks.pop(rid, None)
 
     def add_request(
-        self, input_ids: list[int], sampling_params: dict | None = None, rid: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict | None = None,
+        rid: str | None = None,
+        session_params: dict | None = None,
     ) -> str:
         """Queue one request without waiting (drive it with ``step``); returns its rid."""
         reqs, _ = self._prepare(None, sampling_params, input_ids, rid)
-        self._submit(reqs)
+        self._submit(reqs, session_params)
         return reqs[0].rid
 
     def result(self, rid: str, pop: bool = True) -> dict | None:
@@ -220,11 +224,23 @@ class Engine:
         with self._lock:
             return self.core.audit()
 
-    def open_session(self, *args, **kwargs):
-        raise NotImplementedError("streaming sessions are not implemented yet")
+    def open_session(
+        self, session_id: str | None = None, streaming: bool = True, timeout: float | None = None
+    ) -> str:
+        """Open a streaming session (its turns keep their KV for the next turn); returns its id."""
+        if streaming is not True:
+            raise ValidationError("only streaming sessions are supported", param="streaming")
+        with self._lock:
+            return self.core.open_session(session_id, timeout)
 
-    def close_session(self, session_id: str):
-        raise NotImplementedError("streaming sessions are not implemented yet")
+    def close_session(self, session_id: str) -> None:
+        """Close a session; if a turn is running its memory is released when that turn finishes."""
+        with self._lock:
+            self.core.close_session(session_id)
+
+    def sessions(self) -> list[dict]:
+        with self._lock:
+            return self.core.sessions.describe()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -232,6 +248,8 @@ class Engine:
                 self.core.abort(rid, "engine shut down")
             while not self.core.scheduler.idle:
                 self._apply(self.core.step())
+            for sid in list(self.core.sessions.sessions):
+                self.core.close_session(sid)
 
     def __enter__(self) -> Engine:
         return self

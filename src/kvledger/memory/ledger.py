@@ -29,8 +29,9 @@ class Holding:
     owner: str  # e.g. "req abc" or "session s1"
     kind: str  # "request" | "session"
     own_pages: Sequence[int]  # PRIVATE (request) or SESSION (session) pages
-    borrowed_pages: Sequence[int] = ()  # cached pages read under a tree lock
+    borrowed_pages: Sequence[int] = ()  # pages read, owned by someone else
     slot: int | None = None
+    borrowed_from: str | None = None  # None: the radix tree (under a lock); else the owning session
 
 
 @dataclass
@@ -181,15 +182,22 @@ class Ledger:
         slot_owners: dict[int, list[str]] = defaultdict(list)
         for s in self.slots.free_list():
             slot_owners[s].append("free")
-        for h in self.holdings():
-            state = "session" if h.kind == "session" else "private"
+        holdings = list(self.holdings())
+        session_pages: dict[str, set[int]] = {}
+        for h in holdings:
+            label = h.owner if h.kind == "session" else f"private to {h.owner}"
             for p in h.own_pages:
-                owners[p].append(f"{state} to {h.owner}")
-            for p in h.borrowed_pages:
-                if not tree_pages.get(p, False):
-                    report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")
+                owners[p].append(label)
+            if h.kind == "session":
+                session_pages[h.owner] = set(h.own_pages)
             if h.slot is not None:
                 slot_owners[h.slot].append(h.owner)
+        for h in holdings:
+            for p in h.borrowed_pages:
+                if h.borrowed_from is None and not tree_pages.get(p, False):
+                    report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")
+                elif h.borrowed_from is not None and p not in session_pages.get(h.borrowed_from, ()):
+                    report.problems.append(f"{h.owner} reads page {p}, which {h.borrowed_from} does not hold")
         for p in range(self.pages.num_pages):
             o = owners.get(p)
             if not o:

@@ -66,7 +66,7 @@ class Req:
     # --- memory (KVManager) ---
     slot: int | None = None
     pages: list[int] = field(default_factory=list)
-    num_tree_pages: int = 0  # leading pages borrowed from the radix tree (locked)
+    num_tree_pages: int = 0  # leading pages borrowed: from the radix tree (locked) or the turn's session
     prefix_node: object | None = None  # the locked tree node
     kv_len: int = 0  # tokens whose KV is computed and stored
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported)
@@ -79,6 +79,8 @@ class Req:
     first_token_time: float | None = None
     admitted_seq: int = 0  # admission order (retraction picks the newest)
     session_id: str | None = None
+    session: object | None = None  # the Session this request is a turn of (see sessions.py)
+    session_offset: int = 0
     is_health_check: bool = False
 
     def __post_init__(self) -> None:

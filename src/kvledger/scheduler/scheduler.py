@@ -65,19 +65,24 @@ class Scheduler:
         self._outputs: list[StepOutput] = []
         self._admit_counter = itertools.count(1)
         self.release_hooks: list[ReleaseHook] = []
+        self.sessions = None  # SessionManager, set by the engine core
         self.last_stats = StepStats()
         self.total_retractions = 0
         self._last_audit = 0.0
         self._was_busy = False
 
     # -- intake (any thread) ----------------------------------------------------------------------
-    def submit(self, req: Req) -> None:
-        """Queue a validated request. Raises 429 when the waiting queue is full."""
+    def check_capacity(self) -> None:
+        """Raises 429 when the waiting queue is full."""
         if len(self.waiting) + self._pending_adds >= self.cfg.max_queued_requests:
             raise OverloadedError(
                 f"the waiting queue is full ({self.cfg.max_queued_requests} requests); retry later",
                 code="queue_full",
             )
+
+    def submit(self, req: Req) -> None:
+        """Queue a validated request. Raises 429 when the waiting queue is full."""
+        self.check_capacity()
         self._pending_adds += 1
         self._inbox.put(("add", req))
 
@@ -96,6 +101,7 @@ class Scheduler:
                 if req.rid in self.reqs:
                     # The front checks too; this covers a race between two submissions.
                     req.mark_finish(FinishReason("abort", f"duplicate request id {req.rid!r}", status=409))
+                    self.kv.release(req, commit=False)  # holds nothing, but may hold its session's turn
                     self._emit_final(req)
                     continue
                 self.reqs[req.rid] = req
@@ -119,11 +125,16 @@ class Scheduler:
 
     # -- ledger view ----------------------------------------------------------------------------------
     def holdings(self) -> Iterable[Holding]:
+        if self.sessions is not None:
+            yield from self.sessions.holdings()
         for r in self.running:
             yield self.kv.holding(r)
         for r in self.waiting:
             if r.slot is not None:  # never true; listed so an audit would show it
                 yield self.kv.holding(r)
+
+    def requests_of_session(self, sid: str) -> list[Req]:
+        return [r for r in self.reqs.values() if r.session_id == sid]
 
     @property
     def idle(self) -> bool:
@@ -138,8 +149,10 @@ class Scheduler:
                 hook(req)
             except Exception:  # a faulty component must not stop the release
                 log.exception("release hook %r failed for request %s", hook, req.rid)
-        # KV from a failed forward is not trusted for reuse; everything else is valid and cached.
-        self.kv.release(req, commit=reason.status < 500)
+        # KV from a failed forward is not trusted for reuse; everything else is valid and cached. A
+        # session turn writes into its session only when it completed (never on abort).
+        commit = reason.type != "abort" if req.session is not None else reason.status < 500
+        self.kv.release(req, commit=commit)
         if req.state is ReqState.RUNNING:
             self.running.remove(req)
         elif req.state is ReqState.WAITING:
@@ -173,7 +186,9 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Give a running request's memory back and requeue it at the front; its output is kept and
         its KV recomputed (largely from the prefix cache) when it is admitted again."""
-        self.kv.release(req, commit=True)
+        # Normal requests leave their computed KV in the tree (cheap recompute); a session turn only
+        # frees its own pages: its session must not change before the turn completes.
+        self.kv.release(req, commit=req.session is None, final=False)
         self.running.remove(req)
         req.state = ReqState.WAITING
         req.num_retractions += 1
@@ -229,7 +244,7 @@ class Scheduler:
             if self.kv.available_pages() - self.kv.pages_needed(
                 req, n
             ) < reserve_pages or not self.kv.reserve(req, n):
-                self.kv.release(req, commit=False)
+                self.kv.release(req, commit=False, final=False)
                 return out
             self.waiting.popleft()
             req.state = ReqState.RUNNING
@@ -259,6 +274,17 @@ class Scheduler:
                 break
             self._retract(max(live, key=lambda r: r.admitted_seq))
             batch = self._schedule_once()
+        if not batch and not self.running and self.waiting and self.waiting[0].to_finish is None:
+            # Nothing runs and the first waiting request still cannot be admitted: it never will be.
+            head = self.waiting[0]
+            head.mark_finish(
+                FinishReason(
+                    "abort",
+                    f"the KV cache ({self.kv.pages.num_pages * self.kv.page_size} tokens) cannot hold this "
+                    f"request ({head.seq_len} tokens) next to what sessions hold; raise max_total_tokens",
+                    status=503,
+                )
+            )
         return batch
 
     def _schedule_once(self) -> list[tuple[Req, int]]:

@@ -1,0 +1,177 @@
+"""Streaming sessions: one conversation's KV kept between turns.
+
+A session owns pages (ledger state SESSION) holding the KV of ``tokens[:kv_len]``. A turn is a
+request whose prompt is the session's tokens (up to ``offset``) plus the new input; while it runs it
+*borrows* the session's full pages (read-only) and computes the rest into pages of its own. When the
+turn ends with stop or length, its KV becomes the session's (the old partial last page and any tail
+orphaned by a shorter ``offset`` are freed first); when it ends by abort, for any reason, the session
+is left exactly as it was. All of that happens in ``KVManager.release``, the one release path.
+
+Rules: one turn at a time (409); closing while a turn runs defers the release to its finish; turns to a
+closing or closed session get 404; idle sessions expire after their timeout; at most ``max_sessions``
+(429 on open). Session KV never blocks a normal request: when the pool is short, idle sessions' KV is
+dropped, least recently used first (their tokens are kept and recomputed on the next turn).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import ConflictError, NotFoundError, OverloadedError, ValidationError
+from ..memory import Holding
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    timeout_s: float | None
+    tokens: list[int] = field(default_factory=list)  # the conversation so far
+    pages: list[int] = field(default_factory=list)  # SESSION pages: KV of tokens[:kv_len]
+    kv_len: int = 0
+    busy_rid: str | None = None
+    closing: bool = False  # close requested while a turn runs (close_on_finish)
+    closed: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    turns: int = 0
+
+    @property
+    def owner(self) -> str:
+        return f"session {self.id}"
+
+
+class SessionManager:
+    def __init__(self, kv, max_sessions: int, default_timeout_s: float | None, page_size: int):
+        self.kv = kv
+        self.max_sessions = max_sessions
+        self.default_timeout_s = default_timeout_s
+        self.page_size = page_size
+        self.sessions: dict[str, Session] = {}
+        kv.sessions = self  # the KV manager commits turns into sessions and evicts idle sessions' KV
+
+    # -- open / close -------------------------------------------------------------------------------------
+    def open(self, session_id: str | None = None, timeout: float | None = None) -> str:
+        if session_id is not None and (not isinstance(session_id, str) or not 0 < len(session_id) <= 256):
+            raise ValidationError("session_id must be a string of 1 to 256 characters", param="session_id")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise ValidationError("timeout must be a positive number of seconds", param="timeout")
+        sid = session_id or uuid.uuid4().hex
+        if sid in self.sessions:
+            raise ConflictError(f"session {sid!r} already exists", param="session_id", code="session_exists")
+        if len(self.sessions) >= self.max_sessions:
+            raise OverloadedError(
+                f"too many open sessions (at most {self.max_sessions})", code="too_many_sessions"
+            )
+        self.sessions[sid] = Session(sid, timeout if timeout is not None else self.default_timeout_s)
+        return sid
+
+    def close(self, session_id: str) -> None:
+        s = self.sessions.get(session_id)
+        if s is None or s.closing:
+            raise NotFoundError(
+                f"no open session {session_id!r}", param="session_id", code="session_not_found"
+            )
+        if s.busy_rid is not None:
+            s.closing = True  # released by the running turn's finish, through the release path
+            return
+        self.release(s)
+
+    def release(self, s: Session) -> None:
+        """Give back everything a session holds (close, expiry, close_on_finish, shutdown)."""
+        self.kv.free_session_pages(s)
+        s.closed = True
+        self.sessions.pop(s.id, None)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        gone = []
+        for s in list(self.sessions.values()):
+            if s.busy_rid is None and s.timeout_s is not None and now - s.last_used > s.timeout_s:
+                self.release(s)
+                gone.append(s.id)
+        return gone
+
+    # -- turns --------------------------------------------------------------------------------------------
+    def attach(self, req, params: dict, context_length: int) -> None:
+        """Make ``req`` a turn of the session named in ``params`` (its prompt becomes history + input)."""
+        if not isinstance(params, dict):
+            raise ValidationError("session_params must be an object", param="session_params")
+        unknown = set(params) - {"id", "offset", "replace", "rid"}
+        if unknown:
+            raise ValidationError(f"unknown session_params: {sorted(unknown)}", param="session_params")
+        if params.get("replace"):
+            raise ValidationError(
+                "session_params.replace is not supported; use offset to rewind",
+                param="session_params.replace",
+            )
+        if params.get("rid") is not None:
+            raise ValidationError(
+                "session_params.rid (branching) is not supported; use offset to rewind",
+                param="session_params.rid",
+            )
+        sid = params.get("id")
+        s = self.sessions.get(sid) if isinstance(sid, str) else None
+        if s is None or s.closing:
+            raise NotFoundError(
+                f"no open session {sid!r}", param="session_params.id", code="session_not_found"
+            )
+        if s.busy_rid is not None:
+            raise ConflictError(
+                f"session {sid!r} is busy with request {s.busy_rid!r}; one turn at a time",
+                param="session_params.id",
+                code="session_busy",
+            )
+        offset = params.get("offset")
+        if offset is None:
+            offset = len(s.tokens)
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= len(s.tokens):
+            raise ValidationError(
+                f"session_params.offset must be an integer in [0, {len(s.tokens)}]",
+                param="session_params.offset",
+            )
+        prompt = s.tokens[:offset] + req.input_ids
+        if len(prompt) >= context_length:
+            raise ValidationError(
+                f"this turn makes the conversation {len(prompt)} tokens long; the context is {context_length}",
+                param="input_ids",
+                code="context_length_exceeded",
+            )
+        req.input_ids = prompt
+        req.params.max_new_tokens = min(req.params.max_new_tokens, context_length - len(prompt))
+        req.session = s
+        req.session_offset = offset
+        req.session_id = s.id
+        s.busy_rid = req.rid
+        s.last_used = time.monotonic()
+
+    def detach(self, req) -> None:
+        """Undo ``attach`` for a request that was never queued (e.g. the queue was full)."""
+        s = req.session
+        if s is not None and s.busy_rid == req.rid:
+            s.busy_rid = None
+        req.session = None
+
+    # -- ledger ---------------------------------------------------------------------------------------------
+    def holdings(self):
+        for s in self.sessions.values():
+            yield Holding(owner=s.owner, kind="session", own_pages=s.pages)
+
+    def held_tokens(self) -> int:
+        return sum(len(s.pages) for s in self.sessions.values()) * self.page_size
+
+    def describe(self) -> list[dict]:
+        return [
+            {
+                "id": s.id,
+                "tokens": len(s.tokens),
+                "kv_tokens": s.kv_len,
+                "held_tokens": len(s.pages) * self.page_size,
+                "busy_rid": s.busy_rid,
+                "closing": s.closing,
+                "turns": s.turns,
+            }
+            for s in self.sessions.values()
+        ]
