@@ -39,6 +39,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _bool_pair(p, "enable-mixed-chunk", d.enable_mixed_chunk, "prefill chunks and decodes in one forward")
     _bool_pair(p, "enable-prefix-cache", d.enable_prefix_cache, "radix prefix cache")
     p.add_argument("--strict-memory", action="store_true", help="raise on any memory-ledger violation")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="most open streaming sessions")
+    p.add_argument(
+        "--session-timeout-s",
+        type=float,
+        default=d.session_timeout_s,
+        help="idle sessions are closed after this many seconds",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--num-threads", type=int, default=d.num_threads)
 

@@ -162,6 +162,15 @@ class EngineCore:
             )
         self.scheduler.check_capacity()
         if session_params is not None:
+            s = (
+                self.sessions.sessions.get(session_params.get("id"))
+                if isinstance(session_params, dict)
+                else None
+            )
+            if s is not None and s.busy_rid is not None:
+                # The busy turn may be on its way out (a client that disconnected and retried at once):
+                # let pending aborts finish first. Between steps this is a safe point.
+                self.scheduler.settle()
             self.sessions.attach(req, session_params, self.limits.context_length)
         self.scheduler.submit(req)
 

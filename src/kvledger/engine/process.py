@@ -90,22 +90,15 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
                     try:
                         req = core.make_request(msg["input_ids"], msg["sampling"], msg["rid"])
                         req.is_health_check = bool(msg.get("health"))
-                        core.submit(req)
+                        core.submit(req, msg.get("session_params"))
                     except KVLedgerError as e:
                         push.send_json({"type": "outputs", "items": [error_output(msg["rid"], e)]})
                 elif kind == "abort":
                     core.abort(msg["rid"], msg.get("message") or "aborted by the client")
                 elif kind == "call":
-                    op = msg["op"]
-                    if op == "flush_cache":
-                        result = core.flush_cache()
-                    elif op == "memory":
-                        result = core.memory()
-                    elif op == "audit":
-                        result = core.audit().describe()
-                    else:
-                        result = None
-                    push.send_json({"type": "reply", "id": msg["id"], "result": result})
+                    push.send_json(
+                        {"type": "reply", "id": msg["id"], **_call(core, msg["op"], msg.get("args") or {})}
+                    )
                 elif kind == "shutdown":
                     return
         if core.scheduler.idle and not was_busy:
@@ -119,12 +112,36 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
         push.send_json({"type": "outputs", "items": [output_to_dict(o) for o in outs], "stats": _stats(core)})
 
 
+def _call(core, op: str, args: dict) -> dict:
+    """Control operations from the front; errors travel back in the OpenAI shape with their status."""
+    try:
+        if op == "flush_cache":
+            result = core.flush_cache()
+        elif op == "memory":
+            result = core.memory()
+        elif op == "audit":
+            result = core.audit().describe()
+        elif op == "open_session":
+            result = core.open_session(args.get("session_id"), args.get("timeout"))
+        elif op == "close_session":
+            core.close_session(args.get("session_id"))
+            result = True
+        elif op == "sessions":
+            result = core.sessions.describe()
+        else:
+            return {"error": {"message": f"unknown operation {op!r}", "status": 400}}
+    except KVLedgerError as e:
+        return {"error": {**e.to_dict()["error"], "status": e.status}}
+    return {"result": result}
+
+
 def _stats(core) -> dict:
     s = core.scheduler
     return {
         "num_running": len(s.running),
         "num_waiting": len(s.waiting),
         "retractions": s.total_retractions,
+        "num_sessions": len(core.sessions.sessions),
         "memory": core.memory(),
         "time": time.time(),
     }

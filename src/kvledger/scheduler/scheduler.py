@@ -114,6 +114,11 @@ class Scheduler:
                 if r is not None:
                     r.mark_finish(FinishReason("abort", message))
 
+    def settle(self) -> None:
+        """Take in pending submissions and aborts and finish what they marked. Only between steps."""
+        self._drain_inbox()
+        self._finish_marked()
+
     def has_rid(self, rid: str) -> bool:
         return rid in self.reqs
 

@@ -33,7 +33,14 @@ from .engine_client import EngineClient, EngineUnavailable
 from .generation import Generator, GenState
 from .metrics import Metrics
 from .openai_api import OpenAIServing, sse
-from .protocol import ChatRequest, CompletionRequest, GenerateRequest, RidBody
+from .protocol import (
+    ChatRequest,
+    CloseSessionBody,
+    CompletionRequest,
+    GenerateRequest,
+    OpenSessionBody,
+    RidBody,
+)
 
 log = logging.getLogger("kvledger.server")
 
@@ -231,8 +238,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def generate(request: Request):
         _client()
         body = await parse_body(request, GenerateRequest)
-        if body.session_params is not None:
-            raise ValidationError("streaming sessions are not supported yet", param="session_params")
+        sess = body.session_params
+        if sess is not None and (
+            (body.text is not None and not isinstance(body.text, str))
+            or (body.input_ids and isinstance(body.input_ids[0], list))
+        ):
+            raise ValidationError("a session turn takes a single prompt", param="session_params")
         if (body.text is None) == (body.input_ids is None):
             raise ValidationError("give exactly one of text and input_ids", param="text")
         if body.text is not None:
@@ -270,12 +281,14 @@ def create_app(cfg: ServerConfig) -> FastAPI:
                 f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid"
             )
         if not body.stream:
-            st = await state["gen"].collect(ids, params, rid, disconnected=request.is_disconnected)
+            st = await state["gen"].collect(
+                ids, params, rid, disconnected=request.is_disconnected, session_params=sess
+            )
             err = st.error()
             if err is not None:  # an unstreamed answer that failed is an error, partial output or not
                 raise err
             return _native_result(st, body.return_logprob)
-        agen = state["gen"].stream(ids, params, rid)
+        agen = state["gen"].stream(ids, params, rid, session_params=sess)
         first = await agen.__anext__()  # errors before any output become a proper status code
         err = first.error()
         if err is not None and not first.output_ids:
@@ -347,6 +360,21 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             raise ConflictError("requests are running; flush the cache when the server is idle", code="busy")
         return {"success": True}
 
+    @app.post("/open_session")
+    async def open_session(request: Request):
+        client = _client()
+        body = await parse_body(request, OpenSessionBody)
+        if not body.streaming:
+            raise ValidationError("only streaming sessions are supported", param="streaming")
+        return await client.call("open_session", session_id=body.session_id, timeout=body.timeout)
+
+    @app.post("/close_session")
+    async def close_session(request: Request):
+        client = _client()
+        body = await parse_body(request, CloseSessionBody)
+        await client.call("close_session", session_id=body.session_id)
+        return {"success": True}
+
     @app.get("/get_server_info")
     async def server_info():
         client = _client()
@@ -362,6 +390,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             "engine_config": client.engine_config,
             "server_config": server,
             "memory": memory,
+            "sessions": await client.call("sessions"),
             "engine_restarts": client.restarts,
             "engine_pid": client.pid,
         }

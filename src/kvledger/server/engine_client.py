@@ -30,6 +30,14 @@ class EngineUnavailable(KVLedgerError):
     type = "service_unavailable"
 
 
+def remote_error(err: dict) -> KVLedgerError:
+    """An error the engine process reported, with its HTTP status."""
+    e = KVLedgerError(err.get("message") or "engine error", param=err.get("param"), code=err.get("code"))
+    e.status = int(err.get("status", 500))
+    e.type = err.get("type") or "internal_error"
+    return e
+
+
 class EngineClient:
     """Owns the engine process. Each request gets an asyncio.Queue of output dicts from the engine;
     a final item has ``finished`` true. If the engine dies, every open queue gets a 503 final item."""
@@ -117,7 +125,10 @@ class EngineClient:
             elif kind == "reply":
                 fut = self._replies.pop(msg["id"], None)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg["result"])
+                    if "error" in msg:
+                        fut.set_exception(remote_error(msg["error"]))
+                    else:
+                        fut.set_result(msg["result"])
             elif kind == "ready":
                 self.info, self.limits, self.engine_config = msg["info"], msg["limits"], msg["config"]
                 self.ready = True
@@ -200,7 +211,12 @@ class EngineClient:
             )
 
     async def submit(
-        self, rid: str, input_ids: list[int], sampling: dict, health: bool = False
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling: dict,
+        health: bool = False,
+        session_params: dict | None = None,
     ) -> asyncio.Queue:
         self._check_ready()
         if rid in self.streams:
@@ -210,7 +226,14 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
         await self.push.send_json(
-            {"type": "add", "rid": rid, "input_ids": input_ids, "sampling": sampling, "health": health}
+            {
+                "type": "add",
+                "rid": rid,
+                "input_ids": input_ids,
+                "sampling": sampling,
+                "health": health,
+                "session_params": session_params,
+            }
         )
         return q
 
@@ -218,13 +241,13 @@ class EngineClient:
         if self.ready and self.push is not None:
             await self.push.send_json({"type": "abort", "rid": rid, "message": message})
 
-    async def call(self, op: str, timeout: float = 30.0) -> Any:
+    async def call(self, op: str, wait_s: float = 30.0, **args) -> Any:
         self._check_ready()
         i = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[i] = fut
-        await self.push.send_json({"type": "call", "id": i, "op": op})
-        return await asyncio.wait_for(fut, timeout)
+        await self.push.send_json({"type": "call", "id": i, "op": op, "args": args})
+        return await asyncio.wait_for(fut, wait_s)
 
     def alive(self) -> bool:
         return self.ready and self.proc is not None and self.proc.is_alive()

@@ -84,7 +84,12 @@ class Generator:
         t.add_done_callback(self._bg.discard)
 
     async def stream(
-        self, input_ids: list[int], params: SamplingParams, rid: str | None = None, health: bool = False
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        health: bool = False,
+        session_params: dict | None = None,
     ) -> AsyncIterator[GenState]:
         """Yield the request's state after each batch of new tokens; the last one is finished."""
         import dataclasses
@@ -98,7 +103,7 @@ class Generator:
         )
         t0 = time.monotonic()
         last = None
-        q = await self.client.submit(rid, input_ids, dataclasses.asdict(params), health=health)
+        q = await self.client.submit(rid, input_ids, dataclasses.asdict(params), health, session_params)
         try:
             while True:
                 item = await q.get()
@@ -156,13 +161,15 @@ class Generator:
             )
             m.aborted.labels(reason).inc()
 
-    async def collect(self, input_ids, params, rid=None, health=False, disconnected=None) -> GenState:
+    async def collect(
+        self, input_ids, params, rid=None, health=False, disconnected=None, session_params=None
+    ) -> GenState:
         """Run to completion. ``disconnected`` is polled; if it turns true the request is aborted."""
         final: GenState | None = None
 
         async def run() -> GenState:
             last = None
-            async for state in self.stream(input_ids, params, rid, health):
+            async for state in self.stream(input_ids, params, rid, health, session_params):
                 last = state
             return last
 

@@ -56,6 +56,7 @@ class Metrics:
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.retractions.set(stats.get("retractions", 0))
+        self.sessions.set(stats.get("num_sessions", 0))
         m = stats.get("memory")
         if not m:
             return
@@ -69,6 +70,8 @@ class Metrics:
         self.audit_violations.set(m["leak_check"]["violations"])
 
     def engine_died(self) -> None:
+        self.sessions.set(0)
+        self.session_tokens.set(0)
         self.num_running.set(0)
         self.num_waiting.set(0)
         self.engine_restarts.inc()

@@ -73,5 +73,12 @@ class RidBody(_Strict):
     rid: str
 
 
-class SessionBody(_Strict):
+class OpenSessionBody(_Strict):
     session_id: str | None = None
+    streaming: bool = True
+    timeout: float | None = None
+    capacity_of_str_len: int | None = None  # SGLang's field; accepted and ignored
+
+
+class CloseSessionBody(_Strict):
+    session_id: str
