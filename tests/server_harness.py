@@ -73,6 +73,8 @@ class Server:
         assert idle, m
         assert m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] == m["kv_total"], m
         assert m["leak_check"]["ok"], m
+        assert m["kv_session"] == sum(s["held_tokens"] for s in info["sessions"]), info["sessions"]
+        assert all(s["busy_rid"] is None for s in info["sessions"]), info["sessions"]
         return info
 
     def stop(self) -> int:

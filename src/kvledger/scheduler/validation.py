@@ -73,6 +73,8 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
     if unknown:
         raise _bad(sorted(unknown)[0], f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
     p = SamplingParams()
+    if d.get("n") not in (None, 1):
+        raise _bad("n", f"n must be 1 here, got {d['n']!r}; ask /v1/completions for several choices")
     if d.get("max_new_tokens") is not None:
         v = d["max_new_tokens"]
         if not _is_int(v) or v < 0:
