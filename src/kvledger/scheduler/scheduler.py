@@ -211,14 +211,7 @@ class Scheduler:
             while not self.kv.reserve(req, 1):
                 victims = [r for r in self.running if r is not req]
                 if not victims:
-                    req.mark_finish(
-                        FinishReason(
-                            "abort",
-                            f"the KV cache ({self.kv.pages.num_pages * self.kv.page_size} tokens) cannot "
-                            f"hold this request's next token (it has {req.seq_len}); raise max_total_tokens",
-                            status=500,
-                        )
-                    )
+                    self._mark_too_big(req)
                     break
                 victim = max(victims, key=lambda r: r.admitted_seq)
                 scheduled = [(r, n) for r, n in scheduled if r is not victim]
@@ -268,29 +261,26 @@ class Scheduler:
         while not batch and any(r.to_finish is None for r in self.running):
             live = [r for r in self.running if r.to_finish is None]
             if len(live) == 1:
-                live[0].mark_finish(
-                    FinishReason(
-                        "abort",
-                        f"the KV cache ({self.kv.pages.num_pages * self.kv.page_size} tokens) cannot hold "
-                        f"this request ({live[0].seq_len} tokens); raise max_total_tokens",
-                        status=500,
-                    )
-                )
+                self._mark_too_big(live[0])
                 break
             self._retract(max(live, key=lambda r: r.admitted_seq))
             batch = self._schedule_once()
         if not batch and not self.running and self.waiting and self.waiting[0].to_finish is None:
             # Nothing runs and the first waiting request still cannot be admitted: it never will be.
-            head = self.waiting[0]
-            head.mark_finish(
-                FinishReason(
-                    "abort",
-                    f"the KV cache ({self.kv.pages.num_pages * self.kv.page_size} tokens) cannot hold this "
-                    f"request ({head.seq_len} tokens) next to what sessions hold; raise max_total_tokens",
-                    status=503,
-                )
-            )
+            self._mark_too_big(self.waiting[0])
         return batch
+
+    def _mark_too_big(self, req: Req) -> None:
+        """A request that cannot fit even alone (what is left after sessions' busy KV) ends cleanly."""
+        total = self.kv.pages.num_pages * self.kv.page_size
+        req.mark_finish(
+            FinishReason(
+                "abort",
+                f"the KV cache ({total} tokens) cannot hold this request ({req.seq_len} tokens) next to what "
+                f"running session turns hold; raise max_total_tokens",
+                status=503,
+            )
+        )
 
     def _schedule_once(self) -> list[tuple[Req, int]]:
         decodes = [r for r in self.running if r.kv_len == r.seq_len - 1 and r.to_finish is None]
