@@ -78,10 +78,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from .config import ServerConfig
-    from .server.app import create_app
+    from .server.run import serve
 
     cfg = ServerConfig(
         host=args.host,
@@ -91,11 +89,11 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         max_body_bytes=args.max_body_bytes,
         max_n=args.max_n,
+        watchdog_timeout_s=args.watchdog_timeout_s,
+        grace_period_s=args.grace_period_s,
         engine=engine_config(args),
     )
-    uvicorn.run(
-        create_app(cfg), host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=10
-    )
+    serve(cfg)
     return 0
 
 
@@ -120,6 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--log-level", default="info")
     s.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     s.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
+    s.add_argument(
+        "--watchdog-timeout",
+        dest="watchdog_timeout_s",
+        type=float,
+        default=60.0,
+        help="restart the engine if a step makes no progress for this many seconds",
+    )
+    s.add_argument(
+        "--grace-period",
+        dest="grace_period_s",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish on SIGTERM/SIGINT",
+    )
     add_engine_args(s)
     s.set_defaults(func=_serve)
     args = parser.parse_args(argv)

@@ -69,4 +69,8 @@ class ServerConfig:
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16
+    watchdog_timeout_s: float = 60.0
+    """An engine step that makes no progress for this long is killed and the engine restarted."""
+    grace_period_s: float = 10.0
+    """On SIGTERM/SIGINT running requests get this long to finish before they are aborted."""
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -73,6 +73,7 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
         }
     )
     crash_rid = os.environ.get("KVLEDGER_TEST_CRASH_ON_RID")  # test-only fault injection
+    stall_rid = os.environ.get("KVLEDGER_TEST_STALL_RID")
     last_stats = 0.0
     was_busy = False
     while True:
@@ -87,6 +88,8 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
                 if kind == "add":
                     if crash_rid and msg["rid"] == crash_rid:
                         os._exit(17)  # simulate an engine death the front must survive
+                    if stall_rid and msg["rid"] == stall_rid:
+                        time.sleep(3600)  # simulate a hung step: the front's watchdog must notice
                     try:
                         req = core.make_request(msg["input_ids"], msg["sampling"], msg["rid"])
                         req.is_health_check = bool(msg.get("health"))
@@ -100,6 +103,9 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
                         {"type": "reply", "id": msg["id"], **_call(core, msg["op"], msg.get("args") or {})}
                     )
                 elif kind == "shutdown":
+                    for sid in list(core.sessions.sessions):
+                        core.sessions.release(core.sessions.sessions[sid])
+                    log.info("engine shut down")
                     return
         if core.scheduler.idle and not was_busy:
             now = time.monotonic()

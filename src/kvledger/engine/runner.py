@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..memory import KVBuffer
@@ -14,6 +16,8 @@ class ModelRunner:
         self, model: LlamaModel, kv: KVBuffer, req_to_token: torch.Tensor, page_size: int, seed: int = 0
     ):
         self.page_size = page_size
+        # Test-only fault injection: a batch holding one of these rids raises, as a kernel bug would.
+        self.fault_rids = {r for r in os.environ.get("KVLEDGER_TEST_FAULT_RIDS", "").split(",") if r}
         self.model = model
         self.kv = kv
         self.req_to_token = req_to_token
@@ -30,6 +34,8 @@ class ModelRunner:
         rows, prefix, ext, seq = [], [], [], []
         t = 0
         for j, (req, n) in enumerate(work):
+            if req.rid in self.fault_rids:
+                raise RuntimeError(f"injected fault for request {req.rid}")
             a, b = req.kv_len, req.kv_len + n
             lp = len(req.input_ids)
             # Slice prompt and output separately: no full concatenation per decode step.

@@ -339,6 +339,25 @@ class Scheduler:
                 )
             )
 
+    def _run_isolated(self, work: list[tuple[Req, int]]) -> None:
+        """Contain a failed forward: rerun each request alone (the failed forward advanced nothing,
+        and rewriting the same KV slots is harmless). Only the requests that fail alone end, with a
+        500, through the release path; their neighbours go on as if nothing happened."""
+        for item in work:
+            try:
+                sample_at, result = self.runner.run([item])
+            except Exception as e:
+                log.error("request %s failed: %s: %s", item[0].rid, type(e).__name__, e)
+                item[0].mark_finish(
+                    FinishReason(
+                        "abort",
+                        f"engine error while computing this request: {type(e).__name__}: {e}",
+                        status=500,
+                    )
+                )
+            else:
+                self._process([item], sample_at, result)
+
     # -- the loop ---------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One iteration of the engine loop; returns what happened to requests in it."""
@@ -350,12 +369,9 @@ class Scheduler:
             self._was_busy = True
             try:
                 sample_at, result = self.runner.run(work)
-            except Exception as e:
-                log.exception("forward failed for %d requests", len(work))
-                for req, _ in work:
-                    req.mark_finish(
-                        FinishReason("abort", f"engine error: {type(e).__name__}: {e}", status=500)
-                    )
+            except Exception:
+                log.exception("a forward of %d requests failed; running them one by one", len(work))
+                self._run_isolated(work)
             else:
                 self._process(work, sample_at, result)
             self.last_stats.num_tokens = sum(n for _, n in work)

@@ -144,8 +144,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         from ..model.loader import default_model_path, load_tokenizer
 
-        client = EngineClient(cfg.engine, log_level=cfg.log_level)
+        client = EngineClient(cfg.engine, log_level=cfg.log_level, watchdog_timeout_s=cfg.watchdog_timeout_s)
         client.on_stats = metrics.update_engine
+        client.on_stall = metrics.watchdog_stalls.inc
         client.on_death = metrics.engine_died
         # Start the engine (model load) and load the tokenizer here in parallel.
         client._spawn()
@@ -212,6 +213,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
     def _client() -> EngineClient:
+        if state.get("draining"):
+            raise EngineUnavailable("the server is shutting down", code="shutting_down")
         client = state.get("client")
         if client is None or not client.alive():
             raise EngineUnavailable("the engine is not ready; retry shortly", code="engine_not_ready")
@@ -432,6 +435,26 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     async def prom():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    async def drain() -> None:
+        """Graceful shutdown: refuse new work (503), give running requests ``grace_period_s`` to
+        finish, then abort the rest (they end with finish_reason abort and a clear message)."""
+        state["draining"] = True
+        client: EngineClient | None = state.get("client")
+        if client is None:
+            return
+        deadline = time.monotonic() + cfg.grace_period_s
+        while client.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        rids = list(client.streams)
+        if rids:
+            log.warning("grace period over: aborting %d running requests", len(rids))
+        for rid in rids:
+            await client.abort(rid, "the server is shutting down")
+        deadline = time.monotonic() + 5
+        while client.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    app.state.drain = drain
     app.state.kv = state
     app.state.metrics = metrics
     return app

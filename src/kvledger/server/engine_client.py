@@ -42,8 +42,18 @@ class EngineClient:
     """Owns the engine process. Each request gets an asyncio.Queue of output dicts from the engine;
     a final item has ``finished`` true. If the engine dies, every open queue gets a 503 final item."""
 
-    def __init__(self, cfg: EngineConfig, log_level: str = "info", ready_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        log_level: str = "info",
+        ready_timeout_s: float = 600.0,
+        watchdog_timeout_s: float | None = 60.0,
+    ):
         self.cfg = cfg
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.last_msg = time.monotonic()
+        self.watchdog_trips = 0
+        self.on_stall: Callable[[], None] | None = None
         self.log_level = log_level
         self.ready_timeout_s = ready_timeout_s
         self.ipc_dir = tempfile.mkdtemp(prefix="kvledger-")
@@ -110,6 +120,7 @@ class EngineClient:
                 msg = await sock.recv_json()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            self.last_msg = time.monotonic()
             kind = msg.get("type")
             if kind == "outputs":
                 for item in msg["items"]:
@@ -143,6 +154,23 @@ class EngineClient:
         """Notice an engine death within ~0.1 s: fail in-flight requests with 503, start a new engine."""
         while not self._closing:
             await asyncio.sleep(0.1)
+            wd = self.watchdog_timeout_s
+            if (
+                wd
+                and self.ready
+                and self.proc is not None
+                and self.proc.is_alive()
+                and time.monotonic() - self.last_msg > wd
+            ):
+                # The engine sends something every step and a heartbeat every 0.5 s when idle:
+                # silence means a step that does not end. Policy: kill it; the code below restarts it.
+                log.error("watchdog: the engine made no progress for %.1f s; restarting it", wd)
+                self.watchdog_trips += 1
+                self.ready = False
+                if self.on_stall:
+                    self.on_stall()
+                self.proc.kill()
+                self.proc.join(timeout=5)
             if self.proc is not None and not self.proc.is_alive() and not self._closing:
                 code = self.proc.exitcode
                 self.ready = False
@@ -161,6 +189,7 @@ class EngineClient:
                     if s is not None:
                         s.close(linger=0)
                 self.restarts += 1
+                self.last_msg = time.monotonic()
                 self._spawn()
 
     def _fail_all(self, message: str) -> None:

@@ -51,6 +51,9 @@ class Metrics:
             "kvledger_streaming_session_held_tokens", "KV tokens held by sessions", registry=r
         )
         self.engine_restarts = Counter("kvledger_engine_restarts", "Engine process restarts", registry=r)
+        self.watchdog_stalls = Counter(
+            "kvledger_watchdog_stalls", "Engine stalls caught by the watchdog", registry=r
+        )
 
     def update_engine(self, stats: dict) -> None:
         self.num_running.set(stats.get("num_running", 0))
