@@ -164,6 +164,7 @@ def main() -> int:
         )
         server = Server(
             args.model,
+            "--strict-memory",
             "--page-size",
             "16",
             "--max-running-requests",
