@@ -72,7 +72,7 @@ def test_watchdog_catches_a_stall_and_recovers(faulty):
             stuck = asyncio.create_task(c.post("/generate", json={"input_ids": [4, 5], "rid": "stall-1"}))
             t0 = time.monotonic()
             while (await c.get("/health")).status_code == 200:
-                assert time.monotonic() - t0 < 2 + 1.5, "watchdog too slow"
+                assert time.monotonic() - t0 < 2 + 1.0, "watchdog too slow"
                 await asyncio.sleep(0.05)
             r = await stuck
             assert r.status_code == 503
