@@ -138,9 +138,6 @@ class Scheduler:
             if r.slot is not None:  # never true; listed so an audit would show it
                 yield self.kv.holding(r)
 
-    def requests_of_session(self, sid: str) -> list[Req]:
-        return [r for r in self.reqs.values() if r.session_id == sid]
-
     @property
     def idle(self) -> bool:
         return not self.running and not self.waiting and self._inbox.empty()

@@ -284,6 +284,3 @@ class EngineClient:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
-
-    def now(self) -> float:
-        return time.monotonic()
