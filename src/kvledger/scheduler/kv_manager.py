@@ -6,11 +6,15 @@ and every retraction calls it, and so does an admission that cannot complete.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
+from ..errors import MemoryLedgerError
 from ..memory import Holding, Ledger, PagePool, RadixCache, ReqSlotPool
 from .request import Req
+
+log = logging.getLogger(__name__)
 
 
 class KVManager:
@@ -46,12 +50,8 @@ class KVManager:
             self.ledger.violations += len(doubles)
             msg = f"double free of pages {doubles[:20]} by {by}"
             if self.ledger.strict:
-                from ..errors import MemoryLedgerError
-
                 raise MemoryLedgerError(msg)
-            import logging
-
-            logging.getLogger(__name__).error(msg)
+            log.error(msg)
 
     # -- figures used by the scheduler ------------------------------------------------------------
     def available_pages(self) -> int:
