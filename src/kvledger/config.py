@@ -28,8 +28,9 @@ class EngineConfig:
     """Most requests decoding at once; also the number of request slots."""
     max_queued_requests: int = 256
     """Most requests waiting for admission; past it new requests are refused (429)."""
-    enable_mixed_chunk: bool = True
-    """Run a prefill chunk and the running decodes in one forward pass."""
+    enable_mixed_chunk: bool = False
+    """Run a prefill chunk and the running decodes in one forward pass. Off by default: on this CPU
+    it measured ~8% slower with a higher TTFT (bench/mixed_chunk.py, bench/RESULTS.md)."""
     enable_prefix_cache: bool = True
     """Keep finished requests' KV in the radix tree for reuse by later requests."""
     strict_memory: bool = False

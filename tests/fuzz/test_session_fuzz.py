@@ -29,6 +29,7 @@ def test_session_fuzz(tiny_loaded, seed, page_size):
         max_running_requests=4,
         max_sessions=6,
         strict_memory=True,
+        enable_mixed_chunk=seed == 0,
     )
     ref = Engine(
         loaded_model=tiny_loaded,

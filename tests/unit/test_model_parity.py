@@ -72,8 +72,8 @@ def test_prefill_logits_match_transformers(arch_model, page_size):
     "opts",
     [
         dict(page_size=16, chunked_prefill_size=4096),  # (a) all at once
-        dict(page_size=16, chunked_prefill_size=7),  # (b) chunks of 7
-        dict(page_size=16, chunked_prefill_size=64),  # (b) chunks of 64
+        dict(page_size=16, chunked_prefill_size=7, enable_mixed_chunk=True),  # (b) chunks of 7
+        dict(page_size=16, chunked_prefill_size=64, enable_mixed_chunk=True),  # (b) chunks of 64
         dict(page_size=1, chunked_prefill_size=512),  # (c) page size 1
         dict(page_size=16, chunked_prefill_size=64, enable_mixed_chunk=False),
     ],
