@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.server_harness import Server
+from tests.server_harness import Server, books_balance, wait_idle
 
 
 def rss_mb(pid: int) -> float:
@@ -188,23 +188,13 @@ def main() -> int:
     rss_start = {k: rss_mb(p) for k, p in pids.items() if p}
     report = asyncio.run(run(url, args.duration, args.workers, args.seed, vocab))
     # Books: once idle nothing private, nothing protected, every slot free, no audit violation.
-    deadline = time.monotonic() + 30
-    while True:
-        info = httpx.get(url + "/get_server_info").json()
-        m = info["memory"]
-        idle = (
-            m["kv_private"] == 0
-            and m["kv_cached_protected"] == 0
-            and m["req_slots_free"] == m["req_slots_total"]
-        )
-        if idle or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+    info, idle = wait_idle(url, timeout=30)
+    m = info["memory"]
     pids["engine"] = info["engine_pid"]
     report.update(
         {
             "duration_s": args.duration,
-            "idle_clean": idle and m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] == m["kv_total"],
+            "idle_clean": idle and books_balance(info),
             "leaks": m["leak_check"]["violations"],
             "audits": m["leak_check"]["checks"],
             "engine_restarts": info["engine_restarts"],

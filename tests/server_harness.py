@@ -18,6 +18,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_idle(url: str, timeout: float = 10, headers: dict | None = None) -> tuple[dict, bool]:
+    """Poll /get_server_info until the engine holds nothing for requests (or ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(url + "/get_server_info", headers=headers or {}, timeout=10)
+        r.raise_for_status()
+        info = r.json()
+        m = info["memory"]
+        idle = (
+            m["kv_private"] == 0
+            and m["kv_cached_protected"] == 0
+            and m["req_slots_free"] == m["req_slots_total"]
+        )
+        if idle or time.monotonic() > deadline:
+            return info, idle
+        time.sleep(0.05)
+
+
+def books_balance(info: dict) -> bool:
+    """Idle books: every page free, cached or held by a session, and the sessions hold what they say."""
+    m = info["memory"]
+    return m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] == m["kv_total"] and m[
+        "kv_session"
+    ] == sum(s["held_tokens"] for s in info["sessions"])
+
+
 class Server:
     def __init__(self, model: str | None, *args: str, log_path: str, env: dict | None = None):
         self.port = free_port()
@@ -58,22 +84,11 @@ class Server:
     def wait_idle_clean(self, timeout: float = 10) -> dict:
         """Every integration test ends here: once idle, no private pages, no protected cache, every
         slot free, the idle audit clean, and the engine never restarted behind our back."""
-        deadline = time.monotonic() + timeout
-        while True:
-            info = self.info()
-            m = info["memory"]
-            idle = (
-                m["kv_private"] == 0
-                and m["kv_cached_protected"] == 0
-                and m["req_slots_free"] == m["req_slots_total"]
-            )
-            if idle or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        info, idle = wait_idle(self.url, timeout, self.headers)
+        m = info["memory"]
         assert idle, m
-        assert m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] == m["kv_total"], m
+        assert books_balance(info), info
         assert m["leak_check"]["ok"], m
-        assert m["kv_session"] == sum(s["held_tokens"] for s in info["sessions"]), info["sessions"]
         assert all(s["busy_rid"] is None for s in info["sessions"]), info["sessions"]
         return info
 
