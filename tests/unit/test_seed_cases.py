@@ -166,3 +166,22 @@ def test_production_mode_leak_is_reported_reclaimed_and_serving_goes_on(tiny_loa
     out = eng.generate(input_ids=list(range(3, 30)), sampling_params={**GREEDY, "max_new_tokens": 5})
     assert len(out["output_ids"]) == 5
     assert eng.audit().ok
+
+
+def test_duplicate_rid_race_goes_through_the_release_path(make_engine):
+    """Two submissions with one rid that both reach the inbox: the second ends (409) through
+    `_finish` — its hooks run — and the first is untouched."""
+    eng = make_engine()
+    seen = []
+    eng.core.scheduler.release_hooks.append(lambda r: seen.append((r.rid, r.to_finish.status)))
+    first = eng.core.make_request([3, 4, 5], {**GREEDY, "max_new_tokens": 6}, "same")
+    second = eng.core.make_request([6, 7], {**GREEDY, "max_new_tokens": 6}, "same")
+    eng.core.scheduler.submit(first)
+    eng.core.scheduler.submit(second)  # bypasses the front's check, as a race would
+    outs = eng.core.step()
+    assert ("same", 409) in seen
+    assert any(o.finished and o.finish_reason.status == 409 for o in outs)
+    assert eng.core.scheduler.reqs.get("same") is first
+    while eng.core.scheduler.reqs:
+        eng.core.step()
+    assert len(first.output_ids) == 6

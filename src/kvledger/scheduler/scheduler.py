@@ -101,8 +101,7 @@ class Scheduler:
                 if req.rid in self.reqs:
                     # The front checks too; this covers a race between two submissions.
                     req.mark_finish(FinishReason("abort", f"duplicate request id {req.rid!r}", status=409))
-                    self.kv.release(req, commit=False)  # holds nothing, but may hold its session's turn
-                    self._emit_final(req)
+                    self._finish(req)  # never queued, but it may hold its session's turn
                     continue
                 self.reqs[req.rid] = req
                 self.waiting.append(req)
@@ -157,10 +156,11 @@ class Scheduler:
         self.kv.release(req, commit=commit)
         if req.state is ReqState.RUNNING:
             self.running.remove(req)
-        elif req.state is ReqState.WAITING:
+        elif req in self.waiting:
             self.waiting.remove(req)
         req.state = ReqState.FINISHED
-        self.reqs.pop(req.rid, None)
+        if self.reqs.get(req.rid) is req:  # a duplicate must not unregister the original
+            del self.reqs[req.rid]
         self._emit_final(req)
 
     def _emit_final(self, req: Req) -> None:
