@@ -103,8 +103,12 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
                         {"type": "reply", "id": msg["id"], **_call(core, msg["op"], msg.get("args") or {})}
                     )
                 elif kind == "shutdown":
+                    # Everything still running ends through the release path, then sessions close.
+                    for rid in list(core.scheduler.reqs):
+                        core.abort(rid, "the engine is shutting down")
+                    core.scheduler.settle()
                     for sid in list(core.sessions.sessions):
-                        core.sessions.release(core.sessions.sessions[sid])
+                        core.close_session(sid)
                     log.info("engine shut down")
                     return
         if core.scheduler.idle and not was_busy:
@@ -115,7 +119,14 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
             continue
         outs = core.step()
         was_busy = not core.scheduler.idle
-        push.send_json({"type": "outputs", "items": [output_to_dict(o) for o in outs], "stats": _stats(core)})
+        msg: dict = {"type": "outputs", "items": [output_to_dict(o) for o in outs]}
+        now = time.monotonic()
+        # The ledger figures walk every live request: a few times a second is enough for gauges,
+        # and always once when the engine goes idle (gauges drop to 0 after a mass abort).
+        if not was_busy or now - last_stats > STATS_INTERVAL_S / 5:
+            last_stats = now
+            msg["stats"] = _stats(core)
+        push.send_json(msg)
 
 
 def _call(core, op: str, args: dict) -> dict:
