@@ -30,6 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
+    p.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=["int8"],
+        help="weight-only int8 copies for small batches (faster single-stream decode; needs bfloat16)",
+    )
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
@@ -108,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--log-level", default="warning")
     add_engine_args(g)
     g.set_defaults(func=_generate)
+    b = sub.add_parser("bench", help="benchmark any OpenAI-compatible server (JSON report, PNG plot)")
+    from .bench import add_bench_args, cli_main
+
+    add_bench_args(b)
+    b.set_defaults(func=cli_main)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible and SGLang-compatible HTTP API")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=30000)

@@ -16,6 +16,10 @@ class EngineConfig:
     """Path to a GGUF file or a Hugging Face model directory; None = the default SmolLM2 model."""
     dtype: str = "auto"
     """auto | float32 | bfloat16. auto picks the faster one on this machine."""
+    quantization: str | None = None
+    """None | int8. int8 adds weight-only int8 copies of the linear layers, used for forwards of a few
+    rows (single-stream decode is weight-bandwidth bound); needs bfloat16. Output within the
+    tolerance in docs/architecture.md, not token-exact."""
     page_size: int = 1
     """Tokens per KV page (1 and 16 are both tested)."""
     max_total_tokens: int | None = None

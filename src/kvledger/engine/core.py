@@ -15,6 +15,7 @@ from ..config import EngineConfig
 from ..errors import ConflictError, ValidationError
 from ..memory import KVBuffer
 from ..model import LlamaModel, load_model
+from ..model.linear import QUANTIZATIONS
 from ..model.loader import LoadedModel
 from ..scheduler import KVManager, Limits, Req, Scheduler, StepOutput, validate_request
 from ..scheduler.sessions import SessionManager
@@ -63,6 +64,8 @@ class EngineInfo:
     vocab_size: int
     page_size: int
     max_total_tokens: int
+    kv_bytes_per_token: int = 0
+    weight_bytes: int = 0
 
 
 class EngineCore:
@@ -79,7 +82,15 @@ class EngineCore:
         loaded = loaded or load_model(cfg.model)
         mc = loaded.config
         self.dtype = resolve_dtype(cfg.dtype, device)
-        self.model = LlamaModel(mc, dict(loaded.weights), dtype=self.dtype, device=device)
+        if cfg.quantization not in QUANTIZATIONS:
+            raise ValidationError(
+                f"quantization must be int8 or unset, got {cfg.quantization!r}", param="quantization"
+            )
+        if cfg.quantization == "int8" and self.dtype != torch.bfloat16:
+            raise ValidationError("int8 weights need dtype bfloat16", param="quantization")
+        self.model = LlamaModel(
+            mc, dict(loaded.weights), dtype=self.dtype, device=device, quantization=cfg.quantization
+        )
         self.tokenizer = loaded.tokenizer
         ps = cfg.page_size
         per_token = KVBuffer.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -117,11 +128,13 @@ class EngineCore:
         self.info = EngineInfo(
             model_name=mc.name,
             model_path=loaded.path,
-            dtype=str(self.dtype).replace("torch.", ""),
+            dtype=str(self.dtype).replace("torch.", "") + ("+int8" if cfg.quantization else ""),
             context_length=context,
             vocab_size=mc.vocab_size,
             page_size=ps,
             max_total_tokens=total,
+            kv_bytes_per_token=per_token,
+            weight_bytes=self.model.weight_bytes(),
         )
         log.info(
             "engine ready in %.1fs: %s (%s, %s), KV %d tokens in pages of %d (%.0f MiB), context %d",

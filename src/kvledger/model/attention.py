@@ -40,6 +40,7 @@ class _TorchMeta:
     dec_mask: torch.Tensor | None  # [1, Bd, 1, Lmax] additive mask (0 / -inf)
     # extend group: requests that bring several tokens (one SDPA call each)
     ext: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # (tok_start, n, kv_idx [S], bool mask [n,S])
+    dec_len0: int = 0  # sequence length of the first decode (used when there is only one)
     dec_k_buf: torch.Tensor | None = None  # gather buffers shared by all layers of one forward
     dec_v_buf: torch.Tensor | None = None
 
@@ -78,6 +79,7 @@ class TorchAttention:
             lmax = pmax * ps
             lens = torch.tensor(dec_lens)
             meta.dec_tok = torch.tensor(dec_tok)
+            meta.dec_len0 = dec_lens[0]
             # Gather whole pages, not tokens: one contiguous page_size*head_dim run per index is several
             # times faster to copy than single token rows (the gather dominates decode time).
             pages = batch.req_to_token[dec_rows, :lmax:ps] // ps
@@ -109,11 +111,25 @@ class TorchAttention:
             vd = torch.index_select(v_cache.view(kvh, -1, ps, d), 1, flat, out=meta.dec_v_buf)
             kd = kd.view(kvh, bd, pmax * ps, d)
             vd = vd.view(kvh, bd, pmax * ps, d)
-            qd = q[meta.dec_tok].view(bd, kvh, group, d).transpose(0, 1)  # [KVH, B, G, D]
-            scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * self.scale + meta.dec_mask
-            probs = torch.softmax(scores, dim=-1).to(vd.dtype)
-            o = torch.matmul(probs, vd)  # [KVH, B, G, D]
-            out[meta.dec_tok] = o.permute(1, 0, 2, 3).reshape(bd, self.num_heads, d)
+            if bd == 1:
+                # One sequence: no padding, so SDPA needs no mask, and for one query row it is ~3x
+                # faster than the two matmuls in bf16 (which win from a handful of rows up).
+                n = meta.dec_len0
+                qd = q[meta.dec_tok].view(1, self.num_heads, 1, d)
+                o = F.scaled_dot_product_attention(
+                    qd,
+                    kd[:, :, :n].transpose(0, 1),
+                    vd[:, :, :n].transpose(0, 1),
+                    scale=self.scale,
+                    enable_gqa=True,
+                )
+                out[meta.dec_tok] = o.view(1, self.num_heads, d)
+            else:
+                qd = q[meta.dec_tok].view(bd, kvh, group, d).transpose(0, 1)  # [KVH, B, G, D]
+                scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * self.scale + meta.dec_mask
+                probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+                o = torch.matmul(probs, vd)  # [KVH, B, G, D]
+                out[meta.dec_tok] = o.permute(1, 0, 2, 3).reshape(bd, self.num_heads, d)
         for start, n, kv_idx, mask in meta.ext:
             qe = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             ke = k_cache.index_select(1, kv_idx).unsqueeze(0)  # [1, KVH, S, D]

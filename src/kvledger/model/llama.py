@@ -15,6 +15,7 @@ from ..errors import ModelLoadError
 from .attention import AttentionBackend, KVBuffer, make_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
+from .linear import Linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -48,7 +49,7 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _Layer:
-    __slots__ = ("down", "gate_up", "in_norm", "k_norm", "o", "post_norm", "q_norm", "qkv", "qkv_b")
+    __slots__ = ("down", "gate_up", "in_norm", "k_norm", "o", "post_norm", "q_norm", "qkv")
 
 
 class LlamaModel:
@@ -61,6 +62,7 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         attention: str = "torch",
+        quantization: str | None = None,
     ):
         self.cfg = cfg
         self.dtype = dtype
@@ -76,25 +78,31 @@ class LlamaModel:
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype).contiguous()
 
+        self.quantization = quantization
+
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
+            return Linear(cast(w), None if b is None else cast(b), quantization)
+
         self.embed = cast(take("model.embed_tokens.weight"))
         lm_head = weights.pop("lm_head.weight", None)
-        self.lm_head = self.embed if (lm_head is None or cfg.tie_word_embeddings) else cast(lm_head)
+        tied = lm_head is None or cfg.tie_word_embeddings
+        self.lm_head = Linear(self.embed, None, quantization) if tied else lin(lm_head)
         self.norm = cast(take("model.norm.weight"))
         self.layers: list[_Layer] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             layer = _Layer()
             q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
-            layer.qkv = cast(torch.cat([q, k, v]))
-            layer.qkv_b = None
+            qkv_b = None
             if cfg.attention_bias:
-                layer.qkv_b = cast(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-            layer.o = cast(take(p + "self_attn.o_proj.weight"))
+                qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            layer.qkv = lin(torch.cat([q, k, v]), qkv_b)
+            layer.o = lin(take(p + "self_attn.o_proj.weight"))
             layer.q_norm = cast(take(p + "self_attn.q_norm.weight")) if cfg.qk_norm else None
             layer.k_norm = cast(take(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            layer.gate_up = cast(torch.cat([gate, up]))
-            layer.down = cast(take(p + "mlp.down_proj.weight"))
+            layer.gate_up = lin(torch.cat([gate, up]))
+            layer.down = lin(take(p + "mlp.down_proj.weight"))
             layer.in_norm = cast(take(p + "input_layernorm.weight"))
             layer.post_norm = cast(take(p + "post_attention_layernorm.weight"))
             self.layers.append(layer)
@@ -105,6 +113,22 @@ class LlamaModel:
         self.sin = freqs.sin().to(self.device, dtype)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights held (int8 copies included; a tied LM head counted once)."""
+        n = self.embed.numel() * self.embed.element_size() + self.norm.numel() * self.norm.element_size()
+        lm = self.lm_head.nbytes - (
+            self.embed.numel() * self.embed.element_size() if self.lm_head.w is self.embed else 0
+        )
+        n += lm
+        for L in self.layers:
+            n += sum(x.nbytes for x in (L.qkv, L.o, L.gate_up, L.down))
+            n += sum(
+                t.numel() * t.element_size()
+                for t in (L.in_norm, L.post_norm, L.q_norm, L.k_norm)
+                if t is not None
+            )
+        return n
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
@@ -123,7 +147,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         for i, L in enumerate(self.layers):
             x = _rms_norm(h, L.in_norm, eps)
-            qkv = F.linear(x, L.qkv, L.qkv_b)
+            qkv = L.qkv(x)
             q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -133,10 +157,10 @@ class LlamaModel:
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             o = self.attn.forward(i, q, k, v, kv, batch)
-            h = h + F.linear(o, L.o)
+            h = h + L.o(o)
             x = _rms_norm(h, L.post_norm, eps)
-            gu = F.linear(x, L.gate_up)
+            gu = L.gate_up(x)
             g, u = gu.chunk(2, dim=-1)
-            h = h + F.linear(F.silu(g) * u, L.down)
+            h = h + L.down(F.silu(g) * u)
         h = _rms_norm(h[batch.logit_index], self.norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -1,0 +1,347 @@
+"""Start each system on the same model and workload in turn, in one run, and write the table and plot.
+
+    python bench/compare.py [--model M.gguf] [--concurrency 1,8,32] [--llama-server PATH] \\
+        [--systems kvledger,kvledger-int8,transformers,transformers-serve,llama-server]
+
+Systems:
+- kvledger (bf16) and kvledger-int8 (bf16 + weight-only int8 for small batches): ``kvledger serve``.
+- transformers: bench/hf_server.py, a minimal OpenAI wrapper around padded static ``generate``.
+- transformers-serve: ``transformers serve`` on the same GGUF, when it starts (otherwise the reason
+  is recorded and the run goes on).
+- llama-server: llama.cpp's ``llama-server -np 32`` on the same GGUF, only with ``--llama-server PATH``.
+
+Workloads: random 128/128 (``--input-len/--output-len``) at each concurrency level, and the
+shared-prefix workload (kvledger with the prefix cache on and off). Writes ``OUT/compare.json``,
+``OUT/compare.md`` and ``OUT/compare.png``; every peer's version is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvledger.bench import add_bench_args, load_bench_tokenizer, run_bench
+from kvledger.bench.report import plot, table
+from kvledger.model.loader import default_model_path
+
+log = logging.getLogger("compare")
+HERE = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pkg_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants (the kvledger engine is a child)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+@dataclass
+class System:
+    label: str
+    cmd: list[str]
+    version: str
+    env: dict = field(default_factory=dict)
+    startup_s: float = 300.0
+
+
+@dataclass
+class Running:
+    system: System
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+
+def start(system: System, port: int, out: Path) -> Running | str:
+    """Start ``system`` and wait for /health; returns the running server or why it did not start."""
+    log_path = out / f"{system.label}.log"
+    logf = open(log_path, "w")  # noqa: SIM115 - the child keeps writing to it
+    cmd = [c.replace("{port}", str(port)) for c in system.cmd]
+    log.info("starting %s: %s", system.label, " ".join(cmd))
+    proc = subprocess.Popen(
+        cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **system.env}, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + system.startup_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log_path.read_text()[-600:].strip().splitlines()
+            return f"exited with {proc.returncode}: {tail[-1] if tail else ''}"
+        try:
+            # Some servers answer /health before the model is ready: wait for /v1/models too.
+            healthy = httpx.get(url + "/health", timeout=2).status_code == 200
+            if healthy and httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return Running(system, proc, url, log_path)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop(Running(system, proc, url, log_path))
+    return f"not healthy after {system.startup_s:.0f} s"
+
+
+def stop(r: Running) -> None:
+    try:
+        os.killpg(r.proc.pid, signal.SIGTERM)
+        r.proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(r.proc.pid, signal.SIGKILL)
+        r.proc.wait()
+
+
+def systems(args) -> dict[str, System]:
+    py = sys.executable
+    model = args.model
+    kv = [py, "-m", "kvledger", "serve", "--model", model, "--port", "{port}", "--dtype", args.dtype]
+    kv += ["--page-size", "16", "--log-level", "warning", *args.kvledger_args.split()]
+    kv_version = f"kvledger {pkg_version('kvledger')} (torch {pkg_version('torch')})"
+    out = {
+        "kvledger": System("kvledger", kv, kv_version),
+        "kvledger-int8": System("kvledger-int8", [*kv, "--quantization", "int8"], kv_version + " int8"),
+        "kvledger-nocache": System("kvledger-nocache", [*kv, "--disable-prefix-cache"], kv_version),
+        "transformers": System(
+            "transformers",
+            [py, str(HERE / "hf_server.py"), "--model", model, "--port", "{port}", "--dtype", args.dtype],
+            f"transformers {pkg_version('transformers')} padded static generate (bench/hf_server.py)",
+        ),
+    }
+    tf = shutil.which("transformers")
+    if tf and model.endswith(".gguf"):
+        force = f"{os.path.dirname(model)}:{os.path.basename(model)}"
+        out["transformers-serve"] = System(
+            "transformers-serve",
+            [
+                tf,
+                "serve",
+                force,
+                "--port",
+                "{port}",
+                "--host",
+                "127.0.0.1",
+                "--device",
+                "cpu",
+                "--dtype",
+                args.dtype,
+            ],
+            f"transformers serve {pkg_version('transformers')}",
+            env={"HF_HUB_OFFLINE": "1"},
+            startup_s=180,
+        )
+    if args.llama_server and os.path.exists(args.llama_server):
+        v = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=30)
+        version = (v.stdout + v.stderr).strip().splitlines()
+        out["llama-server"] = System(
+            "llama-server",
+            [
+                args.llama_server,
+                "-m",
+                model,
+                "--port",
+                "{port}",
+                "--host",
+                "127.0.0.1",
+                "-np",
+                "32",
+                "-c",
+                "16384",
+            ],
+            "llama.cpp " + " ".join(version[:2]),
+        )
+    return out
+
+
+def bench_args(args, base_url: str, label: str, **over) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    ns = p.parse_args([])
+    ns.base_url, ns.label = base_url, label
+    ns.input_len, ns.output_len = args.input_len, args.output_len
+    ns.num_prompts = args.num_prompts
+    ns.concurrency = args.concurrency
+    ns.progress = not args.no_progress
+    ns.timeout = args.timeout
+    for k, v in over.items():
+        setattr(ns, k, v)
+    return ns
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct GGUF)")
+    p.add_argument(
+        "--systems",
+        default="kvledger,kvledger-int8,transformers,transformers-serve,llama-server",
+        help="comma-separated; absent peers are skipped with the reason recorded",
+    )
+    p.add_argument("--llama-server", default=None, help="path to a llama-server binary (skipped when absent)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--num-prompts", type=int, default=4, help="requests per level (at least the level)")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--shared-prefix-len", type=int, default=512, help="0 skips the shared-prefix workload")
+    p.add_argument("--shared-questions", type=int, default=16)
+    p.add_argument("--shared-concurrency", type=int, default=4)
+    p.add_argument("--kvledger-args", default="", help="extra flags for kvledger serve")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--out", default=str(HERE / "out"))
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args.model = args.model or default_model_path()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = load_bench_tokenizer(args.model)
+    known = systems(args)
+    wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
+    report: dict = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "machine": {
+            "platform": platform.platform(),
+            "cpu": _cpu_name(),
+            "cores": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join(sys.argv),
+        "systems": {},
+        "skipped": {},
+    }
+    random_runs: dict[str, list[dict]] = {}
+    shared_runs: dict[str, list[dict]] = {}
+    order = [*wanted]
+    if args.shared_prefix_len and "kvledger" in wanted:
+        order.insert(order.index("kvledger") + 1, "kvledger-nocache")
+    for name in order:
+        if name not in known:
+            why = "no --llama-server binary given" if name == "llama-server" else "not available here"
+            report["skipped"][name] = why
+            log.info("skipping %s: %s", name, why)
+            continue
+        system = known[name]
+        r = start(system, free_port(), out)
+        if isinstance(r, str):
+            report["skipped"][name] = r
+            log.warning("skipping %s: %s", name, r)
+            continue
+        entry: dict = {"version": system.version, "command": " ".join(system.cmd)}
+        try:
+            if name != "kvledger-nocache":
+                rep = run_bench(bench_args(args, r.url, name), tok)
+                random_runs[name] = rep["runs"]
+                entry["random"] = rep
+            if args.shared_prefix_len and name in ("kvledger", "kvledger-nocache"):
+                rep = run_bench(
+                    bench_args(
+                        args,
+                        r.url,
+                        name,
+                        workload="shared-prefix",
+                        prefix_len=args.shared_prefix_len,
+                        question_len=32,
+                        output_len=16,
+                        num_prompts=args.shared_questions,
+                        concurrency=str(args.shared_concurrency),
+                    ),
+                    tok,
+                )
+                shared_runs[name] = rep["runs"]
+                entry["shared_prefix"] = rep
+            entry["rss_mb"] = tree_rss_mb(r.proc.pid)
+            if name.startswith("kvledger"):
+                info = httpx.get(r.url + "/get_server_info", timeout=30).json()
+                entry["kv_capacity_tokens"] = info["engine"]["max_total_tokens"]
+                entry["kv_bytes_per_token"] = info["engine"]["kv_bytes_per_token"]
+                entry["weight_mb"] = info["engine"]["weight_bytes"] / 2**20
+        except Exception as e:  # one system failing must not lose the others' figures
+            log.exception("%s failed", name)
+            entry["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            stop(r)
+        report["systems"][name] = entry
+    (out / "compare.json").write_text(json.dumps(report, indent=2, default=str))
+    md = [
+        f"# Comparison ({report['started']})",
+        "",
+        f"Model `{args.model}`, {args.dtype}; {report['machine']}",
+        "",
+    ]
+    md += ["## Random workload", "", table(random_runs), ""]
+    if shared_runs:
+        md += ["## Shared-prefix workload", "", table(shared_runs), ""]
+    md += ["## Versions", ""] + [f"- {k}: {v['version']}" for k, v in report["systems"].items()]
+    md += [f"- {k}: skipped ({v})" for k, v in report["skipped"].items()]
+    (out / "compare.md").write_text("\n".join(md) + "\n")
+    if random_runs:
+        plot(
+            random_runs,
+            str(out / "compare.png"),
+            title=f"{args.input_len} in / {args.output_len} out, {args.dtype}",
+        )
+    print("\n".join(md))
+    failed = any(
+        "error" in e or any(run["failed"] for run in e.get("random", {}).get("runs", []))
+        for e in report["systems"].values()
+    )
+    return 1 if failed else 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
