@@ -88,6 +88,7 @@ class System:
     version: str
     env: dict = field(default_factory=dict)
     startup_s: float = 300.0
+    model: str = ""
 
 
 @dataclass
@@ -103,6 +104,8 @@ def start(system: System, port: int, out: Path) -> Running | str:
     log_path = out / f"{system.label}.log"
     logf = open(log_path, "w")  # noqa: SIM115 - the child keeps writing to it
     cmd = [c.replace("{port}", str(port)) for c in system.cmd]
+    if "{hf_dir}" in cmd:
+        cmd = [c.replace("{hf_dir}", hf_dir(system.model, out)) for c in cmd]
     log.info("starting %s: %s", system.label, " ".join(cmd))
     proc = subprocess.Popen(
         cmd, stdout=logf, stderr=subprocess.STDOUT, env={**os.environ, **system.env}, start_new_session=True
@@ -152,26 +155,20 @@ def systems(args) -> dict[str, System]:
         ),
     }
     tf = shutil.which("transformers")
-    if tf and model.endswith(".gguf"):
-        force = f"{os.path.dirname(model)}:{os.path.basename(model)}"
-        out["transformers-serve"] = System(
-            "transformers-serve",
-            [
-                tf,
-                "serve",
-                force,
-                "--port",
-                "{port}",
-                "--host",
-                "127.0.0.1",
-                "--device",
-                "cpu",
-                "--dtype",
-                args.dtype,
-            ],
-            f"transformers serve {pkg_version('transformers')}",
-            env={"HF_HUB_OFFLINE": "1"},
-            startup_s=180,
+    if tf:
+        # `transformers serve` cannot start from a GGUF (its config has no architectures); it is
+        # given the same weights converted to a transformers directory (see hf_dir).
+        serve = [tf, "serve", "{hf_dir}", "--port", "{port}", "--host", "127.0.0.1", "--device", "cpu"]
+        serve += ["--dtype", args.dtype]
+        version = f"transformers serve {pkg_version('transformers')}"
+        env = {"HF_HUB_OFFLINE": "1"}
+        out["transformers-serve"] = System("transformers-serve", serve, version, env, startup_s=180)
+        out["transformers-serve-cb"] = System(
+            "transformers-serve-cb",
+            [*serve, "--continuous-batching"],
+            version + " --continuous-batching",
+            env,
+            180,
         )
     if args.llama_server and os.path.exists(args.llama_server):
         v = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=30)
@@ -193,7 +190,31 @@ def systems(args) -> dict[str, System]:
             ],
             "llama.cpp " + " ".join(version[:2]),
         )
+    for system in out.values():
+        system.model = model
     return out
+
+
+def hf_dir(model: str, out: Path) -> str:
+    """The model as a transformers directory: a GGUF is dequantized and saved once (fp32) under ``out``."""
+    if not model.endswith(".gguf"):
+        return model
+    target = out / "hf_model"
+    if (target / "config.json").exists():
+        return str(target)
+    import torch
+    import transformers
+
+    d, f = os.path.dirname(model) or ".", os.path.basename(model)
+    m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained while its quantizer is attached (PERF-NOTES).
+    m.hf_quantizer = None
+    if hasattr(m.config, "quantization_config"):
+        del m.config.quantization_config
+    m.config.architectures = [type(m).__name__]
+    m.save_pretrained(target)
+    transformers.AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(target)
+    return str(target)
 
 
 def bench_args(args, base_url: str, label: str, **over) -> argparse.Namespace:
@@ -216,7 +237,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument(
         "--systems",
-        default="kvledger,kvledger-int8,transformers,transformers-serve,llama-server",
+        default="kvledger,kvledger-int8,transformers,transformers-serve,transformers-serve-cb,llama-server",
         help="comma-separated; absent peers are skipped with the reason recorded",
     )
     p.add_argument("--llama-server", default=None, help="path to a llama-server binary (skipped when absent)")
@@ -234,6 +255,7 @@ def main() -> int:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     args.model = args.model or default_model_path()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from tests.helpers import build_tiny_model, hf_model
+from tests.helpers import build_tiny_chat_model, build_tiny_model, hf_model
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,19 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny_qwen3")), "qwen3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> str:
+    """A tiny random Llama with a real tokenizer and chat template (the integration server's model)."""
+    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny_chat")))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_tokenizer(chat_model):
+    from kvledger.model.loader import load_tokenizer
+
+    return load_tokenizer(chat_model)
 
 
 @pytest.fixture(scope="session")

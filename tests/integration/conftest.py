@@ -5,7 +5,6 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.helpers import build_tiny_chat_model
 from tests.server_harness import Server
 
 ENGINE_ARGS = [
@@ -31,11 +30,6 @@ ENGINE_ARGS = [
     "--log-level",
     "warning",
 ]
-
-
-@pytest.fixture(scope="session")
-def chat_model(tmp_path_factory) -> str:
-    return build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny_chat")))
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,9 @@ def test_int8_engine_close_to_fp32(tiny_llama):
     """Short prompts (<= 4 tokens) run every linear layer on the int8 copy; the chosen token's
     logprob stays within the same bound as plain bf16 (test_bf16_close_to_fp32)."""
     eng32 = Engine(tiny_llama, dtype="float32", max_total_tokens=1024)
-    eng8 = Engine(tiny_llama, dtype="bfloat16", quantization="int8", max_total_tokens=1024, strict_memory=True)
+    eng8 = Engine(
+        tiny_llama, dtype="bfloat16", quantization="int8", max_total_tokens=1024, strict_memory=True
+    )
     assert eng8.core.info.dtype == "bfloat16+int8"
     p = {"max_new_tokens": 1, "temperature": 0, "logprobs": True}
     for prompt in ([5], [7, 9, 11], [100, 3, 4, 200]):

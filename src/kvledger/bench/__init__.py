@@ -61,6 +61,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, help="write the JSON report here")
     p.add_argument("--plot", default=None, help="write a PNG plot here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--log-level", default="info")
 
 
 def server_model(base_url: str, api_key: str | None = None) -> str:
@@ -116,10 +117,12 @@ def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
             progress=args.progress,
         )
         if args.warmup:
-            warm = WorkloadSpec(
-                kind="random", num_prompts=args.warmup, seed=10_000 + args.seed, input_len=16, output_len=4
-            )
-            asyncio.run(run_requests(make_workload(warm, tokenizer), settings, desc="warm-up"))
+            # As SGLang's bench: warm up with the workload's own first prompts, a few tokens out (for
+            # the shared-prefix workload this also puts the shared system prompt in a prefix cache).
+            warm = [
+                BenchRequest(r.prompt, r.input_len, min(r.output_len, 4)) for r in requests[: args.warmup]
+            ]
+            asyncio.run(run_requests(warm, settings, desc="warm-up"))
         n = max(args.num_prompts, level)
         results, wall = asyncio.run(run_requests(requests[:n], settings, desc=f"{label} c={level}"))
         summary = summarize(results, wall)
@@ -161,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     report = run_bench(args)
     print(table({report["label"]: report["runs"]}))
     if args.output:
