@@ -89,6 +89,8 @@ class System:
     env: dict = field(default_factory=dict)
     startup_s: float = 300.0
     model: str = ""
+    bench: dict = field(default_factory=dict)
+    """Overrides of the bench settings for this system (e.g. a server that refuses ignore_eos)."""
 
 
 @dataclass
@@ -138,7 +140,7 @@ def stop(r: Running) -> None:
         r.proc.wait()
 
 
-def systems(args) -> dict[str, System]:
+def systems(args, tok) -> dict[str, System]:
     py = sys.executable
     model = args.model
     kv = [py, "-m", "kvledger", "serve", "--model", model, "--port", "{port}", "--dtype", args.dtype]
@@ -192,6 +194,16 @@ def systems(args) -> dict[str, System]:
         )
     for system in out.values():
         system.model = model
+    # transformers serve refuses unknown fields (ignore_eos, min_tokens: HTTP 422); EOS is banned
+    # through the standard logit_bias instead, and the report counts the tokens actually produced.
+    eos = {
+        str(i): -100
+        for i in {tok.eos_token_id, *(getattr(tok, "all_special_ids", []) or [])}
+        if i is not None
+    }
+    for name in ("transformers-serve", "transformers-serve-cb"):
+        if name in out:
+            out[name].bench = {"ignore_eos": False, "extra_body": {"logit_bias": eos}}
     return out
 
 
@@ -260,7 +272,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = load_bench_tokenizer(args.model)
-    known = systems(args)
+    known = systems(args, tok)
     wanted = [s.strip() for s in args.systems.split(",") if s.strip()]
     report: dict = {
         "model": args.model,
@@ -296,7 +308,7 @@ def main() -> int:
         entry: dict = {"version": system.version, "command": " ".join(system.cmd)}
         try:
             if name != "kvledger-nocache":
-                rep = run_bench(bench_args(args, r.url, name), tok)
+                rep = run_bench(bench_args(args, r.url, name, **system.bench), tok)
                 random_runs[name] = rep["runs"]
                 entry["random"] = rep
             if args.shared_prefix_len and name in ("kvledger", "kvledger-nocache"):

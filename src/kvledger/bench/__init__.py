@@ -55,6 +55,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-ignore-eos", dest="ignore_eos", action="store_false", help="let requests stop at EOS"
     )
+    p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
     p.add_argument("--warmup", type=int, default=1, help="requests sent (and not counted) before each run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -115,6 +116,7 @@ def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
             timeout_s=args.timeout,
             seed=args.seed,
             progress=args.progress,
+            extra_body=args.extra_body,
         )
         if args.warmup:
             # As SGLang's bench: warm up with the workload's own first prompts, a few tokens out (for
@@ -144,6 +146,7 @@ def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
         "endpoint": args.endpoint,
         "workload": asdict(spec),
         "ignore_eos": args.ignore_eos,
+        "extra_body": args.extra_body,
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "runs": runs,

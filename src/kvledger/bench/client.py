@@ -43,6 +43,8 @@ class RunSettings:
     timeout_s: float = 600.0
     seed: int = 0
     progress: bool = True
+    extra_body: dict = field(default_factory=dict)
+    """Merged into every request body (e.g. ``logit_bias`` for a server that refuses ``ignore_eos``)."""
 
 
 def _body(req: BenchRequest, s: RunSettings) -> tuple[str, dict]:
@@ -56,6 +58,7 @@ def _body(req: BenchRequest, s: RunSettings) -> tuple[str, dict]:
     if s.ignore_eos:
         # Understood by kvledger, SGLang, vLLM and llama-server; min_tokens by vLLM.
         common.update(ignore_eos=True, min_tokens=req.output_len)
+    common.update(s.extra_body)
     if s.endpoint == "chat":
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": req.prompt}]}
     return "/v1/completions", {**common, "prompt": req.prompt}

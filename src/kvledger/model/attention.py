@@ -105,12 +105,15 @@ class TorchAttention:
             if meta.dec_k_buf is None:
                 # Reused by every layer of this forward: a fresh multi-MB tensor per layer costs page
                 # faults (glibc hands large blocks back to the OS) that took longer than the copy itself.
-                meta.dec_k_buf = k_cache.new_empty(kvh, bd * pmax, ps, d)
-                meta.dec_v_buf = v_cache.new_empty(kvh, bd * pmax, ps, d)
-            kd = torch.index_select(k_cache.view(kvh, -1, ps, d), 1, flat, out=meta.dec_k_buf)
-            vd = torch.index_select(v_cache.view(kvh, -1, ps, d), 1, flat, out=meta.dec_v_buf)
-            kd = kd.view(kvh, bd, pmax * ps, d)
-            vd = vd.view(kvh, bd, pmax * ps, d)
+                meta.dec_k_buf = k_cache.new_empty(kvh, bd * pmax, ps * d)
+                meta.dec_v_buf = v_cache.new_empty(kvh, bd * pmax, ps * d)
+            # Per KV head, a dim-0 index_select of whole pages from a 2-D view: torch copies each row
+            # with one memcpy there, ~1.7x faster than one index_select over dim 1 of the 4-D view.
+            for h in range(kvh):
+                torch.index_select(k_cache[h].view(-1, ps * d), 0, flat, out=meta.dec_k_buf[h])
+                torch.index_select(v_cache[h].view(-1, ps * d), 0, flat, out=meta.dec_v_buf[h])
+            kd = meta.dec_k_buf.view(kvh, bd, pmax * ps, d)
+            vd = meta.dec_v_buf.view(kvh, bd, pmax * ps, d)
             if bd == 1:
                 # One sequence: no padding, so SDPA needs no mask, and for one query row it is ~3x
                 # faster than the two matmuls in bf16 (which win from a handful of rows up).
