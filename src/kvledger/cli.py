@@ -36,6 +36,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=["int8"],
         help="weight-only int8 copies for small batches (faster single-stream decode; needs bfloat16)",
     )
+    p.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="compile the forward with torch.compile (faster decode; compiles at start-up)",
+    )
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)

@@ -6,6 +6,8 @@ A CUDA backend (flashinfer, triton) implements the same two methods and is chose
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -95,8 +97,10 @@ class TorchAttention:
         k_cache[:, batch.out_loc] = k.transpose(0, 1).to(k_cache.dtype)
         v_cache[:, batch.out_loc] = v.transpose(0, 1).to(v_cache.dtype)
         meta: _TorchMeta = batch.attn_meta
-        out = torch.empty_like(q)
         kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        # A batch of decodes only (the common case): the rows are the batch, no scatter/gather of q.
+        only_decodes = not meta.ext and meta.dec_tok is not None and meta.dec_tok.shape[0] == q.shape[0]
+        out = None if only_decodes else torch.empty_like(q)
         if meta.dec_tok is not None:
             bd, pmax = meta.dec_kv_idx.shape
             ps = batch.page_size
@@ -118,7 +122,7 @@ class TorchAttention:
                 # One sequence: no padding, so SDPA needs no mask, and for one query row it is ~3x
                 # faster than the two matmuls in bf16 (which win from a handful of rows up).
                 n = meta.dec_len0
-                qd = q[meta.dec_tok].view(1, self.num_heads, 1, d)
+                qd = (q if only_decodes else q[meta.dec_tok]).view(1, self.num_heads, 1, d)
                 o = F.scaled_dot_product_attention(
                     qd,
                     kd[:, :, :n].transpose(0, 1),
@@ -126,12 +130,18 @@ class TorchAttention:
                     scale=self.scale,
                     enable_gqa=True,
                 )
+                if only_decodes:
+                    return o.reshape(1, self.num_heads * d)
                 out[meta.dec_tok] = o.view(1, self.num_heads, d)
             else:
-                qd = q[meta.dec_tok].view(bd, kvh, group, d).transpose(0, 1)  # [KVH, B, G, D]
+                qd = (
+                    (q if only_decodes else q[meta.dec_tok]).view(bd, kvh, group, d).transpose(0, 1)
+                )  # [KVH, B, G, D]
                 scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * self.scale + meta.dec_mask
                 probs = torch.softmax(scores, dim=-1).to(vd.dtype)
                 o = torch.matmul(probs, vd)  # [KVH, B, G, D]
+                if only_decodes:
+                    return o.permute(1, 0, 2, 3).reshape(bd, self.num_heads * d)
                 out[meta.dec_tok] = o.permute(1, 0, 2, 3).reshape(bd, self.num_heads, d)
         for start, n, kv_idx, mask in meta.ext:
             qe = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -140,6 +150,42 @@ class TorchAttention:
             o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale, enable_gqa=True)
             out[start : start + n] = o[0].transpose(0, 1)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+
+# The forward of a compiled graph cannot take a Python batch description, so the attention op finds
+# its backend, KV buffer and batch here, under the handle of the model that is running (as vLLM's
+# forward context). One entry per model instance; set only for the duration of one forward.
+_CONTEXTS: dict[int, tuple[AttentionBackend, KVBuffer, ForwardBatch]] = {}
+_next_handle = itertools.count(1)
+
+
+def new_handle() -> int:
+    return next(_next_handle)
+
+
+@contextlib.contextmanager
+def attention_context(handle: int, backend: AttentionBackend, kv: KVBuffer, batch: ForwardBatch):
+    _CONTEXTS[handle] = (backend, kv, batch)
+    try:
+        yield
+    finally:
+        del _CONTEXTS[handle]
+
+
+@torch.library.custom_op("kvledger::attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, handle: int
+) -> torch.Tensor:
+    """Store k/v of ``layer`` into the KV pool and attend. Opaque to ``torch.compile``: the KV pool is
+    written as a side effect the compiler does not see, which is safe because nothing else in the
+    graph reads it and each layer's call depends on the previous layer's output."""
+    backend, kv, batch = _CONTEXTS[handle]
+    return backend.forward(layer, q, k, v, kv, batch)
+
+
+@paged_attention.register_fake
+def _(q, k, v, layer, handle):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 QUANTIZATIONS = (None, "int8")
 
@@ -22,10 +23,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-class Linear:
+class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; with an int8 copy, calls of at most ``int8_max_rows`` rows use it."""
-
-    __slots__ = ("b", "int8_max_rows", "q", "q_scale", "w")
 
     def __init__(
         self,
@@ -34,29 +33,25 @@ class Linear:
         quantization: str | None = None,
         int8_max_rows: int = 4,
     ):
+        super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-        self.w = w
-        self.b = b
-        self.q: torch.Tensor | None = None
-        self.q_scale: torch.Tensor | None = None
+        self.w = nn.Parameter(w, requires_grad=False)
+        self.b = None if b is None else nn.Parameter(b, requires_grad=False)
+        self.register_buffer("q", None, persistent=False)
+        self.register_buffer("q_scale", None, persistent=False)
         self.int8_max_rows = int8_max_rows
         if quantization == "int8":
             if w.dtype != torch.bfloat16:
                 raise ValueError("int8 weights need bfloat16 activations (dtype bfloat16)")
             q, scale = quantize_int8(w)
-            self.q = q.to(w.device)
-            self.q_scale = scale.to(device=w.device, dtype=w.dtype)
+            self.register_buffer("q", q.to(w.device), persistent=False)
+            self.register_buffer("q_scale", scale.to(device=w.device, dtype=w.dtype), persistent=False)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q is not None and x.shape[0] <= self.int8_max_rows:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Inside torch.compile the int8 branch would add a size guard and a second graph to compile;
+        # compiled forwards carry several rows anyway, where bf16 is the faster choice.
+        if self.q is not None and x.shape[0] <= self.int8_max_rows and not torch.compiler.is_compiling():
             y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
             return y if self.b is None else y + self.b
         return F.linear(x, self.w, self.b)
-
-    @property
-    def nbytes(self) -> int:
-        n = self.w.numel() * self.w.element_size()
-        if self.q is not None:
-            n += self.q.numel() + self.q_scale.numel() * self.q_scale.element_size()
-        return n

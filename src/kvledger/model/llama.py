@@ -10,9 +10,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..errors import ModelLoadError
-from .attention import AttentionBackend, KVBuffer, make_backend
+from .attention import (
+    AttentionBackend,
+    KVBuffer,
+    attention_context,
+    make_backend,
+    new_handle,
+    paged_attention,
+)
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .linear import Linear
@@ -48,12 +56,75 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
-class _Layer:
-    __slots__ = ("down", "gate_up", "in_norm", "k_norm", "o", "post_norm", "q_norm", "qkv")
+class _Layer(nn.Module):
+    def __init__(self, qkv, o, gate_up, down, in_norm, post_norm, q_norm, k_norm):
+        super().__init__()
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.in_norm, self.post_norm = _param(in_norm), _param(post_norm)
+        self.q_norm = None if q_norm is None else _param(q_norm)
+        self.k_norm = None if k_norm is None else _param(k_norm)
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class _Net(nn.Module):
+    """The whole forward as one module, so ``torch.compile`` can freeze its weights (and prepack them
+    for oneDNN) and fuse the elementwise work; attention is the opaque op ``kvledger::attention``."""
+
+    def __init__(self, cfg: ModelConfig, embed, norm, lm_head, layers, cos, sin, handle: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(embed)
+        self.norm = _param(norm)
+        self.lm_head = lm_head
+        self.layers = nn.ModuleList(layers)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.handle = handle
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logit_index: torch.Tensor
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(input_ids, self.embed)
+        eps = cfg.rms_norm_eps
+        for i, L in enumerate(self.layers):
+            x = _rms_norm(h, L.in_norm, eps)
+            qkv = L.qkv(x)
+            q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
+            if L.q_norm is not None:
+                q = _rms_norm(q, L.q_norm, eps)
+                k = _rms_norm(k, L.k_norm, eps)
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
+            o = paged_attention(q, k, v, i, self.handle)
+            h = h + L.o(o)
+            x = _rms_norm(h, L.post_norm, eps)
+            gu = L.gate_up(x)
+            g, u = gu.chunk(2, dim=-1)
+            h = h + L.down(F.silu(g) * u)
+        h = _rms_norm(h[logit_index], self.norm, eps)
+        return self.lm_head(h).float()
 
 
 class LlamaModel:
-    """A causal LM over a paged KV pool. Holds no global state: several instances may coexist."""
+    """A causal LM over a paged KV pool. Holds no global state: several instances may coexist (each
+    registers its own attention context under its own handle)."""
 
     def __init__(
         self,
@@ -68,6 +139,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.attn: AttentionBackend = make_backend(attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.quantization = quantization
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -78,89 +150,76 @@ class LlamaModel:
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype).contiguous()
 
-        self.quantization = quantization
-
         def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
             return Linear(cast(w), None if b is None else cast(b), quantization)
 
-        self.embed = cast(take("model.embed_tokens.weight"))
+        embed = cast(take("model.embed_tokens.weight"))
         lm_head = weights.pop("lm_head.weight", None)
         tied = lm_head is None or cfg.tie_word_embeddings
-        self.lm_head = Linear(self.embed, None, quantization) if tied else lin(lm_head)
-        self.norm = cast(take("model.norm.weight"))
-        self.layers: list[_Layer] = []
+        lm = Linear(embed, None, quantization) if tied else lin(lm_head)
+        norm = cast(take("model.norm.weight"))
+        layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            layer = _Layer()
             q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
             qkv_b = None
             if cfg.attention_bias:
                 qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            layer.qkv = lin(torch.cat([q, k, v]), qkv_b)
-            layer.o = lin(take(p + "self_attn.o_proj.weight"))
-            layer.q_norm = cast(take(p + "self_attn.q_norm.weight")) if cfg.qk_norm else None
-            layer.k_norm = cast(take(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-            layer.gate_up = lin(torch.cat([gate, up]))
-            layer.down = lin(take(p + "mlp.down_proj.weight"))
-            layer.in_norm = cast(take(p + "input_layernorm.weight"))
-            layer.post_norm = cast(take(p + "post_attention_layernorm.weight"))
-            self.layers.append(layer)
+            layers.append(
+                _Layer(
+                    qkv=lin(torch.cat([q, k, v]), qkv_b),
+                    o=lin(take(p + "self_attn.o_proj.weight")),
+                    gate_up=lin(torch.cat([gate, up])),
+                    down=lin(take(p + "mlp.down_proj.weight")),
+                    in_norm=cast(take(p + "input_layernorm.weight")),
+                    post_norm=cast(take(p + "post_attention_layernorm.weight")),
+                    q_norm=cast(take(p + "self_attn.q_norm.weight")) if cfg.qk_norm else None,
+                    k_norm=cast(take(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None,
+                )
+            )
         inv = rope_inv_freq(cfg)
         pos = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = pos[:, None] * inv[None, :]
-        self.cos = freqs.cos().to(self.device, dtype)
-        self.sin = freqs.sin().to(self.device, dtype)
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.handle = new_handle()
+        self.net = _Net(
+            cfg,
+            embed,
+            norm,
+            lm,
+            layers,
+            freqs.cos().to(self.device, dtype),
+            freqs.sin().to(self.device, dtype),
+            self.handle,
+        ).eval()
+        self.compiled: nn.Module | None = None
+        self.compiled_forwards = 0  # forwards that ran through the compiled graph
+
+    def enable_compile(self) -> None:
+        """Run forwards through ``torch.compile`` (dynamic token count; weights frozen and prepacked).
+        Compilation happens on the first forwards of each new shape class (tens of seconds)."""
+        self.compiled = torch.compile(self.net, dynamic=True, options={"freezing": True})
 
     def weight_bytes(self) -> int:
         """Bytes of all weights held (int8 copies included; a tied LM head counted once)."""
-        n = self.embed.numel() * self.embed.element_size() + self.norm.numel() * self.norm.element_size()
-        lm = self.lm_head.nbytes - (
-            self.embed.numel() * self.embed.element_size() if self.lm_head.w is self.embed else 0
-        )
-        n += lm
-        for L in self.layers:
-            n += sum(x.nbytes for x in (L.qkv, L.o, L.gate_up, L.down))
-            n += sum(
-                t.numel() * t.element_size()
-                for t in (L.in_norm, L.post_norm, L.q_norm, L.k_norm)
-                if t is not None
-            )
+        seen: set[int] = set()
+        n = 0
+        for t in [*self.net.parameters(), *self.net.buffers()]:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                n += t.untyped_storage().nbytes()
         return n
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVBuffer) -> torch.Tensor:
         """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``."""
-        cfg = self.cfg
         self.attn.prepare(batch)
-        T = batch.num_tokens
-        cos = self.cos[batch.positions].unsqueeze(1)
-        sin = self.sin[batch.positions].unsqueeze(1)
-        h = F.embedding(batch.input_ids, self.embed)
-        eps = cfg.rms_norm_eps
-        for i, L in enumerate(self.layers):
-            x = _rms_norm(h, L.in_norm, eps)
-            qkv = L.qkv(x)
-            q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
-            if L.q_norm is not None:
-                q = _rms_norm(q, L.q_norm, eps)
-                k = _rms_norm(k, L.k_norm, eps)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            o = self.attn.forward(i, q, k, v, kv, batch)
-            h = h + L.o(o)
-            x = _rms_norm(h, L.post_norm, eps)
-            gu = L.gate_up(x)
-            g, u = gu.chunk(2, dim=-1)
-            h = h + L.down(F.silu(g) * u)
-        h = _rms_norm(h[batch.logit_index], self.norm, eps)
-        return self.lm_head(h).float()
+        # Only forwards that sample several rows go through the compiled graph: dynamo specializes
+        # sizes 0 and 1, so routing single-request forwards there too would compile two more graphs
+        # (tens of seconds each) for little gain (one request is weight-bandwidth bound).
+        use = self.compiled is not None and batch.num_tokens > 1 and batch.logit_index.shape[0] > 1
+        net = self.compiled if use else self.net
+        self.compiled_forwards += use
+        with attention_context(self.handle, self.attn, kv, batch):
+            return net(batch.input_ids, batch.positions, batch.logit_index)
