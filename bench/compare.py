@@ -1,10 +1,11 @@
 """Start each system on the same model and workload in turn, in one run, and write the table and plot.
 
     python bench/compare.py [--model M.gguf] [--concurrency 1,8,32] [--llama-server PATH] \\
-        [--systems kvledger,kvledger-int8,transformers,transformers-serve,llama-server]
+        [--systems kvledger,kvledger-fast,transformers,transformers-serve,llama-server]
 
 Systems:
-- kvledger (bf16) and kvledger-int8 (bf16 + weight-only int8 for small batches): ``kvledger serve``.
+- kvledger (bf16), kvledger-int8 (+ weight-only int8 for small batches), kvledger-fast (int8 +
+  ``--enable-torch-compile``): ``kvledger serve --page-size 16``.
 - transformers: bench/hf_server.py, a minimal OpenAI wrapper around padded static ``generate``.
 - transformers-serve: ``transformers serve`` on the same GGUF, when it starts (otherwise the reason
   is recorded and the run goes on).
@@ -149,6 +150,12 @@ def systems(args, tok) -> dict[str, System]:
     out = {
         "kvledger": System("kvledger", kv, kv_version),
         "kvledger-int8": System("kvledger-int8", [*kv, "--quantization", "int8"], kv_version + " int8"),
+        "kvledger-fast": System(
+            "kvledger-fast",
+            [*kv, "--quantization", "int8", "--enable-torch-compile"],
+            kv_version + " int8 + torch.compile",
+            startup_s=600,
+        ),
         "kvledger-nocache": System("kvledger-nocache", [*kv, "--disable-prefix-cache"], kv_version),
         "transformers": System(
             "transformers",
@@ -249,7 +256,7 @@ def main() -> int:
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument(
         "--systems",
-        default="kvledger,kvledger-int8,transformers,transformers-serve,transformers-serve-cb,llama-server",
+        default="kvledger,kvledger-fast,transformers,transformers-serve,transformers-serve-cb,llama-server",
         help="comma-separated; absent peers are skipped with the reason recorded",
     )
     p.add_argument("--llama-server", default=None, help="path to a llama-server binary (skipped when absent)")

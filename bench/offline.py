@@ -40,6 +40,8 @@ def bench_kvledger(args, loaded, results: dict) -> None:
         max_total_tokens=args.kv_tokens,
         chunked_prefill_size=512,
         max_running_requests=64,
+        quantization=args.quantization,
+        enable_torch_compile=args.compile,
     )
     eng = Engine(loaded_model=loaded, **kw)
     vocab = eng.core.limits.vocab_size
@@ -134,6 +136,8 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=128)
     ap.add_argument("--kv-tokens", type=int, default=65536)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=["int8"])
+    ap.add_argument("--compile", action="store_true", help="kvledger with --enable-torch-compile")
     ap.add_argument("--out", default="bench/out/offline.json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
