@@ -4,7 +4,7 @@
         [--systems kvledger,kvledger-fast,transformers,transformers-serve,llama-server]
 
 Systems:
-- kvledger (bf16), kvledger-int8 (+ weight-only int8 for small batches), kvledger-fast (int8 +
+- kvledger (bf16), kvledger-int8 (+ weight-only int8 for small batches), kvledger-fast (int4 +
   ``--enable-torch-compile``): ``kvledger serve --page-size 16``.
 - transformers: bench/hf_server.py, a minimal OpenAI wrapper around padded static ``generate``.
 - transformers-serve: ``transformers serve`` on the same GGUF, when it starts (otherwise the reason
@@ -152,8 +152,8 @@ def systems(args, tok) -> dict[str, System]:
         "kvledger-int8": System("kvledger-int8", [*kv, "--quantization", "int8"], kv_version + " int8"),
         "kvledger-fast": System(
             "kvledger-fast",
-            [*kv, "--quantization", "int8", "--enable-torch-compile"],
-            kv_version + " int8 + torch.compile",
+            [*kv, "--quantization", "int4", "--enable-torch-compile"],
+            kv_version + " int4 + torch.compile",
             startup_s=600,
         ),
         "kvledger-nocache": System("kvledger-nocache", [*kv, "--disable-prefix-cache"], kv_version),

@@ -33,8 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=d.quantization,
-        choices=["int8"],
-        help="weight-only int8 copies for small batches (faster single-stream decode; needs bfloat16)",
+        choices=["int8", "int4"],
+        help="weight-only int8 / int4 (groups of 32, Q4_1-exact) copies for forwards of <= 4 rows "
+        "(faster single-stream decode; needs bfloat16; int4 is CPU-only)",
     )
     p.add_argument(
         "--enable-torch-compile",

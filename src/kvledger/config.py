@@ -17,9 +17,10 @@ class EngineConfig:
     dtype: str = "auto"
     """auto | float32 | bfloat16. auto picks the faster one on this machine."""
     quantization: str | None = None
-    """None | int8. int8 adds weight-only int8 copies of the linear layers, used for forwards of a few
-    rows (single-stream decode is weight-bandwidth bound); needs bfloat16. Output within the
-    tolerance in docs/architecture.md, not token-exact."""
+    """None | int8 | int4. Adds weight-only quantized copies of the linear layers, used for forwards of
+    at most 4 rows (single-stream decode is weight-bandwidth bound); needs bfloat16. int4 (CPU only)
+    uses groups of 32, which reproduces a Q4_1 GGUF's own weights; its LM head stays int8. Output
+    within the tolerance in docs/architecture.md, not token-exact."""
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""

@@ -7,7 +7,7 @@ import torch
 
 from kvledger import Engine
 from kvledger.errors import ValidationError
-from kvledger.model.linear import Linear, quantize_int8
+from kvledger.model.linear import Linear, quantize_int4, quantize_int8
 
 
 def test_quantize_int8_roundtrip_error_is_half_a_step():
@@ -19,21 +19,48 @@ def test_quantize_int8_roundtrip_error_is_half_a_step():
     assert (err <= scale[:, None] / 2 + 1e-6).all()
 
 
+def test_int4_recovers_q4_1_blocks_exactly():
+    """Weights dequantized from Q4_1 (d*q + m per block of 32, codes 0..15 with 0 and 15 used) come
+    back as the same codes, scales and zeros."""
+    torch.manual_seed(2)
+    n, k = 16, 64
+    codes = torch.randint(0, 16, (n, k // 32, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # Q4_1 maps a block's min to 0 and max to 15
+    d = torch.rand(n, k // 32, 1) * 0.02 + 0.001
+    m = torch.randn(n, k // 32, 1) * 0.05
+    w = (d * codes + m).view(n, k)
+    q, scale, zero = quantize_int4(w)
+    assert torch.equal(q.view(n, k // 32, 32), codes.to(torch.int32))
+    torch.testing.assert_close(scale, d[..., 0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(zero, (m + 8 * d)[..., 0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32])
-def test_int8_linear_close_to_bf16_and_switches_by_rows(rows, monkeypatch):
+def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, monkeypatch):
     torch.manual_seed(1)
     w = torch.randn(96, 64).bfloat16()
     b = torch.randn(96).bfloat16()
-    lin = Linear(w, b, "int8", int8_max_rows=4)
+    lin = Linear(w, b, mode, small_rows=4)
     calls = []
-    real = torch._weight_int8pack_mm
-    monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or real(*a))
+    if mode == "int8":
+        real = torch._weight_int8pack_mm
+        monkeypatch.setattr(torch, "_weight_int8pack_mm", lambda *a: calls.append(1) or real(*a))
+    else:
+        real4 = lin.forward
+
+        def spy(x):
+            calls.extend([1] if x.shape[0] <= 4 else [])
+            return real4(x)
+
+        lin.forward = spy
     x = torch.randn(rows, 64).bfloat16()
     y = lin(x)
     ref = x.float() @ w.float().T + b.float()
     assert bool(calls) == (rows <= 4)
     rel = (y.float() - ref).norm() / ref.norm()
-    assert rel < 0.02, rel
+    # int4 of random (non-Q4_1) weights is lossy: ~1/30 of a group's range per weight
+    assert rel < (0.02 if mode == "int8" or rows > 4 else 0.08), rel
 
 
 def test_int8_needs_bfloat16(tiny_llama):
@@ -43,7 +70,8 @@ def test_int8_needs_bfloat16(tiny_llama):
         Engine(tiny_llama, dtype="float32", quantization="int8", max_total_tokens=256)
 
 
-def test_int8_engine_close_to_fp32(tiny_llama):
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_engine_close_to_fp32(tiny_llama, mode):
     """Short prompts (<= 4 tokens) run every linear layer on the int8 copy; the chosen token's
     logprob stays within the same bound as plain bf16 (test_bf16_close_to_fp32)."""
     eng32 = Engine(tiny_llama, dtype="float32", max_total_tokens=1024)

@@ -84,10 +84,14 @@ class EngineCore:
         self.dtype = resolve_dtype(cfg.dtype, device)
         if cfg.quantization not in QUANTIZATIONS:
             raise ValidationError(
-                f"quantization must be int8 or unset, got {cfg.quantization!r}", param="quantization"
+                f"quantization must be int8, int4 or unset, got {cfg.quantization!r}", param="quantization"
             )
-        if cfg.quantization == "int8" and self.dtype != torch.bfloat16:
-            raise ValidationError("int8 weights need dtype bfloat16", param="quantization")
+        if cfg.quantization and self.dtype != torch.bfloat16:
+            raise ValidationError(f"{cfg.quantization} weights need dtype bfloat16", param="quantization")
+        if cfg.quantization == "int4" and device != "cpu":
+            raise ValidationError(
+                "int4 weights are CPU-only (torch's kernel); use int8", param="quantization"
+            )
         self.model = LlamaModel(
             mc, dict(loaded.weights), dtype=self.dtype, device=device, quantization=cfg.quantization
         )
@@ -131,7 +135,8 @@ class EngineCore:
         self.info = EngineInfo(
             model_name=mc.name,
             model_path=loaded.path,
-            dtype=str(self.dtype).replace("torch.", "") + ("+int8" if cfg.quantization else ""),
+            dtype=str(self.dtype).replace("torch.", "")
+            + (f"+{cfg.quantization}" if cfg.quantization else ""),
             context_length=context,
             vocab_size=mc.vocab_size,
             page_size=ps,

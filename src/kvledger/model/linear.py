@@ -1,9 +1,14 @@
-"""Linear-layer weights, optionally with a weight-only int8 copy for small batches.
+"""Linear-layer weights, optionally with a weight-only int8 or int4 copy for small batches.
 
-On this class of CPU a one-row matmul is bound by how fast the weights stream from memory, and
-torch's ``_weight_int8pack_mm`` (int8 weights, per-output-channel scales, bf16 activations) reads
-half the bytes of bf16 and runs 2-4x faster for 1-4 rows. From ~8 rows up the bf16 GEMM wins
-(bench/RESULTS.md), so the int8 mode keeps both copies and picks per call by the number of rows.
+On this class of CPU a one-row matmul is bound by how fast the weights stream from memory. torch's
+``_weight_int8pack_mm`` (int8, per-output-channel scales, bf16 activations) reads half the bytes of
+bf16 and runs 2-4x faster for 1-4 rows; ``_weight_int4pack_mm_for_cpu`` (int4 in groups of 32 along
+the input dimension, a bf16 scale and zero per group) reads a quarter and runs ~3x faster again. From
+~8 rows up the bf16 GEMM wins, so quantized modes keep both copies and pick per call by row count.
+
+int4 groups of 32 with ``w = (q - 8) * scale + zero`` are exactly GGUF's Q4_1 blocks (``w = d*q + m``
+with the block's min and max mapping to codes 0 and 15), so quantizing weights that were dequantized
+from Q4_1 recovers the file's own codes: no error beyond rounding ``d`` and ``m`` to bf16.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int4")
+INT4_GROUP = 32
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,15 +29,33 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
+def quantize_int4(
+    w: torch.Tensor, group: int = INT4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of ``group`` along K (Q4_1's scheme): returns ``(q [N, K] int32 in
+    0..15, scale [N, K/group], zero [N, K/group])`` with ``w ~= (q - 8) * scale + zero``."""
+    n, k = w.shape
+    wf = w.float().view(n, k // group, group)
+    lo, hi = wf.amin(-1), wf.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((wf - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
+    return q.view(n, k), scale, lo + 8 * scale
+
+
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)``; with an int8 copy, calls of at most ``int8_max_rows`` rows use it."""
+    """``y = x @ W.T (+ b)``; with a quantized copy, calls of at most ``small_rows`` rows use it.
+
+    ``source`` is the full-precision weight to quantize from (``w`` may already be rounded to bf16,
+    which would blur int4 codes recovered from a Q4_1 checkpoint).
+    """
 
     def __init__(
         self,
         w: torch.Tensor,
         b: torch.Tensor | None = None,
         quantization: str | None = None,
-        int8_max_rows: int = 4,
+        small_rows: int = 4,
+        source: torch.Tensor | None = None,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -40,18 +64,35 @@ class Linear(nn.Module):
         self.b = None if b is None else nn.Parameter(b, requires_grad=False)
         self.register_buffer("q", None, persistent=False)
         self.register_buffer("q_scale", None, persistent=False)
-        self.int8_max_rows = int8_max_rows
-        if quantization == "int8":
-            if w.dtype != torch.bfloat16:
-                raise ValueError("int8 weights need bfloat16 activations (dtype bfloat16)")
-            q, scale = quantize_int8(w)
-            self.register_buffer("q", q.to(w.device), persistent=False)
-            self.register_buffer("q_scale", scale.to(device=w.device, dtype=w.dtype), persistent=False)
+        self.small_rows = small_rows
+        self.mode = quantization
+        src = w if source is None else source
+        if quantization is not None and w.dtype != torch.bfloat16:
+            raise ValueError(f"{quantization} weights need bfloat16 activations (dtype bfloat16)")
+        if quantization == "int4" and w.device.type != "cpu":
+            raise ValueError("int4 weights use torch's CPU kernel; on other devices use int8")
+        if quantization == "int4" and src.shape[1] % INT4_GROUP:
+            self.mode = "int8"  # int4 needs whole groups along K; int8 has no such constraint
+        if self.mode == "int8":
+            q, scale = quantize_int8(src)
+            self.q = q.to(w.device)
+            self.q_scale = scale.to(device=w.device, dtype=w.dtype)
+        elif self.mode == "int4":
+            q, scale, zero = quantize_int4(src)
+            self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(w.device), 1)
+            # [K/group, N, 2]: the layout the int4 kernel reads
+            self.q_scale = (
+                torch.stack([scale.t(), zero.t()], dim=-1).to(device=w.device, dtype=w.dtype).contiguous()
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Inside torch.compile the int8 branch would add a size guard and a second graph to compile;
-        # compiled forwards carry several rows anyway, where bf16 is the faster choice.
-        if self.q is not None and x.shape[0] <= self.int8_max_rows and not torch.compiler.is_compiling():
-            y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
+        # Inside torch.compile the quantized branch would add a size guard and a second graph to
+        # compile; compiled forwards carry several rows anyway, where bf16 is the faster choice.
+        # (is_compiling first: comparing the symbolic row count would itself add the guard.)
+        if self.q is not None and not torch.compiler.is_compiling() and x.shape[0] <= self.small_rows:
+            if self.mode == "int4":
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.q_scale)
+            else:
+                y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
             return y if self.b is None else y + self.b
         return F.linear(x, self.w, self.b)

@@ -150,13 +150,17 @@ class LlamaModel:
         def cast(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype).contiguous()
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None) -> Linear:
-            return Linear(cast(w), None if b is None else cast(b), quantization)
+        def lin(w: torch.Tensor, b: torch.Tensor | None = None, mode: str | None = quantization) -> Linear:
+            return Linear(cast(w), None if b is None else cast(b), mode, source=w)
 
-        embed = cast(take("model.embed_tokens.weight"))
+        raw_embed = take("model.embed_tokens.weight")
+        embed = cast(raw_embed)
         lm_head = weights.pop("lm_head.weight", None)
         tied = lm_head is None or cfg.tie_word_embeddings
-        lm = Linear(embed, None, quantization) if tied else lin(lm_head)
+        # The LM head is int8 even in int4 mode: it is usually kept at 8 bits in quantized checkpoints
+        # (Q8_0 in SmolLM2's GGUF), and its logits are what sampling sees.
+        lm_mode = "int8" if quantization == "int4" else quantization
+        lm = Linear(embed, None, lm_mode, source=raw_embed) if tied else lin(lm_head, mode=lm_mode)
         norm = cast(take("model.norm.weight"))
         layers = []
         for i in range(cfg.num_layers):
