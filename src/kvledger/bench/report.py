@@ -76,6 +76,8 @@ def plot(systems: dict[str, list[dict]], path: str, title: str = "") -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         ax.set_xscale("log", base=2)
+        if "ms" in name:
+            ax.set_yscale("log")  # one slow system would flatten every other line
         ax.set_xlabel("concurrency")
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
