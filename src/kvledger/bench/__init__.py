@@ -85,8 +85,10 @@ def load_bench_tokenizer(path: str | None) -> Any:
 def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
     """Run every concurrency level of ``args`` against one server; returns the report."""
     tokenizer = tokenizer or load_bench_tokenizer(args.tokenizer)
-    model = args.model or server_model(args.base_url, args.api_key)
-    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    try:
+        levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    except ValueError:
+        levels = []
     if not levels or min(levels) < 1:
         raise SystemExit("--concurrency takes positive integers, e.g. 1,8,32")
     spec = WorkloadSpec(
@@ -102,6 +104,7 @@ def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
         question_len=args.question_len,
     )
     requests = make_workload(spec, tokenizer)
+    model = args.model or server_model(args.base_url, args.api_key)
     label = args.label or model
     runs = []
     for level in levels:
@@ -169,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    report = run_bench(args)
+    try:
+        report = run_bench(args)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"kvledger bench: cannot reach {args.base_url}: {e}") from None
+    except ValueError as e:  # a bad workload setting
+        raise SystemExit(f"kvledger bench: {e}") from None
     print(table({report["label"]: report["runs"]}))
     if args.output:
         print(f"report: {args.output}")
