@@ -92,11 +92,8 @@ class Worker(threading.Thread):
         self.model, self.tok = model, tok
         self.max_batch, self.window_s = max_batch, window_s
         self.jobs: queue.Queue[Job] = queue.Queue()
-        self.eos = (
-            set(model.generation_config.eos_token_id or [])
-            if isinstance(model.generation_config.eos_token_id, list)
-            else {model.generation_config.eos_token_id}
-        )
+        eos = model.generation_config.eos_token_id
+        self.eos = {e for e in (eos if isinstance(eos, list) else [eos]) if e is not None}
 
     def run(self) -> None:
         while True:
