@@ -84,13 +84,17 @@ def load_bench_tokenizer(path: str | None) -> Any:
 
 def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
     """Run every concurrency level of ``args`` against one server; returns the report."""
-    tokenizer = tokenizer or load_bench_tokenizer(args.tokenizer)
     try:
         levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError:
         levels = []
     if not levels or min(levels) < 1:
         raise SystemExit("--concurrency takes positive integers, e.g. 1,8,32")
+    if not args.request_rate > 0:
+        raise SystemExit("--request-rate must be > 0 (inf: all at once)")
+    if not isinstance(args.extra_body, dict):
+        raise SystemExit("--extra-body must be a JSON object")
+    tokenizer = tokenizer or load_bench_tokenizer(args.tokenizer)
     spec = WorkloadSpec(
         kind=args.workload,
         num_prompts=max(args.num_prompts, max(levels)),

@@ -93,6 +93,9 @@ async def _one(client: httpx.AsyncClient, req: BenchRequest, s: RunSettings) -> 
                 if data == "[DONE]":
                     break
                 obj = json.loads(data)
+                if obj.get("error"):  # a server that fails mid-stream says so in an event
+                    res.error = f"error event: {str(obj['error'])[:300]}"
+                    return res
                 if obj.get("usage"):
                     usage = obj["usage"]
                 if _chunk_text(obj):

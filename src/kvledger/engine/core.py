@@ -162,11 +162,9 @@ class EngineCore:
         t0 = time.monotonic()
         log.info("torch.compile: compiling the forward (tens of seconds) ...")
         vocab = self.model.cfg.vocab_size
-        reqs = []
         for j in range(2):
             ids = [(7 + 31 * j + i) % vocab for i in range(8)]
-            reqs.append(self.make_request(ids, {"max_new_tokens": 3, "ignore_eos": True}, rid=f"warm-up-{j}"))
-            self.submit(reqs[-1])
+            self.submit(self.make_request(ids, {"max_new_tokens": 3, "ignore_eos": True}, rid=f"warm-up-{j}"))
         while not self.scheduler.idle:
             self.step()
         self.flush_cache()

@@ -139,7 +139,6 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.attn: AttentionBackend = make_backend(attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        self.quantization = quantization
 
         def take(name: str) -> torch.Tensor:
             try:
