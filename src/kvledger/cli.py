@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from .config import EngineConfig
+from .config import EngineConfig, ServerConfig
 from .errors import KVLedgerError
 
 
@@ -90,23 +90,41 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .config import ServerConfig
     from .server.run import serve
 
-    cfg = ServerConfig(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        log_level=args.log_level,
-        max_body_bytes=args.max_body_bytes,
-        max_n=args.max_n,
-        watchdog_timeout_s=args.watchdog_timeout_s,
-        grace_period_s=args.grace_period_s,
-        engine=engine_config(args),
-    )
-    serve(cfg)
+    names = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine"}
+    serve(ServerConfig(**{k: v for k, v in vars(args).items() if k in names}, engine=engine_config(args)))
     return 0
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """One flag per ServerConfig field; defaults are the dataclass's."""
+    d = ServerConfig()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument(
+        "--api-key",
+        default=d.api_key,
+        help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)",
+    )
+    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    p.add_argument(
+        "--watchdog-timeout",
+        dest="watchdog_timeout_s",
+        type=float,
+        default=d.watchdog_timeout_s,
+        help="restart the engine if a step makes no progress for this many seconds",
+    )
+    p.add_argument(
+        "--grace-period",
+        dest="grace_period_s",
+        type=float,
+        default=d.grace_period_s,
+        help="seconds running requests get to finish on SIGTERM/SIGINT",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,29 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     add_bench_args(b)
     b.set_defaults(func=cli_main)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible and SGLang-compatible HTTP API")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
-    s.add_argument(
-        "--api-key", default=None, help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)"
-    )
-    s.add_argument("--served-model-name", default=None)
-    s.add_argument("--log-level", default="info")
-    s.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    s.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
-    s.add_argument(
-        "--watchdog-timeout",
-        dest="watchdog_timeout_s",
-        type=float,
-        default=60.0,
-        help="restart the engine if a step makes no progress for this many seconds",
-    )
-    s.add_argument(
-        "--grace-period",
-        dest="grace_period_s",
-        type=float,
-        default=10.0,
-        help="seconds running requests get to finish on SIGTERM/SIGINT",
-    )
+    add_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=_serve)
     args = parser.parse_args(argv)

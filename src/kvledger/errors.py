@@ -16,8 +16,12 @@ class KVLedgerError(Exception):
         self.code = code
 
     def to_dict(self) -> dict:
-        """The OpenAI error shape: {"error": {message, type, param, code}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error shape, ``{"error": {message, type, param, code}}``: every error body is built here."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class ValidationError(KVLedgerError):
@@ -54,3 +58,31 @@ class MemoryLedgerError(KVLedgerError):
 
     status = 500
     type = "memory_ledger_error"
+
+
+class ServiceUnavailable(KVLedgerError):
+    """The engine is not ready, restarting, shutting down or dead (HTTP 503)."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+_BY_STATUS: dict[int, type[KVLedgerError]] = {
+    400: ValidationError,
+    404: NotFoundError,
+    409: ConflictError,
+    429: OverloadedError,
+    503: ServiceUnavailable,
+}
+
+
+def error_for_status(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> KVLedgerError:
+    """Rebuild an error that crossed a process boundary as (status, message, code, param)."""
+    cls = _BY_STATUS.get(status)
+    if cls is not None:
+        return cls(message, code=code, param=param)
+    e = KVLedgerError(message, code=code, param=param)
+    e.status = status
+    return e

@@ -126,4 +126,4 @@ def test_session_fuzz(tiny_loaded, seed, page_size):
     assert_idle_clean(eng)
     assert eng.memory()["kv_session"] == 0
     assert checks["completed"] > 30 and checks["aborted"] > 3 and checks["rewound"] > 3, checks
-    assert eng.core.scheduler.total_retractions + eng.core.kv.session_evictions > 0, checks
+    assert eng.core.scheduler.total_retractions + eng.core.kv_manager.sessions.evictions > 0, checks

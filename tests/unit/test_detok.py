@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
+from kvledger.common import FinishReason
 from kvledger.engine.detok import TextState
-from kvledger.scheduler import FinishReason
 
 
 class ByteTok:

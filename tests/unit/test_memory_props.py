@@ -1,5 +1,5 @@
 """Property tests over the pools, the radix cache and the ledger, driven through the same
-``KVManager`` calls the scheduler makes (admit / reserve / release) plus direct tree operations."""
+``KVManager`` calls the scheduler makes (admit / allocate with lookahead / truncate / release) plus direct tree operations."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvledger.common import SamplingParams
 from kvledger.errors import MemoryLedgerError
-from kvledger.memory import Holding, PagePool
-from kvledger.scheduler import KVManager, Req, SamplingParams
+from kvledger.memory import Holding, KVManager, PagePool
+from kvledger.scheduler import Req
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=40)  # tiny alphabet: many shared prefixes
 
@@ -24,7 +25,6 @@ class LedgerMachine(RuleBasedStateMachine):
             num_pages,
             page_size,
             num_slots=6,
-            max_context=64,
             enable_prefix_cache=True,
             strict=True,
             holdings=self.holdings,
@@ -50,9 +50,26 @@ class LedgerMachine(RuleBasedStateMachine):
     def compute(self, data, n):
         req = data.draw(st.sampled_from(self.reqs))
         n = min(n, req.seq_len - req.kv_len)
-        if n > 0 and self.kv.reserve(req, n):
+        if n > 0 and self.kv.allocate(req, n):
             req.kv_len += n  # as if a forward computed them
             assert len(req.pages) * self.kv.page_size >= req.kv_len
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data(), n=st.integers(1, 4), lookahead=st.integers(1, 9), accepted=st.integers(0, 9))
+    def speculate(self, data, n, lookahead, accepted):
+        """A verify step: pages for n tokens plus drafts, then the rejected drafts given back."""
+        req = data.draw(st.sampled_from(self.reqs))
+        n = min(n, req.seq_len - req.kv_len)
+        if n <= 0 or not self.kv.allocate(req, n, num_lookahead_tokens=lookahead):
+            return
+        assert len(req.pages) * self.kv.page_size >= req.kv_len + n + lookahead
+        req.kv_len += n + lookahead  # the forward wrote KV for the drafts too
+        acc = min(accepted, lookahead)
+        req.output_ids.extend([0] * (acc + 1))  # accepted drafts and the bonus token join the sequence
+        keep = req.kv_len - lookahead + acc
+        self.kv.truncate(req, keep)
+        assert req.kv_len == keep
+        assert len(req.pages) == max(-(-keep // self.kv.page_size), req.num_tree_pages)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), extra=st.lists(st.integers(0, 3), max_size=5))
@@ -139,7 +156,6 @@ def _manager(strict: bool) -> tuple[KVManager, list[Req]]:
         16,
         4,
         num_slots=4,
-        max_context=64,
         enable_prefix_cache=True,
         strict=strict,
         holdings=lambda: (KVManager.holding(r) for r in reqs),
@@ -152,7 +168,7 @@ def _manager(strict: bool) -> tuple[KVManager, list[Req]]:
 def test_a_dropped_page_is_caught_and_named():
     kv, _reqs = _manager(strict=True)
     req = Req(rid="victim", input_ids=list(range(10)), params=SamplingParams())
-    assert kv.admit(req) and kv.reserve(req, 10)
+    assert kv.admit(req) and kv.allocate(req, 10)
     req.kv_len = 10
     kv.release(req, commit=False)
     dropped = kv.pages.dropped
@@ -167,7 +183,7 @@ def test_a_dropped_page_is_caught_and_named():
 def test_production_mode_reclaims_and_counts():
     kv, _reqs = _manager(strict=False)
     req = Req(rid="victim", input_ids=list(range(10)), params=SamplingParams())
-    assert kv.admit(req) and kv.reserve(req, 10)
+    assert kv.admit(req) and kv.allocate(req, 10)
     kv.release(req, commit=False)
     kv.ledger.audit()  # logs, counts, reclaims; does not raise
     assert kv.ledger.violations == 1 and kv.ledger.reclaimed_pages == 1
@@ -179,7 +195,7 @@ def test_double_owned_page_is_reported():
     kv, reqs = _manager(strict=True)
     a = Req(rid="a", input_ids=list(range(8)), params=SamplingParams())
     b = Req(rid="b", input_ids=list(range(8)), params=SamplingParams())
-    assert kv.admit(a) and kv.reserve(a, 8) and kv.admit(b)
+    assert kv.admit(a) and kv.allocate(a, 8) and kv.admit(b)
     b.pages.append(a.pages[-1])  # a corruption: b claims a's page
     reqs.extend([a, b])
     report = kv.ledger.audit(count=False)

@@ -7,15 +7,13 @@ import math
 import pytest
 import torch
 
-from kvledger.model import Sampler, SampleRow
-from kvledger.scheduler import SamplingParams
+from kvledger.common.sampling import SamplingParams, SamplingRow
+from kvledger.model import Sampler
 from tests.helpers import assert_idle_clean
 
 
-def _row(seed=None, **kw) -> SampleRow:
-    p = SamplingParams(**kw)
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SampleRow(p, [1, 2, 3], [4, 4, 5], g)
+def _row(seed=None, position=3, **kw) -> SamplingRow:
+    return SamplingRow(SamplingParams(seed=seed, **kw), position, [1, 2, 3], [4, 4, 5])
 
 
 def test_greedy_is_argmax():

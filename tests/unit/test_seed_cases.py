@@ -146,7 +146,7 @@ def test_production_mode_leak_is_reported_reclaimed_and_serving_goes_on(tiny_loa
     eng = Engine(
         loaded_model=tiny_loaded, dtype="float32", max_total_tokens=1024, page_size=16, strict_memory=False
     )
-    pool = eng.core.kv.pages
+    pool = eng.core.kv_manager.pages
     real_free = pool.free
     dropped = []
 
@@ -162,25 +162,29 @@ def test_production_mode_leak_is_reported_reclaimed_and_serving_goes_on(tiny_loa
     assert dropped
     lc = eng.memory()["leak_check"]
     assert lc["violations"] == 1 and not lc["ok"]
-    assert eng.core.kv.ledger.reclaimed_pages == 1 and pool.is_free(dropped[0])
+    assert eng.core.kv_manager.ledger.reclaimed_pages == 1 and pool.is_free(dropped[0])
     out = eng.generate(input_ids=list(range(3, 30)), sampling_params={**GREEDY, "max_new_tokens": 5})
     assert len(out["output_ids"]) == 5
     assert eng.audit().ok
 
 
-def test_duplicate_rid_race_goes_through_the_release_path(make_engine):
-    """Two submissions with one rid that both reach the inbox: the second ends (409) through
-    `_finish` — its hooks run — and the first is untouched."""
+def test_duplicate_rid_is_refused_before_anything_is_held(make_engine):
+    """A second submission with a running request's rid is refused (409) by the engine's one
+    duplicate check, before it holds a slot, a page or a session's turn; the first is untouched."""
+    from kvledger.errors import ConflictError
+
     eng = make_engine()
-    seen = []
-    eng.core.scheduler.release_hooks.append(lambda r: seen.append((r.rid, r.to_finish.status)))
+    sid = eng.open_session()
     first = eng.core.make_request([3, 4, 5], {**GREEDY, "max_new_tokens": 6}, "same")
     second = eng.core.make_request([6, 7], {**GREEDY, "max_new_tokens": 6}, "same")
-    eng.core.scheduler.submit(first)
-    eng.core.scheduler.submit(second)  # bypasses the front's check, as a race would
-    outs = eng.core.step()
-    assert ("same", 409) in seen
-    assert any(o.finished and o.finish_reason.status == 409 for o in outs)
+    eng.core.submit(first)
+    eng.core.step()
+    before = eng.memory()
+    with pytest.raises(ConflictError) as e:
+        eng.core.submit(second, {"id": sid})  # bypasses the front's check, as a race would
+    assert e.value.code == "duplicate_rid"
+    assert eng.memory() == before
+    assert eng.sessions()[0]["busy_rid"] is None  # the refused turn never took its session
     assert eng.core.scheduler.reqs.get("same") is first
     while eng.core.scheduler.reqs:
         eng.core.step()

@@ -226,7 +226,7 @@ def test_sessions_never_starve_a_normal_request(make_engine):
     assert eng.memory()["kv_session"] >= 192
     big = eng.generate(input_ids=list(range(3, 203)), sampling_params={**G, "max_new_tokens": 40})
     assert len(big["output_ids"]) == 40
-    assert eng.core.kv.session_evictions > 0
+    assert eng.core.kv_manager.sessions.evictions > 0
     # An evicted session still answers exactly: its tokens are recomputed.
     out = eng.generate(
         input_ids=[99], sampling_params={**G, "max_new_tokens": 5}, session_params={"id": sids[0]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger import ValidationError
-from kvledger.scheduler import Limits, validate_request
+from kvledger.common import Limits, validate_request
 
 LIMITS = Limits(vocab_size=256, context_length=100)
 

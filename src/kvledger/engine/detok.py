@@ -1,12 +1,17 @@
-"""Turning output ids into text: stop tokens and stop strings cut, special tokens skipped, and never
-half a UTF-8 character or part of a stop string that may still be cut while streaming."""
+"""Turning output ids into text: never half a UTF-8 character, and never text that a stop string
+may still cut while streaming.
+
+Stop strings are the engine's: it detects them (``scheduler/stop.py``) and ends the request with
+the matched string in its finish reason. This module only renders: the final text is cut where that
+matched string starts; while streaming, text from the first occurrence (or a possible start) of a
+stop string on is held back, since the engine may be about to end there."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..scheduler.request import FinishReason
+from ..common import FinishReason
 
 
 @dataclass
@@ -26,28 +31,30 @@ class TextState:
         if finish is not None and finish.type == "stop" and isinstance(finish.matched, int) and ids:
             ids = ids[:-1]  # the stop token itself is not text
         full = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        cut = len(full)
-        for s in self.stop:
-            i = full.find(s)
-            if i != -1:
-                cut = min(cut, i)
-        if cut < len(full):
-            self.text = full[:cut]
-            return self.text
-        if finish is None:
-            # Hold back a trailing replacement char (an incomplete multi-byte character) and any tail
-            # that is the start of a stop string, since the next tokens may complete either.
-            while full.endswith("\ufffd"):
-                full = full[:-1]
-            hold = 0
-            for s in self.stop:
-                for k in range(min(len(s) - 1, len(full)), 0, -1):
-                    if full.endswith(s[:k]):
-                        hold = max(hold, k)
-                        break
-            full = full[: len(full) - hold]
-            # Never take back text already shown.
-            if len(full) < len(self.text) or not full.startswith(self.text):
-                return self.text
-        self.text = full
+        if finish is not None:
+            if finish.type == "stop" and isinstance(finish.matched, str):
+                i = full.find(finish.matched)
+                full = full if i == -1 else full[:i]
+            self.text = full
+            return full
+        self.text = self._safe_prefix(full)
         return self.text
+
+    def _safe_prefix(self, full: str) -> str:
+        cut = min([i for i in (full.find(s) for s in self.stop) if i != -1], default=len(full))
+        full = full[:cut]
+        # Hold back a trailing replacement char (an incomplete multi-byte character) and any tail
+        # that is the start of a stop string: the next tokens may complete either.
+        while full.endswith("\ufffd"):
+            full = full[:-1]
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(full)), 0, -1):
+                if full.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        full = full[: len(full) - hold]
+        # Never take back text already shown.
+        if len(full) < len(self.text) or not full.startswith(self.text):
+            return self.text
+        return full

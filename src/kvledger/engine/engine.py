@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..common import FinishReason, RequestOutput, meta_info, parse_prompts
 from ..config import EngineConfig
 from ..errors import NotFoundError, ValidationError
-from ..scheduler.request import FinishReason, Req, StepOutput
+from ..scheduler import Req
 from .core import EngineCore
 from .detok import TextState
 
@@ -23,24 +23,19 @@ class _Track:
     top_logprobs: list = field(default_factory=list)
     finish: FinishReason | None = None
     cached_tokens: int = 0
-    completion_tokens: int = 0
     version: int = 0
 
     def result(self) -> dict:
         p = self.req.params
-        meta: dict[str, Any] = {
-            "id": self.req.rid,
-            "prompt_tokens": len(self.req.input_ids),
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "finish_reason": self.finish.to_dict() if self.finish else None,
-        }
-        if p.logprobs or p.top_logprobs:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.output_ids)]
-        if p.top_logprobs:
-            meta["output_top_logprobs"] = [
-                [[lp, t, None] for t, lp in (top or [])] for top in self.top_logprobs
-            ]
+        meta = meta_info(
+            self.req.rid,
+            len(self.req.input_ids),
+            self.output_ids,
+            self.cached_tokens,
+            self.finish,
+            self.logprobs if p.wants_logprobs else None,
+            self.top_logprobs if p.top_logprobs else None,
+        )
         return {
             "text": self.text.update(self.output_ids, self.finish),
             "output_ids": list(self.output_ids),
@@ -68,20 +63,8 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------------------
     def _prepare(self, prompt, sampling_params, input_ids, rid) -> tuple[list[Req], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise ValidationError("give exactly one of prompt and input_ids", param="prompt")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            items = [prompt] if single else list(prompt)
-            ids_list = [self.core.tokenize(p) for p in items]
-        else:
-            single = not (
-                isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], (list, tuple))
-            )
-            ids_list = [input_ids] if single else list(input_ids)
+        ids_list, single = parse_prompts(prompt, input_ids, self.core.tokenizer, text_param="prompt")
         n = len(ids_list)
-        if n == 0:
-            raise ValidationError("no prompts given", param="prompt")
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(sps) != n:
             raise ValidationError(f"{len(sps)} sampling_params for {n} prompts", param="sampling_params")
@@ -102,7 +85,7 @@ class Engine:
                     r, TextState(self.core.tokenizer, r.params.skip_special_tokens, r.params.stop)
                 )
 
-    def _apply(self, outs: list[StepOutput]) -> None:
+    def _apply(self, outs: list[RequestOutput]) -> None:
         for o in outs:
             t = self._tracks.get(o.rid)
             if t is None:
@@ -110,7 +93,6 @@ class Engine:
             t.output_ids.extend(o.new_ids)
             t.logprobs.extend(o.new_logprobs)
             t.top_logprobs.extend(o.new_top_logprobs)
-            t.completion_tokens = o.completion_tokens
             t.cached_tokens = o.cached_tokens
             if o.finished:
                 t.finish = o.finish_reason
@@ -200,7 +182,7 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a request in any state; it ends with finish_reason abort through the release path."""
-        if not self.core.scheduler.has_rid(rid) and rid not in self._tracks:
+        if rid not in self.core.scheduler.reqs and rid not in self._tracks:
             raise NotFoundError(f"no running request with id {rid!r}", param="rid")
         self.core.abort(rid)
 
@@ -248,8 +230,7 @@ class Engine:
                 self.core.abort(rid, "engine shut down")
             while not self.core.scheduler.idle:
                 self._apply(self.core.step())
-            for sid in list(self.core.sessions.sessions):
-                self.core.close_session(sid)
+            self.core.shutdown()
 
     def __enter__(self) -> Engine:
         return self

@@ -1,61 +1,46 @@
-"""Model runner: turns a scheduled batch into a ``ForwardBatch``, runs the model, samples."""
+"""Model runner: a ``SchedulerOutput`` in, a ``ModelRunnerOutput`` out. Applies the page-table
+changes, builds the ``ForwardBatch``, runs the model, samples, and verifies drafts."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..common.sampling import SamplingRow
 from ..memory import KVBuffer
-from ..model import ForwardBatch, LlamaModel, Sampler, SampleResult, SampleRow
-from ..scheduler.request import Req
+from ..model import ForwardBatch, LlamaModel, Sampler
+from ..scheduler.output import ModelRunnerOutput, ScheduledReq, SchedulerOutput
+from .page_table import PageTable
 
 
 class ModelRunner:
-    def __init__(
-        self, model: LlamaModel, kv: KVBuffer, req_to_token: torch.Tensor, page_size: int, seed: int = 0
-    ):
-        self.page_size = page_size
-        # Test-only fault injection: a batch holding one of these rids raises, as a kernel bug would.
-        self.fault_rids = {r for r in os.environ.get("KVLEDGER_TEST_FAULT_RIDS", "").split(",") if r}
+    def __init__(self, model: LlamaModel, kv_buffer: KVBuffer, page_table: PageTable, seed: int = 0):
         self.model = model
-        self.kv = kv
-        self.req_to_token = req_to_token
+        self.kv_buffer = kv_buffer
+        self.page_table = page_table
         self.sampler = Sampler(seed)
 
-    def build(self, work: list[tuple[Req, int]]) -> tuple[ForwardBatch, list[int]]:
-        """Flatten ``work`` (request, number of new tokens). Returns the batch and the indices (into
-        ``work``) of the requests that reach their end in this forward and so need a token sampled."""
+    def build(self, sched: SchedulerOutput) -> ForwardBatch:
+        """Flatten the scheduled requests; every request that samples puts ``1 + num_draft``
+        positions through the LM head (its last sequence token and each draft)."""
+        table = self.page_table.req_to_token
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        out_loc: list[torch.Tensor] = []
+        positions, out_loc = [], []
         logit_index: list[int] = []
-        sample_at: list[int] = []
         rows, prefix, ext, seq = [], [], [], []
         t = 0
-        for j, (req, n) in enumerate(work):
-            if req.rid in self.fault_rids:
-                raise RuntimeError(f"injected fault for request {req.rid}")
-            a, b = req.kv_len, req.kv_len + n
-            lp = len(req.input_ids)
-            # Slice prompt and output separately: no full concatenation per decode step.
-            if a >= lp:
-                ids.extend(req.output_ids[a - lp : b - lp])
-            else:
-                ids.extend(req.input_ids[a:b])
-                if b > lp:
-                    ids.extend(req.output_ids[: b - lp])
-            positions.append(torch.arange(a, b))
-            out_loc.append(self.req_to_token[req.slot, a:b])
-            rows.append(req.slot)
+        for r in sched.reqs:
+            a, n = r.start, r.num_tokens
+            ids.extend(r.token_ids)
+            positions.append(torch.arange(a, a + n))
+            out_loc.append(table[r.slot, a : a + n])
+            rows.append(r.slot)
             prefix.append(a)
             ext.append(n)
-            seq.append(b)
+            seq.append(a + n)
             t += n
-            if b == req.seq_len:
-                logit_index.append(t - 1)
-                sample_at.append(j)
-        batch = ForwardBatch(
+            if r.sampling is not None:
+                logit_index.extend(range(t - 1 - r.num_draft, t))
+        return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.cat(positions),
             out_loc=torch.cat(out_loc),
@@ -64,21 +49,51 @@ class ModelRunner:
             extend_lens=ext,
             seq_lens=seq,
             logit_index=torch.tensor(logit_index, dtype=torch.int64),
-            req_to_token=self.req_to_token,
-            page_size=self.page_size,
+            req_to_token=table,
+            page_size=self.page_table.page_size,
         )
-        return batch, sample_at
 
-    def run(self, work: list[tuple[Req, int]]) -> tuple[list[int], SampleResult | None]:
-        batch, sample_at = self.build(work)
-        logits = self.model.forward(batch, self.kv)
-        if not sample_at:
-            return sample_at, None
-        rows = []
-        for j in sample_at:
-            req = work[j][0]
-            rows.append(SampleRow(req.params, req.input_ids, req.output_ids, req.generator))
-        return sample_at, self.model_sample(logits, rows)
+    def execute(self, sched: SchedulerOutput, connector=None) -> ModelRunnerOutput:
+        self.page_table.apply(sched.page_writes)
+        batch = self.build(sched)
+        logits = self.model.forward(batch, self.kv_buffer, connector)
+        return self._sample(sched, logits)
 
-    def model_sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        return self.sampler.sample(logits, rows)
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
+        out = ModelRunnerOutput.empty(len(sched.reqs))
+        rows: list[SamplingRow] = []
+        for r in sched.reqs:
+            if r.sampling is not None:
+                rows.extend(_verify_rows(r))
+        if not rows:
+            return out
+        res = self.sampler.sample(logits, rows)
+        k = 0
+        for i, r in enumerate(sched.reqs):
+            if r.sampling is None:
+                continue
+            drafts = r.token_ids[r.num_tokens - r.num_draft :]
+            # Accept drafts while the target's own draw equals them, then take its draw at the first
+            # mismatch (or the bonus after the last draft). For drafts that are a fixed guess (n-gram)
+            # this is exactly rejection sampling: the output distribution is the target's.
+            for j in range(r.num_draft + 1):
+                tok = res.tokens[k + j]
+                out.tokens[i].append(tok)
+                out.logprobs[i].append(res.logprobs[k + j])
+                out.top_logprobs[i].append(res.top_logprobs[k + j])
+                if j == r.num_draft or tok != drafts[j]:
+                    break
+            k += r.num_draft + 1
+        return out
+
+
+def _verify_rows(r: ScheduledReq) -> list[SamplingRow]:
+    s = r.sampling
+    if r.num_draft == 0:
+        return [s]
+    drafts = r.token_ids[r.num_tokens - r.num_draft :]
+    rows = []
+    for j in range(r.num_draft + 1):
+        hist = None if s.output_ids is None else s.output_ids + drafts[:j]
+        rows.append(SamplingRow(s.params, s.position + j, s.prompt_ids, hist))
+    return rows

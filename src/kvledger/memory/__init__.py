@@ -1,16 +1,23 @@
-"""KV memory: page and slot pools, the radix prefix cache, and the ledger that audits them."""
+"""KV memory: page and slot pools, the radix prefix cache, the ledger that audits them, and the
+memory operations on behalf of requests and sessions (``KVManager``)."""
 
+from .kv_manager import KVManager, PageWrite
 from .ledger import AuditReport, Holding, Ledger
 from .pools import KVBuffer, PagePool, ReqSlotPool
 from .radix import RadixCache, TreeNode
+from .session_kv import Session, SessionKV
 
 __all__ = [
     "AuditReport",
     "Holding",
     "KVBuffer",
+    "KVManager",
     "Ledger",
     "PagePool",
+    "PageWrite",
     "RadixCache",
     "ReqSlotPool",
+    "Session",
+    "SessionKV",
     "TreeNode",
 ]

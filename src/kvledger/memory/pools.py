@@ -1,4 +1,4 @@
-"""The two pools: KV pages (plus the tensors they index) and request slots (rows of req->token).
+"""The two pools: KV pages (plus the tensors they index) and request slots (rows of the page table).
 
 Pools only hand out and take back ids; *who* owns an id is the ledger's business. Each id remembers
 its last owner so that an audit can name it.
@@ -12,14 +12,14 @@ import torch
 class KVBuffer:
     """K and V tensors of all layers: ``k[layer]`` is ``[kv_heads, num_pages * page_size, head_dim]``.
 
-    KV slot ``page * page_size + offset`` holds token ``offset`` of page ``page``. Heads lead so that a
-    gather of a batch's slots comes out as ``[kv_heads, tokens, head_dim]``, the layout batched
-    attention matmuls want without another copy.
+    Cache location ``page * page_size + offset`` holds token ``offset`` of page ``page``. Heads lead so
+    that a gather of a batch's locations comes out as ``[kv_heads, tokens, head_dim]``, the layout
+    batched attention matmuls want without another copy.
     """
 
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
-        self.k = torch.zeros(num_layers, kv_heads, num_slots, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(num_layers, kv_heads, num_slots, head_dim, dtype=dtype, device=device)
+    def __init__(self, num_layers: int, num_tokens: int, kv_heads: int, head_dim: int, dtype, device="cpu"):
+        self.k = torch.zeros(num_layers, kv_heads, num_tokens, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(num_layers, kv_heads, num_tokens, head_dim, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -78,11 +78,11 @@ class PagePool:
 
 
 class ReqSlotPool:
-    """Rows of the request->token table: row r, column i is the KV slot of token i of the request in r."""
+    """Request slots: a live request's row of the page table (which the executor holds, see
+    ``engine/page_table.py``). A slot is free, used by one live request, or nothing else."""
 
-    def __init__(self, num_slots: int, max_context: int, device="cpu"):
+    def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self.req_to_token = torch.zeros(num_slots, max_context, dtype=torch.int64, device=device)
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._is_free = bytearray([1]) * num_slots
         self.last_owner: list[str] = ["never allocated"] * num_slots
@@ -108,17 +108,5 @@ class ReqSlotPool:
         self.last_owner[slot] = f"freed by {by}"
         return True
 
-    def set_owner(self, slot: int, owner: str) -> None:
-        self.last_owner[slot] = owner
-
     def free_list(self) -> list[int]:
         return list(self._free)
-
-    def write_pages(self, slot: int, start_page: int, pages: list[int], page_size: int) -> None:
-        """Fill the row's token->KV-slot entries for ``pages`` placed at page index ``start_page``."""
-        if not pages:
-            return
-        p = torch.tensor(pages, dtype=torch.int64)
-        cols = (p.unsqueeze(1) * page_size + torch.arange(page_size)).flatten()
-        begin = start_page * page_size
-        self.req_to_token[slot, begin : begin + cols.numel()] = cols

@@ -166,6 +166,3 @@ class RadixCache:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
-
-    def total_pages(self) -> int:
-        return self.evictable_pages + self.protected_pages

@@ -4,7 +4,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .llama import LlamaModel
 from .loader import LoadedModel, default_model_path, load_model
-from .sampler import Sampler, SampleResult, SampleRow
+from .sampler import Sampler, SampleResult, row_generator
 
 __all__ = [
     "ForwardBatch",
@@ -12,8 +12,8 @@ __all__ = [
     "LoadedModel",
     "ModelConfig",
     "SampleResult",
-    "SampleRow",
     "Sampler",
     "default_model_path",
     "load_model",
+    "row_generator",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -153,7 +153,7 @@ class TorchAttention:
 # The forward of a compiled graph cannot take a Python batch description, so the attention op finds
 # its backend, KV buffer and batch here, under the handle of the model that is running (as vLLM's
 # forward context). One entry per model instance; set only for the duration of one forward.
-_CONTEXTS: dict[int, tuple[AttentionBackend, KVBuffer, ForwardBatch]] = {}
+_CONTEXTS: dict[int, tuple[AttentionBackend, KVBuffer, ForwardBatch, Any]] = {}
 _next_handle = itertools.count(1)
 
 
@@ -162,8 +162,11 @@ def new_handle() -> int:
 
 
 @contextlib.contextmanager
-def attention_context(handle: int, backend: AttentionBackend, kv: KVBuffer, batch: ForwardBatch):
-    _CONTEXTS[handle] = (backend, kv, batch)
+def attention_context(
+    handle: int, backend: AttentionBackend, kv_buffer: KVBuffer, batch: ForwardBatch, connector=None
+):
+    """``connector``: a KV connector's worker side, told per layer (load before, save after)."""
+    _CONTEXTS[handle] = (backend, kv_buffer, batch, connector)
     try:
         yield
     finally:
@@ -177,8 +180,17 @@ def paged_attention(
     Eager forwards call the backend directly (the custom op's dispatch costs ~0.1 ms a call)."""
     if torch.compiler.is_compiling():
         return _attention_op(q, k, v, layer, handle)
-    backend, kv, batch = _CONTEXTS[handle]
-    return backend.forward(layer, q, k, v, kv, batch)
+    return _attend(q, k, v, layer, handle)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, handle: int) -> torch.Tensor:
+    backend, kv_buffer, batch, connector = _CONTEXTS[handle]
+    if connector is None:
+        return backend.forward(layer, q, k, v, kv_buffer, batch)
+    connector.wait_for_layer_load(layer)
+    out = backend.forward(layer, q, k, v, kv_buffer, batch)
+    connector.save_kv_layer(layer, kv_buffer)
+    return out
 
 
 @torch.library.custom_op("kvledger::attention", mutates_args=())
@@ -186,8 +198,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
     """``paged_attention`` inside compiled graphs. Opaque to ``torch.compile``: the KV pool is written
     as a side effect the compiler does not see, which is safe because nothing else in the graph reads
     it and each layer's call depends on the previous layer's output."""
-    backend, kv, batch = _CONTEXTS[handle]
-    return backend.forward(layer, q, k, v, kv, batch)
+    return _attend(q, k, v, layer, handle)
 
 
 @_attention_op.register_fake

@@ -215,8 +215,9 @@ class LlamaModel:
         return n
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVBuffer) -> torch.Tensor:
-        """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``."""
+    def forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None) -> torch.Tensor:
+        """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``.
+        ``connector``: a KV connector's worker side, called per layer (see ``connector/base.py``)."""
         self.attn.prepare(batch)
         # Only forwards that sample several rows go through the compiled graph: dynamo specializes
         # sizes 0 and 1, so routing single-request forwards there too would compile two more graphs
@@ -224,5 +225,5 @@ class LlamaModel:
         use = self.compiled is not None and batch.num_tokens > 1 and batch.logit_index.shape[0] > 1
         net = self.compiled if use else self.net
         self.compiled_forwards += use
-        with attention_context(self.handle, self.attn, kv, batch):
+        with attention_context(self.handle, self.attn, kv_buffer, batch, connector):
             return net(batch.input_ids, batch.positions, batch.logit_index)

@@ -3,35 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from ..common.sampling import SamplingRow
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would only add noise)
-
-
-class SamplingSpec(Protocol):
-    """What the sampler reads of a request's sampling parameters."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    logprobs: bool
-    top_logprobs: int
-
-
-@dataclass
-class SampleRow:
-    """One request's view for this step."""
-
-    params: SamplingSpec
-    prompt_ids: list[int]
-    output_ids: list[int]
-    generator: torch.Generator | None  # a seeded request's own generator; None: the sampler's
 
 
 @dataclass
@@ -41,38 +18,43 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
+def row_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of a seeded request's draw at ``position``: a function of the two alone."""
+    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position) % (2**63 - 1))
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _penalize(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         V = logits.shape[1]
         for i, r in enumerate(rows):
             p = r.params
+            if not p.has_penalties:
+                continue
+            prompt, output = r.prompt_ids or [], r.output_ids or []
             if p.repetition_penalty != 1.0:
                 # HF/vLLM semantics: every token seen in the prompt or the output.
-                seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+                seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
                 if seen.numel():
                     vals = logits[i, seen]
                     logits[i, seen] = torch.where(
                         vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
                     )
-            if (p.frequency_penalty or p.presence_penalty) and r.output_ids:
+            if (p.frequency_penalty or p.presence_penalty) and output:
                 # OpenAI semantics: output tokens only.
-                counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long), minlength=V).float()
+                counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).float()
                 logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """Choose one token per row of ``logits`` (float32 ``[B, V]``)."""
         B = logits.shape[0]
-        want_lp = [r.params.logprobs or r.params.top_logprobs > 0 for r in rows]
+        want_lp = [r.params.wants_logprobs for r in rows]
         # Logprobs are reported from the model's raw distribution (before temperature and penalties),
         # as vLLM does by default.
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        if any(
-            r.params.repetition_penalty != 1.0 or r.params.frequency_penalty or r.params.presence_penalty
-            for r in rows
-        ):
+        if any(r.params.has_penalties for r in rows):
             logits = logits.clone()
             self._penalize(logits, rows)
         temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
@@ -98,14 +80,12 @@ class Sampler:
                 sp = sp.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(1, si, sp)
             noise = torch.empty_like(probs)
-            unseeded = [j for j, r in enumerate(srows) if r.generator is None]
+            unseeded = [j for j, r in enumerate(srows) if r.params.seed is None]
             if unseeded:
                 noise[unseeded] = torch.empty(len(unseeded), V).exponential_(generator=self.generator)
             for j, r in enumerate(srows):
-                if r.generator is not None:
-                    # Each seeded request draws from its own generator, so its output does not depend
-                    # on what else is in the batch.
-                    noise[j].exponential_(generator=r.generator)
+                if r.params.seed is not None:
+                    noise[j].exponential_(generator=row_generator(r.params.seed, r.position))
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
             tokens[sampled] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
         tok_list = tokens.tolist()

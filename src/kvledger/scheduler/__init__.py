@@ -1,19 +1,19 @@
-"""Requests, validation, request memory management and the continuous-batching scheduler."""
+"""The request state machine and the continuous-batching scheduler: intake and safe points
+(``scheduler.py``), batch policy and retraction (``policy.py``), stop checks (``stop.py``), sessions'
+lifecycle (``sessions.py``) and the types that cross the executor seam (``output.py``)."""
 
-from .kv_manager import KVManager
-from .request import FinishReason, Req, ReqState, SamplingParams, StepOutput
+from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
+from .request import Req, ReqState
 from .scheduler import Scheduler
-from .validation import Limits, validate_request, validate_sampling
+from .sessions import SessionManager
 
 __all__ = [
-    "FinishReason",
-    "KVManager",
-    "Limits",
+    "ModelRunnerOutput",
     "Req",
     "ReqState",
-    "SamplingParams",
+    "SamplingRow",
+    "ScheduledReq",
     "Scheduler",
-    "StepOutput",
-    "validate_request",
-    "validate_sampling",
+    "SchedulerOutput",
+    "SessionManager",
 ]

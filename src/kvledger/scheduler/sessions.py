@@ -1,11 +1,7 @@
 """Streaming sessions: one conversation's KV kept between turns.
 
-A session owns pages (ledger state SESSION) holding the KV of ``tokens[:kv_len]``. A turn is a
-request whose prompt is the session's tokens (up to ``offset``) plus the new input; while it runs it
-*borrows* the session's full pages (read-only) and computes the rest into pages of its own. When the
-turn ends with stop or length, its KV becomes the session's (the old partial last page and any tail
-orphaned by a shorter ``offset`` are freed first); when it ends by abort, for any reason, the session
-is left exactly as it was. All of that happens in ``KVManager.release``, the one release path.
+This module is the lifecycle (open, close, expiry, caps, making a request a turn); the pages are
+``memory/session_kv.py``'s, and a turn's KV is committed or dropped in the one release path.
 
 Rules: one turn at a time (409); closing while a turn runs defers the release to its finish; turns to a
 closing or closed session get 404; idle sessions expire after their timeout; at most ``max_sessions``
@@ -17,38 +13,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from ..errors import ConflictError, NotFoundError, OverloadedError, ValidationError
-from ..memory import Holding
-
-
-@dataclass(eq=False)
-class Session:
-    id: str
-    timeout_s: float | None
-    tokens: list[int] = field(default_factory=list)  # the conversation so far
-    pages: list[int] = field(default_factory=list)  # SESSION pages: KV of tokens[:kv_len]
-    kv_len: int = 0
-    busy_rid: str | None = None
-    closing: bool = False  # close requested while a turn runs (close_on_finish)
-    closed: bool = False
-    last_used: float = field(default_factory=time.monotonic)
-    turns: int = 0
-
-    @property
-    def owner(self) -> str:
-        return f"session {self.id}"
+from ..memory import Session, SessionKV
 
 
 class SessionManager:
-    def __init__(self, kv, max_sessions: int, default_timeout_s: float | None, page_size: int):
-        self.kv = kv
+    def __init__(
+        self, session_kv: SessionKV, max_sessions: int, default_timeout_s: float | None, page_size: int
+    ):
+        self.kv = session_kv
         self.max_sessions = max_sessions
         self.default_timeout_s = default_timeout_s
         self.page_size = page_size
-        self.sessions: dict[str, Session] = {}
-        kv.sessions = self  # the KV manager commits turns into sessions and evicts idle sessions' KV
+        self.sessions: dict[str, Session] = session_kv.by_id  # one registry: the memory side's
 
     # -- open / close -------------------------------------------------------------------------------------
     def open(self, session_id: str | None = None, timeout: float | None = None) -> str:
@@ -77,20 +55,14 @@ class SessionManager:
         if s.busy_rid is not None:
             s.closing = True  # released by the running turn's finish, through the release path
             return
-        self.release(s)
-
-    def release(self, s: Session) -> None:
-        """Give back everything a session holds (close, expiry, close_on_finish, shutdown)."""
-        self.kv.free_session_pages(s)
-        s.closed = True
-        self.sessions.pop(s.id, None)
+        self.kv.release(s)
 
     def expire(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         gone = []
         for s in list(self.sessions.values()):
             if s.busy_rid is None and s.timeout_s is not None and now - s.last_used > s.timeout_s:
-                self.release(s)
+                self.kv.release(s)
                 gone.append(s.id)
         return gone
 
@@ -143,24 +115,8 @@ class SessionManager:
         req.params.max_new_tokens = min(req.params.max_new_tokens, context_length - len(prompt))
         req.session = s
         req.session_offset = offset
-        req.session_id = s.id
         s.busy_rid = req.rid
         s.last_used = time.monotonic()
-
-    def detach(self, req) -> None:
-        """Undo ``attach`` for a request that was never queued (e.g. the queue was full)."""
-        s = req.session
-        if s is not None and s.busy_rid == req.rid:
-            s.busy_rid = None
-        req.session = None
-
-    # -- ledger ---------------------------------------------------------------------------------------------
-    def holdings(self):
-        for s in self.sessions.values():
-            yield Holding(owner=s.owner, kind="session", own_pages=s.pages)
-
-    def held_tokens(self) -> int:
-        return sum(len(s.pages) for s in self.sessions.values()) * self.page_size
 
     def describe(self) -> list[dict]:
         return [

@@ -15,32 +15,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
+from ..common import FinishReason, RequestOutput, SamplingParams
+from ..common import messages as m
 from ..config import EngineConfig
 from ..engine.process import engine_main, ipc_paths
-from ..errors import ConflictError, KVLedgerError, ModelLoadError
+from ..errors import ConflictError, ModelLoadError, ServiceUnavailable, error_for_status
 
 log = logging.getLogger("kvledger.server")
 
 
-class EngineUnavailable(KVLedgerError):
-    status = 503
-    type = "service_unavailable"
-
-
-def remote_error(err: dict) -> KVLedgerError:
-    """An error the engine process reported, with its HTTP status."""
-    e = KVLedgerError(err.get("message") or "engine error", param=err.get("param"), code=err.get("code"))
-    e.status = int(err.get("status", 500))
-    e.type = err.get("type") or "internal_error"
-    return e
-
-
 class EngineClient:
-    """Owns the engine process. Each request gets an asyncio.Queue of output dicts from the engine;
-    a final item has ``finished`` true. If the engine dies, every open queue gets a 503 final item."""
+    """Owns the engine process. Each request gets an asyncio.Queue of ``RequestOutput``s from the
+    engine; a final one has ``finished`` set. If the engine dies, every open queue gets a 503 final."""
 
     def __init__(
         self,
@@ -52,7 +42,6 @@ class EngineClient:
         self.cfg = cfg
         self.watchdog_timeout_s = watchdog_timeout_s
         self.last_msg = time.monotonic()
-        self.watchdog_trips = 0
         self.on_stall: Callable[[], None] | None = None
         self.log_level = log_level
         self.ready_timeout_s = ready_timeout_s
@@ -80,16 +69,16 @@ class EngineClient:
         self.on_death: Callable[[], None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
-    async def start(self) -> None:
+    def start(self) -> None:
+        """Spawn the engine and its monitor; ``wait_ready`` waits for the model to load."""
         self._spawn()
         self._tasks.append(asyncio.create_task(self._monitor()))
-        await self.wait_ready()
 
     async def wait_ready(self) -> None:
         try:
             await asyncio.wait_for(self._ready_event.wait(), self.ready_timeout_s)
         except TimeoutError:
-            raise EngineUnavailable("the engine did not become ready in time") from None
+            raise ServiceUnavailable("the engine did not become ready in time") from None
         if self.fatal:
             raise ModelLoadError(self.fatal)
 
@@ -117,38 +106,56 @@ class EngineClient:
     async def _recv(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             try:
-                msg = await sock.recv_json()
+                frame = await sock.recv()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
             self.last_msg = time.monotonic()
-            kind = msg.get("type")
-            if kind == "outputs":
-                for item in msg["items"]:
-                    q = self.streams.get(item["rid"])
-                    if q is not None:
-                        q.put_nowait(item)
-                        if item["finished"]:
-                            self.streams.pop(item["rid"], None)
-                if "stats" in msg:
-                    self.stats = msg["stats"]
-                    if self.on_stats:
-                        self.on_stats(self.stats)
-            elif kind == "reply":
-                fut = self._replies.pop(msg["id"], None)
-                if fut is not None and not fut.done():
-                    if "error" in msg:
-                        fut.set_exception(remote_error(msg["error"]))
-                    else:
-                        fut.set_result(msg["result"])
-            elif kind == "ready":
-                self.info, self.limits, self.engine_config = msg["info"], msg["limits"], msg["config"]
-                self.ready = True
-                self._ready_event.set()
-                log.info("engine ready (pid %s)", msg.get("pid"))
-            elif kind == "fatal":
-                self.fatal = msg["message"]
-                log.error("engine failed to start: %s", self.fatal)
-                self._ready_event.set()
+            try:
+                msg = m.decode_from_engine(frame)
+            except msgspec.ValidationError as e:
+                log.error("dropped a malformed message from the engine: %s", e)
+                continue
+            self._on_message(msg)
+            # Let the streams consume this step's output before the next frame is taken: each step
+            # becomes its own SSE event instead of several steps coalescing into one.
+            await asyncio.sleep(0)
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, m.Outputs):
+            for item in msg.items:
+                q = self.streams.get(item.rid)
+                if q is not None:
+                    q.put_nowait(item)
+                    if item.finished:
+                        self.streams.pop(item.rid, None)
+            if msg.stats is not None:
+                self.stats = msg.stats
+                if self.on_stats:
+                    self.on_stats(self.stats)
+        elif isinstance(msg, m.Reply):
+            fut = self._replies.pop(msg.id, None)
+            if fut is not None and not fut.done():
+                if msg.error is not None:
+                    e = msg.error
+                    fut.set_exception(
+                        error_for_status(
+                            int(e.get("status", 500)),
+                            e.get("message") or "engine error",
+                            e.get("code"),
+                            e.get("param"),
+                        )
+                    )
+                else:
+                    fut.set_result(msg.result)
+        elif isinstance(msg, m.Ready):
+            self.info, self.limits, self.engine_config = msg.info, msg.limits, msg.config
+            self.ready = True
+            self._ready_event.set()
+            log.info("engine ready (pid %s)", msg.pid)
+        elif isinstance(msg, m.Fatal):
+            self.fatal = msg.message
+            log.error("engine failed to start: %s", self.fatal)
+            self._ready_event.set()
 
     async def _monitor(self) -> None:
         """Notice an engine death within ~0.1 s: fail in-flight requests with 503, start a new engine."""
@@ -165,7 +172,6 @@ class EngineClient:
                 # The engine sends something every step and a heartbeat every 0.5 s when idle:
                 # silence means a step that does not end. Policy: kill it; the code below restarts it.
                 log.error("watchdog: the engine made no progress for %.1f s; restarting it", wd)
-                self.watchdog_trips += 1
                 self.ready = False
                 if self.on_stall:
                     self.on_stall()
@@ -196,21 +202,11 @@ class EngineClient:
         streams, self.streams = self.streams, {}
         for rid, q in streams.items():
             q.put_nowait(
-                {
-                    "rid": rid,
-                    "new_ids": [],
-                    "new_logprobs": [],
-                    "new_top_logprobs": [],
-                    "finished": True,
-                    "finish_reason": {"type": "abort", "message": message, "status": 503, "matched": None},
-                    "prompt_tokens": 0,
-                    "completion_tokens": 0,
-                    "cached_tokens": 0,
-                }
+                RequestOutput.final(rid, FinishReason("abort", message, status=503, code="engine_died"))
             )
         for fut in self._replies.values():
             if not fut.done():
-                fut.set_exception(EngineUnavailable(message))
+                fut.set_exception(ServiceUnavailable(message))
         self._replies.clear()
 
     async def close(self) -> None:
@@ -219,7 +215,7 @@ class EngineClient:
             t.cancel()
         if self.proc is not None and self.proc.is_alive():
             with contextlib.suppress(Exception):
-                await self.push.send_json({"type": "shutdown"})
+                await self.push.send(m.encode(m.Shutdown()))
             self.proc.join(timeout=3)
             if self.proc.is_alive():
                 self.proc.terminate()
@@ -235,18 +231,15 @@ class EngineClient:
     # -- requests ----------------------------------------------------------------------------------------
     def _check_ready(self) -> None:
         if not self.ready:
-            raise EngineUnavailable(
+            raise ServiceUnavailable(
                 "the engine is not ready (starting or restarting); retry shortly", code="engine_not_ready"
             )
 
     async def submit(
-        self,
-        rid: str,
-        input_ids: list[int],
-        sampling: dict,
-        health: bool = False,
-        session_params: dict | None = None,
+        self, rid: str, input_ids: list[int], params: SamplingParams, session_params: dict | None = None
     ) -> asyncio.Queue:
+        """Send a request; its outputs arrive on the returned queue. The front's one duplicate-rid
+        check (streams are keyed by rid); the engine checks again, as the authority."""
         self._check_ready()
         if rid in self.streams:
             raise ConflictError(
@@ -254,28 +247,19 @@ class EngineClient:
             )
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
-        await self.push.send_json(
-            {
-                "type": "add",
-                "rid": rid,
-                "input_ids": input_ids,
-                "sampling": sampling,
-                "health": health,
-                "session_params": session_params,
-            }
-        )
+        await self.push.send(m.encode(m.AddRequest(rid, input_ids, params, session_params)))
         return q
 
     async def abort(self, rid: str, message: str = "aborted by the client") -> None:
         if self.ready and self.push is not None:
-            await self.push.send_json({"type": "abort", "rid": rid, "message": message})
+            await self.push.send(m.encode(m.AbortRequest(rid, message)))
 
     async def call(self, op: str, wait_s: float = 30.0, **args) -> Any:
         self._check_ready()
         i = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[i] = fut
-        await self.push.send_json({"type": "call", "id": i, "op": op, "args": args})
+        await self.push.send(m.encode(m.Call(i, op, args)))
         return await asyncio.wait_for(fut, wait_s)
 
     def alive(self) -> bool:

@@ -9,66 +9,63 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..common import FinishReason, RequestOutput, SamplingParams, meta_info
+from ..common.outputs import TopLogprobs
 from ..engine.detok import TextState
 from ..errors import KVLedgerError
-from ..scheduler import SamplingParams
 from .engine_client import EngineClient
 from .metrics import Metrics
 
-
-class RequestFailed(KVLedgerError):
-    """The engine ended a request with an error status (4xx/5xx) before any output."""
-
-    def __init__(self, message: str, status: int, code: str | None = None, param: str | None = None):
-        super().__init__(message, code=code, param=param)
-        self.status = status
-        self.type = {
-            400: "invalid_request_error",
-            404: "not_found_error",
-            409: "conflict_error",
-            429: "overloaded_error",
-            503: "service_unavailable",
-        }.get(status, "internal_error")
+ABORT_REASONS = {400: "validation", 409: "conflict", 429: "queue_full", 503: "engine_unavailable"}
 
 
 @dataclass
 class GenState:
+    """What the front knows of one request so far."""
+
     rid: str
     params: SamplingParams
     text: TextState
     prompt_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
-    top_logprobs: list[Any] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     cached_tokens: int = 0
-    completion_tokens: int = 0
-    finish: dict | None = None
+    finish: FinishReason | None = None
     visible: str = ""
 
     @property
     def finished(self) -> bool:
         return self.finish is not None
 
-    def finish_for_meta(self) -> dict | None:
-        if self.finish is None:
-            return None
-        d = {"type": self.finish["type"]}
-        if self.finish.get("matched") is not None:
-            d["matched"] = self.finish["matched"]
-        if self.finish.get("message"):
-            d["message"] = self.finish["message"]
-        return d
+    def error(self) -> KVLedgerError | None:
+        return None if self.finish is None else self.finish.to_error()
 
-    def error(self) -> RequestFailed | None:
-        f = self.finish
-        if f is None or f.get("status", 200) < 400:
-            return None
-        return RequestFailed(f.get("message") or "request failed", f["status"], f.get("code"), f.get("param"))
+    def add(self, out: RequestOutput) -> None:
+        self.output_ids.extend(out.new_ids)
+        self.logprobs.extend(out.new_logprobs)
+        self.top_logprobs.extend(out.new_top_logprobs)
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        if out.finished:
+            self.finish = out.finish_reason
+
+    def native(self, return_logprob: bool) -> dict:
+        """The /generate answer (and each streamed event): everything so far."""
+        p = self.params
+        meta = meta_info(
+            self.rid,
+            self.prompt_tokens,
+            self.output_ids,
+            self.cached_tokens,
+            self.finish,
+            self.logprobs if return_logprob else None,
+            self.top_logprobs if return_logprob and p.top_logprobs else None,
+        )
+        return {"text": self.visible, "output_ids": list(self.output_ids), "meta_info": meta}
 
 
-class Generator:
+class GenerationService:
     """Runs requests against the engine for the HTTP handlers."""
 
     def __init__(self, client: EngineClient, tokenizer, metrics: Metrics):
@@ -88,49 +85,31 @@ class Generator:
         input_ids: list[int],
         params: SamplingParams,
         rid: str | None = None,
-        health: bool = False,
         session_params: dict | None = None,
     ) -> AsyncIterator[GenState]:
         """Yield the request's state after each batch of new tokens; the last one is finished."""
-        import dataclasses
-
         rid = rid or uuid.uuid4().hex
         st = GenState(
-            rid,
-            params,
-            TextState(self.tokenizer, params.skip_special_tokens, params.stop),
-            prompt_tokens=len(input_ids),
+            rid, params, TextState(self.tokenizer, params.skip_special_tokens, params.stop), len(input_ids)
         )
         t0 = time.monotonic()
         last = None
-        q = await self.client.submit(rid, input_ids, dataclasses.asdict(params), health, session_params)
+        q = await self.client.submit(rid, input_ids, params, session_params)
         try:
-            while True:
-                item = await q.get()
-                items = [item]
-                while not q.empty() and not items[-1]["finished"]:
+            while st.finish is None:
+                items = [await q.get()]
+                while not q.empty() and not items[-1].finished:
                     items.append(q.get_nowait())
                 now = time.monotonic()
                 for it in items:
-                    if it["new_ids"]:
-                        if last is None:
-                            self.metrics.ttft.observe(now - t0)
-                        else:
-                            self.metrics.itl.observe(now - last)
+                    if it.new_ids:
+                        (self.metrics.ttft if last is None else self.metrics.itl).observe(now - (last or t0))
                         last = now
-                    st.output_ids.extend(it["new_ids"])
-                    st.logprobs.extend(it["new_logprobs"])
-                    st.top_logprobs.extend(it["new_top_logprobs"])
-                    st.cached_tokens = it["cached_tokens"] or st.cached_tokens
-                    st.completion_tokens = it["completion_tokens"] or len(st.output_ids)
-                    if it["finished"]:
-                        st.finish = it["finish_reason"]
+                    st.add(it)
                 if st.finish is not None:
                     self._account(st, now - t0)
-                st.visible = self._text(st)
+                st.visible = st.text.update(st.output_ids, st.finish)
                 yield st
-                if st.finish is not None:
-                    return
         finally:
             if st.finish is None:
                 # The consumer went away (client disconnect, cancelled handler): abort in the engine,
@@ -139,52 +118,35 @@ class Generator:
                 self._abort_soon(rid, "the client disconnected")
                 self.metrics.aborted.labels("client_disconnect").inc()
 
-    def _text(self, st: GenState) -> str:
-        from ..scheduler.request import FinishReason
-
-        fr = None
-        if st.finish is not None:
-            fr = FinishReason(st.finish["type"], matched=st.finish.get("matched"))
-        return st.text.update(st.output_ids, fr)
-
     def _account(self, st: GenState, e2e: float) -> None:
         m = self.metrics
         m.e2e.observe(e2e)
         m.prompt_tokens.inc(st.prompt_tokens)
         m.generation_tokens.inc(len(st.output_ids))
         m.cache_hit.inc(st.cached_tokens)
-        m.requests.labels(st.finish["type"]).inc()
-        if st.finish["type"] == "abort":
-            status = st.finish.get("status", 200)
-            reason = {400: "validation", 409: "conflict", 429: "queue_full", 503: "engine_unavailable"}.get(
-                status, "engine_error" if status >= 500 else "abort"
-            )
-            m.aborted.labels(reason).inc()
+        m.requests.labels(st.finish.type).inc()
+        if st.finish.type == "abort":
+            status = st.finish.status
+            m.aborted.labels(ABORT_REASONS.get(status, "engine_error" if status >= 500 else "abort")).inc()
 
-    async def collect(
-        self, input_ids, params, rid=None, health=False, disconnected=None, session_params=None
-    ) -> GenState:
+    async def collect(self, input_ids, params, rid=None, disconnected=None, session_params=None) -> GenState:
         """Run to completion. ``disconnected`` is polled; if it turns true the request is aborted."""
-        final: GenState | None = None
 
         async def run() -> GenState:
             last = None
-            async for state in self.stream(input_ids, params, rid, health, session_params):
+            async for state in self.stream(input_ids, params, rid, session_params):
                 last = state
             return last
 
         task = asyncio.create_task(run())
         if disconnected is None:
-            final = await task
-        else:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    final = task.result()
-                    break
-                if await disconnected():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                    raise asyncio.CancelledError
-        return final
+            return await task
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                raise asyncio.CancelledError

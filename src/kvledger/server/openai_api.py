@@ -9,9 +9,10 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..errors import NotFoundError, ValidationError
-from ..scheduler import SamplingParams
-from .generation import Generator, GenState
+from ..common import SamplingParams, parse_prompts, validate_request
+from ..common.prompts import split_openai_prompt
+from ..errors import NotFoundError, ValidationError, error_body
+from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
 
 
@@ -41,13 +42,11 @@ def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, t
 
 
 def finish_reason(st: GenState) -> str | None:
-    if st.finish is None:
-        return None
-    return st.finish["type"]
+    return None if st.finish is None else st.finish.type
 
 
 class OpenAIServing:
-    def __init__(self, gen: Generator, name: str, aliases: set[str], limits, tokenizer, max_n: int):
+    def __init__(self, gen: GenerationService, name: str, aliases: set[str], limits, tokenizer, max_n: int):
         self.gen = gen
         self.name = name
         self.model_names = {name} | aliases
@@ -65,37 +64,9 @@ class OpenAIServing:
         if not 1 <= body.n <= self.max_n:
             raise ValidationError(f"n must be in [1, {self.max_n}], got {body.n}", param="n")
 
-    def _params(self, ids: list[int], sp: dict):
-        from ..scheduler import validate_request
-
-        return validate_request(ids, sp, self.limits)
-
-    # -- completions ------------------------------------------------------------------------------------
     def completion_inputs(self, body: CompletionRequest) -> list[list[int]]:
-        p = body.prompt
-        if isinstance(p, str):
-            items: list = [p]
-        elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-            items = [p]
-        elif isinstance(p, list) and p:
-            items = p
-        else:
-            raise ValidationError("the prompt is empty", param="prompt", code="empty_prompt")
-        out = []
-        for it in items:
-            if isinstance(it, str):
-                if not it:
-                    raise ValidationError("the prompt is empty", param="prompt", code="empty_prompt")
-                if self.tokenizer is None:
-                    raise ValidationError("this model has no tokenizer; send token ids", param="prompt")
-                out.append(self.tokenizer.encode(it))
-            elif isinstance(it, list):
-                out.append(it)
-            else:
-                raise ValidationError(
-                    "prompt must be a string, a list of strings or token ids", param="prompt"
-                )
-        return out
+        text, ids = split_openai_prompt(body.prompt)
+        return parse_prompts(text, ids, self.tokenizer, text_param="prompt")[0]
 
     async def completions(self, body: CompletionRequest, disconnected) -> dict | AsyncIterator[str]:
         self._check_common(body)
@@ -111,7 +82,7 @@ class OpenAIServing:
         prompts = self.completion_inputs(body)
         jobs = []
         for ids in prompts:
-            ids, params = self._params(ids, sp)
+            ids, params = validate_request(ids, sp, self.limits)
             jobs.extend((ids, params) for _ in range(body.n))
         base = body.rid or f"cmpl-{uuid.uuid4().hex}"
         return await self._run(base, jobs, body, disconnected, chat=False)
@@ -141,7 +112,7 @@ class OpenAIServing:
             raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = sampling_dict(body, max_tokens, body.logprobs, top)
-        ids, params = self._params(self.chat_input(body), sp)
+        ids, params = validate_request(self.chat_input(body), sp, self.limits)
         base = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
         return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True)
 
@@ -270,17 +241,7 @@ class OpenAIServing:
                     live -= 1
                     continue
                 if err is not None:
-                    status = getattr(err, "status", 500)
-                    yield sse(
-                        {
-                            "error": {
-                                "message": str(err),
-                                "type": getattr(err, "type", "internal_error"),
-                                "param": None,
-                                "code": status,
-                            }
-                        }
-                    )
+                    yield sse(error_body(str(err), getattr(err, "type", "internal_error")))
                     continue
                 e = st.error()
                 if e is not None and not st.output_ids:

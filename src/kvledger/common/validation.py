@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ValidationError
-from .request import SamplingParams
+from .sampling import SamplingParams
 
 MAX_SEED = 2**63 - 1
 

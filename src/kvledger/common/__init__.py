@@ -1,0 +1,18 @@
+"""Types shared by the HTTP front and the engine: sampling parameters, outputs and finish reasons,
+the one validation, prompt parsing, and the messages between the two processes."""
+
+from .outputs import FinishReason, RequestOutput, meta_info
+from .prompts import parse_prompts
+from .sampling import SamplingParams
+from .validation import Limits, validate_request, validate_sampling
+
+__all__ = [
+    "FinishReason",
+    "Limits",
+    "RequestOutput",
+    "SamplingParams",
+    "meta_info",
+    "parse_prompts",
+    "validate_request",
+    "validate_sampling",
+]

@@ -1,0 +1,92 @@
+"""What the engine says about a request: its finish reason and per-step outputs, and the one builder
+of the ``meta_info`` object that /generate and the offline ``Engine`` return."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..errors import KVLedgerError, error_for_status
+
+TopLogprobs = list[tuple[int, float]]
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """Why a request ended. ``status`` >= 400 means it failed before (or while) producing output."""
+
+    type: str  # "stop" | "length" | "abort"
+    message: str | None = None
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    status: int = 200  # HTTP status a front should answer with when nothing was streamed yet
+    code: str | None = None
+    param: str | None = None
+
+    def to_dict(self) -> dict:
+        """The ``meta_info.finish_reason`` object (SGLang's shape)."""
+        d: dict = {"type": self.type}
+        if self.matched is not None:
+            d["matched"] = self.matched
+        if self.message:
+            d["message"] = self.message
+        return d
+
+    def to_error(self) -> KVLedgerError | None:
+        """The error a front raises for this finish, or None when it is not an error."""
+        if self.status < 400:
+            return None
+        return error_for_status(self.status, self.message or "request failed", self.code, self.param)
+
+    @classmethod
+    def from_error(cls, e: KVLedgerError) -> FinishReason:
+        return cls("abort", e.message, status=e.status, code=e.code, param=e.param)
+
+
+class RequestOutput(msgspec.Struct):
+    """New tokens of one request from one step (several with speculation); the last one for a
+    request has ``finished`` set and its finish reason."""
+
+    rid: str
+    new_ids: list[int]
+    new_logprobs: list[float | None]
+    new_top_logprobs: list[TopLogprobs | None]
+    finished: bool
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @classmethod
+    def final(
+        cls,
+        rid: str,
+        reason: FinishReason,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> RequestOutput:
+        return cls(rid, [], [], [], True, reason, prompt_tokens, completion_tokens, cached_tokens)
+
+
+def meta_info(
+    rid: str,
+    prompt_tokens: int,
+    output_ids: list[int],
+    cached_tokens: int,
+    finish: FinishReason | None,
+    logprobs: list[float | None] | None = None,
+    top_logprobs: list[TopLogprobs | None] | None = None,
+) -> dict[str, Any]:
+    """SGLang's ``meta_info``; logprobs as ``[logprob, token_id, text]`` triples when asked for."""
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(output_ids),
+        "cached_tokens": cached_tokens,
+        "finish_reason": finish.to_dict() if finish else None,
+    }
+    if logprobs is not None:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, output_ids)]
+    if top_logprobs is not None:
+        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in (top or [])] for top in top_logprobs]
+    return meta

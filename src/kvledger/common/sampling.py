@@ -1,0 +1,47 @@
+"""Sampling parameters (SGLang's names), shared by the front, the engine and the sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling parameters, already validated (see ``validation.validate_sampling``)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty or self.presence_penalty)
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One token to draw for one request. ``position`` is the index in the output of the token drawn:
+    a seeded request's randomness comes from ``(seed, position)`` alone, so its output does not
+    depend on the batch, a retraction, the process or speculation. ``prompt_ids``/``output_ids``
+    (the history before ``position``) are given only when the request uses penalties."""
+
+    params: SamplingParams
+    position: int
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None

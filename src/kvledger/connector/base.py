@@ -1,0 +1,60 @@
+"""The KV connector interface: KV that arrives from elsewhere (a prefill server, a host or file
+tier) or must be sent elsewhere, modelled on vLLM's ``KVConnectorBase_V1``.
+
+Scheduler side (rank 0, with the books):
+  * ``get_num_new_matched_tokens(req, num_computed)`` -> ``(n, load_async)``: how many tokens beyond
+    the local prefix match can be loaded. With ``n > 0`` the scheduler allocates pages for them
+    (they are the request's PRIVATE pages, owner ``req X [waiting for kv]`` while they arrive).
+  * ``update_state_after_alloc(req, pages, n)``: where those tokens go.
+  * ``build_connector_meta(sched_out)``: what the worker side needs for this step.
+  * ``request_finished(req)`` -> True to keep the request's pages until an async save ends (the
+    request is then SENDING, owner ``req X [kv sending]``); its release happens when
+    ``get_finished`` reports the save done, through the same release path.
+Worker side (every rank, with the KV tensors):
+  * ``start_load_kv(meta, kv_buffer)``, ``wait_for_layer_load(layer)``,
+    ``save_kv_layer(layer, kv_buffer)`` (the per-layer calls from the attention op), ``wait_for_save()``;
+  * ``get_finished()`` -> ``(rids done sending, rids done receiving)``, reported to the scheduler in
+    ``ModelRunnerOutput``.
+``NoOpConnector`` is today's behaviour: nothing to load, nothing to send.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KVConnector:
+    """Base class; every method has the no-op behaviour, so a connector overrides what it needs."""
+
+    # -- scheduler side ---------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, sched_out) -> Any:
+        return None
+
+    def request_finished(self, req) -> bool:
+        return False
+
+    # -- worker side ------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: Any, kv_buffer) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        return None
+
+    def save_kv_layer(self, layer: int, kv_buffer) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        return set(), set()
+
+
+class NoOpConnector(KVConnector):
+    """No external KV: every request computes its own (minus the prefix cache)."""

@@ -1,0 +1,43 @@
+"""The executor: the seam between the scheduler (with the books) and whatever runs the model.
+
+``execute_model(SchedulerOutput) -> ModelRunnerOutput`` is the whole contract (vLLM's ``Executor``,
+nano-vllm's ``ModelRunner.call``). The in-process executor runs the model runner here; a
+tensor-parallel executor broadcasts the same (plain-data) ``SchedulerOutput`` to its worker
+processes and returns rank 0's sampled tokens. The worker side of the KV connector runs here too.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from ..connector import KVConnector, NoOpConnector
+from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
+from .runner import ModelRunner
+
+
+class Executor(ABC):
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. An empty ``sched.reqs`` runs no forward but still reports the connector's
+        finished transfers. Raises if the forward fails (the engine then isolates the fault)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook; nothing to release in-process
+        """Release worker resources (processes, process groups)."""
+
+
+class InProcessExecutor(Executor):
+    def __init__(self, runner: ModelRunner, connector: KVConnector | None = None):
+        self.runner = runner
+        self.connector = (
+            connector if connector is not None and not isinstance(connector, NoOpConnector) else None
+        )
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        c = self.connector
+        if c is not None:
+            c.start_load_kv(sched.connector_meta, self.runner.kv_buffer)
+        out = self.runner.execute(sched, c) if sched.reqs else ModelRunnerOutput.empty(0)
+        if c is not None:
+            c.wait_for_save()
+            out.finished_sending, out.finished_recving = c.get_finished()
+        return out

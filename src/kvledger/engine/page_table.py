@@ -1,0 +1,26 @@
+"""The request->token table on the executor's side: row ``slot``, column ``i`` is the cache location
+(``page * page_size + offset``) of token ``i`` of the request in that slot. The scheduler's
+``KVManager`` decides the pages; it sends the changes as ``PageWrite``s in each ``SchedulerOutput``
+(so a tensor-parallel worker keeps the same table from the same messages)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..memory import PageWrite
+
+
+class PageTable:
+    def __init__(self, num_slots: int, max_context: int, page_size: int, device="cpu"):
+        self.page_size = page_size
+        row = -(-max_context // page_size) * page_size  # whole pages for the longest sequence
+        self.req_to_token = torch.zeros(num_slots, row, dtype=torch.int64, device=device)
+        self._offsets = torch.arange(page_size, device=device)
+
+    def apply(self, writes: list[PageWrite]) -> None:
+        ps = self.page_size
+        for w in writes:
+            p = torch.tensor(w.pages, dtype=torch.int64)
+            cols = (p.unsqueeze(1) * ps + self._offsets).flatten()
+            begin = w.start_page * ps
+            self.req_to_token[w.slot, begin : begin + cols.numel()] = cols

@@ -1,0 +1,193 @@
+"""Memory operations on behalf of requests: the only code that changes a request's slot and pages.
+
+Who owns a running request's pages (``req.pages``)::
+
+    [0, num_tree_pages)                borrowed: the radix tree's (locked) or the turn's session's
+    [num_tree_pages, ceil(kv_len/ps))  PRIVATE: computed KV not yet cached (the partial last page too)
+    [ceil(kv_len/ps), len(pages))      PRIVATE: over-allocation (lookahead for the next tokens or
+                                       drafts, KV arriving from a connector); given back by
+                                       ``truncate`` or trimmed by ``release``
+
+``release`` is the one way a request's memory goes back: every finish (stop, length, abort, error),
+every retraction and an admission that cannot complete call it. Page-table changes are queued as
+``PageWrite``s for the executor, which owns the request->token table.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..errors import MemoryLedgerError
+from .ledger import Holding, Ledger
+from .pools import PagePool, ReqSlotPool
+from .radix import RadixCache
+from .session_kv import SessionKV
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PageWrite:
+    """Row ``slot`` of the page table gets ``pages`` from page index ``start_page`` on."""
+
+    slot: int
+    start_page: int
+    pages: list[int]
+
+
+class KVManager:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        enable_prefix_cache: bool,
+        strict: bool,
+        holdings: Callable[[], Iterable[Holding]],
+    ):
+        self.page_size = page_size
+        self.pages = PagePool(num_pages, page_size)
+        self.slots = ReqSlotPool(num_slots)
+        self.tree = RadixCache(page_size, self._free_evicted, enabled=enable_prefix_cache)
+        self.ledger = Ledger(self.pages, self.slots, self.tree, holdings, strict)
+        self.sessions = SessionKV(self)
+        self.double_frees = 0
+        self._page_writes: list[PageWrite] = []
+
+    def free(self, pages: list[int], by: str) -> None:
+        doubles = self.pages.free(pages, by)
+        if doubles:
+            # Never silently: the audit cannot see a double free after the fact, so report it now.
+            self.double_frees += len(doubles)
+            self.ledger.violations += len(doubles)
+            msg = f"double free of pages {doubles[:20]} by {by}"
+            if self.ledger.strict:
+                raise MemoryLedgerError(msg)
+            log.error(msg)
+
+    def _free_evicted(self, pages: list[int]) -> None:
+        self.free(pages, "radix eviction")
+
+    def take_page_writes(self) -> list[PageWrite]:
+        writes, self._page_writes = self._page_writes, []
+        return writes
+
+    def _map(self, req, start_page: int, pages: list[int]) -> None:
+        if pages:
+            self._page_writes.append(PageWrite(req.slot, start_page, list(pages)))
+
+    # -- figures used by the scheduler ------------------------------------------------------------
+    def available_pages(self) -> int:
+        """Pages an allocation could get now: free ones plus those eviction could free (unlocked
+        cache, idle sessions' KV)."""
+        return self.pages.num_free + self.tree.evictable_pages + self.sessions.idle_pages()
+
+    def pages_needed(self, req, n: int) -> int:
+        """Pages to add so that ``req`` has room for ``n`` tokens past its computed KV."""
+        return max(0, -(-(req.kv_len + n) // self.page_size) - len(req.pages))
+
+    @staticmethod
+    def holding(req) -> Holding:
+        label = req.state.ledger_label
+        return Holding(
+            owner=f"req {req.rid}" + (f" [{label}]" if label else ""),
+            kind="request",
+            own_pages=req.pages[req.num_tree_pages :],
+            borrowed_pages=req.pages[: req.num_tree_pages],
+            slot=req.slot,
+            borrowed_from=None if req.session is None else req.session.owner,
+        )
+
+    # -- allocation ----------------------------------------------------------------------------------
+    def _alloc_pages(self, n: int, owner: str) -> list[int] | None:
+        if self.pages.num_free < n:
+            self.tree.evict(n - self.pages.num_free)
+        if self.pages.num_free < n:
+            self.sessions.evict_idle(n - self.pages.num_free)
+        return self.pages.alloc(n, owner)
+
+    def admit(self, req) -> bool:
+        """Give ``req`` a request slot and its cached prefix (locked). False: no slot free."""
+        assert req.slot is None and not req.pages
+        slot = self.slots.alloc(f"req {req.rid}")
+        if slot is None:
+            return False
+        fill = req.fill_ids
+        if req.session is not None:
+            pages, node = self.sessions.borrow(req), None
+        else:
+            # Match all but the last token: at least one token is always computed, so there are logits.
+            pages, node = self.tree.match_prefix(fill[: len(fill) - 1])
+            self.tree.inc_lock(node)
+        req.slot = slot
+        req.pages = list(pages)
+        req.num_tree_pages = len(pages)
+        req.prefix_node = node
+        req.kv_len = len(pages) * self.page_size
+        self._map(req, 0, pages)
+        return True
+
+    def allocate(self, req, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
+        """Make sure pages exist for ``req``'s next ``num_new_tokens`` plus ``num_lookahead_tokens``
+        (speculative drafts, KV arriving from a connector), evicting cache if needed. All or nothing."""
+        need = self.pages_needed(req, num_new_tokens + num_lookahead_tokens)
+        if need == 0:
+            return True
+        new = self._alloc_pages(need, f"req {req.rid}")
+        if new is None:
+            return False
+        self._map(req, len(req.pages), new)
+        req.pages.extend(new)
+        return True
+
+    def truncate(self, req, new_len: int) -> None:
+        """Forget ``req``'s KV past ``new_len`` tokens (rejected drafts, unused lookahead) and give back
+        the private pages past it. Borrowed pages are never given back here."""
+        assert new_len >= req.num_tree_pages * self.page_size, "cannot truncate into borrowed pages"
+        req.kv_len = min(req.kv_len, new_len)
+        keep = max(-(-new_len // self.page_size), req.num_tree_pages)
+        if len(req.pages) > keep:
+            self.free(req.pages[keep:], f"req {req.rid} truncate")
+            del req.pages[keep:]
+
+    # -- the one release path for request memory -------------------------------------------------------
+    def release(self, req, commit: bool, final: bool = True) -> None:
+        """Give back everything ``req`` holds.
+
+        ``commit``: put its computed, page-aligned KV into the radix tree (pages already cached by
+        someone else are freed as duplicates), or for a session turn make it the session's KV; the
+        partial last page and any over-allocation are freed first (seed 004's tail trim). Without
+        ``commit`` (an aborted turn, KV that must not be reused) every private page is freed.
+        ``final``: the request ends here (False for a retraction or a failed admission).
+        """
+        if req.session is not None:
+            self.sessions.release_turn(req, commit, final)
+            return
+        if req.slot is None:
+            assert not req.pages
+            return
+        ps = self.page_size
+        owner = f"req {req.rid}"
+        first_private = req.num_tree_pages
+        if commit and self.tree.enabled:
+            aligned = req.kv_len // ps
+            self.free(req.pages[aligned:], owner)  # partial page and over-allocation
+            present = self.tree.insert(req.fill_ids[: aligned * ps], req.pages[:aligned]) // ps
+            # [num_tree_pages, present): someone else cached the same tokens meanwhile -> duplicates.
+            self.free(req.pages[first_private:present], owner)
+            self.pages.set_owner(req.pages[max(present, first_private) : aligned], "radix")
+        else:
+            self.free(req.pages[first_private:], owner)
+        self.tree.dec_lock(req.prefix_node)  # type: ignore[arg-type]
+        self.reset(req, owner)
+
+    def reset(self, req, owner: str) -> None:
+        """Forget a request's memory fields once its pages are accounted for; frees its slot."""
+        self.slots.free(req.slot, owner)
+        req.slot = None
+        req.pages = []
+        req.num_tree_pages = 0
+        req.prefix_node = None
+        req.kv_len = 0

@@ -1,0 +1,102 @@
+"""The memory side of streaming sessions: a session's SESSION pages, what a turn borrows, and what
+a turn's release commits into its session. Lifecycle (open, close, expiry, attach) is
+``scheduler/sessions.py``; every page movement is here, under ``KVManager``.
+
+A session holds the KV of ``tokens[:kv_len]`` in its pages. A turn borrows the session's *full*
+pages (never the partial last one, which it would write into). When the turn completes (stop or
+length), its KV becomes the session's: the session's superseded pages (the old partial page, a tail
+orphaned by a shorter ``offset``) and the turn's over-allocation are freed first. A turn that ends by
+abort leaves the session exactly as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .ledger import Holding
+
+
+@dataclass(eq=False)
+class Session:
+    id: str
+    timeout_s: float | None
+    tokens: list[int] = field(default_factory=list)  # the conversation so far
+    pages: list[int] = field(default_factory=list)  # SESSION pages: KV of tokens[:kv_len]
+    kv_len: int = 0
+    busy_rid: str | None = None
+    closing: bool = False  # close requested while a turn runs (close_on_finish)
+    last_used: float = field(default_factory=time.monotonic)
+    turns: int = 0
+
+    @property
+    def owner(self) -> str:
+        return f"session {self.id}"
+
+
+class SessionKV:
+    def __init__(self, kv):
+        self.kv = kv
+        self.by_id: dict[str, Session] = {}
+        self.evictions = 0  # idle sessions whose KV was dropped for room
+
+    def idle_pages(self) -> int:
+        return sum(len(s.pages) for s in self.by_id.values() if s.busy_rid is None)
+
+    def holdings(self):
+        for s in self.by_id.values():
+            yield Holding(owner=s.owner, kind="session", own_pages=s.pages)
+
+    def borrow(self, req) -> list[int]:
+        """The session pages a turn reads; at least one token is always computed."""
+        s = req.session
+        n = min(s.kv_len, req.session_offset, len(req.fill_ids) - 1) // self.kv.page_size
+        return s.pages[:n]
+
+    def free_pages(self, s: Session) -> None:
+        assert s.busy_rid is None, "a running turn borrows these pages"
+        self.kv.free(s.pages, s.owner)
+        s.pages = []
+        s.kv_len = 0
+
+    def release(self, s: Session) -> None:
+        """Give back everything a session holds and forget it (close, expiry, close_on_finish)."""
+        self.free_pages(s)
+        self.by_id.pop(s.id, None)
+
+    def evict_idle(self, n: int) -> None:
+        """Drop idle sessions' KV, least recently used first, so that sessions never starve normal
+        requests. The sessions stay open; their next turn recomputes from their tokens."""
+        idle = sorted(
+            (s for s in self.by_id.values() if s.busy_rid is None and s.pages), key=lambda s: s.last_used
+        )
+        for s in idle:
+            if n <= 0:
+                return
+            n -= len(s.pages)
+            self.free_pages(s)
+            self.evictions += 1
+
+    def release_turn(self, req, commit: bool, final: bool) -> None:
+        s = req.session
+        owner = f"req {req.rid}"
+        if req.slot is not None:
+            borrowed = req.num_tree_pages
+            if commit and final and not s.closing:
+                keep = -(-req.kv_len // self.kv.page_size)
+                self.kv.free(s.pages[borrowed:], s.owner)  # superseded by the turn's pages
+                self.kv.free(req.pages[keep:], owner)  # over-allocation: trimmed before the handover
+                self.kv.pages.set_owner(req.pages[borrowed:keep], s.owner)
+                s.pages = req.pages[:keep]
+                s.kv_len = req.kv_len
+                s.tokens = req.fill_ids
+                s.turns += 1
+            else:
+                self.kv.free(req.pages[borrowed:], owner)
+            self.kv.reset(req, owner)
+        if final:
+            s.busy_rid = None
+            s.last_used = time.monotonic()
+            req.session = None
+            if s.closing:
+                self.release(s)  # close_on_finish

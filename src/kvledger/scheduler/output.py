@@ -1,0 +1,62 @@
+"""What crosses the executor seam: the scheduler's ``SchedulerOutput`` out to the executor, the
+``ModelRunnerOutput`` back. Plain data only (ids and lists, no tensors, no ``Req``), so that a group
+of tensor-parallel workers in other processes can receive the same objects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..common.outputs import TopLogprobs
+from ..common.sampling import SamplingRow
+from ..memory import PageWrite
+
+
+@dataclass(slots=True)
+class ScheduledReq:
+    """One request's share of a step: ``token_ids`` fed at positions ``start..``; the last
+    ``num_draft`` of them are speculative drafts past the sequence's end. With ``sampling`` set the
+    chunk reaches the end, and ``1 + num_draft`` tokens are sampled (one per verified position)."""
+
+    rid: str
+    slot: int
+    start: int
+    token_ids: list[int]
+    num_draft: int = 0
+    sampling: SamplingRow | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    reqs: list[ScheduledReq] = field(default_factory=list)
+    page_writes: list[PageWrite] = field(default_factory=list)  # page-table changes, applied first
+    connector_meta: Any = None  # from KVConnector.build_connector_meta, for its worker side
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.reqs)
+
+    def subset(self, i: int) -> SchedulerOutput:
+        """Request ``i`` alone (fault isolation reruns a failed step request by request)."""
+        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per scheduled request, in order: the tokens it received (0..k), their logprobs, and whether
+    its forward failed (``errors[i]`` set: nothing was computed for it)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float | None]]
+    top_logprobs: list[list[TopLogprobs | None]]
+    errors: list[str | None] | None = None
+    finished_sending: set[str] = field(default_factory=set)  # connector: async saves done
+    finished_recving: set[str] = field(default_factory=set)  # connector: KV loads done
+
+    @classmethod
+    def empty(cls, n: int) -> ModelRunnerOutput:
+        return cls([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])

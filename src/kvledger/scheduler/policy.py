@@ -1,0 +1,182 @@
+"""Batch policy: which requests run in the next forward and how many tokens each brings.
+
+Running decodes first (oldest first; when the pool cannot hold a request's next tokens, the newest
+running request is *retracted*: its memory goes back through the release path and it requeues),
+then prefill chunks of admitted requests and of newly admitted ones within ``chunked_prefill_size``.
+Mixed mode puts both in one forward; unmixed, a prefill batch runs when there is prefill work that
+fits, else a decode batch. A progress guarantee retracts or ends requests that could never run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from ..common import FinishReason
+from .request import Req, ReqState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """``req`` computes its next ``num_tokens`` sequence tokens, then verifies ``drafts``."""
+
+    req: Req
+    num_tokens: int
+    drafts: list[int] = field(default_factory=list)
+
+
+class BatchPolicy:
+    def __init__(self, sched):
+        self.s = sched  # the Scheduler: its queues, KVManager, connector, proposer, config
+        self._admit_counter = itertools.count(1)
+
+    # -- retraction --------------------------------------------------------------------------------
+    def retract(self, req: Req) -> None:
+        """Give a running request's memory back and requeue it at the front; its output is kept and
+        its KV recomputed (largely from the prefix cache) when it is admitted again."""
+        s = self.s
+        # Normal requests leave their computed KV in the tree (cheap recompute); a session turn only
+        # frees its own pages: its session must not change before the turn completes.
+        s.kv.release(req, commit=req.session is None, final=False)
+        s.running.remove(req)
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        s.waiting.appendleft(req)
+        s.total_retractions += 1
+        s.last_stats.num_retracted += 1
+        log.info("retracted request %s (%d output tokens kept)", req.rid, len(req.output_ids))
+
+    def mark_too_big(self, req: Req) -> None:
+        """A request that cannot fit even alone (what is left after sessions' busy KV) ends cleanly."""
+        total = self.s.kv.pages.num_pages * self.s.kv.page_size
+        req.mark_finish(
+            FinishReason(
+                "abort",
+                f"the KV cache ({total} tokens) cannot hold this request ({req.seq_len} tokens) next to what "
+                f"running session turns hold; raise max_total_tokens",
+                status=503,
+            )
+        )
+
+    # -- decodes ------------------------------------------------------------------------------------
+    def _drafts(self, req: Req) -> list[int]:
+        proposer = self.s.proposer
+        if proposer is None:
+            return []
+        room = self.s.context_length - req.seq_len - 1  # drafts never run past the context
+        return proposer.propose(req)[: max(room, 0)]
+
+    def schedule_decodes(self, decodes: list[Req]) -> list[Chunk]:
+        s = self.s
+        scheduled: list[Chunk] = []
+        for req in sorted(decodes, key=lambda r: r.admitted_seq):
+            if req.state is not ReqState.RUNNING:
+                continue  # retracted below as a victim for an older request
+            drafts = self._drafts(req)
+            while not s.kv.allocate(req, 1, num_lookahead_tokens=len(drafts)):
+                if drafts:
+                    drafts = []  # no room to speculate: decode plainly
+                    continue
+                victims = [r for r in s.running if r is not req]
+                if not victims:
+                    self.mark_too_big(req)
+                    break
+                victim = max(victims, key=lambda r: r.admitted_seq)
+                scheduled = [c for c in scheduled if c.req is not victim]
+                self.retract(victim)
+            else:
+                scheduled.append(Chunk(req, 1, drafts))
+        return scheduled
+
+    # -- prefills -----------------------------------------------------------------------------------
+    def _admit(self, req: Req, budget: int, reserve_pages: int) -> Chunk | None:
+        """Admit the first waiting request: slot, cached prefix, external KV, pages for its chunk."""
+        s = self.s
+        if not s.kv.admit(req):
+            return None
+        ext, load_async = s.connector.get_num_new_matched_tokens(req, req.kv_len)
+        ext = min(ext, req.seq_len - 1 - req.kv_len)
+        n = min(budget, req.seq_len - req.kv_len - ext)
+        # Leave room for the running requests' next tokens, or admission would only cause retraction.
+        fits = s.kv.available_pages() - s.kv.pages_needed(req, n + ext) >= reserve_pages
+        if not fits or not s.kv.allocate(req, ext + (0 if load_async else n)):
+            s.kv.release(req, commit=False, final=False)
+            return None
+        s.waiting.popleft()
+        req.admitted_seq = next(self._admit_counter)
+        if req.num_retractions == 0:
+            req.cached_tokens = req.kv_len + ext
+        if ext:
+            s.connector.update_state_after_alloc(req, req.pages[req.kv_len // s.kv.page_size :], ext)
+        if ext and load_async:
+            req.num_external_tokens = ext
+            req.state = ReqState.WAITING_FOR_KV  # joins running when the connector reports the load
+            s.waiting_for_kv.append(req)
+            return Chunk(req, 0)
+        req.kv_len += ext  # loaded by the worker side before this step's forward
+        req.state = ReqState.RUNNING
+        s.running.append(req)
+        return Chunk(req, n)
+
+    def schedule_prefills(self, budget: int, reserve_pages: int) -> list[Chunk]:
+        s = self.s
+        out: list[Chunk] = []
+        for req in sorted(s.running, key=lambda r: r.admitted_seq):
+            if budget <= 0:
+                return out
+            if req.kv_len < req.seq_len - 1 and req.to_finish is None:
+                n = min(budget, req.seq_len - req.kv_len)
+                if not s.kv.allocate(req, n):
+                    return out
+                out.append(Chunk(req, n))
+                budget -= n
+        while (
+            s.waiting and budget > 0 and len(s.running) + len(s.waiting_for_kv) < s.cfg.max_running_requests
+        ):
+            req = s.waiting[0]
+            if req.to_finish is not None:
+                return out
+            chunk = self._admit(req, budget, reserve_pages)
+            if chunk is None:
+                return out
+            if chunk.num_tokens:
+                out.append(chunk)
+                budget -= chunk.num_tokens
+        return out
+
+    # -- the batch ----------------------------------------------------------------------------------
+    def _schedule_once(self) -> list[Chunk]:
+        s = self.s
+        decodes = [r for r in s.running if r.kv_len == r.seq_len - 1 and r.to_finish is None]
+        budget = s.cfg.chunked_prefill_size
+        if s.cfg.enable_mixed_chunk:
+            batch = self.schedule_decodes(decodes) if decodes else []
+            return batch + self.schedule_prefills(max(budget - len(batch), 1), len(s.running))
+        batch = self.schedule_prefills(budget, len(decodes))
+        return batch or (self.schedule_decodes(decodes) if decodes else [])
+
+    def schedule(self) -> list[Chunk]:
+        s = self.s
+        batch = self._schedule_once()
+        # Progress guarantee: running requests that all wait for pages (say, several long prompts
+        # admitted chunk by chunk) would wait forever. Retract the newest until the oldest can move.
+        while not batch and any(r.to_finish is None for r in s.running):
+            live = [r for r in s.running if r.to_finish is None]
+            if len(live) == 1:
+                self.mark_too_big(live[0])
+                break
+            self.retract(max(live, key=lambda r: r.admitted_seq))
+            batch = self._schedule_once()
+        if (
+            not batch
+            and not s.running
+            and not s.waiting_for_kv
+            and s.waiting
+            and s.waiting[0].to_finish is None
+        ):
+            # Nothing runs and the first waiting request still cannot be admitted: it never will be.
+            self.mark_too_big(s.waiting[0])
+        return batch

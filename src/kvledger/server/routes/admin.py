@@ -1,0 +1,92 @@
+"""Operations and health: ``/abort_request``, ``/flush_cache``, ``/get_server_info``, ``/health``,
+``/health_generate``, ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ... import __version__
+from ...common import validate_request
+from ...errors import ConflictError, NotFoundError
+from ..handlers import error_response, parse_body
+from ..protocol import RidBody
+from ..state import state
+
+router = APIRouter()
+
+HEALTH_GENERATE_TIMEOUT_S = 60
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request):
+    client = state(request).live_client()
+    body = await parse_body(request, RidBody)
+    if body.rid not in client.streams:
+        raise NotFoundError(f"no running request with id {body.rid!r}", param="rid", code="rid_not_found")
+    await client.abort(body.rid, "aborted by /abort_request")
+    return {"success": True}
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request):
+    client = state(request).live_client()
+    if client.streams or not await client.call("flush_cache"):
+        raise ConflictError("requests are running; flush the cache when the server is idle", code="busy")
+    return {"success": True}
+
+
+@router.get("/get_server_info")
+async def server_info(request: Request):
+    srv = state(request)
+    client = srv.live_client()
+    server = dataclasses.asdict(srv.cfg)
+    server.pop("engine", None)
+    server["api_key"] = "***" if srv.cfg.api_key else None
+    return {
+        "version": __version__,
+        "model": srv.name,
+        "model_path": client.info.get("model_path"),
+        "engine": client.info,
+        "engine_config": client.engine_config,
+        "server_config": server,
+        "memory": await client.call("memory"),
+        "sessions": await client.call("sessions"),
+        "engine_restarts": client.restarts,
+        "engine_pid": client.pid,
+    }
+
+
+@router.get("/health")
+async def health(request: Request):
+    client = state(request).client
+    if client is None or not client.alive():
+        return error_response(503, "the engine is not ready", "service_unavailable", code="engine_not_ready")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    """A real 1-token generation through the engine and its one release path."""
+    srv = state(request)
+    srv.live_client()
+    ids, params = validate_request([1], {"max_new_tokens": 1, "temperature": 0}, srv.limits)
+    rid = f"health-{uuid.uuid4().hex}"
+    try:
+        st = await asyncio.wait_for(
+            srv.gen.collect(ids, params, rid, request.is_disconnected), HEALTH_GENERATE_TIMEOUT_S
+        )
+    except TimeoutError:
+        return error_response(503, "the engine did not answer in time", "service_unavailable")
+    if st.error() is not None:
+        return error_response(503, f"health generation failed: {st.finish.message}", "service_unavailable")
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    return Response(state(request).metrics.render(), media_type="text/plain; version=0.0.4")

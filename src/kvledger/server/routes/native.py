@@ -1,0 +1,71 @@
+"""SGLang's native ``POST /generate``: text or input_ids (one or a batch), stream or not."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ...common import parse_prompts, validate_request
+from ...errors import ValidationError
+from ..handlers import parse_body
+from ..openai_api import sse
+from ..protocol import GenerateRequest
+from ..state import state
+
+router = APIRouter()
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    srv = state(request)
+    srv.live_client()
+    body = await parse_body(request, GenerateRequest)
+    ids_list, single = parse_prompts(body.text, body.input_ids, srv.tokenizer)
+    if body.session_params is not None and not single:
+        raise ValidationError("a session turn takes a single prompt", param="session_params")
+    sp = dict(body.sampling_params or {})
+    if body.return_logprob:
+        sp["logprobs"] = True
+        if body.top_logprobs_num:
+            sp["top_logprobs"] = body.top_logprobs_num
+    jobs = [validate_request(ids, sp, srv.limits) for ids in ids_list]
+    if not single:
+        if body.stream:
+            raise ValidationError("stream takes a single prompt", param="stream")
+        base = body.rid or uuid.uuid4().hex
+        states = await asyncio.gather(
+            *(
+                srv.gen.collect(ids, p, f"{base}-{i}", request.is_disconnected)
+                for i, (ids, p) in enumerate(jobs)
+            )
+        )
+        return [s.native(body.return_logprob) for s in states]
+    (ids, params), rid = jobs[0], body.rid or uuid.uuid4().hex
+    if not body.stream:
+        st = await srv.gen.collect(ids, params, rid, request.is_disconnected, body.session_params)
+        err = st.error()
+        if err is not None:  # an unstreamed answer that failed is an error, partial output or not
+            raise err
+        return st.native(body.return_logprob)
+    agen = srv.gen.stream(ids, params, rid, body.session_params)
+    first = await agen.__anext__()  # errors before any output become a proper status code
+    err = first.error()
+    if err is not None and not first.output_ids:
+        raise err
+
+    async def events():
+        try:
+            yield sse(first.native(body.return_logprob))
+            async for st in agen:
+                err = st.error()
+                yield sse(
+                    err.to_dict() if err is not None and not st.output_ids else st.native(body.return_logprob)
+                )
+            yield "data: [DONE]\n\n"
+        finally:
+            await agen.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
