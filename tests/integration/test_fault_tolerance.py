@@ -89,35 +89,40 @@ def test_watchdog_catches_a_stall_and_recovers(faulty):
 
 
 def test_sigterm_with_requests_in_flight(chat_model, tmp_path):
-    s = Server(chat_model, *ARGS, "--grace-period", "1", log_path=str(tmp_path / "term.log"))
+    s = Server(
+        chat_model, *ARGS, "--log-level", "info", "--grace-period", "0.5", log_path=str(tmp_path / "term.log")
+    )
     s.wait_healthy()
     engine_pid = s.info()["engine_pid"]
     sid = httpx.post(s.url + "/open_session", json={}).json()
+    first_turn = {
+        "input_ids": [5] * 20,
+        "sampling_params": {"max_new_tokens": 4},
+        "session_params": {"id": sid},
+    }
+    assert httpx.post(s.url + "/generate", json=first_turn).status_code == 200
     short = {"input_ids": [3] * 5, "sampling_params": {"max_new_tokens": 20}}
     long = {"input_ids": [4] * 5, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
 
     async def main():
         async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-            tasks = [asyncio.create_task(c.post("/generate", json=b)) for b in (short, long)]
+            tasks = [asyncio.create_task(c.post("/generate", json=b)) for b in (short, long, long, long)]
             await asyncio.sleep(0.3)
             s.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
-            try:
-                late = await c.post("/generate", json=short)
-                assert late.status_code == 503
-            except httpx.HTTPError:
-                pass  # the listener may already be closed: refused is fine too
-            return await asyncio.gather(*tasks)
+            await asyncio.sleep(0.1)
+            late = await c.post("/generate", json=short)  # within the grace period: still listening
+            return late, await asyncio.gather(*tasks)
 
-    done_short, done_long = asyncio.run(main())
+    late, (done_short, *done_long) = asyncio.run(main())
+    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
     assert done_short.status_code == 200 and len(done_short.json()["output_ids"]) > 0
-    assert done_long.status_code == 200
-    fr = done_long.json()["meta_info"]["finish_reason"]
-    assert fr["type"] in ("abort", "length")
-    if fr["type"] == "abort":
-        assert "shutting down" in fr["message"]
-    assert sid
+    for r in done_long:  # 1000 tokens each cannot finish in the grace period: aborted, with a reason
+        assert r.status_code == 200
+        fr = r.json()["meta_info"]["finish_reason"]
+        assert fr["type"] == "abort" and "shutting down" in fr["message"], fr
+        assert 0 < len(r.json()["output_ids"]) < 1000
     assert s.proc.wait(timeout=30) == 0
+    assert "engine shut down: 1 session(s) closed" in s.logs()  # the session was released, not lost
     time.sleep(0.5)
     with pytest.raises(ProcessLookupError):
         os.kill(engine_pid, 0)  # no orphan engine process

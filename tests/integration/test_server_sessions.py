@@ -125,8 +125,10 @@ def test_over_long_turn_keeps_the_session(srv):
 
 def test_disconnect_mid_turn_then_immediate_next_turn(srv):
     sid = open_session(srv).json()
-    t1 = turn(srv, sid, [3, 4, 5, 6], n=4).json()
+    first = [3, 4, 5, 6] * 5  # 20 prompt tokens + 4 output: the session holds one full page of 16
+    t1 = turn(srv, sid, first, n=4).json()
     before = held(srv)
+    assert before[0] == 32  # its KV (23 tokens) in two pages of 16
     body = {
         "input_ids": [9] * 12,
         "sampling_params": {**G, "max_new_tokens": 800},
@@ -146,12 +148,14 @@ def test_disconnect_mid_turn_then_immediate_next_turn(srv):
     full = httpx.post(
         srv.url + "/generate",
         json={
-            "input_ids": [3, 4, 5, 6] + t1["output_ids"] + [20, 21],
+            "input_ids": first + t1["output_ids"] + [20, 21],
             "sampling_params": {**G, "max_new_tokens": 4},
         },
     ).json()
     assert nxt.json()["output_ids"] == full["output_ids"]
-    assert nxt.json()["meta_info"]["cached_tokens"] == (before[0] and (4 + 4 - 1) // 16 * 16)
+    # Exactly turn 1's full page is reused: the dropped turn wrote nothing into the session (had it,
+    # the conversation would be 12+ tokens longer and the cached prefix different).
+    assert nxt.json()["meta_info"]["cached_tokens"] == (len(first) + 4 - 1) // 16 * 16 == 16
     close(srv, sid)
 
 

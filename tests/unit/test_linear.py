@@ -87,4 +87,4 @@ def test_quantized_engine_close_to_fp32(tiny_llama, mode):
         assert abs(a[0] - b[0]) < 0.1
     out = eng8.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 24, "temperature": 0})
     assert len(out["output_ids"]) >= 1
-    eng8.audit()
+    assert eng8.audit().ok, eng8.audit().describe()

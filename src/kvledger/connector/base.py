@@ -7,9 +7,11 @@ Scheduler side (rank 0, with the books):
     (they are the request's PRIVATE pages, owner ``req X [waiting for kv]`` while they arrive).
   * ``update_state_after_alloc(req, pages, n)``: where those tokens go.
   * ``build_connector_meta(sched_out)``: what the worker side needs for this step.
-  * ``request_finished(req)`` -> True to keep the request's pages until an async save ends (the
-    request is then SENDING, owner ``req X [kv sending]``); its release happens when
-    ``get_finished`` reports the save done, through the same release path.
+  * ``request_finished(req)`` (a release hook: called on every ending, before the release) -> True
+    to keep the request's pages until an async save ends (the request is then SENDING, owner
+    ``req X [kv sending]``); its release happens when ``get_finished`` reports the rid done, through
+    the same release path. A request aborted while WAITING_FOR_KV is finished the same way: the
+    connector cancels its load, or returns True until the load has drained.
 Worker side (every rank, with the KV tensors):
   * ``start_load_kv(meta, kv_buffer)``, ``wait_for_layer_load(layer)``,
     ``save_kv_layer(layer, kv_buffer)`` (the per-layer calls from the attention op), ``wait_for_save()``;

@@ -221,15 +221,18 @@ class EngineCore:
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.scheduler.abort(rid, message)
 
-    def shutdown(self) -> None:
-        """Everything still running ends through the release path, then sessions close."""
+    def shutdown(self) -> int:
+        """Everything still running ends through the release path, then sessions close; returns
+        how many sessions were closed."""
         for rid in list(self.scheduler.reqs):
             self.abort(rid, "the engine is shutting down")
         while not self.scheduler.idle:
             self.step()
-        for sid in list(self.sessions.sessions):
+        sids = list(self.sessions.sessions)
+        for sid in sids:
             self.close_session(sid)
         self.executor.shutdown()
+        return len(sids)
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache. Refused (False) while requests run: their pages are locked."""

@@ -52,8 +52,9 @@ class Engine:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs):
         loaded = kwargs.pop("loaded_model", None)
+        connector = kwargs.pop("kv_connector", None)  # a KVConnector (connector/base.py); None: no-op
         cfg = EngineConfig(model=model, dtype=dtype).replace(**kwargs)
-        self.core = EngineCore(cfg, loaded=loaded)
+        self.core = EngineCore(cfg, loaded=loaded, connector=connector)
         self._lock = threading.RLock()
         self._tracks: dict[str, _Track] = {}
 
@@ -98,9 +99,11 @@ class Engine:
                 t.finish = o.finish_reason
             t.version += 1
 
-    def _step(self) -> None:
+    def _step(self) -> list[RequestOutput]:
         with self._lock:
-            self._apply(self.core.step())
+            outs = self.core.step()
+            self._apply(outs)
+            return outs
 
     def generate(
         self,
@@ -186,9 +189,10 @@ class Engine:
             raise NotFoundError(f"no running request with id {rid!r}", param="rid")
         self.core.abort(rid)
 
-    def step(self) -> None:
-        """Run one engine iteration (for callers that drive the loop themselves)."""
-        self._step()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration (for callers that drive the loop themselves); returns what
+        happened to requests in it."""
+        return self._step()
 
     def run_until_idle(self) -> None:
         while not self.core.scheduler.idle:

@@ -56,8 +56,8 @@ class _Loop:
         elif isinstance(msg, m.Call):
             self.send(_call(core, msg))
         elif isinstance(msg, m.Shutdown):
-            core.shutdown()
-            log.info("engine shut down")
+            n = core.shutdown()
+            log.info("engine shut down: %d session(s) closed", n)
             return False
         return True
 

@@ -72,19 +72,23 @@ class ModelRunner:
         for i, r in enumerate(sched.reqs):
             if r.sampling is None:
                 continue
-            drafts = r.token_ids[r.num_tokens - r.num_draft :]
-            # Accept drafts while the target's own draw equals them, then take its draw at the first
-            # mismatch (or the bonus after the last draft). For drafts that are a fixed guess (n-gram)
-            # this is exactly rejection sampling: the output distribution is the target's.
-            for j in range(r.num_draft + 1):
-                tok = res.tokens[k + j]
-                out.tokens[i].append(tok)
-                out.logprobs[i].append(res.logprobs[k + j])
-                out.top_logprobs[i].append(res.top_logprobs[k + j])
-                if j == r.num_draft or tok != drafts[j]:
-                    break
+            n = accepted_run(res.tokens[k : k + r.num_draft + 1], r.token_ids[r.num_tokens - r.num_draft :])
+            out.tokens[i] = res.tokens[k : k + n]
+            out.logprobs[i] = res.logprobs[k : k + n]
+            out.top_logprobs[i] = res.top_logprobs[k : k + n]
             k += r.num_draft + 1
         return out
+
+
+def accepted_run(draws: list[int], drafts: list[int]) -> int:
+    """How many of the target's ``draws`` (one per verified position, ``len(drafts) + 1``) a request
+    keeps: drafts while the draw equals them, then the draw at the first mismatch (or the bonus after
+    the last draft). For drafts that are a fixed guess (n-gram) this is exactly rejection sampling:
+    the output distribution is the target's."""
+    for j, d in enumerate(drafts):
+        if draws[j] != d:
+            return j + 1
+    return len(drafts) + 1
 
 
 def _verify_rows(r: ScheduledReq) -> list[SamplingRow]:

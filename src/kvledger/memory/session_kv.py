@@ -35,8 +35,8 @@ class Session:
 
 
 class SessionKV:
-    def __init__(self, kv):
-        self.kv = kv
+    def __init__(self, kv_manager):
+        self.kv_manager = kv_manager
         self.by_id: dict[str, Session] = {}
         self.evictions = 0  # idle sessions whose KV was dropped for room
 
@@ -50,12 +50,12 @@ class SessionKV:
     def borrow(self, req) -> list[int]:
         """The session pages a turn reads; at least one token is always computed."""
         s = req.session
-        n = min(s.kv_len, req.session_offset, len(req.fill_ids) - 1) // self.kv.page_size
+        n = min(s.kv_len, req.session_offset, len(req.fill_ids) - 1) // self.kv_manager.page_size
         return s.pages[:n]
 
     def free_pages(self, s: Session) -> None:
         assert s.busy_rid is None, "a running turn borrows these pages"
-        self.kv.free(s.pages, s.owner)
+        self.kv_manager.free(s.pages, s.owner)
         s.pages = []
         s.kv_len = 0
 
@@ -83,17 +83,17 @@ class SessionKV:
         if req.slot is not None:
             borrowed = req.num_tree_pages
             if commit and final and not s.closing:
-                keep = -(-req.kv_len // self.kv.page_size)
-                self.kv.free(s.pages[borrowed:], s.owner)  # superseded by the turn's pages
-                self.kv.free(req.pages[keep:], owner)  # over-allocation: trimmed before the handover
-                self.kv.pages.set_owner(req.pages[borrowed:keep], s.owner)
+                keep = -(-req.kv_len // self.kv_manager.page_size)
+                self.kv_manager.free(s.pages[borrowed:], s.owner)  # superseded by the turn's pages
+                self.kv_manager.free(req.pages[keep:], owner)  # over-allocation: trimmed before the handover
+                self.kv_manager.pages.set_owner(req.pages[borrowed:keep], s.owner)
                 s.pages = req.pages[:keep]
                 s.kv_len = req.kv_len
                 s.tokens = req.fill_ids
                 s.turns += 1
             else:
-                self.kv.free(req.pages[borrowed:], owner)
-            self.kv.reset(req, owner)
+                self.kv_manager.free(req.pages[borrowed:], owner)
+            self.kv_manager.reset(req, owner)
         if final:
             s.busy_rid = None
             s.last_used = time.monotonic()

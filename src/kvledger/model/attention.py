@@ -18,7 +18,7 @@ from .batch import ForwardBatch
 
 
 class KVBuffer(Protocol):
-    """Per-layer K and V storage: ``k[layer]`` and ``v[layer]`` are ``[kv_heads, num_slots, head_dim]``."""
+    """Per-layer K and V storage: ``k[layer]`` and ``v[layer]`` are ``[kv_heads, num_pages * page_size, head_dim]``."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -29,7 +29,13 @@ class AttentionBackend(Protocol):
         """Build the per-forward metadata (index tensors, masks) into ``batch.attn_meta``."""
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVBuffer, batch: ForwardBatch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_buffer: KVBuffer,
+        batch: ForwardBatch,
     ) -> torch.Tensor:
         """Store the new k/v of ``layer`` into the pool and return attention output ``[T, heads*head_dim]``."""
 
@@ -92,8 +98,8 @@ class TorchAttention:
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
         batch.attn_meta = meta
 
-    def forward(self, layer, q, k, v, kv, batch):
-        k_cache, v_cache = kv.k[layer], kv.v[layer]  # [KVH, slots, D]
+    def forward(self, layer, q, k, v, kv_buffer, batch):
+        k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]  # [KVH, locations, D]
         k_cache[:, batch.out_loc] = k.transpose(0, 1).to(k_cache.dtype)
         v_cache[:, batch.out_loc] = v.transpose(0, 1).to(v_cache.dtype)
         meta: _TorchMeta = batch.attn_meta

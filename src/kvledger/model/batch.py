@@ -14,20 +14,20 @@ class ForwardBatch:
 
     Each request brings ``extend_lens[i]`` new tokens (a prefill chunk, or 1 for a decode) that start at
     position ``prefix_lens[i]`` of its sequence; ``seq_lens[i] = prefix_lens[i] + extend_lens[i]``.
-    Token ``t`` of the flat batch is written to KV slot ``out_loc[t]``; a request's whole sequence
-    lives in the KV slots ``req_to_token[req_rows[i], :seq_lens[i]]``.
+    Token ``t`` of the flat batch is written to cache location ``out_loc[t]``; a request's whole
+    sequence lives in the locations ``req_to_token[req_rows[i], :seq_lens[i]]``.
     """
 
     input_ids: torch.Tensor  # [T] int64, the new tokens of all requests, request after request
     positions: torch.Tensor  # [T] int64
-    out_loc: torch.Tensor  # [T] int64, KV slot of each new token
+    out_loc: torch.Tensor  # [T] int64, cache location of each new token
     req_rows: list[int]  # request-slot row of each request
     prefix_lens: list[int]
     extend_lens: list[int]
     seq_lens: list[int]
     logit_index: torch.Tensor  # [R] int64, flat positions whose hidden state goes through the LM head
     req_to_token: torch.Tensor  # [slots, max_context] int64, the request-slot table (shared, not copied)
-    page_size: int = 1  # KV slots are grouped in pages of this many tokens (page p = slots p*ps ...)
+    page_size: int = 1  # locations come in pages of this many tokens (page p = p*ps ...)
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
 
     @property

@@ -40,7 +40,7 @@ class BatchPolicy:
         s = self.s
         # Normal requests leave their computed KV in the tree (cheap recompute); a session turn only
         # frees its own pages: its session must not change before the turn completes.
-        s.kv.release(req, commit=req.session is None, final=False)
+        s.kv_manager.release(req, commit=req.session is None, final=False)
         s.running.remove(req)
         req.state = ReqState.WAITING
         req.num_retractions += 1
@@ -51,7 +51,7 @@ class BatchPolicy:
 
     def mark_too_big(self, req: Req) -> None:
         """A request that cannot fit even alone (what is left after sessions' busy KV) ends cleanly."""
-        total = self.s.kv.pages.num_pages * self.s.kv.page_size
+        total = self.s.kv_manager.pages.num_pages * self.s.kv_manager.page_size
         req.mark_finish(
             FinishReason(
                 "abort",
@@ -76,7 +76,7 @@ class BatchPolicy:
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
             drafts = self._drafts(req)
-            while not s.kv.allocate(req, 1, num_lookahead_tokens=len(drafts)):
+            while not s.kv_manager.allocate(req, 1, num_lookahead_tokens=len(drafts)):
                 if drafts:
                     drafts = []  # no room to speculate: decode plainly
                     continue
@@ -95,22 +95,22 @@ class BatchPolicy:
     def _admit(self, req: Req, budget: int, reserve_pages: int) -> Chunk | None:
         """Admit the first waiting request: slot, cached prefix, external KV, pages for its chunk."""
         s = self.s
-        if not s.kv.admit(req):
+        if not s.kv_manager.admit(req):
             return None
         ext, load_async = s.connector.get_num_new_matched_tokens(req, req.kv_len)
         ext = min(ext, req.seq_len - 1 - req.kv_len)
         n = min(budget, req.seq_len - req.kv_len - ext)
         # Leave room for the running requests' next tokens, or admission would only cause retraction.
-        fits = s.kv.available_pages() - s.kv.pages_needed(req, n + ext) >= reserve_pages
-        if not fits or not s.kv.allocate(req, ext + (0 if load_async else n)):
-            s.kv.release(req, commit=False, final=False)
+        fits = s.kv_manager.available_pages() - s.kv_manager.pages_needed(req, n + ext) >= reserve_pages
+        if not fits or not s.kv_manager.allocate(req, ext + (0 if load_async else n)):
+            s.kv_manager.release(req, commit=False, final=False)
             return None
         s.waiting.popleft()
         req.admitted_seq = next(self._admit_counter)
         if req.num_retractions == 0:
             req.cached_tokens = req.kv_len + ext
         if ext:
-            s.connector.update_state_after_alloc(req, req.pages[req.kv_len // s.kv.page_size :], ext)
+            s.connector.update_state_after_alloc(req, req.pages[req.kv_len // s.kv_manager.page_size :], ext)
         if ext and load_async:
             req.num_external_tokens = ext
             req.state = ReqState.WAITING_FOR_KV  # joins running when the connector reports the load
@@ -129,7 +129,7 @@ class BatchPolicy:
                 return out
             if req.kv_len < req.seq_len - 1 and req.to_finish is None:
                 n = min(budget, req.seq_len - req.kv_len)
-                if not s.kv.allocate(req, n):
+                if not s.kv_manager.allocate(req, n):
                     return out
                 out.append(Chunk(req, n))
                 budget -= n

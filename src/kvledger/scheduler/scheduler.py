@@ -33,7 +33,9 @@ from .stop import StopChecker
 
 log = logging.getLogger(__name__)
 
-ReleaseHook = Callable[[Req], None]
+# Called with every request that ends, before its KV is released; True keeps its pages until the
+# component reports it is done with them (a KV connector's async save).
+ReleaseHook = Callable[[Req], bool | None]
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Scheduler:
     def __init__(
         self,
         cfg: EngineConfig,
-        kv: KVManager,
+        kv_manager: KVManager,
         context_length: int,
         eos_token_ids: Iterable[int],
         decode: Callable[[list[int]], str] | None = None,
@@ -56,7 +58,7 @@ class Scheduler:
         proposer=None,
     ):
         self.cfg = cfg
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.context_length = context_length
         self.connector = connector or NoOpConnector()
         self.proposer = proposer  # drafts for speculative decoding: ``propose(req) -> list[int]``
@@ -70,7 +72,7 @@ class Scheduler:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # aborts may come from any thread
         self._outputs: list[RequestOutput] = []
         # Components with per-request state register here; ``_finish`` calls each on every ending.
-        self.release_hooks: list[ReleaseHook] = []
+        self.release_hooks: list[ReleaseHook] = [self.connector.request_finished]
         self.last_stats = StepStats()
         self.total_retractions = 0
         self._last_audit = 0.0
@@ -115,9 +117,9 @@ class Scheduler:
 
     # -- ledger view ----------------------------------------------------------------------------------
     def holdings(self) -> Iterable[Holding]:
-        yield from self.kv.sessions.holdings()
+        yield from self.kv_manager.sessions.holdings()
         for r in itertools.chain(self.running, self.waiting_for_kv, self.sending.values()):
-            yield self.kv.holding(r)
+            yield self.kv_manager.holding(r)
 
     @property
     def idle(self) -> bool:
@@ -134,9 +136,10 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         reason = req.to_finish
         assert reason is not None
+        hold = False
         for hook in self.release_hooks:
             try:
-                hook(req)
+                hold |= bool(hook(req))
             except Exception:  # a faulty component must not stop the release
                 log.exception("release hook %r failed for request %s", hook, req.rid)
         if req.state is ReqState.RUNNING:
@@ -149,7 +152,7 @@ class Scheduler:
         self._outputs.append(
             RequestOutput.final(req.rid, reason, len(req.input_ids), len(req.output_ids), req.cached_tokens)
         )
-        if req.slot is not None and self.connector.request_finished(req):
+        if hold and req.slot is not None:
             req.state = ReqState.SENDING  # released when the connector reports the save done
             self.sending[req.rid] = req
             return
@@ -160,7 +163,7 @@ class Scheduler:
         # KV from a failed forward is not trusted for reuse; everything else is valid and cached. A
         # session turn writes into its session only when it completed (never on abort).
         commit = reason.type != "abort" if req.session is not None else reason.status < 500
-        self.kv.release(req, commit=commit)
+        self.kv_manager.release(req, commit=commit)
         req.state = ReqState.FINISHED
         self.sending.pop(req.rid, None)
         if self.reqs.get(req.rid) is req:
@@ -171,7 +174,7 @@ class Scheduler:
         self.settle()
         self.last_stats = StepStats()
         chunks = self.policy.schedule()
-        out = SchedulerOutput([self._scheduled(c) for c in chunks], self.kv.take_page_writes())
+        out = SchedulerOutput([self._scheduled(c) for c in chunks], self.kv_manager.take_page_writes())
         out.connector_meta = self.connector.build_connector_meta(out)
         if chunks:
             self._was_busy = True
@@ -221,7 +224,7 @@ class Scheduler:
         # Valid KV: what was fed up to the last accepted draft; the newest token is not in the KV yet.
         req.kv_len = min(fed_end, before + n - 1)
         if fed_end > req.kv_len:
-            self.kv.truncate(req, req.kv_len)  # rejected drafts' positions go back to the pool
+            self.kv_manager.truncate(req, req.kv_len)  # rejected drafts' positions go back to the pool
         self._outputs.append(
             RequestOutput(
                 req.rid,
@@ -252,7 +255,7 @@ class Scheduler:
                 self._release(req)
 
     def _check_books(self) -> None:
-        ledger = self.kv.ledger
+        ledger = self.kv_manager.ledger
         if ledger.strict:
             ledger.check_conservation()
         if self.idle and self._was_busy:

@@ -22,7 +22,7 @@ class SessionManager:
     def __init__(
         self, session_kv: SessionKV, max_sessions: int, default_timeout_s: float | None, page_size: int
     ):
-        self.kv = session_kv
+        self.session_kv = session_kv
         self.max_sessions = max_sessions
         self.default_timeout_s = default_timeout_s
         self.page_size = page_size
@@ -55,14 +55,14 @@ class SessionManager:
         if s.busy_rid is not None:
             s.closing = True  # released by the running turn's finish, through the release path
             return
-        self.kv.release(s)
+        self.session_kv.release(s)
 
     def expire(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         gone = []
         for s in list(self.sessions.values()):
             if s.busy_rid is None and s.timeout_s is not None and now - s.last_used > s.timeout_s:
-                self.kv.release(s)
+                self.session_kv.release(s)
                 gone.append(s.id)
         return gone
 
