@@ -100,6 +100,7 @@ def test_abort_while_kv_arrives_frees_everything(make_engine):
 
 def test_pages_stay_until_the_async_save_ends(make_engine):
     eng, conn = _engine(make_engine)
+    assert conn.saves == {}
     rid = eng.add_request(list(range(50, 61)), {"max_new_tokens": 4, "ignore_eos": True}, rid="send-1")
     while eng.result(rid, pop=False) is None:
         eng.step()
@@ -108,8 +109,9 @@ def test_pages_stay_until_the_async_save_ends(make_engine):
     assert list(owners) == ["req send-1 [kv sending]"] and owners["req send-1 [kv sending]"] > 0
     assert eng.memory()["req_slots_free"] == eng.memory()["req_slots_total"] - 1  # ... the KV stays
     assert not eng.core.scheduler.idle
+    assert "send-1" in conn.saves
     eng.run_until_idle()  # the save ends: released through the same release path
-    assert _owners(eng) == {}
+    assert _owners(eng) == {} and conn.finished_calls == ["send-1"]
     assert_idle_clean(eng)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fakes import V, FakeRunner, chain, use_fake_model
+from tests.fakes import FakeRunner, V, chain, use_fake_model
 from tests.helpers import assert_idle_clean
 
 
