@@ -111,20 +111,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
-    p.add_argument(
-        "--watchdog-timeout",
-        dest="watchdog_timeout_s",
-        type=float,
-        default=d.watchdog_timeout_s,
-        help="restart the engine if a step makes no progress for this many seconds",
-    )
-    p.add_argument(
-        "--grace-period",
-        dest="grace_period_s",
-        type=float,
-        default=d.grace_period_s,
-        help="seconds running requests get to finish on SIGTERM/SIGINT",
-    )
+    for flag, dest, what in (
+        (
+            "--watchdog-timeout",
+            "watchdog_timeout_s",
+            "restart the engine if a step makes no progress for this long",
+        ),
+        ("--grace-period", "grace_period_s", "time running requests get to finish on SIGTERM/SIGINT"),
+    ):
+        p.add_argument(flag, dest=dest, type=float, default=getattr(d, dest), help=f"{what} (seconds)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,11 @@ class KVLedgerError(Exception):
     status: int = 500
     type: str = "internal_error"
 
+    def __init_subclass__(cls, status: int | None = None, type_: str | None = None, **kw):
+        super().__init_subclass__(**kw)  # a subclass without them keeps its parent's
+        cls.status = cls.status if status is None else status
+        cls.type = cls.type if type_ is None else type_
+
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
@@ -24,55 +29,37 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class ValidationError(KVLedgerError):
-    """Bad input from a client (HTTP 400). Raised before anything is allocated."""
-
-    status = 400
-    type = "invalid_request_error"
+# Each error class: (HTTP status, OpenAI error type) and when it is raised.
+class ValidationError(KVLedgerError, status=400, type_="invalid_request_error"):
+    """Bad input from a client. Raised before anything is allocated."""
 
 
-class NotFoundError(KVLedgerError):
-    status = 404
-    type = "not_found_error"
+class NotFoundError(KVLedgerError, status=404, type_="not_found_error"):
+    """An unknown model, request id, session or path."""
 
 
-class ConflictError(KVLedgerError):
-    status = 409
-    type = "conflict_error"
+class ConflictError(KVLedgerError, status=409, type_="conflict_error"):
+    """A duplicate in-flight request id, a busy session, a flush while requests run."""
 
 
-class OverloadedError(KVLedgerError):
-    status = 429
-    type = "overloaded_error"
+class OverloadedError(KVLedgerError, status=429, type_="overloaded_error"):
+    """The waiting queue or the session table is full."""
 
 
-class ModelLoadError(KVLedgerError):
+class ModelLoadError(KVLedgerError, status=500, type_="model_load_error"):
     """A model that cannot be loaded: missing, corrupt, truncated or unsupported. One line, no traceback."""
 
-    status = 500
-    type = "model_load_error"
 
-
-class MemoryLedgerError(KVLedgerError):
+class MemoryLedgerError(KVLedgerError, status=500, type_="memory_ledger_error"):
     """The ledger's books do not balance (raised in strict mode only)."""
 
-    status = 500
-    type = "memory_ledger_error"
+
+class ServiceUnavailable(KVLedgerError, status=503, type_="service_unavailable"):
+    """The engine is not ready, restarting, shutting down or dead."""
 
 
-class ServiceUnavailable(KVLedgerError):
-    """The engine is not ready, restarting, shutting down or dead (HTTP 503)."""
-
-    status = 503
-    type = "service_unavailable"
-
-
-_BY_STATUS: dict[int, type[KVLedgerError]] = {
-    400: ValidationError,
-    404: NotFoundError,
-    409: ConflictError,
-    429: OverloadedError,
-    503: ServiceUnavailable,
+_BY_STATUS = {
+    c.status: c for c in (ValidationError, NotFoundError, ConflictError, OverloadedError, ServiceUnavailable)
 }
 
 

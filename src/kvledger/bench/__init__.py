@@ -14,7 +14,7 @@ import json
 import logging
 import platform
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import httpx
@@ -82,8 +82,15 @@ def load_bench_tokenizer(path: str | None) -> Any:
     return tok
 
 
-def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
-    """Run every concurrency level of ``args`` against one server; returns the report."""
+def _from_args(cls, args: argparse.Namespace, **given):
+    """A settings dataclass filled from the flags of the same name (``given`` wins)."""
+    names = {f.name for f in fields(cls)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values.update(given)
+    return cls(**values)
+
+
+def _levels(args: argparse.Namespace) -> list[int]:
     try:
         levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     except ValueError:
@@ -94,58 +101,45 @@ def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
         raise SystemExit("--request-rate must be > 0 (inf: all at once)")
     if not isinstance(args.extra_body, dict):
         raise SystemExit("--extra-body must be a JSON object")
+    return levels
+
+
+def _run_level(args, requests: list[BenchRequest], settings: RunSettings, label: str) -> dict:
+    if args.warmup:
+        # As SGLang's bench: warm up with the workload's own first prompts, a few tokens out (for
+        # the shared-prefix workload this also puts the shared system prompt in a prefix cache).
+        warm = [BenchRequest(r.prompt, r.input_len, min(r.output_len, 4)) for r in requests[: args.warmup]]
+        asyncio.run(run_requests(warm, settings, desc="warm-up"))
+    level = settings.concurrency
+    n = max(args.num_prompts, level)
+    results, wall = asyncio.run(run_requests(requests[:n], settings, desc=f"{label} c={level}"))
+    summary = summarize(results, wall)
+    summary.update(concurrency=level, request_rate=args.request_rate)
+    log.info(
+        "%s c=%d: %.1f output tok/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, %d failed",
+        label, level, summary["output_tok_s"], summary["ttft_ms"]["p50"] or 0, summary["itl_ms"]["p50"] or 0,
+        summary["failed"],
+    )  # fmt: skip
+    return summary
+
+
+def run_bench(args: argparse.Namespace, tokenizer: Any = None) -> dict:
+    """Run every concurrency level of ``args`` against one server; returns the report."""
+    levels = _levels(args)
     tokenizer = tokenizer or load_bench_tokenizer(args.tokenizer)
-    spec = WorkloadSpec(
-        kind=args.workload,
-        num_prompts=max(args.num_prompts, max(levels)),
-        seed=args.seed,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        max_input_len=args.max_input_len,
-        max_output_len=args.max_output_len,
-        prefix_len=args.prefix_len,
-        question_len=args.question_len,
-    )
+    spec = _from_args(WorkloadSpec, args, kind=args.workload, num_prompts=max(args.num_prompts, max(levels)))
     requests = make_workload(spec, tokenizer)
     model = args.model or server_model(args.base_url, args.api_key)
     label = args.label or model
-    runs = []
-    for level in levels:
-        settings = RunSettings(
-            base_url=args.base_url,
-            model=model,
-            endpoint=args.endpoint,
-            concurrency=level,
-            request_rate=args.request_rate,
-            ignore_eos=args.ignore_eos,
-            api_key=args.api_key,
-            timeout_s=args.timeout,
-            seed=args.seed,
-            progress=args.progress,
-            extra_body=args.extra_body,
-        )
-        if args.warmup:
-            # As SGLang's bench: warm up with the workload's own first prompts, a few tokens out (for
-            # the shared-prefix workload this also puts the shared system prompt in a prefix cache).
-            warm = [
-                BenchRequest(r.prompt, r.input_len, min(r.output_len, 4)) for r in requests[: args.warmup]
-            ]
-            asyncio.run(run_requests(warm, settings, desc="warm-up"))
-        n = max(args.num_prompts, level)
-        results, wall = asyncio.run(run_requests(requests[:n], settings, desc=f"{label} c={level}"))
-        summary = summarize(results, wall)
-        summary.update(concurrency=level, request_rate=args.request_rate)
-        runs.append(summary)
-        log.info(
-            "%s c=%d: %.1f output tok/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, %d failed",
+    runs = [
+        _run_level(
+            args,
+            requests,
+            _from_args(RunSettings, args, model=model, concurrency=c, timeout_s=args.timeout),
             label,
-            level,
-            summary["output_tok_s"],
-            summary["ttft_ms"]["p50"] or 0,
-            summary["itl_ms"]["p50"] or 0,
-            summary["failed"],
         )
+        for c in levels
+    ]
     report = {
         "label": label,
         "base_url": args.base_url,

@@ -198,18 +198,8 @@ class Ledger:
                     report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")
                 elif h.borrowed_from is not None and p not in session_pages.get(h.borrowed_from, ()):
                     report.problems.append(f"{h.owner} reads page {p}, which {h.borrowed_from} does not hold")
-        for p in range(self.pages.num_pages):
-            o = owners.get(p)
-            if not o:
-                report.leaked_pages[p] = self.pages.last_owner[p]
-            elif len(o) > 1:
-                report.double_pages[p] = o
-        for s in range(self.slots.num_slots):
-            o = slot_owners.get(s)
-            if not o:
-                report.leaked_slots[s] = self.slots.last_owner[s]
-            elif len(o) > 1:
-                report.double_slots[s] = o
+        _classify(owners, self.pages.last_owner, report.leaked_pages, report.double_pages)
+        _classify(slot_owners, self.slots.last_owner, report.leaked_slots, report.double_slots)
         if count:
             self.checks += 1
             self._enforce(report)
@@ -231,3 +221,13 @@ class Ledger:
             self.reclaimed_pages += len(report.leaked_pages)
         for s in report.leaked_slots:
             self.slots.free(s, by="ledger reclaim")
+
+
+def _classify(owners: dict[int, list[str]], last_owner: list[str], leaked: dict, double: dict) -> None:
+    """Ids with no owner are leaks (named by their last owner); with several, double ownership."""
+    for i in range(len(last_owner)):
+        o = owners.get(i)
+        if not o:
+            leaked[i] = last_owner[i]
+        elif len(o) > 1:
+            double[i] = o

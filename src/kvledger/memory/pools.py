@@ -26,87 +26,81 @@ class KVBuffer:
         return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-class PagePool:
-    """Free list of KV pages. ``alloc`` never hands out a page twice until it is freed."""
+class IdPool:
+    """A free list of ids ``0..n-1``; each id remembers its last owner so an audit can name it."""
 
-    def __init__(self, num_pages: int, page_size: int):
-        self.num_pages = num_pages
-        self.page_size = page_size
-        # Pop from the end: low page ids first, which keeps tests' reports readable.
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._is_free = bytearray([1]) * num_pages
-        self.last_owner: list[str] = ["never allocated"] * num_pages
+    def __init__(self, n: int):
+        # Pop from the end: low ids first, which keeps tests' reports readable.
+        self._free: list[int] = list(range(n - 1, -1, -1))
+        self._is_free = bytearray([1]) * n
+        self.last_owner: list[str] = ["never allocated"] * n
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def alloc(self, n: int, owner: str) -> list[int] | None:
+    def is_free(self, i: int) -> bool:
+        return bool(self._is_free[i])
+
+    def free_list(self) -> list[int]:
+        return list(self._free)
+
+    def _take(self, n: int, owner: str) -> list[int] | None:
         if n > len(self._free):
             return None
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
-        for p in pages:
-            self._is_free[p] = 0
-            self.last_owner[p] = owner
-        return pages
+        ids = self._free[len(self._free) - n :]
+        del self._free[len(self._free) - n :]
+        for i in ids:
+            self._is_free[i] = 0
+            self.last_owner[i] = owner
+        return ids
+
+    def _give_back(self, ids: list[int], by: str) -> list[int]:
+        """Return ids to the free list; returns those that were already free (double frees), which
+        are not added twice. The caller reports them."""
+        doubles = []
+        for i in ids:
+            if self._is_free[i]:
+                doubles.append(i)
+                continue
+            self._is_free[i] = 1
+            self._free.append(i)
+            self.last_owner[i] = f"freed by {by}"
+        return doubles
+
+
+class PagePool(IdPool):
+    """KV pages. ``alloc`` never hands out a page twice until it is freed."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        super().__init__(num_pages)
+        self.num_pages = num_pages
+        self.page_size = page_size
+
+    def alloc(self, n: int, owner: str) -> list[int] | None:
+        return self._take(n, owner)
 
     def free(self, pages: list[int], by: str) -> list[int]:
-        """Return pages to the free list; returns the pages that were already free (double frees),
-        which are not added twice. The caller reports them."""
-        doubles = []
-        for p in pages:
-            if self._is_free[p]:
-                doubles.append(p)
-                continue
-            self._is_free[p] = 1
-            self._free.append(p)
-            self.last_owner[p] = f"freed by {by}"
-        return doubles
+        """Returns the pages that were already free (double frees)."""
+        return self._give_back(pages, by)
 
     def set_owner(self, pages: list[int], owner: str) -> None:
         for p in pages:
             self.last_owner[p] = owner
 
-    def free_list(self) -> list[int]:
-        return list(self._free)
 
-    def is_free(self, page: int) -> bool:
-        return bool(self._is_free[page])
-
-
-class ReqSlotPool:
+class ReqSlotPool(IdPool):
     """Request slots: a live request's row of the page table (which the executor holds, see
     ``engine/page_table.py``). A slot is free, used by one live request, or nothing else."""
 
     def __init__(self, num_slots: int):
+        super().__init__(num_slots)
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._is_free = bytearray([1]) * num_slots
-        self.last_owner: list[str] = ["never allocated"] * num_slots
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
 
     def alloc(self, owner: str) -> int | None:
-        if not self._free:
-            return None
-        s = self._free.pop()
-        self._is_free[s] = 0
-        self.last_owner[s] = owner
-        return s
+        got = self._take(1, owner)
+        return got[0] if got else None
 
     def free(self, slot: int, by: str) -> bool:
         """Returns False (and changes nothing) on a double free."""
-        if self._is_free[slot]:
-            return False
-        self._is_free[slot] = 1
-        self._free.append(slot)
-        self.last_owner[slot] = f"freed by {by}"
-        return True
-
-    def free_list(self) -> list[int]:
-        return list(self._free)
+        return not self._give_back([slot], by)

@@ -12,7 +12,11 @@ from ..state import state
 router = APIRouter()
 
 
-def _respond(result):
+async def _serve(request: Request, body_type, method: str):
+    srv = state(request)
+    srv.live_client()
+    body = await parse_body(request, body_type)
+    result = await getattr(srv.openai, method)(body, request.is_disconnected)
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream")
@@ -20,18 +24,12 @@ def _respond(result):
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    srv = state(request)
-    srv.live_client()
-    body = await parse_body(request, CompletionRequest)
-    return _respond(await srv.openai.completions(body, request.is_disconnected))
+    return await _serve(request, CompletionRequest, "completions")
 
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
-    srv = state(request)
-    srv.live_client()
-    body = await parse_body(request, ChatRequest)
-    return _respond(await srv.openai.chat(body, request.is_disconnected))
+    return await _serve(request, ChatRequest, "chat")
 
 
 @router.get("/v1/models")
