@@ -58,6 +58,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=d.session_timeout_s,
         help="idle sessions are closed after this many seconds",
     )
+    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, choices=["NGRAM"],
+                   help="speculative decoding: NGRAM drafts from the request's own text")  # fmt: skip
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens)
+    for side in ("min", "max"):
+        dest = f"speculative_ngram_{side}_match_window_size"
+        p.add_argument(f"--speculative-ngram-{side}-match-window-size", f"--speculative-ngram-{side}-match-window",
+                       dest=dest, type=int, default=getattr(d, dest))  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--num-threads", type=int, default=d.num_threads)
 

@@ -52,6 +52,14 @@ class EngineConfig:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     max_top_logprobs: int = 20
+    speculative_algorithm: str | None = None
+    """None | NGRAM. NGRAM drafts from the request's own prompt and output (spec/ngram.py); the
+    drafts are verified in the same forward as everything else, output distribution unchanged."""
+    speculative_num_draft_tokens: int = 4
+    """Most drafts one request verifies per step."""
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    """NGRAM: the suffix that must have occurred before, in tokens (longest first)."""
     seed: int = 0
     """Seed of the engine's generator for requests that bring no seed of their own."""
     num_threads: int | None = None

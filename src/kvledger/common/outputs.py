@@ -55,6 +55,7 @@ class RequestOutput(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    spec_verify_ct: int = 0  # the request's verify steps so far (speculative decoding)
 
     @classmethod
     def final(
@@ -76,8 +77,10 @@ def meta_info(
     finish: FinishReason | None,
     logprobs: list[float | None] | None = None,
     top_logprobs: list[TopLogprobs | None] | None = None,
+    spec_verify_ct: int = 0,
 ) -> dict[str, Any]:
-    """SGLang's ``meta_info``; logprobs as ``[logprob, token_id, text]`` triples when asked for."""
+    """SGLang's ``meta_info``; logprobs as ``[logprob, token_id, text]`` triples when asked for;
+    with speculation, ``spec_verify_ct`` and the mean tokens a verify step gave."""
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_tokens,
@@ -89,4 +92,7 @@ def meta_info(
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, output_ids)]
     if top_logprobs is not None:
         meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in (top or [])] for top in top_logprobs]
+    if spec_verify_ct:
+        meta["spec_verify_ct"] = spec_verify_ct
+        meta["spec_accept_length"] = round(len(output_ids) / spec_verify_ct, 3)
     return meta

@@ -20,6 +20,7 @@ from ..model import LlamaModel, load_model
 from ..model.linear import QUANTIZATIONS
 from ..model.loader import LoadedModel
 from ..scheduler import ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
+from ..spec import NgramProposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
 from .malloc import keep_heap_memory
@@ -41,6 +42,26 @@ class EngineInfo:
     max_total_tokens: int
     kv_bytes_per_token: int = 0
     weight_bytes: int = 0
+
+
+def make_proposer(cfg: EngineConfig) -> NgramProposer | None:
+    """The draft proposer ``--speculative-algorithm`` asks for (None: no speculation)."""
+    algo = cfg.speculative_algorithm
+    if algo is None:
+        return None
+    if algo.upper() != "NGRAM":
+        raise ValidationError(
+            f"speculative_algorithm must be NGRAM or unset, got {algo!r} (STANDALONE is not supported yet)",
+            param="speculative_algorithm",
+        )
+    try:
+        return NgramProposer(
+            cfg.speculative_num_draft_tokens,
+            cfg.speculative_ngram_min_match_window_size,
+            cfg.speculative_ngram_max_match_window_size,
+        )
+    except ValueError as e:
+        raise ValidationError(str(e), param="speculative_num_draft_tokens") from None
 
 
 def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> None:
@@ -101,7 +122,9 @@ class EngineCore:
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(self.cfg, self.kv_manager, context, eos, self._decode_raw, connector)
+        self.scheduler = Scheduler(
+            self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, make_proposer(cfg)
+        )
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.max_sessions, cfg.session_timeout_s, ps)
         self.limits = Limits(
             vocab_size=mc.vocab_size,

@@ -23,6 +23,7 @@ class _Track:
     top_logprobs: list = field(default_factory=list)
     finish: FinishReason | None = None
     cached_tokens: int = 0
+    spec_verify_ct: int = 0
     version: int = 0
 
     def result(self) -> dict:
@@ -35,6 +36,7 @@ class _Track:
             self.finish,
             self.logprobs if p.wants_logprobs else None,
             self.top_logprobs if p.top_logprobs else None,
+            self.spec_verify_ct,
         )
         return {
             "text": self.text.update(self.output_ids, self.finish),
@@ -95,6 +97,7 @@ class Engine:
             t.logprobs.extend(o.new_logprobs)
             t.top_logprobs.extend(o.new_top_logprobs)
             t.cached_tokens = o.cached_tokens
+            t.spec_verify_ct = o.spec_verify_ct
             if o.finished:
                 t.finish = o.finish_reason
             t.version += 1

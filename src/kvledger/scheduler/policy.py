@@ -62,20 +62,23 @@ class BatchPolicy:
         )
 
     # -- decodes ------------------------------------------------------------------------------------
-    def _drafts(self, req: Req) -> list[int]:
+    def _drafts(self, req: Req, budget: int) -> list[int]:
         proposer = self.s.proposer
-        if proposer is None:
+        if proposer is None or budget <= 0:
             return []
         room = self.s.context_length - req.seq_len - 1  # drafts never run past the context
-        return proposer.propose(req)[: max(room, 0)]
+        return proposer.propose(req)[: max(min(room, budget), 0)]
 
     def schedule_decodes(self, decodes: list[Req]) -> list[Chunk]:
         s = self.s
         scheduled: list[Chunk] = []
+        # Drafts share the step's token budget: verifying never makes a step bigger than a prefill one.
+        budget = s.cfg.chunked_prefill_size - len(decodes)
         for req in sorted(decodes, key=lambda r: r.admitted_seq):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
-            drafts = self._drafts(req)
+            drafts = self._drafts(req, budget)
+            budget -= len(drafts)
             while not s.kv_manager.allocate(req, 1, num_lookahead_tokens=len(drafts)):
                 if drafts:
                     drafts = []  # no room to speculate: decode plainly

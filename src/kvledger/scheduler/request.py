@@ -24,6 +24,23 @@ class ReqState(enum.Enum):
         return self.value if self in (ReqState.WAITING_FOR_KV, ReqState.SENDING) else ""
 
 
+@dataclass
+class SpecState:
+    """A request's speculative-decoding record (see ``spec/ngram.py`` for the adaptive rule)."""
+
+    verify_ct: int = 0  # steps that verified drafts for it
+    drafted: int = 0
+    accepted: int = 0
+    ema: float = 1.0  # moving average of the fraction of drafts accepted
+    paused_until: int = 0  # no drafts before this many output tokens
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.verify_ct += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.ema = 0.7 * self.ema + 0.3 * accepted / drafted
+
+
 @dataclass(eq=False)
 class Req:
     """One generation request. Memory fields are changed only by ``KVManager``."""
@@ -50,6 +67,7 @@ class Req:
     admitted_seq: int = 0  # admission order (retraction picks the newest)
     session: object | None = None  # the Session this request is a turn of (memory/session_kv.py)
     session_offset: int = 0
+    spec: SpecState = field(default_factory=SpecState)
 
     @property
     def fill_ids(self) -> list[int]:

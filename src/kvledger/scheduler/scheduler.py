@@ -149,9 +149,9 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.finish_reason = reason
-        self._outputs.append(
-            RequestOutput.final(req.rid, reason, len(req.input_ids), len(req.output_ids), req.cached_tokens)
-        )
+        out = RequestOutput.final(req.rid, reason, len(req.input_ids), len(req.output_ids), req.cached_tokens)
+        out.spec_verify_ct = req.spec.verify_ct
+        self._outputs.append(out)
         if hold and req.slot is not None:
             req.state = ReqState.SENDING  # released when the connector reports the save done
             self.sending[req.rid] = req
@@ -219,6 +219,8 @@ class Scheduler:
         if not tokens:
             req.kv_len = fed_end - sr.num_draft
             return
+        if sr.num_draft:
+            req.spec.record(sr.num_draft, len(tokens) - 1)
         before = req.seq_len
         n = self.stop.append(req, tokens, result.logprobs[i], result.top_logprobs[i])
         # Valid KV: what was fed up to the last accepted draft; the newest token is not in the KV yet.
@@ -236,6 +238,7 @@ class Scheduler:
                 len(req.input_ids),
                 len(req.output_ids),
                 req.cached_tokens,
+                req.spec.verify_ct,
             )
         )
 

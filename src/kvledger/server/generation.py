@@ -32,6 +32,7 @@ class GenState:
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     cached_tokens: int = 0
+    spec_verify_ct: int = 0
     finish: FinishReason | None = None
     visible: str = ""
 
@@ -42,13 +43,17 @@ class GenState:
     def error(self) -> KVLedgerError | None:
         return None if self.finish is None else self.finish.to_error()
 
-    def add(self, out: RequestOutput) -> None:
+    def add(self, out: RequestOutput) -> int:
+        """Take one engine output; returns the tokens a verify step gave (0 if none was verified)."""
+        verified = len(out.new_ids) if out.spec_verify_ct > self.spec_verify_ct else 0
+        self.spec_verify_ct = max(self.spec_verify_ct, out.spec_verify_ct)
         self.output_ids.extend(out.new_ids)
         self.logprobs.extend(out.new_logprobs)
         self.top_logprobs.extend(out.new_top_logprobs)
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.finished:
             self.finish = out.finish_reason
+        return verified
 
     def native(self, return_logprob: bool) -> dict:
         """The /generate answer (and each streamed event): everything so far."""
@@ -61,6 +66,7 @@ class GenState:
             self.finish,
             self.logprobs if return_logprob else None,
             self.top_logprobs if return_logprob and p.top_logprobs else None,
+            self.spec_verify_ct,
         )
         return {"text": self.visible, "output_ids": list(self.output_ids), "meta_info": meta}
 
@@ -105,7 +111,8 @@ class GenerationService:
                     if it.new_ids:
                         (self.metrics.ttft if last is None else self.metrics.itl).observe(now - (last or t0))
                         last = now
-                    st.add(it)
+                    if verified := st.add(it):
+                        self.metrics.observe_verify(verified)
                 if st.finish is not None:
                     self._account(st, now - t0)
                 st.visible = st.text.update(st.output_ids, st.finish)

@@ -50,6 +50,16 @@ class Metrics:
         self.session_tokens = Gauge(
             "kvledger_streaming_session_held_tokens", "KV tokens held by sessions", registry=r
         )
+        self.spec_accept_length = Histogram(
+            "kvledger_spec_accept_length",
+            "Tokens one speculative verify step gave a request (accepted drafts + 1)",
+            buckets=tuple(range(1, 17)),
+            registry=r,
+        )
+        self.spec_accept_length_mean = Gauge(
+            "kvledger_spec_accept_length_mean", "Mean tokens per speculative verify step", registry=r
+        )
+        self._verify = [0, 0]  # steps, tokens
         self.engine_restarts = Counter("kvledger_engine_restarts", "Engine process restarts", registry=r)
         self.watchdog_stalls = Counter(
             "kvledger_watchdog_stalls", "Engine stalls caught by the watchdog", registry=r
@@ -71,6 +81,12 @@ class Metrics:
         self.session_tokens.set(m["kv_session"])
         self.audit_runs.set(m["leak_check"]["checks"])
         self.audit_violations.set(m["leak_check"]["violations"])
+
+    def observe_verify(self, tokens: int) -> None:
+        self.spec_accept_length.observe(tokens)
+        self._verify[0] += 1
+        self._verify[1] += tokens
+        self.spec_accept_length_mean.set(self._verify[1] / self._verify[0])
 
     def engine_died(self) -> None:
         self.sessions.set(0)
