@@ -70,8 +70,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine settings from the flags, checked before anything starts (a bad one: exit 2)."""
+    from .engine.core import check_config
+
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    cfg = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    check_config(cfg)
+    return cfg
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -75,6 +75,15 @@ def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> N
         raise ValidationError("int4 weights are CPU-only (torch's kernel); use int8", param="quantization")
 
 
+def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
+    """The settings checks that need no model: the CLI runs them before starting anything, so a bad
+    flag is one line of error, not a failed start-up."""
+    if cfg.page_size < 1:
+        raise ValidationError("page_size must be >= 1", param="page_size")
+    _check_quantization(cfg, resolve_dtype(cfg.dtype, device), device)
+    make_proposer(cfg)
+
+
 class EngineCore:
     """Owns one model and one set of pools. No global state: several may live in one process."""
 
@@ -85,8 +94,7 @@ class EngineCore:
         device: str = "cpu",
         connector: KVConnector | None = None,
     ):
-        if cfg.page_size < 1:
-            raise ValidationError("page_size must be >= 1", param="page_size")
+        check_config(cfg, device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         if device == "cpu":
@@ -95,7 +103,6 @@ class EngineCore:
         loaded = loaded or load_model(cfg.model)
         mc = loaded.config
         self.dtype = resolve_dtype(cfg.dtype, device)
-        _check_quantization(cfg, self.dtype, device)
         self.model = LlamaModel(
             mc, dict(loaded.weights), dtype=self.dtype, device=device, quantization=cfg.quantization
         )
