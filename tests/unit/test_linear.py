@@ -70,6 +70,12 @@ def test_int8_needs_bfloat16(tiny_llama):
         Engine(tiny_llama, dtype="float32", quantization="int8", max_total_tokens=256)
 
 
+def test_quantization_with_dtype_auto_is_bfloat16(tiny_llama):
+    """`--quantization int4` with the default `--dtype auto` starts (auto means bf16 then)."""
+    eng = Engine(tiny_llama, quantization="int4", max_total_tokens=256)
+    assert eng.core.info.dtype == "bfloat16+int4"
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_engine_close_to_fp32(tiny_llama, mode):
     """Short prompts (<= 4 tokens) run every linear layer on the int8 copy; the chosen token's

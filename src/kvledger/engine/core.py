@@ -80,7 +80,7 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
     flag is one line of error, not a failed start-up."""
     if cfg.page_size < 1:
         raise ValidationError("page_size must be >= 1", param="page_size")
-    _check_quantization(cfg, resolve_dtype(cfg.dtype, device), device)
+    _check_quantization(cfg, resolve_dtype(cfg.dtype, device, cfg.quantization), device)
     make_proposer(cfg)
 
 
@@ -102,7 +102,7 @@ class EngineCore:
         t0 = time.monotonic()
         loaded = loaded or load_model(cfg.model)
         mc = loaded.config
-        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
         self.model = LlamaModel(
             mc, dict(loaded.weights), dtype=self.dtype, device=device, quantization=cfg.quantization
         )

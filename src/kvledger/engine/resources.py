@@ -21,7 +21,9 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
+def resolve_dtype(name: str, device: str, quantization: str | None = None) -> torch.dtype:
+    """``auto``: bfloat16 where the CPU has native bf16 (or on a GPU), float32 elsewhere; always
+    bfloat16 with a weight-only quantization (its kernels take bf16 activations)."""
     if name in ("float32", "fp32"):
         return torch.float32
     if name in ("bfloat16", "bf16"):
@@ -29,7 +31,7 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name != "auto":
         raise ValidationError(f"dtype must be auto, bfloat16 or float32, got {name!r}", param="dtype")
     # bf16 matmuls are ~2.5x faster than fp32 where the CPU has native bf16 (PERF-NOTES).
-    return torch.bfloat16 if device != "cpu" or cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if quantization or device != "cpu" or cpu_has_bf16() else torch.float32
 
 
 def _ram_bytes() -> int:

@@ -28,7 +28,7 @@ from ..errors import ConflictError, OverloadedError
 from ..memory import Holding, KVManager
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
 from .policy import BatchPolicy, Chunk
-from .request import Req, ReqState
+from .request import Req, ReqState, SpecState
 from .stop import StopChecker
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class Scheduler:
         # Components with per-request state register here; ``_finish`` calls each on every ending.
         self.release_hooks: list[ReleaseHook] = [self.connector.request_finished]
         self.last_stats = StepStats()
+        self.spec_totals = SpecState()  # every verify step of every request
         self.total_retractions = 0
         self._last_audit = 0.0
         self._was_busy = False
@@ -221,6 +222,7 @@ class Scheduler:
             return
         if sr.num_draft:
             req.spec.record(sr.num_draft, len(tokens) - 1)
+            self.spec_totals.record(sr.num_draft, len(tokens) - 1)
         before = req.seq_len
         n = self.stop.append(req, tokens, result.logprobs[i], result.top_logprobs[i])
         # Valid KV: what was fed up to the last accepted draft; the newest token is not in the KV yet.
