@@ -102,3 +102,8 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def gen(srv, body: dict, **kw) -> httpx.Response:
+    """POST /generate on a started server."""
+    return httpx.post(srv.url + "/generate", json=body, timeout=60, **kw)
