@@ -58,8 +58,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=d.session_timeout_s,
         help="idle sessions are closed after this many seconds",
     )
-    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, choices=["NGRAM"],
-                   help="speculative decoding: NGRAM drafts from the request's own text")  # fmt: skip
+    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, choices=["NGRAM", "STANDALONE"],
+                   help="speculative decoding: NGRAM (the request's own text) or STANDALONE (a draft model)")  # fmt: skip
+    p.add_argument("--speculative-draft-model-path", default=d.speculative_draft_model_path)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens)
     for side in ("min", "max"):
         dest = f"speculative_ngram_{side}_match_window_size"

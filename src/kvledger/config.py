@@ -53,8 +53,11 @@ class EngineConfig:
     max_stop_string_len: int = 256
     max_top_logprobs: int = 20
     speculative_algorithm: str | None = None
-    """None | NGRAM. NGRAM drafts from the request's own prompt and output (spec/ngram.py); the
-    drafts are verified in the same forward as everything else, output distribution unchanged."""
+    """None | NGRAM | STANDALONE. NGRAM drafts from the request's own prompt and output
+    (spec/ngram.py), STANDALONE with a small draft model (spec/draft_model.py); the drafts are verified
+    in the same forward as everything else, output distribution unchanged."""
+    speculative_draft_model_path: str | None = None
+    """STANDALONE: the draft model (GGUF or HF directory) of the same tokenizer."""
     speculative_num_draft_tokens: int = 4
     """Most drafts one request verifies per step."""
     speculative_ngram_min_match_window_size: int = 1

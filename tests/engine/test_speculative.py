@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kvledger.errors import ValidationError
-from kvledger.spec.ngram import PAUSE_BELOW, lookup
+from kvledger.spec.adaptive import PAUSE_BELOW
+from kvledger.spec.ngram import lookup
 from tests.helpers import assert_idle_clean
 
 G = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 40}
@@ -186,3 +187,75 @@ def test_sampled_distribution_is_the_targets(make_engine):
         crit = df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
         assert stat < crit, (pos, stat, crit, df)
     assert_idle_clean(spec)
+
+
+# -- STANDALONE: a draft model ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("same", [True, False])
+@pytest.mark.parametrize("kw", [{}, {"page_size": 1, "chunked_prefill_size": 16}])
+def test_draft_model_output_identical(make_engine, tiny_llama, tiny_qwen3, same, kw):
+    """With the target itself as the draft nearly every draft is accepted; with another model few
+    are. Either way the output is the target's, and the books balance."""
+    draft = tiny_llama if same else tiny_qwen3
+    plain = make_engine(**kw)
+    spec = make_engine(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft, **kw)
+    prompts = _prompts()
+    ref = plain.generate(input_ids=prompts, sampling_params=G)
+    out = spec.generate(input_ids=prompts, sampling_params=G)
+    assert [o["output_ids"] for o in out] == [r["output_ids"] for r in ref]
+    t = spec.core.scheduler.spec_totals
+    assert t.verify_ct > 0
+    if same:
+        assert t.accepted > 0.9 * t.drafted
+    assert_idle_clean(spec)
+
+
+def _accepted_fraction(eng, since: tuple[int, int]) -> float:
+    t = eng.core.scheduler.spec_totals
+    return (t.accepted - since[0]) / max(t.drafted - since[1], 1)
+
+
+def test_draft_model_under_retraction_sessions_and_sampling(make_engine, tiny_llama):
+    """The target as its own draft: drafts stay nearly all accepted across retraction (the draft
+    K/V is recomputed after a new admission) and session turns, so the draft K/V tracks the pages."""
+    kw = {"max_total_tokens": 256, "max_running_requests": 8, "chunked_prefill_size": 32}
+    plain = make_engine(**kw)
+    spec = make_engine(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama, **kw)
+    t = spec.core.scheduler.spec_totals
+    prompts = _prompts(7)
+    ref = plain.generate(input_ids=prompts, sampling_params=G)
+    assert [o["output_ids"] for o in spec.generate(input_ids=prompts, sampling_params=G)] == [
+        r["output_ids"] for r in ref
+    ]
+    assert spec.core.scheduler.total_retractions > 0
+    assert _accepted_fraction(spec, (0, 0)) > 0.9
+    since = (t.accepted, t.drafted)
+    sids = [e.open_session() for e in (plain, spec)]
+    for turn in ([5, 6, 7, 5, 6, 7], [5, 6], [9] * 20):
+        r = [e.generate(input_ids=turn, sampling_params={**G, "max_new_tokens": 10}, session_params={"id": s})
+             for e, s in zip((plain, spec), sids)]  # fmt: skip
+        assert r[0]["output_ids"] == r[1]["output_ids"]
+    assert _accepted_fraction(spec, since) > 0.9
+    sps = [{"temperature": 0.8, "max_new_tokens": 16, "ignore_eos": True, "seed": s} for s in range(8)]
+    a = plain.generate(input_ids=[prompts[0]] * 8, sampling_params=sps)
+    b = spec.generate(input_ids=[prompts[0]] * 8, sampling_params=sps)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    assert_idle_clean(spec)
+
+
+def test_draft_model_settings_are_checked(tiny_loaded, tmp_path):
+    from kvledger import Engine
+    from kvledger.errors import ModelLoadError
+    from tests.helpers import build_tiny_model
+
+    base = {"loaded_model": tiny_loaded, "dtype": "float32", "max_total_tokens": 256}
+    with pytest.raises(ValidationError):
+        Engine(**base, speculative_algorithm="STANDALONE")  # no draft model
+    with pytest.raises(ValidationError):
+        Engine(
+            **base, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(tmp_path / "none")
+        )
+    other = build_tiny_model(str(tmp_path / "v300"), "llama", vocab_size=300)
+    with pytest.raises(ModelLoadError, match="same tokenizer"):
+        Engine(**base, speculative_algorithm="STANDALONE", speculative_draft_model_path=other)

@@ -20,7 +20,7 @@ from ..model import LlamaModel, load_model
 from ..model.linear import QUANTIZATIONS
 from ..model.loader import LoadedModel
 from ..scheduler import ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
-from ..spec import NgramProposer
+from ..spec.setup import check_spec_config, make_proposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
 from .malloc import keep_heap_memory
@@ -44,26 +44,6 @@ class EngineInfo:
     weight_bytes: int = 0
 
 
-def make_proposer(cfg: EngineConfig) -> NgramProposer | None:
-    """The draft proposer ``--speculative-algorithm`` asks for (None: no speculation)."""
-    algo = cfg.speculative_algorithm
-    if algo is None:
-        return None
-    if algo.upper() != "NGRAM":
-        raise ValidationError(
-            f"speculative_algorithm must be NGRAM or unset, got {algo!r} (STANDALONE is not supported yet)",
-            param="speculative_algorithm",
-        )
-    try:
-        return NgramProposer(
-            cfg.speculative_num_draft_tokens,
-            cfg.speculative_ngram_min_match_window_size,
-            cfg.speculative_ngram_max_match_window_size,
-        )
-    except ValueError as e:
-        raise ValidationError(str(e), param="speculative_num_draft_tokens") from None
-
-
 def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> None:
     if cfg.quantization not in QUANTIZATIONS:
         raise ValidationError(
@@ -81,7 +61,7 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
     if cfg.page_size < 1:
         raise ValidationError("page_size must be >= 1", param="page_size")
     _check_quantization(cfg, resolve_dtype(cfg.dtype, device, cfg.quantization), device)
-    make_proposer(cfg)
+    check_spec_config(cfg)
 
 
 class EngineCore:
@@ -129,8 +109,9 @@ class EngineCore:
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
+        proposer = make_proposer(cfg, self.model, total)
         self.scheduler = Scheduler(
-            self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, make_proposer(cfg)
+            self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer
         )
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.max_sessions, cfg.session_timeout_s, ps)
         self.limits = Limits(

@@ -66,8 +66,17 @@ class BatchPolicy:
         proposer = self.s.proposer
         if proposer is None or budget <= 0:
             return []
-        room = self.s.context_length - req.seq_len - 1  # drafts never run past the context
-        return proposer.propose(req)[: max(min(room, budget), 0)]
+        limit = max(min(self.s.context_length - req.seq_len - 1, budget), 0)  # never past the context
+        if not getattr(proposer, "writes_kv", False):
+            return proposer.propose(req)[:limit]
+        # A draft model writes its K/V for the drafts' positions: their pages come first.
+        kvm = self.s.kv_manager
+        want = proposer.num_drafts(req, limit)
+        if not want or not kvm.allocate(req, 1, num_lookahead_tokens=want):
+            return []
+        drafts = proposer.propose(req, want)
+        kvm.truncate(req, req.seq_len + len(drafts))  # the lookahead it did not use goes back
+        return drafts
 
     def schedule_decodes(self, decodes: list[Req]) -> list[Chunk]:
         s = self.s

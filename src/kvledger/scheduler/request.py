@@ -33,6 +33,8 @@ class SpecState:
     accepted: int = 0
     ema: float = 1.0  # moving average of the fraction of drafts accepted
     paused_until: int = 0  # no drafts before this many output tokens
+    draft_end: int = 0  # draft model: positions [0, draft_end) hold its K/V (spec/draft_model.py)
+    draft_admit: int = -1  # ... as of this admission
 
     def record(self, drafted: int, accepted: int) -> None:
         self.verify_ct += 1

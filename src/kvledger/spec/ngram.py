@@ -2,19 +2,14 @@
 own prompt + output, ``min_window``..``max_window`` tokens, that occurred before, and propose the
 tokens that followed its most recent earlier occurrence (that has ``k`` tokens after it). No extra model, no memory of its own.
 
-Adaptive (per request): each verify updates an exponential moving average of the fraction of drafts
-accepted, ``ema = 0.7 * ema + 0.3 * accepted / drafted``. When it falls below ``PAUSE_BELOW`` the
-request gets no drafts for its next ``PAUSE_TOKENS`` output tokens, then tries again from
-``ema = RETRY_EMA``; text that does not repeat costs nothing more than the failed lookups.
+Adaptive per request (``adaptive.py``): a request whose drafts keep failing pauses drafting.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-PAUSE_BELOW = 0.2
-PAUSE_TOKENS = 16
-RETRY_EMA = 0.5
+from .adaptive import may_draft
 
 
 class NgramProposer:
@@ -26,12 +21,7 @@ class NgramProposer:
         self.max_window = max_window
 
     def propose(self, req) -> list[int]:
-        spec = req.spec
-        if len(req.output_ids) < spec.paused_until:
-            return []
-        if spec.ema < PAUSE_BELOW:
-            spec.paused_until = len(req.output_ids) + PAUSE_TOKENS
-            spec.ema = RETRY_EMA
+        if not may_draft(req):
             return []
         return lookup(np.asarray(req.fill_ids, dtype=np.int64), self.k, self.min_window, self.max_window)
 
