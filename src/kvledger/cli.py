@@ -51,6 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     _bool_pair(p, "enable-mixed-chunk", d.enable_mixed_chunk, "prefill chunks and decodes in one forward")
     _bool_pair(p, "enable-prefix-cache", d.enable_prefix_cache, "radix prefix cache")
     p.add_argument("--strict-memory", action="store_true", help="raise on any memory-ledger violation")
+    p.add_argument("--audit-interval-s", type=float, default=d.audit_interval_s,
+                   help="a full ledger audit at least this often while busy (0: only when idle)")  # fmt: skip
     p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="most open streaming sessions")
     p.add_argument(
         "--session-timeout-s",

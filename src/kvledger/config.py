@@ -43,8 +43,9 @@ class EngineConfig:
     """Keep finished requests' KV in the radix tree for reuse by later requests."""
     strict_memory: bool = False
     """Raise on any ledger violation (tests, CI). Production mode logs, counts, reclaims, serves on."""
-    audit_interval_s: float = 0.0
-    """In production mode, least seconds between two idle audits (0: every time the engine goes idle)."""
+    audit_interval_s: float = 10.0
+    """A full audit at a safe point at least this often while the engine is busy (0: only when it
+    goes idle); an engine that goes idle is audited then, every time."""
     max_sessions: int = 64
     """Most open streaming sessions; opening another is refused (429)."""
     session_timeout_s: float | None = 600.0

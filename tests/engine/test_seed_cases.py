@@ -189,3 +189,29 @@ def test_duplicate_rid_is_refused_before_anything_is_held(make_engine):
     while eng.core.scheduler.reqs:
         eng.core.step()
     assert len(first.output_ids) == 6
+
+
+def test_busy_engine_is_audited_at_its_interval(make_engine):
+    """A full audit at a safe point every audit_interval_s while requests run, not only when idle;
+    counted in leak_check with its cost."""
+    import time
+
+    eng = make_engine(audit_interval_s=0.05, page_size=1)
+    rid = eng.add_request([5, 6, 7], {**GREEDY, "max_new_tokens": 900})
+    t0 = time.monotonic()
+    busy_checks = 0
+    while eng.result(rid, pop=False) is None:
+        before = eng.memory()["leak_check"]["checks"]
+        eng.step()
+        if not eng.core.scheduler.idle:
+            busy_checks += eng.memory()["leak_check"]["checks"] - before
+    elapsed = time.monotonic() - t0
+    lc = eng.memory()["leak_check"]
+    assert busy_checks >= min(3, int(elapsed / 0.05) // 2), (busy_checks, elapsed)
+    assert lc["ok"] and lc["last_audit_ms"] > 0 and lc["audit_seconds_total"] > 0
+    quiet = make_engine(audit_interval_s=0)
+    q = quiet.add_request([5, 6, 7], {**GREEDY, "max_new_tokens": 200})
+    while quiet.result(q, pop=False) is None:
+        quiet.step()
+        if not quiet.core.scheduler.idle:
+            assert quiet.memory()["leak_check"]["checks"] == 0  # 0: only when idle

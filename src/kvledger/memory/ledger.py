@@ -11,6 +11,7 @@ lock keeps them protected).
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class Ledger:
         self.holdings = holdings
         self.strict = strict
         self.checks = 0
+        self.audit_seconds = 0.0  # all audits together (their cost), and the last one's
+        self.last_audit_seconds = 0.0
         self.violations = 0
         self.reclaimed_pages = 0
         self.last_report: AuditReport | None = None
@@ -130,7 +133,13 @@ class Ledger:
             "kv_session": c["session"] * ps,
             "req_slots_total": self.slots.num_slots,
             "req_slots_free": self.slots.num_free,
-            "leak_check": {"ok": self.violations == 0, "checks": self.checks, "violations": self.violations},
+            "leak_check": {
+                "ok": self.violations == 0,
+                "checks": self.checks,
+                "violations": self.violations,
+                "last_audit_ms": round(self.last_audit_seconds * 1000, 3),
+                "audit_seconds_total": round(self.audit_seconds, 3),
+            },
         }
 
     # -- the cheap check (every step in strict mode) -----------------------------------------------
@@ -157,6 +166,7 @@ class Ledger:
     # -- the full audit (when idle) ----------------------------------------------------------------
     def audit(self, count: bool = True) -> AuditReport:
         """Recompute every page's and slot's owners from the free lists, the tree and the holders."""
+        t0 = time.perf_counter()
         report = AuditReport()
         owners: dict[int, list[str]] = defaultdict(list)
         for p in self.pages.free_list():
@@ -202,6 +212,8 @@ class Ledger:
         _classify(slot_owners, self.slots.last_owner, report.leaked_slots, report.double_slots)
         if count:
             self.checks += 1
+            self.last_audit_seconds = time.perf_counter() - t0
+            self.audit_seconds += self.last_audit_seconds
             self._enforce(report)
         return report
 

@@ -260,12 +260,17 @@ class Scheduler:
                 self._release(req)
 
     def _check_books(self) -> None:
+        """After the step's last safe point: conservation (every step in strict mode); a full audit
+        each time the engine goes idle, and every ``audit_interval_s`` while it is busy."""
         ledger = self.kv_manager.ledger
         if ledger.strict:
             ledger.check_conservation()
-        if self.idle and self._was_busy:
-            now = time.monotonic()
-            if ledger.strict or now - self._last_audit >= self.cfg.audit_interval_s:
+        now = time.monotonic()
+        if self.idle:
+            if self._was_busy:
                 self._was_busy = False
                 self._last_audit = now
                 ledger.audit()
+        elif 0 < self.cfg.audit_interval_s <= now - self._last_audit:
+            self._last_audit = now
+            ledger.audit()

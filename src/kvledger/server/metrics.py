@@ -41,7 +41,15 @@ class Metrics:
             "kvledger_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
         )
         self.audit_runs = Gauge(
-            "kvledger_memory_audit_runs", "Idle memory audits run by the engine", registry=r
+            "kvledger_memory_audit_runs", "Full memory audits run by the engine (idle and busy)", registry=r
+        )
+        self.audit_last_seconds = Gauge(
+            "kvledger_memory_audit_last_seconds", "Duration of the last full ledger audit", registry=r
+        )
+        self.audit_seconds = Gauge(
+            "kvledger_memory_audit_seconds",
+            "Time spent in full ledger audits since the engine started",
+            registry=r,
         )
         self.audit_violations = Gauge(
             "kvledger_memory_audit_violations", "Ledger violations found", registry=r
@@ -80,6 +88,8 @@ class Metrics:
         self.req_slots_free.set(m["req_slots_free"])
         self.session_tokens.set(m["kv_session"])
         self.audit_runs.set(m["leak_check"]["checks"])
+        self.audit_last_seconds.set(m["leak_check"].get("last_audit_ms", 0) / 1000)
+        self.audit_seconds.set(m["leak_check"].get("audit_seconds_total", 0))
         self.audit_violations.set(m["leak_check"]["violations"])
 
     def observe_verify(self, tokens: int) -> None:
