@@ -108,3 +108,32 @@ def test_native_logprobs_and_stop_string(srv):
     meta = r.json()["meta_info"]
     assert len(meta["output_token_logprobs"]) == len(r.json()["output_ids"])
     assert all(len(x) == 2 for x in meta["output_top_logprobs"])
+
+
+def test_tokenize_and_detokenize(srv, tiny_chat_tokenizer):
+    r = httpx.post(srv.url + "/tokenize", json={"model": "default", "prompt": "Hello there"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tiny_chat_tokenizer.encode("Hello there") and body["count"] == len(
+        body["tokens"]
+    )
+    assert body["max_model_len"] == 1024
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = httpx.post(srv.url + "/tokenize", json={"messages": msgs}).json()
+    templated = tiny_chat_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+    assert chat["tokens"] == list(templated)
+    back = httpx.post(srv.url + "/detokenize", json={"tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json()["prompt"] == "Hello there"
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": []}).json()["prompt"] == ""
+    for path, bad, status in (
+        ("/tokenize", {}, 400),
+        ("/tokenize", {"prompt": "x", "messages": msgs}, 400),
+        ("/tokenize", {"prompt": 5}, 400),
+        ("/tokenize", {"prompt": "x", "model": "nope"}, 404),
+        ("/detokenize", {"tokens": [1, 99999]}, 400),
+        ("/detokenize", {"tokens": ["a"]}, 400),
+        ("/detokenize", {}, 400),
+    ):
+        r = httpx.post(srv.url + path, json=bad)
+        assert r.status_code == status, (path, bad, r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}

@@ -54,13 +54,16 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.max_n = max_n
 
-    def _check_common(self, body: _OpenAICommon) -> None:
-        if body.model is not None and body.model not in self.model_names:
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
             raise NotFoundError(
-                f"the model {body.model!r} does not exist; this server serves {self.name!r}",
+                f"the model {model!r} does not exist; this server serves {self.name!r}",
                 param="model",
                 code="model_not_found",
             )
+
+    def _check_common(self, body: _OpenAICommon) -> None:
+        self.check_model(body.model)
         if not 1 <= body.n <= self.max_n:
             raise ValidationError(f"n must be in [1, {self.max_n}], got {body.n}", param="n")
 
@@ -88,7 +91,7 @@ class OpenAIServing:
         return await self._run(base, jobs, body, disconnected, chat=False)
 
     # -- chat ----------------------------------------------------------------------------------------------
-    def chat_input(self, body: ChatRequest) -> list[int]:
+    def chat_input(self, body: ChatRequest, add_generation_prompt: bool = True) -> list[int]:
         if not body.messages:
             raise ValidationError("messages must not be empty", param="messages", code="empty_prompt")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -100,7 +103,9 @@ class OpenAIServing:
                 content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
             msgs.append({"role": m.role, "content": content or ""})
         try:
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+            ids = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, return_dict=False
+            )
         except Exception as e:  # a template error is the client's messages' fault
             raise ValidationError(f"cannot apply the chat template: {e}", param="messages") from None
         return list(ids)

@@ -69,6 +69,21 @@ class ChatRequest(_OpenAICommon):
     max_completion_tokens: int | None = None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's and SGLang's /tokenize: a ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Any]
+
+
 class RidBody(_Strict):
     rid: str
 
