@@ -137,3 +137,20 @@ def test_tokenize_and_detokenize(srv, tiny_chat_tokenizer):
         r = httpx.post(srv.url + path, json=bad)
         assert r.status_code == status, (path, bad, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_what_the_router_calls(srv):
+    """SGLang's router registers a worker with /health, /server_info and /model_info, and polls
+    /get_load; the old names work too. Its injected bootstrap fields are accepted."""
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(srv.url + path).json()
+        assert info["model_path"] and info["served_model_name"] and "memory" in info
+    for path in ("/model_info", "/get_model_info"):
+        mi = httpx.get(srv.url + path).json()
+        assert mi["is_generation"] is True and mi["model_type"] == "llama"
+        assert mi["architectures"] == ["LlamaForCausalLM"] and mi["model_path"]
+    load = httpx.get(srv.url + "/get_load").json()
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] >= 0 and load[0]["num_tokens"] >= 0
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 12345}  # fmt: skip
+    assert gen(srv, body).status_code == 200

@@ -42,6 +42,7 @@ class EngineInfo:
     max_total_tokens: int
     kv_bytes_per_token: int = 0
     weight_bytes: int = 0
+    arch: str = ""  # llama | qwen2 | qwen3 | mistral
 
 
 def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> None:
@@ -137,6 +138,7 @@ class EngineCore:
             total,
             per_token,
             self.model.weight_bytes(),
+            mc.arch,
         )
         log.info(
             "engine ready in %.1fs: %s (%s, %s), KV %d tokens in pages of %d (%.0f MiB), context %d",

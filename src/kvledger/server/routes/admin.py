@@ -20,6 +20,12 @@ from ..state import state
 router = APIRouter()
 
 HEALTH_GENERATE_TIMEOUT_S = 60
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 @router.post("/abort_request")
@@ -41,6 +47,7 @@ async def flush_cache(request: Request):
 
 
 @router.get("/get_server_info")
+@router.get("/server_info")  # the name SGLang's router asks for when it registers a worker
 async def server_info(request: Request):
     srv = state(request)
     client = srv.live_client()
@@ -58,7 +65,45 @@ async def server_info(request: Request):
         "sessions": await client.call("sessions"),
         "engine_restarts": client.restarts,
         "engine_pid": client.pid,
+        "served_model_name": srv.name,
+        "dp_size": 1,
     }
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request):
+    """What SGLang's router reads of a worker's model (its mini load balancer uses the old name)."""
+    srv = state(request)
+    info = srv.live_client().info
+    arch = info.get("arch", "llama")
+    return {
+        "model_path": info.get("model_path"),
+        "tokenizer_path": info.get("model_path"),
+        "served_model_name": srv.name,
+        "is_generation": True,
+        "model_type": arch,
+        "architectures": [ARCHITECTURES.get(arch, "LlamaForCausalLM")],
+    }
+
+
+@router.get("/get_load")
+async def get_load(request: Request):
+    """SGLang's load shape, one entry per data-parallel rank (one here), from the engine's latest
+    figures (no call into the engine)."""
+    client = state(request).live_client()
+    stats = client.stats or {}
+    m = stats.get("memory") or {}
+    used = m.get("kv_total", 0) - m.get("kv_free", 0) - m.get("kv_cached_evictable", 0)
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": stats.get("num_running", 0),
+            "num_waiting_reqs": stats.get("num_waiting", 0),
+            "num_tokens": used,
+            "ts_tic": stats.get("time", 0.0),
+        }
+    ]
 
 
 @router.get("/health")
