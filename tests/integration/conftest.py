@@ -32,14 +32,19 @@ ENGINE_ARGS = [
 ]
 
 
-@pytest.fixture(scope="session")
-def server(chat_model, tmp_path_factory):
-    s = Server(chat_model, *ENGINE_ARGS, log_path=str(tmp_path_factory.mktemp("logs") / "server.log"))
+def started_server(model: str, log_path: str, *extra: str):
+    """A real server on ENGINE_ARGS (plus ``extra``), healthy, stopped when the generator ends."""
+    s = Server(model, *ENGINE_ARGS, *extra, log_path=log_path)
     try:
         s.wait_healthy()
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def server(chat_model, tmp_path_factory):
+    yield from started_server(chat_model, str(tmp_path_factory.mktemp("logs") / "server.log"))
 
 
 @pytest.fixture

@@ -11,8 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import ENGINE_ARGS
-from tests.server_harness import Server
+from tests.integration.conftest import started_server
 
 G = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 48}
 PROMPT = [40, 41, 42, 43, 44] * 6
@@ -20,13 +19,10 @@ PROMPT = [40, 41, 42, 43, 44] * 6
 
 @pytest.fixture(scope="module")
 def spec_server(chat_model, tmp_path_factory):
-    s = Server(chat_model, *ENGINE_ARGS, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4",
-               log_path=str(tmp_path_factory.mktemp("logs") / "spec.log"))  # fmt: skip
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
+    log = str(tmp_path_factory.mktemp("logs") / "spec.log")
+    yield from started_server(
+        chat_model, log, "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"
+    )
 
 
 @pytest.fixture

@@ -88,8 +88,8 @@ class Metrics:
         self.req_slots_free.set(m["req_slots_free"])
         self.session_tokens.set(m["kv_session"])
         self.audit_runs.set(m["leak_check"]["checks"])
-        self.audit_last_seconds.set(m["leak_check"].get("last_audit_ms", 0) / 1000)
-        self.audit_seconds.set(m["leak_check"].get("audit_seconds_total", 0))
+        self.audit_last_seconds.set(m["audit"]["last_ms"] / 1000)
+        self.audit_seconds.set(m["audit"]["seconds_total"])
         self.audit_violations.set(m["leak_check"]["violations"])
 
     def observe_verify(self, tokens: int) -> None:

@@ -14,19 +14,19 @@ from ..state import state
 router = APIRouter()
 
 
-def _tokenizer(srv):
+async def _prepare(request: Request, body_type):
+    srv = state(request)
+    srv.live_client()
+    body = await parse_body(request, body_type)
+    srv.openai.check_model(body.model)
     if srv.tokenizer is None:
         raise ValidationError("this model has no tokenizer", param="model", code="no_tokenizer")
-    return srv.tokenizer
+    return srv, body, srv.tokenizer
 
 
 @router.post("/tokenize")
 async def tokenize(request: Request):
-    srv = state(request)
-    srv.live_client()
-    body = await parse_body(request, TokenizeRequest)
-    srv.openai.check_model(body.model)
-    tok = _tokenizer(srv)
+    srv, body, tok = await _prepare(request, TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise ValidationError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
@@ -39,11 +39,7 @@ async def tokenize(request: Request):
 
 @router.post("/detokenize")
 async def detokenize(request: Request):
-    srv = state(request)
-    srv.live_client()
-    body = await parse_body(request, DetokenizeRequest)
-    srv.openai.check_model(body.model)
-    tok = _tokenizer(srv)
+    srv, body, tok = await _prepare(request, DetokenizeRequest)
     if body.tokens:  # the ids are checked as any prompt's are (integers in the vocabulary)
         validate_input_ids(body.tokens, srv.limits, param="tokens")
     return {"prompt": tok.decode(body.tokens)}
