@@ -8,10 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ValidationError
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+from .validation import _is_int
 
 
 def parse_prompts(

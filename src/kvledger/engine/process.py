@@ -87,6 +87,7 @@ class _Loop:
                     self.send(m.Outputs([], _stats(self.core)))
                 continue
             outs = self.core.step()
+            now = time.monotonic()
             was_busy = not self.core.scheduler.idle
             # The ledger figures walk every live request: a few times a second is enough for gauges,
             # and always once when the engine goes idle (gauges drop to 0 after a mass abort).

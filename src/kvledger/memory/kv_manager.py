@@ -147,7 +147,7 @@ class KVManager:
         the private pages past it. Borrowed pages are never given back here."""
         assert new_len >= req.num_tree_pages * self.page_size, "cannot truncate into borrowed pages"
         req.kv_len = min(req.kv_len, new_len)
-        keep = max(-(-new_len // self.page_size), req.num_tree_pages)
+        keep = -(-new_len // self.page_size)  # >= num_tree_pages, by the assert above
         if len(req.pages) > keep:
             self.free(req.pages[keep:], f"req {req.rid} truncate")
             del req.pages[keep:]

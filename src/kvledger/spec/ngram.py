@@ -14,8 +14,6 @@ from .adaptive import may_draft
 
 class NgramProposer:
     def __init__(self, num_draft_tokens: int, min_window: int = 1, max_window: int = 12):
-        if num_draft_tokens < 1 or min_window < 1 or max_window < min_window:
-            raise ValueError("need num_draft_tokens >= 1 and 1 <= min_window <= max_window")
         self.k = num_draft_tokens
         self.min_window = min_window
         self.max_window = max_window

@@ -41,8 +41,8 @@ def check_spec_config(cfg: EngineConfig) -> None:
 
 
 def make_proposer(cfg: EngineConfig, target, num_tokens: int):
-    """None without speculation; the draft model is loaded here, in the target's dtype and device."""
-    check_spec_config(cfg)
+    """None without speculation; the draft model is loaded here, in the target's dtype and device.
+    The settings were checked by ``check_spec_config`` (via ``EngineCore``'s ``check_config``)."""
     algo = (cfg.speculative_algorithm or "").upper()
     if not algo:
         return None
