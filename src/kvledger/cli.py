@@ -122,6 +122,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=d.api_key,
         help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)",
     )
+    p.add_argument(
+        "--admin-api-key",
+        default=d.admin_api_key,
+        help="separate key for /dashboard, /memory/pages, /flush_cache and aborting others' requests",
+    )
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)

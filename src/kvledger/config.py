@@ -86,6 +86,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    admin_api_key: str | None = None
+    """Guards the page map, the dashboard, /flush_cache and aborting other callers' requests."""
     served_model_name: str | None = None
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024

@@ -38,6 +38,10 @@ class NotFoundError(KVLedgerError, status=404, type_="not_found_error"):
     """An unknown model, request id, session or path."""
 
 
+class PermissionDenied(KVLedgerError, status=403, type_="permission_error"):
+    """A valid key that may not do this (an admin operation, another caller's request)."""
+
+
 class ConflictError(KVLedgerError, status=409, type_="conflict_error"):
     """A duplicate in-flight request id, a busy session, a flush while requests run."""
 

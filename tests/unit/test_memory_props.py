@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -117,6 +120,18 @@ class LedgerMachine(RuleBasedStateMachine):
         self.kv.ledger.check_conservation()
         report = self.kv.ledger.audit()
         assert report.ok, report.describe()
+        # The page map (/memory/pages) covers the pool once, in runs, and agrees with the figures.
+        runs = self.kv.ledger.page_runs()
+        assert [r["start"] for r in runs] == list(itertools.accumulate([0] + [r["count"] for r in runs[:-1]]))
+        assert sum(r["count"] for r in runs) == self.kv.pages.num_pages
+        per_kind = collections.Counter()
+        for r in runs:
+            per_kind[r["kind"]] += r["count"]
+        figures = self.kv.ledger.figures()
+        for kind in ("free", "cached_evictable", "cached_protected", "private", "session"):
+            assert per_kind[kind] * self.kv.page_size == figures[f"kv_{kind}"], kind
+        owners = {r["owner"] for r in runs if r["kind"] == "private"}
+        assert owners <= {f"req {r.rid}" for r in self.reqs}
 
     def teardown(self):
         if not hasattr(self, "kv"):
@@ -201,3 +216,12 @@ def test_double_owned_page_is_reported():
     report = kv.ledger.audit(count=False)
     assert a.pages[-1] in report.double_pages
     assert set(report.double_pages[a.pages[-1]]) == {"private to req a", "private to req b"}
+
+
+def test_page_map_names_a_leaked_page_by_its_last_owner():
+    kv, _reqs = _manager(strict=True)
+    req = Req(rid="victim", input_ids=list(range(10)), params=SamplingParams())
+    assert kv.admit(req) and kv.allocate(req, 10)
+    kv.release(req, commit=False)
+    leaked = [r for r in kv.ledger.page_runs() if r["kind"] == "unowned"]
+    assert leaked == [{"start": kv.pages.dropped, "count": 1, "kind": "unowned", "owner": "req victim"}]

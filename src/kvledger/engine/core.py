@@ -262,5 +262,36 @@ class EngineCore:
     def audit(self):
         return self.kv_manager.ledger.audit()
 
+    def page_map(self) -> dict:
+        """Who owns every page, with the figures, requests, sessions and last audit of the same
+        instant (one engine call, so the parts agree): ``/memory/pages`` and the dashboard."""
+        ledger = self.kv_manager.ledger
+        tree = self.kv_manager.tree
+        report = ledger.last_report
+        return {
+            "page_size": ledger.pages.page_size,
+            "num_pages": ledger.pages.num_pages,
+            "runs": ledger.page_runs(),
+            "memory": self.memory(),
+            "requests": [
+                {
+                    "rid": r.rid,
+                    "state": r.state.value,
+                    "prompt_tokens": len(r.input_ids),
+                    "output_tokens": len(r.output_ids),
+                    "kv_tokens": r.kv_len,
+                    "pages": len(r.pages),
+                    "session": r.session.id if r.session is not None else None,
+                }
+                for r in self.scheduler.reqs.values()
+            ],
+            "sessions": self.sessions.describe(),
+            "radix": {
+                "nodes": sum(1 for _ in tree.nodes()),
+                "pages": tree.evictable_pages + tree.protected_pages,
+            },
+            "last_audit": None if report is None else {"ok": report.ok, "result": report.describe(limit=5)},
+        }
+
     def info_dict(self) -> dict:
         return dataclasses.asdict(self.info)

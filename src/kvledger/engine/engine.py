@@ -213,6 +213,11 @@ class Engine:
         with self._lock:
             return self.core.audit()
 
+    def page_map(self) -> dict:
+        """Every page's owner as runs, with the figures of the same instant (``/memory/pages``)."""
+        with self._lock:
+            return self.core.page_map()
+
     def open_session(
         self, session_id: str | None = None, streaming: bool = True, timeout: float | None = None
     ) -> str:

@@ -131,6 +131,7 @@ def _call(core, msg: m.Call) -> m.Reply:
         "flush_cache": core.flush_cache,
         "memory": core.memory,
         "audit": lambda: core.audit().describe(),
+        "page_map": core.page_map,
         "open_session": lambda: core.open_session(args.get("session_id"), args.get("timeout")),
         "close_session": lambda: core.close_session(args.get("session_id")) or True,
         "sessions": core.sessions.describe,

@@ -141,6 +141,36 @@ class Ledger:
             },
         }
 
+    def page_runs(self) -> list[dict]:
+        """The pool as runs of consecutive pages with one owner: ``{start, count, kind, owner}``, kind
+        one of free / cached_evictable / cached_protected / private / session (the figures' names),
+        or ``unowned`` for a page nobody's books hold (a leak; its owner is the last one on record).
+        The counts of each kind times the page size are the figures' ``kv_*`` (same instant)."""
+        n = self.pages.num_pages
+        kind: list[str | None] = [None] * n
+        owner: list[str | None] = [None] * n
+        for p in self.pages.free_list():
+            kind[p] = "free"
+        for node in self.tree.nodes():
+            k = "cached_protected" if node.lock_ref > 0 else "cached_evictable"
+            for p in node.pages:
+                kind[p], owner[p] = k, node.owner
+        for h in self.holdings():
+            k = "session" if h.kind == "session" else "private"
+            for p in h.own_pages:
+                kind[p], owner[p] = k, h.owner
+        runs: list[dict] = []
+        for p in range(n):
+            k, o = kind[p], owner[p]
+            if k is None:
+                k, o = "unowned", self.pages.last_owner[p]
+            last = runs[-1] if runs else None
+            if last is not None and last["kind"] == k and last["owner"] == o:
+                last["count"] += 1
+            else:
+                runs.append({"start": p, "count": 1, "kind": k, "owner": o})
+        return runs
+
     # -- the cheap check (every step in strict mode) -----------------------------------------------
     def check_conservation(self) -> None:
         c = self.page_counts()

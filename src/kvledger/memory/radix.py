@@ -9,8 +9,11 @@ that frees them (on eviction or flush).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+_node_ids = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -21,6 +24,11 @@ class TreeNode:
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    id: int = field(default_factory=lambda: next(_node_ids))  # names the node in the ledger's page map
+
+    @property
+    def owner(self) -> str:
+        return f"radix node {self.id}"
 
     def __lt__(self, other: TreeNode) -> bool:  # for the eviction heap
         return self.last_access < other.last_access

@@ -24,7 +24,8 @@ from . import handlers
 from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from .auth import AuthMiddleware
+from .middleware import BodyLimitMiddleware
 from .openai_api import OpenAIServing
 from .routes import ROUTERS
 from .state import ServerState
@@ -60,8 +61,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="kvledger", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
-    if cfg.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=cfg.api_key)
+    if cfg.api_key or cfg.admin_api_key:
+        app.add_middleware(AuthMiddleware, user_key=cfg.api_key, admin_key=cfg.admin_api_key)
     handlers.install(app)
     for router in ROUTERS:
         app.include_router(router)

@@ -14,6 +14,7 @@ from ..common import FinishReason, RequestOutput, SamplingParams, meta_info
 from ..common.outputs import TopLogprobs
 from ..engine.detok import TextState
 from ..errors import KVLedgerError
+from .auth import current_principal
 from .engine_client import EngineClient
 from .metrics import Metrics
 
@@ -79,6 +80,7 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._bg: set[asyncio.Task] = set()
+        self.owners: dict[str, str] = {}  # rid -> the principal that started it (auth.may_abort)
 
     def _abort_soon(self, rid: str, message: str) -> None:
         # Called from a finally block of a cancelled task: schedule, do not await.
@@ -92,8 +94,10 @@ class GenerationService:
         params: SamplingParams,
         rid: str | None = None,
         session_params: dict | None = None,
+        owner: str | None = None,
     ) -> AsyncIterator[GenState]:
-        """Yield the request's state after each batch of new tokens; the last one is finished."""
+        """Yield the request's state after each batch of new tokens; the last one is finished.
+        ``owner`` is who may abort it besides the admin (default: the calling principal)."""
         rid = rid or uuid.uuid4().hex
         st = GenState(
             rid, params, TextState(self.tokenizer, params.skip_special_tokens, params.stop), len(input_ids)
@@ -101,6 +105,7 @@ class GenerationService:
         t0 = time.monotonic()
         last = None
         q = await self.client.submit(rid, input_ids, params, session_params)
+        self.owners[rid] = owner or current_principal()
         try:
             while st.finish is None:
                 items = [await q.get()]
@@ -118,6 +123,7 @@ class GenerationService:
                 st.visible = st.text.update(st.output_ids, st.finish)
                 yield st
         finally:
+            self.owners.pop(rid, None)
             if st.finish is None:
                 # The consumer went away (client disconnect, cancelled handler): abort in the engine,
                 # which releases the request through its one release path.
@@ -136,12 +142,14 @@ class GenerationService:
             status = st.finish.status
             m.aborted.labels(ABORT_REASONS.get(status, "engine_error" if status >= 500 else "abort")).inc()
 
-    async def collect(self, input_ids, params, rid=None, disconnected=None, session_params=None) -> GenState:
+    async def collect(
+        self, input_ids, params, rid=None, disconnected=None, session_params=None, owner=None
+    ) -> GenState:
         """Run to completion. ``disconnected`` is polled; if it turns true the request is aborted."""
 
         async def run() -> GenState:
             last = None
-            async for state in self.stream(input_ids, params, rid, session_params):
+            async for state in self.stream(input_ids, params, rid, session_params, owner):
                 last = state
             return last
 

@@ -1,16 +1,12 @@
-"""ASGI middleware of the front: the body-size limit (413) and the API key (401).
+"""ASGI middleware of the front: the body-size limit (413). The keys are ``auth.py``'s.
 
 Pure ASGI (not BaseHTTPMiddleware), so handlers still see client disconnects."""
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi.responses import JSONResponse
 
 from ..errors import error_body
-
-OPEN_PATHS = {"/health", "/metrics"}  # reachable without the API key
 
 
 class _BodyTooLarge(Exception):
@@ -49,21 +45,3 @@ class BodyLimitMiddleware:
             await self.app(scope, counting_receive, send)
         except _BodyTooLarge:
             await too_big(scope, receive, send)
-
-
-class ApiKeyMiddleware:
-    """401 unless ``Authorization: Bearer KEY`` (or ``x-api-key``) matches; /health and /metrics are open."""
-
-    def __init__(self, app, key: str):
-        self.app, self.key = app, key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"")
-        given = auth[7:] if auth.lower().startswith(b"bearer ") else headers.get(b"x-api-key", b"")
-        if not hmac.compare_digest(given, self.key):
-            body = error_body("invalid or missing API key", "authentication_error", code="invalid_api_key")
-            return await JSONResponse(body, status_code=401)(scope, receive, send)
-        return await self.app(scope, receive, send)

@@ -12,7 +12,8 @@ from fastapi.responses import Response
 
 from ... import __version__
 from ...common import validate_request
-from ...errors import ConflictError, NotFoundError
+from ...errors import ConflictError, NotFoundError, PermissionDenied
+from .. import auth
 from ..handlers import error_response, parse_body
 from ..protocol import RidBody
 from ..state import state
@@ -30,10 +31,17 @@ ARCHITECTURES = {
 
 @router.post("/abort_request")
 async def abort_request(request: Request):
-    client = state(request).live_client()
+    srv = state(request)
+    client = srv.live_client()
     body = await parse_body(request, RidBody)
     if body.rid not in client.streams:
         raise NotFoundError(f"no running request with id {body.rid!r}", param="rid", code="rid_not_found")
+    if not auth.may_abort(
+        auth.current_principal(), srv.gen.owners.get(body.rid), bool(srv.cfg.admin_api_key)
+    ):
+        raise PermissionDenied(
+            "only the admin key may abort another caller's request", param="rid", code="not_request_owner"
+        )
     await client.abort(body.rid, "aborted by /abort_request")
     return {"success": True}
 
@@ -53,7 +61,8 @@ async def server_info(request: Request):
     client = srv.live_client()
     server = dataclasses.asdict(srv.cfg)
     server.pop("engine", None)
-    server["api_key"] = "***" if srv.cfg.api_key else None
+    for key in ("api_key", "admin_api_key"):
+        server[key] = "***" if server[key] else None
     return {
         "version": __version__,
         "model": srv.name,
@@ -123,7 +132,8 @@ async def health_generate(request: Request):
     rid = f"health-{uuid.uuid4().hex}"
     try:
         st = await asyncio.wait_for(
-            srv.gen.collect(ids, params, rid, request.is_disconnected), HEALTH_GENERATE_TIMEOUT_S
+            srv.gen.collect(ids, params, rid, request.is_disconnected, owner=auth.INTERNAL),
+            HEALTH_GENERATE_TIMEOUT_S,
         )
     except TimeoutError:
         return error_response(503, "the engine did not answer in time", "service_unavailable")

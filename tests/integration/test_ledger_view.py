@@ -1,0 +1,181 @@
+"""The ledger, seen live: /memory/pages, the admin key, and /dashboard in a real headless Chromium."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.browser import Browser, find_chromium
+from tests.integration.conftest import started_server
+
+USER = {"Authorization": "Bearer user-key"}
+ADMIN = {"Authorization": "Bearer admin-key"}
+KINDS = ("free", "cached_evictable", "cached_protected", "private", "session")
+
+
+@pytest.fixture(scope="module")
+def keyed(chat_model, tmp_path_factory):
+    log = str(tmp_path_factory.mktemp("logs") / "keyed.log")
+    for s in started_server(chat_model, log, "--api-key", "user-key", "--admin-api-key", "admin-key"):
+        s.headers = ADMIN
+        yield s
+        s.wait_idle_clean()
+
+
+def pages(srv, headers=ADMIN) -> httpx.Response:
+    return httpx.get(srv.url + "/memory/pages", headers=headers, timeout=30)
+
+
+def per_kind(snap: dict) -> collections.Counter:
+    c: collections.Counter = collections.Counter()
+    for r in snap["runs"]:
+        c[r["kind"]] += r["count"]
+    return c
+
+
+def assert_map_matches_figures(snap: dict) -> None:
+    runs = snap["runs"]
+    assert runs[0]["start"] == 0
+    for a, b in zip(runs, runs[1:]):
+        assert b["start"] == a["start"] + a["count"] and (a["kind"], a["owner"]) != (b["kind"], b["owner"])
+    assert sum(r["count"] for r in runs) == snap["num_pages"]
+    m, ps, c = snap["memory"], snap["page_size"], per_kind(snap)
+    assert c["unowned"] == 0, runs
+    assert snap["num_pages"] * ps == m["kv_total"]
+    for kind in KINDS:
+        assert c[kind] * ps == m[f"kv_{kind}"], (kind, c, m)
+
+
+def test_keys_guard_admin_paths(keyed):
+    url = keyed.url
+    assert pages(keyed, {}).status_code == 401
+    r = pages(keyed, USER)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
+    assert r.json()["error"]["type"] == "permission_error"
+    assert pages(keyed).status_code == 200
+    basic = base64.b64encode(b"ops:admin-key").decode()
+    assert pages(keyed, {"Authorization": f"Basic {basic}"}).status_code == 200
+    assert pages(keyed, {"Authorization": "Basic !!not-base64"}).status_code == 401
+    assert pages(keyed, {"x-api-key": "admin-key"}).status_code == 200
+    r = httpx.get(url + "/dashboard", timeout=10)
+    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
+    assert httpx.get(url + "/dashboard", headers=USER, timeout=10).status_code == 403
+    r = httpx.get(url + "/dashboard", headers=ADMIN, timeout=10)
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    assert "http://" not in r.text and "https://" not in r.text  # self-contained: nothing from a CDN
+    assert httpx.post(url + "/flush_cache", headers=USER, timeout=10).status_code == 403
+    assert httpx.post(url + "/flush_cache", headers=ADMIN, timeout=10).status_code == 200
+    # User paths take either key; the admin key is never shown.
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}
+    for h in (USER, ADMIN):
+        assert httpx.post(url + "/generate", json=body, headers=h, timeout=30).status_code == 200
+    assert httpx.post(url + "/generate", json=body, timeout=30).status_code == 401
+    cfg = httpx.get(url + "/get_server_info", headers=USER, timeout=10).json()["server_config"]
+    assert cfg["api_key"] == cfg["admin_api_key"] == "***"
+
+
+def _start_long(srv, headers: dict, rid: str) -> threading.Thread:
+    body = {"rid": rid, "input_ids": [7] * 9, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    t = threading.Thread(
+        target=httpx.post, args=(srv.url + "/generate",), kwargs=dict(json=body, headers=headers, timeout=120)
+    )
+    t.start()
+    return t
+
+
+def _wait_running(srv, rid: str) -> None:
+    deadline = time.monotonic() + 20
+    while rid not in {r["rid"] for r in pages(srv).json()["requests"]}:
+        assert time.monotonic() < deadline, f"{rid} never ran"
+        time.sleep(0.05)
+
+
+def test_only_the_admin_aborts_another_callers_request(keyed):
+    abort = keyed.url + "/abort_request"
+    t = _start_long(keyed, ADMIN, "admins-own")
+    _wait_running(keyed, "admins-own")
+    r = httpx.post(abort, json={"rid": "admins-own"}, headers=USER, timeout=10)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "not_request_owner"
+    assert httpx.post(abort, json={"rid": "admins-own"}, headers=ADMIN, timeout=10).status_code == 200
+    t.join()
+    t = _start_long(keyed, USER, "users-own")
+    _wait_running(keyed, "users-own")
+    assert httpx.post(abort, json={"rid": "users-own"}, headers=USER, timeout=10).status_code == 200
+    t.join()
+
+
+def test_page_map_adds_up_under_load_and_names_owners(keyed):
+    sid = httpx.post(keyed.url + "/open_session", json={}, headers=USER, timeout=10).json()
+    body = {"input_ids": [11] * 40, "sampling_params": {"max_new_tokens": 4}, "session_params": {"id": sid}}
+    assert httpx.post(keyed.url + "/generate", json=body, headers=USER, timeout=30).status_code == 200
+    threads = [_start_long(keyed, USER, f"load-{i}") for i in range(3)]
+    _wait_running(keyed, "load-0")
+    seen_private = False
+    for _ in range(10):
+        snap = pages(keyed).json()
+        assert_map_matches_figures(snap)
+        owners = {r["owner"] for r in snap["runs"] if r["kind"] == "private"}
+        live = {f"req {r['rid']}" for r in snap["requests"]}
+        assert owners <= live
+        seen_private |= bool(owners)
+    assert seen_private
+    assert any(r["kind"] == "session" and r["owner"] == f"session {sid}" for r in snap["runs"])
+    assert any(s["id"] == sid for s in snap["sessions"])
+    for i in range(3):
+        httpx.post(keyed.url + "/abort_request", json={"rid": f"load-{i}"}, headers=USER, timeout=10)
+    for t in threads:
+        t.join()
+    keyed.wait_idle_clean()
+    snap = pages(keyed).json()
+    assert_map_matches_figures(snap)
+    assert snap["requests"] == [] and snap["last_audit"]["ok"]
+    assert httpx.post(keyed.url + "/close_session", json={"session_id": sid}, headers=USER).status_code == 200
+
+
+CHROMIUM = find_chromium()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (Debian package 'chromium'; .ci/run installs it)")
+def test_dashboard_draws_the_page_map_in_a_browser(keyed, tmp_path):
+    sid = httpx.post(keyed.url + "/open_session", json={}, headers=USER, timeout=10).json()
+    body = {"input_ids": [13] * 50, "sampling_params": {"max_new_tokens": 5}, "session_params": {"id": sid}}
+    assert httpx.post(keyed.url + "/generate", json=body, headers=USER, timeout=30).status_code == 200
+    body = {"input_ids": [17] * 70, "sampling_params": {"max_new_tokens": 3}}  # leaves cached pages
+    assert httpx.post(keyed.url + "/generate", json=body, headers=USER, timeout=30).status_code == 200
+    keyed.wait_idle_clean()
+    snap = pages(keyed).json()
+    expected = {k: v for k, v in per_kind(snap).items() if v}
+    assert {"free", "session", "cached_evictable"} <= set(expected)
+    browser = Browser(CHROMIUM)
+    try:
+        browser.open(keyed.url + "/dashboard", headers=ADMIN)
+        browser.wait_for("Number(document.body.dataset.draws || 0) >= 1")
+        # Count the cells by the colour the browser actually painted, named through the legend.
+        drawn = browser.evaluate(
+            """(() => {
+              const names = {};
+              for (const i of document.querySelectorAll('#legend i')) {
+                names[getComputedStyle(i).backgroundColor] = i.className.slice(2);
+              }
+              const counts = {};
+              for (const c of document.querySelectorAll('#grid .cell')) {
+                const k = names[getComputedStyle(c).backgroundColor] || 'unknown colour';
+                counts[k] = (counts[k] || 0) + 1;
+              }
+              return counts;
+            })()"""
+        )
+        assert drawn == expected
+        assert browser.evaluate("document.querySelector('#sessions tbody').textContent").startswith(sid)
+        assert "error" not in browser.evaluate("document.getElementById('status').className")
+        shot = tmp_path / "dashboard.png"
+        browser.screenshot(str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
+    finally:
+        browser.close()
+        httpx.post(keyed.url + "/close_session", json={"session_id": sid}, headers=USER, timeout=10)
