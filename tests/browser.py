@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import tempfile
@@ -53,12 +54,12 @@ class Browser:
         )
         port_file = os.path.join(self.profile, "DevToolsActivePort")
         deadline = time.monotonic() + 30
-        while not (os.path.exists(port_file) and open(port_file).read().count("\n") >= 1):
+        while not (os.path.exists(port_file) and pathlib.Path(port_file).read_text().count("\n") >= 1):
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.close()
                 raise RuntimeError("chromium did not start its DevTools endpoint")
             time.sleep(0.1)
-        port = int(open(port_file).read().split()[0])
+        port = int(pathlib.Path(port_file).read_text().split()[0])
         pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json() if t["type"] == "page"]
         self._stack = contextlib.ExitStack()
         self.ws = self._stack.enter_context(

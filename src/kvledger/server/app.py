@@ -21,10 +21,10 @@ from ..common import Limits
 from ..config import ServerConfig
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from . import handlers
+from .auth import AuthMiddleware
 from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
-from .auth import AuthMiddleware
 from .middleware import BodyLimitMiddleware
 from .openai_api import OpenAIServing
 from .routes import ROUTERS

@@ -42,7 +42,7 @@ def current_principal() -> str:
 def may_abort(caller: str, owner: str | None, admin_key_set: bool) -> bool:
     """Without an admin key everyone who may call may abort anything (SGLang's behaviour); with one,
     only the admin may abort another caller's request."""
-    return not admin_key_set or caller == ADMIN or caller == owner
+    return not admin_key_set or caller in (ADMIN, owner)
 
 
 def presented_key(headers: dict[bytes, bytes]) -> bytes:
