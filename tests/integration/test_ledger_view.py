@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import itertools
 import threading
 import time
 
@@ -41,7 +42,7 @@ def per_kind(snap: dict) -> collections.Counter:
 def assert_map_matches_figures(snap: dict) -> None:
     runs = snap["runs"]
     assert runs[0]["start"] == 0
-    for a, b in zip(runs, runs[1:]):
+    for a, b in itertools.pairwise(runs):
         assert b["start"] == a["start"] + a["count"] and (a["kind"], a["owner"]) != (b["kind"], b["owner"])
     assert sum(r["count"] for r in runs) == snap["num_pages"]
     m, ps, c = snap["memory"], snap["page_size"], per_kind(snap)
