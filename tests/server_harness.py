@@ -107,3 +107,16 @@ class Server:
 def gen(srv, body: dict, **kw) -> httpx.Response:
     """POST /generate on a started server."""
     return httpx.post(srv.url + "/generate", json=body, timeout=60, **kw)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); the front reaps its children, so look at the state too.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

@@ -236,3 +236,60 @@ def test_sessions_never_starve_a_normal_request(make_engine):
     assert out["output_ids"] == ref["output_ids"]
     for s in sids:
         eng.close_session(s)
+
+
+def test_sessions_restored_on_a_new_engine_continue_exactly(make_engine):
+    """What the front does after an engine restart: its SessionStore's records re-open the sessions
+    on a fresh engine, and their next turn equals the full conversation sent as one prompt."""
+    from kvledger.common import FinishReason
+    from kvledger.server.session_store import SessionStore
+
+    eng, fresh = make_engine(), make_engine()
+    ref_eng = make_engine(enable_prefix_cache=False)
+    turns = _turns(7, 4)
+    refs = _reference(ref_eng, turns, 6)
+    store = SessionStore(max_sessions=8, default_timeout_s=None)
+    sid = eng.open_session()
+    store.opened(sid, None)
+    for t in turns[:3]:
+        params = {"id": sid}
+        out = eng.generate(input_ids=t, sampling_params={**G, "max_new_tokens": 6}, session_params=params)
+        store.turn_ended(
+            params, t, FinishReason(out["meta_info"]["finish_reason"]["type"]), out["output_ids"]
+        )
+    # An aborted turn (a crash, a disconnect) leaves the record as it was, as the engine does.
+    store.turn_ended({"id": sid}, [9, 9, 9], FinishReason("abort", status=503), [1, 2])
+    [engine_view] = eng.sessions()
+    assert engine_view["tokens"] == len(store.records[sid].tokens)
+    with pytest.raises(ValidationError):
+        fresh.restore_sessions([{"id": "bad", "timeout": None, "tokens": [10**9]}])
+    assert fresh.sessions() == []
+    assert fresh.restore_sessions(store.snapshot()) == 1
+    out = fresh.generate(
+        input_ids=turns[3], sampling_params={**G, "max_new_tokens": 6}, session_params={"id": sid}
+    )
+    assert out["output_ids"] == refs[3]
+    assert out["meta_info"]["prompt_tokens"] == engine_view["tokens"] + len(turns[3])
+    fresh.close_session(sid)
+    eng.close_session(sid)
+
+
+def test_session_store_is_bounded_and_prunes_expired():
+    from kvledger.server.session_store import SessionStore
+
+    store = SessionStore(max_sessions=2, default_timeout_s=10.0)
+    store.opened("a", None)
+    store.opened("b", 0.01)
+    time.sleep(0.02)
+    store.opened("c", None)  # b expired and was pruned first; nothing else had to go
+    assert set(store.records) == {"a", "c"}
+    store.opened("d", None)  # over the cap: the least recently used (a) goes
+    assert set(store.records) == {"c", "d"}
+    store.turn_ended({"id": "c"}, [1, 2], None, [])  # not finished: nothing
+    from kvledger.common import FinishReason
+
+    store.turn_ended({"id": "c"}, [1, 2], FinishReason("stop"), [3])
+    store.turn_ended({"id": "c", "offset": 1}, [4], FinishReason("length"), [5, 6])
+    assert store.records["c"].tokens.tolist() == [1, 4, 5, 6]
+    store.turn_ended({"id": "c"}, [7], FinishReason("abort", code="session_not_found", status=404), [])
+    assert "c" not in store.records  # the engine no longer has it

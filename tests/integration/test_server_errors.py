@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_harness import Server, gen
+from tests.server_harness import Server, gen, process_alive
 
 # -- bad inputs -------------------------------------------------------------------------------------
 
@@ -102,7 +102,8 @@ def test_engine_killed_gives_503_then_recovers(server):
     pid = server.info()["engine_pid"]
     restarts = server.info()["engine_restarts"]
     sid = httpx.post(server.url + "/open_session", json={}).json()
-    assert gen(server, {"input_ids": [3, 4], "session_params": {"id": sid}}).status_code == 200
+    first = gen(server, {"input_ids": [3, 4], "session_params": {"id": sid}})
+    assert first.status_code == 200
 
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -130,25 +131,16 @@ def test_engine_killed_gives_503_then_recovers(server):
     assert server.info()["engine_restarts"] == restarts + 1
     r = gen(server, {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3}})
     assert r.status_code == 200
-    # The session lived in the dead engine: reported closed, nothing hangs.
-    gone = gen(server, {"input_ids": [7], "session_params": {"id": sid}})
-    assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
+    # The session lived in the dead engine; the front re-opened it on the new one from its tokens.
+    again = gen(
+        server, {"input_ids": [7], "session_params": {"id": sid}, "sampling_params": {"max_new_tokens": 2}}
+    )
+    assert again.status_code == 200, again.text
+    assert again.json()["meta_info"]["prompt_tokens"] == 2 + len(first.json()["output_ids"]) + 1
+    assert httpx.post(server.url + "/close_session", json={"session_id": sid}).status_code == 200
     assert not process_alive(pid)
     server.wait_idle_clean()
     assert "engine process died" in server.logs()
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); the front reaps its children, so look at the state too.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_api_key(chat_model, tmp_path):

@@ -231,6 +231,10 @@ class EngineCore:
     def close_session(self, session_id: str) -> None:
         self.sessions.close(session_id)
 
+    def restore_sessions(self, records: list[dict]) -> int:
+        """Re-open a previous engine's sessions from their tokens (``server/session_store.py``)."""
+        return self.sessions.restore(records, self.limits.vocab_size, self.limits.context_length)
+
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.scheduler.abort(rid, message)
 

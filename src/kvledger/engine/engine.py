@@ -232,6 +232,11 @@ class Engine:
         with self._lock:
             self.core.close_session(session_id)
 
+    def restore_sessions(self, records: list[dict]) -> int:
+        """Re-open sessions from ``{id, timeout, tokens}`` records (no KV: their next turns recompute)."""
+        with self._lock:
+            return self.core.restore_sessions(records)
+
     def sessions(self) -> list[dict]:
         with self._lock:
             return self.core.sessions.describe()

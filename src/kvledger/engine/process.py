@@ -134,6 +134,7 @@ def _call(core, msg: m.Call) -> m.Reply:
         "page_map": core.page_map,
         "open_session": lambda: core.open_session(args.get("session_id"), args.get("timeout")),
         "close_session": lambda: core.close_session(args.get("session_id")) or True,
+        "restore_sessions": lambda: core.restore_sessions(args.get("sessions") or []),
         "sessions": core.sessions.describe,
     }
     try:

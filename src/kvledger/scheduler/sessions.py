@@ -46,6 +46,25 @@ class SessionManager:
         self.sessions[sid] = Session(sid, timeout if timeout is not None else self.default_timeout_s)
         return sid
 
+    def restore(self, records: list[dict], vocab_size: int, context_length: int) -> int:
+        """Re-open sessions a previous engine held (the front kept them across a restart), with their
+        tokens and no KV: the next turn recomputes it. Returns how many were restored."""
+        n = 0
+        for r in records:
+            tokens = r.get("tokens")
+            if not (
+                isinstance(tokens, list)
+                and len(tokens) < context_length
+                and all(type(t) is int and 0 <= t < vocab_size for t in tokens)
+            ):
+                raise ValidationError(
+                    f"session {r.get('id')!r}: tokens must be ids of this model's vocabulary"
+                )
+            self.open(r.get("id"), r.get("timeout"))
+            self.sessions[r["id"]].tokens = tokens
+            n += 1
+        return n
+
     def close(self, session_id: str) -> None:
         s = self.sessions.get(session_id)
         if s is None or s.closing:

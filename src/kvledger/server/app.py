@@ -28,6 +28,7 @@ from .metrics import Metrics
 from .middleware import BodyLimitMiddleware
 from .openai_api import OpenAIServing
 from .routes import ROUTERS
+from .session_store import SessionStore
 from .state import ServerState
 
 log = logging.getLogger("kvledger.server")
@@ -51,7 +52,18 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         )
         srv.client, srv.tokenizer, srv.name, srv.started = client, tokenizer, name, time.time()
         srv.limits = Limits(**client.limits)
-        srv.gen = GenerationService(client, tokenizer, srv.metrics)
+        srv.sessions = SessionStore(
+            client.engine_config["max_sessions"], client.engine_config["session_timeout_s"]
+        )
+        srv.gen = GenerationService(client, tokenizer, srv.metrics, srv.sessions)
+
+        async def restore_sessions() -> None:
+            records = srv.sessions.snapshot()
+            if records:
+                n = await client.call_unchecked("restore_sessions", sessions=records)
+                log.warning("re-opened %d session(s) on the restarted engine; their next turns recompute", n)
+
+        client.on_restart = restore_sessions
         srv.openai = OpenAIServing(
             srv.gen, name, {os.path.basename(path), "default"}, srv.limits, tokenizer, cfg.max_n
         )

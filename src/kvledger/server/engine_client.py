@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -67,6 +67,8 @@ class EngineClient:
         self.fatal: str | None = None
         self.on_stats: Callable[[dict], None] | None = None
         self.on_death: Callable[[], None] | None = None
+        # Awaited when a restarted engine is up, before it takes requests (sessions are re-opened).
+        self.on_restart: Callable[[], Awaitable[None]] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,13 +151,26 @@ class EngineClient:
                     fut.set_result(msg.result)
         elif isinstance(msg, m.Ready):
             self.info, self.limits, self.engine_config = msg.info, msg.limits, msg.config
-            self.ready = True
-            self._ready_event.set()
-            log.info("engine ready (pid %s)", msg.pid)
+            if self.generation > 1 and self.on_restart is not None:
+                self._tasks.append(asyncio.create_task(self._restarted(msg.pid)))
+            else:
+                self._set_ready(msg.pid)
         elif isinstance(msg, m.Fatal):
             self.fatal = msg.message
             log.error("engine failed to start: %s", self.fatal)
             self._ready_event.set()
+
+    def _set_ready(self, pid: int) -> None:
+        self.ready = True
+        self._ready_event.set()
+        log.info("engine ready (pid %s)", pid)
+
+    async def _restarted(self, pid: int) -> None:
+        try:
+            await self.on_restart()
+        except Exception:  # a restore that fails must not keep the server down
+            log.exception("restoring state on the restarted engine failed")
+        self._set_ready(pid)
 
     async def _monitor(self) -> None:
         """Notice an engine death within ~0.1 s: fail in-flight requests with 503, start a new engine."""
@@ -256,6 +271,10 @@ class EngineClient:
 
     async def call(self, op: str, wait_s: float = 30.0, **args) -> Any:
         self._check_ready()
+        return await self.call_unchecked(op, wait_s, **args)
+
+    async def call_unchecked(self, op: str, wait_s: float = 30.0, **args) -> Any:
+        """``call`` before the engine is marked ready (``on_restart`` uses it)."""
         i = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._replies[i] = fut

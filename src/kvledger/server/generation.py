@@ -17,6 +17,7 @@ from ..errors import KVLedgerError
 from .auth import current_principal
 from .engine_client import EngineClient
 from .metrics import Metrics
+from .session_store import SessionStore
 
 ABORT_REASONS = {400: "validation", 409: "conflict", 429: "queue_full", 503: "engine_unavailable"}
 
@@ -52,6 +53,8 @@ class GenState:
         self.logprobs.extend(out.new_logprobs)
         self.top_logprobs.extend(out.new_top_logprobs)
         self.cached_tokens = out.cached_tokens or self.cached_tokens
+        # The engine's count: a session turn's prompt is the conversation so far plus its input.
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         if out.finished:
             self.finish = out.finish_reason
         return verified
@@ -75,8 +78,9 @@ class GenState:
 class GenerationService:
     """Runs requests against the engine for the HTTP handlers."""
 
-    def __init__(self, client: EngineClient, tokenizer, metrics: Metrics):
+    def __init__(self, client: EngineClient, tokenizer, metrics: Metrics, sessions: SessionStore):
         self.client = client
+        self.sessions = sessions
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._bg: set[asyncio.Task] = set()
@@ -120,6 +124,8 @@ class GenerationService:
                         self.metrics.observe_verify(verified)
                 if st.finish is not None:
                     self._account(st, now - t0)
+                    if session_params is not None:
+                        self.sessions.turn_ended(session_params, input_ids, st.finish, st.output_ids)
                 st.visible = st.text.update(st.output_ids, st.finish)
                 yield st
         finally:

@@ -15,6 +15,7 @@ from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
 from .openai_api import OpenAIServing
+from .session_store import SessionStore
 
 
 @dataclass
@@ -28,6 +29,7 @@ class ServerState:
     limits: Limits | None = None
     gen: GenerationService | None = None
     openai: OpenAIServing | None = None
+    sessions: SessionStore | None = None
     draining: bool = False
 
     def live_client(self) -> EngineClient:
