@@ -154,6 +154,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny pool and context (CI scale)")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--audit-interval-s", type=float, default=10.0, help="busy-audit interval of the started server"
+    )
     args = ap.parse_args()
     server = None
     if args.url is None:
@@ -175,6 +178,8 @@ def main() -> int:
             "16",
             "--log-level",
             "warning",
+            "--audit-interval-s",
+            str(args.audit_interval_s),
             *pool,
             log_path="/tmp/kvledger-soak-server.log",
         )

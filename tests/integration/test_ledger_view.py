@@ -156,16 +156,25 @@ def test_dashboard_draws_the_page_map_in_a_browser(keyed, tmp_path):
     try:
         browser.open(keyed.url + "/dashboard", headers=ADMIN)
         browser.wait_for("Number(document.body.dataset.draws || 0) >= 1")
-        # Count the cells by the colour the browser actually painted, named through the legend.
+        # Count the pages by the colour the browser actually painted (the centre pixel of each page's
+        # square on the canvas), named through the legend's swatches.
         drawn = browser.evaluate(
             """(() => {
               const names = {};
               for (const i of document.querySelectorAll('#legend i')) {
-                names[getComputedStyle(i).backgroundColor] = i.className.slice(2);
+                const rgb = getComputedStyle(i).backgroundColor.match(/\\d+/g).slice(0, 3).join(',');
+                names[rgb] = i.className.slice(2);
               }
-              const counts = {};
-              for (const c of document.querySelectorAll('#grid .cell')) {
-                const k = names[getComputedStyle(c).backgroundColor] || 'unknown colour';
+              const canvas = document.getElementById('grid');
+              const {cell, gap, cols} = canvas.dataset;
+              const px = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height).data;
+              const counts = {}, half = Math.floor((cell - gap) / 2);
+              const rows = Math.floor(canvas.height / cell);
+              for (let p = 0; p < rows * cols; p++) {
+                const x = (p % cols) * cell + half, y = Math.floor(p / cols) * cell + half;
+                const o = (y * canvas.width + x) * 4;
+                if (px[o + 3] === 0) continue;  // past the last page: nothing painted
+                const k = names[[px[o], px[o + 1], px[o + 2]].join(',')] || 'unknown colour';
                 counts[k] = (counts[k] || 0) + 1;
               }
               return counts;

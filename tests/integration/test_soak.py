@@ -22,6 +22,8 @@ def test_soak_60s_no_leaks(chat_model, tmp_path):
             "8",
             "--out",
             str(out),
+            "--audit-interval-s",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -31,6 +33,8 @@ def test_soak_60s_no_leaks(chat_model, tmp_path):
     report = json.loads(out.read_text())
     assert report["leaks"] == 0 and report["idle_clean"] and report["engine_restarts"] == 0
     assert report["requests"] > 100
+    # Busy audits: under continuous load the full audit still runs every 2 s (idle audits add more).
+    assert report["audits"] >= 0.8 * 60 / 2, report["audits"]
     assert report["server_exit_code"] == 0
     answers = report["answers"]
     assert sum(v for k, v in answers.items() if k.startswith("bad 400")) > 0
