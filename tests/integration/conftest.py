@@ -59,3 +59,24 @@ def srv(server):
 @pytest.fixture
 def client(srv):
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def smol_server(tmp_path_factory):
+    """One real server on the default model (no --model flag), shared by the SmolLM2 checks."""
+    s = Server(
+        None,
+        "--dtype",
+        "float32",
+        "--strict-memory",
+        "--max-total-tokens",
+        "8192",
+        "--page-size",
+        "16",
+        log_path=str(tmp_path_factory.mktemp("logs") / "smol.log"),
+    )
+    try:
+        s.wait_healthy(timeout=300)
+        yield s
+    finally:
+        assert s.stop() == 0

@@ -7,29 +7,8 @@ import openai
 import pytest
 
 from kvledger import Engine
-from tests.server_harness import Server
 
 pytestmark = pytest.mark.smollm2
-
-
-@pytest.fixture(scope="module")
-def smol_server(tmp_path_factory):
-    s = Server(
-        None,
-        "--dtype",
-        "float32",
-        "--strict-memory",
-        "--max-total-tokens",
-        "8192",
-        "--page-size",
-        "16",
-        log_path=str(tmp_path_factory.mktemp("logs") / "smol.log"),
-    )
-    try:
-        s.wait_healthy(timeout=300)
-        yield s
-    finally:
-        assert s.stop() == 0
 
 
 def test_openai_chat_paris_streamed_equals_unstreamed(smol_server, smollm2_loaded):

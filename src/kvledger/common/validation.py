@@ -6,6 +6,7 @@ allocated for it.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -133,6 +134,21 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not _is_int(v) or not 0 <= v <= limits.max_top_logprobs:
             raise _bad("top_logprobs", f"top_logprobs must be an integer in [0, {limits.max_top_logprobs}]")
         p.top_logprobs = v
+    grammars = [k for k in ("json_schema", "regex", "ebnf") if d.get(k) is not None]
+    if len(grammars) > 1:
+        raise _bad(grammars[1], f"give at most one of json_schema, regex and ebnf, got {', '.join(grammars)}")
+    for k in grammars:
+        v = d[k]
+        if k == "json_schema" and isinstance(v, dict):
+            v = json.dumps(v)
+        if not isinstance(v, str) or not v.strip():
+            raise _bad(k, f"{k} must be a non-empty string" + (" or an object" if k == "json_schema" else ""))
+        if k == "json_schema" and v != "$$ANY$$":  # SGLang's "any JSON"
+            try:
+                json.loads(v)
+            except json.JSONDecodeError as e:
+                raise _bad(k, f"json_schema is not valid JSON: {e}", "invalid_grammar") from None
+        setattr(p, k, v)
     return p
 
 

@@ -14,6 +14,7 @@ import torch
 from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..config import EngineConfig
 from ..connector import KVConnector
+from ..constrained import GrammarBackend, grammar_spec
 from ..errors import ValidationError
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
@@ -111,6 +112,11 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         proposer = make_proposer(cfg, self.model, total)
+        self.grammars = GrammarBackend(
+            self.tokenizer,
+            mc.vocab_size,
+            sorted(eos),
+        )
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer
         )
@@ -201,7 +207,11 @@ class EngineCore:
         rid = rid if rid is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise ValidationError("rid must be a non-empty string of at most 256 characters", param="rid")
-        return Req(rid=rid, input_ids=ids, params=params)
+        req = Req(rid=rid, input_ids=ids, params=params)
+        spec = grammar_spec(params)
+        if spec is not None:  # compiled here: one that does not compile is refused before it holds anything
+            req.grammar = self.grammars.new_state(spec)
+        return req
 
     def submit(self, req: Req, session_params: dict | None = None) -> None:
         """Queue a validated request; with ``session_params`` it becomes a turn of that session.

@@ -3,6 +3,7 @@ changes, builds the ``ForwardBatch``, runs the model, samples, and verifies draf
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..common.sampling import SamplingRow
@@ -62,12 +63,18 @@ class ModelRunner:
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput.empty(len(sched.reqs))
         rows: list[SamplingRow] = []
+        masked_rows: list[int] = []
+        masks = []
         for r in sched.reqs:
             if r.sampling is not None:
+                if r.token_bitmask is not None:
+                    masked_rows.extend(range(len(rows), len(rows) + r.num_draft + 1))
+                    masks.append(r.token_bitmask)
                 rows.extend(_verify_rows(r))
         if not rows:
             return out
-        res = self.sampler.sample(logits, rows)
+        mask = (np.concatenate(masks), masked_rows) if masks else None
+        res = self.sampler.sample(logits, rows, mask)
         k = 0
         for i, r in enumerate(sched.reqs):
             if r.sampling is None:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..common.sampling import SamplingRow
+from ..constrained.bitmask import apply_token_bitmask
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would only add noise)
 
@@ -47,16 +49,21 @@ class Sampler:
                 counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=V).float()
                 logits[i] -= counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """Choose one token per row of ``logits`` (float32 ``[B, V]``)."""
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], mask: tuple[np.ndarray, list[int]] | None = None
+    ) -> SampleResult:
+        """Choose one token per row of ``logits`` (float32 ``[B, V]``). ``mask`` (structured outputs):
+        token bitmasks and the rows they constrain; disallowed tokens are never drawn."""
         B = logits.shape[0]
         want_lp = [r.params.wants_logprobs for r in rows]
         # Logprobs are reported from the model's raw distribution (before temperature and penalties),
         # as vLLM does by default.
         raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        if any(r.params.has_penalties for r in rows):
+        if any(r.params.has_penalties for r in rows) or mask is not None:
             logits = logits.clone()
             self._penalize(logits, rows)
+            if mask is not None:
+                apply_token_bitmask(logits, *mask)
         temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
         tokens = logits.argmax(dim=-1)
         sampled = (temps >= GREEDY_EPS).nonzero().flatten()

@@ -1,11 +1,13 @@
 """What crosses the executor seam: the scheduler's ``SchedulerOutput`` out to the executor, the
-``ModelRunnerOutput`` back. Plain data only (ids and lists, no tensors, no ``Req``), so that a group
-of tensor-parallel workers in other processes can receive the same objects."""
+``ModelRunnerOutput`` back. Plain data only (ids, lists and numpy bitmasks; no tensors, no ``Req``), so
+that a group of tensor-parallel workers in other processes can receive the same objects."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ..common.outputs import TopLogprobs
 from ..common.sampling import SamplingRow
@@ -24,6 +26,8 @@ class ScheduledReq:
     token_ids: list[int]
     num_draft: int = 0
     sampling: SamplingRow | None = None
+    # Structured outputs: int32 [1 + num_draft, ceil(V / 32)], one row per sampled position.
+    token_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -70,6 +70,7 @@ class Req:
     session: object | None = None  # the Session this request is a turn of (memory/session_kv.py)
     session_offset: int = 0
     spec: SpecState = field(default_factory=SpecState)
+    grammar: object | None = None  # structured outputs: its GrammarState (constrained/grammar.py)
 
     @property
     def fill_ids(self) -> list[int]:

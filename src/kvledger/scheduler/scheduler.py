@@ -72,7 +72,7 @@ class Scheduler:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # aborts may come from any thread
         self._outputs: list[RequestOutput] = []
         # Components with per-request state register here; ``_finish`` calls each on every ending.
-        self.release_hooks: list[ReleaseHook] = [self.connector.request_finished]
+        self.release_hooks: list[ReleaseHook] = [self.connector.request_finished, _drop_grammar]
         self.last_stats = StepStats()
         self.spec_totals = SpecState()  # every verify step of every request
         self.total_retractions = 0
@@ -196,7 +196,8 @@ class Scheduler:
             sampling = SamplingRow(
                 p, len(req.output_ids), req.input_ids if pen else None, req.output_ids if pen else None
             )
-        return ScheduledReq(req.rid, req.slot, a, req.tokens(a, b) + c.drafts, len(c.drafts), sampling)
+        mask = req.grammar.masks(c.drafts) if sampling is not None and req.grammar is not None else None
+        return ScheduledReq(req.rid, req.slot, a, req.tokens(a, b) + c.drafts, len(c.drafts), sampling, mask)
 
     # -- a step, second half ----------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput | None) -> list[RequestOutput]:
@@ -225,6 +226,8 @@ class Scheduler:
             self.spec_totals.record(sr.num_draft, len(tokens) - 1)
         before = req.seq_len
         n = self.stop.append(req, tokens, result.logprobs[i], result.top_logprobs[i])
+        if req.grammar is not None:
+            self._advance_grammar(req, n)
         # Valid KV: what was fed up to the last accepted draft; the newest token is not in the KV yet.
         req.kv_len = min(fed_end, before + n - 1)
         if fed_end > req.kv_len:
@@ -243,6 +246,18 @@ class Scheduler:
                 req.spec.verify_ct,
             )
         )
+
+    def _advance_grammar(self, req: Req, n: int) -> None:
+        """The matcher follows the tokens the request kept; a grammar that has ended (its stop token
+        accepted, e.g. under ignore_eos) ends the request."""
+        kept = req.output_ids[-n:]
+        if not req.grammar.accept(kept):
+            log.error("request %s: the grammar refused a token it allowed (%s)", req.rid, kept)
+            req.mark_finish(
+                FinishReason("abort", "structured output failed: a token broke the grammar", status=500)
+            )
+        elif req.grammar.terminated:
+            req.mark_finish(FinishReason("stop", matched=kept[-1]))
 
     def _connector_done(self, result: ModelRunnerOutput) -> None:
         for rid in result.finished_recving:
@@ -274,3 +289,8 @@ class Scheduler:
         elif 0 < self.cfg.audit_interval_s <= now - self._last_audit:
             self._last_audit = now
             ledger.audit()
+
+
+def _drop_grammar(req: Req) -> None:
+    """Release hook: a request's grammar matcher goes with it."""
+    req.grammar = None

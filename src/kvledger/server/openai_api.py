@@ -11,6 +11,7 @@ from typing import Any
 
 from ..common import SamplingParams, parse_prompts, validate_request
 from ..common.prompts import split_openai_prompt
+from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
 from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
@@ -37,8 +38,35 @@ def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, t
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs,
         "top_logprobs": top_logprobs,
+        "regex": body.regex,
+        "ebnf": body.ebnf,
+        **response_format_grammar(body.response_format),
     }
     return {k: v for k, v in d.items() if v is not None}
+
+
+def response_format_grammar(rf: dict | None) -> dict:
+    """OpenAI ``response_format`` -> the sampling param that constrains the output."""
+    if rf is None:
+        return {}
+    kind = rf.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": ANY_JSON}
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise ValidationError(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
+        return {"json_schema": json.dumps(schema)}
+    raise ValidationError(
+        f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+        param="response_format.type",
+    )
 
 
 def finish_reason(st: GenState) -> str | None:
@@ -191,7 +219,43 @@ class OpenAIServing:
                 "usage": self._usage(states, jobs),
             }
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return self._stream(base, jobs, rids, model, created, chat, include_usage)
+        queue, tasks = self._pump(jobs, rids)
+        # Wait for each choice's first event: a request the engine refuses (a grammar that does not
+        # compile, a full queue) is answered with its status code, not a 200 stream with an error.
+        early: list = []
+        seen: set[int] = set()
+        while len(seen) < len(jobs):
+            item = await queue.get()
+            early.append(item)
+            i, st, err = item
+            if i in seen:
+                continue
+            seen.add(i)
+            refused = err if err is not None else (st.error() if not st.output_ids else None)
+            if refused is not None:
+                for t in tasks:
+                    t.cancel()
+                raise refused
+        return self._stream(base, jobs, model, created, chat, include_usage, queue, tasks, early)
+
+    def _pump(self, jobs, rids) -> tuple[asyncio.Queue, list[asyncio.Task]]:
+        """One task per choice, putting ``(choice, state, error)`` on one queue; a final
+        ``StopAsyncIteration`` marks each choice's end."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, ids, params, rid):
+            try:
+                async for st in self.gen.stream(ids, params, rid):
+                    await queue.put((i, st, None))
+            except Exception as e:
+                await queue.put((i, None, e))
+            finally:
+                await queue.put((i, None, StopAsyncIteration()))
+
+        tasks = [
+            asyncio.create_task(pump(i, ids, p, rid)) for i, ((ids, p), rid) in enumerate(zip(jobs, rids))
+        ]
+        return queue, tasks
 
     def _usage(self, states: list[GenState], jobs) -> dict:
         p = sum(len(ids) for ids, _ in jobs)
@@ -203,18 +267,10 @@ class OpenAIServing:
             "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
         }
 
-    async def _stream(self, base, jobs, rids, model, created, chat, include_usage) -> AsyncIterator[str]:
+    async def _stream(
+        self, base, jobs, model, created, chat, include_usage, queue, tasks, early
+    ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, ids, params, rid):
-            try:
-                async for st in self.gen.stream(ids, params, rid):
-                    await queue.put((i, st, None))
-            except Exception as e:
-                await queue.put((i, None, e))
-            finally:
-                await queue.put((i, None, StopAsyncIteration()))
 
         def chunk(i: int, delta_text: str | None, fr: str | None, lp=None, role: bool = False) -> dict:
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": fr}
@@ -229,9 +285,6 @@ class OpenAIServing:
                 c["text"] = delta_text or ""
             return {"id": base, "object": obj, "created": created, "model": model, "choices": [c]}
 
-        tasks = [
-            asyncio.create_task(pump(i, ids, p, rid)) for i, ((ids, p), rid) in enumerate(zip(jobs, rids))
-        ]
         shown = [0] * len(jobs)
         tok_shown = [0] * len(jobs)
         final: list[GenState | None] = [None] * len(jobs)
@@ -241,7 +294,7 @@ class OpenAIServing:
                 for i in range(len(jobs)):
                     yield sse(chunk(i, "", None, role=True))
             while live:
-                i, st, err = await queue.get()
+                i, st, err = early.pop(0) if early else await queue.get()
                 if isinstance(err, StopAsyncIteration):
                     live -= 1
                     continue

@@ -46,6 +46,9 @@ class _OpenAICommon(_Strict):
     ignore_eos: bool | None = None
     user: str | None = None
     rid: str | None = None
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang's and vLLM's extra structured-output fields
+    ebnf: str | None = None
 
 
 class CompletionRequest(_OpenAICommon):

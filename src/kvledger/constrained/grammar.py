@@ -1,0 +1,187 @@
+"""Grammars for constrained decoding, on xgrammar.
+
+``GrammarBackend`` (one per engine) compiles a request's grammar once, cached and bounded by
+xgrammar's compiler cache; a grammar that does not compile is a 400 naming the problem, raised before
+the request holds anything. ``GrammarState`` is one request's matcher: it fills the bitmask of the
+positions a step samples (several with speculative drafts, rolled back after) and accepts the tokens
+the request keeps. Retraction needs nothing: the matcher follows the output, which a retracted
+request keeps; chunked prefill samples nothing until its last chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..common.sampling import SamplingParams
+from ..errors import ValidationError
+from .bitmask import bitmask_width
+
+log = logging.getLogger(__name__)
+
+CACHE_LIMIT_BYTES = 256 * 2**20  # compiled grammars kept (xgrammar evicts beyond this)
+# JSON is generated compactly (xgrammar's any_whitespace=False): small models given free whitespace
+# tend to emit it until max_new_tokens, and the output is the same JSON either way. Schemas compile
+# in strict mode (an object's unlisted properties are not generated), as OpenAI's strict mode asks.
+
+
+ANY_JSON = "$$ANY$$"  # SGLang's json_schema value for "any JSON object" (OpenAI's json_object)
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # "json_schema" | "regex" | "ebnf"
+    source: str
+
+
+def grammar_spec(p: SamplingParams) -> GrammarSpec | None:
+    """The request's grammar (validation allows at most one kind)."""
+    for kind in ("json_schema", "regex", "ebnf"):
+        v = getattr(p, kind)
+        if v is not None:
+            return GrammarSpec(kind, v)
+    return None
+
+
+class GrammarState:
+    """One request's matcher."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.width = bitmask_width(vocab_size)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def masks(self, drafts: list[int]) -> np.ndarray:
+        """Bitmasks for the ``1 + len(drafts)`` positions a step samples: position ``j`` as if the
+        first ``j`` drafts were kept. After a draft the grammar refuses (or the end of the grammar),
+        the target's draw cannot equal it, so later positions are never kept: their rows repeat."""
+        out = np.zeros((len(drafts) + 1, self.width), dtype=np.int32)
+        view = torch.from_numpy(out)
+        m = self.matcher
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            if m.is_terminated():
+                out[j:] = out[j - 1]
+                break
+            m.fill_next_token_bitmask(view, j)
+            if j == len(drafts):
+                break
+            if not m.accept_token(drafts[j]):
+                out[j + 1 :] = out[j]
+                break
+            accepted += 1
+        if accepted:
+            m.rollback(accepted)
+        return out
+
+    def accept(self, tokens: list[int]) -> bool:
+        """Advance over the tokens the request kept; False if the grammar refuses one (a bug)."""
+        return all(self.matcher.accept_token(t) for t in tokens)
+
+
+class GrammarBackend:
+    """xgrammar's compiler for one tokenizer; made on the first constrained request (importing
+    xgrammar and indexing the vocabulary takes ~2 s, which a server that never sees one skips)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler = None
+        self.compile_seconds = 0.0
+
+    def _xgr(self):
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValidationError(
+                    "structured outputs need the model's tokenizer, and this model has none"
+                )
+            t0 = time.perf_counter()
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
+            log.info("structured outputs ready in %.2fs (xgrammar)", time.perf_counter() - t0)
+        return xgr
+
+    def new_state(self, spec: GrammarSpec) -> GrammarState:
+        """Compile (or take from the cache) and start a matcher; ValidationError if it does not compile."""
+        if spec.kind == "json_schema" and spec.source != ANY_JSON:
+            bad = unenforced_keywords(json.loads(spec.source))
+            if bad:
+                raise ValidationError(
+                    f"json_schema uses {', '.join(bad)}, which structured outputs cannot enforce here; "
+                    "remove it or check the output yourself",
+                    param="json_schema",
+                    code="unsupported_schema",
+                )
+        xgr = self._xgr()
+        t0 = time.perf_counter()
+        try:
+            if spec.kind == "json_schema" and spec.source == ANY_JSON:
+                # Any JSON object (OpenAI's json_object), compact like the rest.
+                compiled = self._compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
+            elif spec.kind == "json_schema":
+                compiled = self._compiler.compile_json_schema(
+                    spec.source, any_whitespace=False, strict_mode=True
+                )
+            elif spec.kind == "regex":
+                compiled = self._compiler.compile_regex(spec.source)
+            else:
+                compiled = self._compiler.compile_grammar(spec.source)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValidationError(
+                f"the {spec.kind} does not compile: {_reason(e)}", param=spec.kind, code="invalid_grammar"
+            ) from None
+        self.compile_seconds += time.perf_counter() - t0
+        matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
+        return GrammarState(matcher, self.vocab_size)
+
+
+# Keywords xgrammar 0.2 accepts but does not enforce (found by test: a violating instance passes). A
+# schema with one is refused rather than answered with output that breaks it.
+_UNENFORCED = ("uniqueItems", "not", "if", "then", "else", "dependentSchemas")
+
+
+def unenforced_keywords(schema) -> list[str]:
+    found: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            found.update(k for k in _UNENFORCED if k in node and node[k] is not False)
+            if "pattern" in node and ("minLength" in node or "maxLength" in node):
+                found.add("pattern with minLength/maxLength")
+            for k, v in node.items():
+                if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
+                    for sub in v.values():  # keys here are names, not keywords
+                        walk(sub)
+                elif k not in ("enum", "const", "default", "examples"):
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(schema)
+    return sorted(found)
+
+
+def _reason(e: Exception) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(e).strip()
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    if ": " in text and ".cc:" in text.split(": ", 1)[0]:
+        text = text.split(": ", 1)[1]
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,172 @@
+"""Structured outputs on the offline engine (tiny chat model with a real byte-level tokenizer): the
+grammar holds under batching with unconstrained neighbours, chunked prefill, retraction and
+speculative drafts; bad grammars are refused before anything is held; books clean."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from kvledger import Engine, ValidationError
+from tests.helpers import assert_idle_clean
+
+# Finite languages: a random model must still produce a complete, valid output.
+SCHEMAS = [
+    {"type": "object", "properties": {"c": {"enum": ["red", "green", "blue"]}}, "required": ["c"]},
+    {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+    },
+    {
+        "type": "object",
+        "properties": {"xs": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 3}},
+        "required": ["xs"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "inner": {"type": "object", "properties": {"v": {"type": "null"}}, "required": ["v"]},
+            "s": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+        },
+        "required": ["inner", "s"],
+    },
+]
+REGEXES = [r"[ab]{5}", r"(yes|no)", r"[0-9]{3}-[0-9]{2}", r"x(y|z){2,4}"]
+
+
+@pytest.fixture(scope="module")
+def chat_loaded(chat_model):
+    from kvledger.model import load_model
+
+    return load_model(chat_model)
+
+
+def engine(chat_loaded, **kw) -> Engine:
+    opts = dict(dtype="float32", page_size=16, max_total_tokens=4096, strict_memory=True)
+    opts.update(kw)
+    return Engine(loaded_model=chat_loaded, **opts)
+
+
+def _jobs(temperature: float) -> list[tuple[list[int], dict, tuple[str, object] | None]]:
+    jobs = []
+    for i, s in enumerate(SCHEMAS):
+        jobs.append(([5 + i] * (10 + 9 * i), {"json_schema": json.dumps(s)}, ("schema", s)))
+    for i, r in enumerate(REGEXES):
+        jobs.append(([40 + i] * (7 + 13 * i), {"regex": r}, ("regex", r)))
+    for i in range(6):  # unconstrained neighbours in the same batches
+        jobs.append(([90 + i] * (30 + 5 * i), {"ignore_eos": True}, None))
+    return [
+        (ids, {"max_new_tokens": 48, "temperature": temperature, "seed": 7, **sp}, chk)
+        for ids, sp, chk in jobs
+    ]
+
+
+def _check(text: str, chk) -> None:
+    kind, v = chk
+    if kind == "schema":
+        jsonschema.validate(json.loads(text), v)
+    else:
+        assert re.fullmatch(v, text), (v, text)
+
+
+def _run(eng: Engine, jobs) -> list[dict]:
+    return eng.generate(input_ids=[j[0] for j in jobs], sampling_params=[j[1] for j in jobs])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_hold_with_neighbours_chunks_and_retraction(chat_loaded, temperature):
+    jobs = _jobs(temperature)
+    ref = engine(chat_loaded)
+    refs = _run(ref, jobs)
+    for out, (_, _, chk) in zip(refs, jobs):
+        if chk is not None:
+            assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+            _check(out["text"], chk)
+    # A pool small enough to retract, chunks smaller than the prompts: the same outputs (seeded).
+    small = engine(chat_loaded, max_total_tokens=320, chunked_prefill_size=16, max_running_requests=6)
+    outs = _run(small, jobs)
+    assert small.core.scheduler.total_retractions > 0
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in refs]
+    assert_idle_clean(ref)
+    assert_idle_clean(small)
+
+
+def test_speculative_drafts_keep_the_grammar_and_the_greedy_output(chat_loaded):
+    jobs = _jobs(0.0)
+    plain = engine(chat_loaded)
+    spec = engine(chat_loaded, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    refs, outs = _run(plain, jobs), _run(spec, jobs)
+    assert [o["output_ids"] for o in outs] == [r["output_ids"] for r in refs]
+    assert spec.core.scheduler.spec_totals.drafted > 0
+    for out, (_, _, chk) in zip(outs, jobs):
+        if chk is not None:
+            _check(out["text"], chk)
+    assert_idle_clean(plain)
+    assert_idle_clean(spec)
+
+
+def test_masks_for_drafts_follow_the_grammar_and_roll_back(chat_loaded):
+    eng = engine(chat_loaded)
+    tok = chat_loaded.tokenizer
+    req = eng.core.make_request([5, 6], {"regex": "ab(c|d)"})
+    state = req.grammar
+    a, b, c, z = (tok.convert_tokens_to_ids(x) for x in "abcz")
+
+    def allowed(row: np.ndarray) -> set[int]:
+        return {t for t in range(260) if row[t // 32] >> (t % 32) & 1}
+
+    m = state.masks([a, b, z, c])  # z breaks the grammar: rows after it repeat row 2
+    assert (
+        allowed(m[0]) == {a} and allowed(m[1]) == {b} and allowed(m[2]) == {c, tok.convert_tokens_to_ids("d")}
+    )
+    assert (m[3] == m[2]).all() and (m[4] == m[2]).all()
+    assert allowed(state.masks([])[0]) == {a}  # rolled back: still at the start
+    assert state.accept([a, b]) and not state.terminated
+    eng.shutdown()
+
+
+def test_grammar_end_under_ignore_eos_ends_the_request(chat_loaded):
+    eng = engine(chat_loaded)
+    out = eng.generate(
+        input_ids=[7, 8], sampling_params={"regex": "[ab]{3}", "ignore_eos": True, "max_new_tokens": 20}
+    )
+    assert re.fullmatch("[ab]{3}", out["text"])
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "stop" and len(out["output_ids"]) == 4  # three letters and the stop token
+    # A grammar with no finite string ends at max_new_tokens.
+    out = eng.generate(input_ids=[7, 8], sampling_params={"ebnf": 'root ::= "a" root', "max_new_tokens": 9})
+    assert out["text"] == "a" * 9 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert_idle_clean(eng)
+
+
+@pytest.mark.parametrize(
+    "sp, param",
+    [
+        ({"regex": "((("}, "regex"),
+        ({"ebnf": "root ::= "}, "ebnf"),
+        ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
+        ({"json_schema": "{not json"}, "json_schema"),
+        ({"json_schema": 5}, "json_schema"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
+        ({"regex": ""}, "regex"),
+    ],
+)
+def test_bad_grammars_are_400_and_hold_nothing(chat_loaded, sp, param):
+    eng = engine(chat_loaded)
+    before = eng.memory()
+    with pytest.raises(ValidationError) as e:
+        eng.generate(input_ids=[3, 4], sampling_params=sp)
+    assert e.value.param == param and e.value.status == 400, e.value.message
+    assert eng.memory() == before
+    assert_idle_clean(eng)
+
+
+def test_a_model_without_tokenizer_refuses_grammars(make_engine):
+    eng = make_engine()
+    with pytest.raises(ValidationError, match="tokenizer"):
+        eng.generate(input_ids=[3, 4], sampling_params={"regex": "a"})
