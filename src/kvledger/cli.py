@@ -9,6 +9,7 @@ import sys
 
 from .config import EngineConfig, ServerConfig
 from .errors import KVLedgerError
+from .server.tools import PARSERS
 
 
 def _bool_pair(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
@@ -126,6 +127,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--admin-api-key",
         default=d.admin_api_key,
         help="separate key for /dashboard, /memory/pages, /flush_cache and aborting others' requests",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=d.tool_call_parser,
+        choices=sorted(PARSERS),
+        help="the model's tool-call format (hermes = qwen: <tool_call> JSON; llama3; mistral)",
     )
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--log-level", default=d.log_level)

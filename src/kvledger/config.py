@@ -87,6 +87,8 @@ class ServerConfig:
     port: int = 30000
     api_key: str | None = None
     admin_api_key: str | None = None
+    tool_call_parser: str = "hermes"
+    """How tool calls are written and parsed: hermes (= qwen), llama3 or mistral."""
     """Guards the page map, the dashboard, /flush_cache and aborting other callers' requests."""
     served_model_name: str | None = None
     log_level: str = "info"

@@ -30,6 +30,7 @@ from .openai_api import OpenAIServing
 from .routes import ROUTERS
 from .session_store import SessionStore
 from .state import ServerState
+from .tools import make_parser
 
 log = logging.getLogger("kvledger.server")
 
@@ -65,7 +66,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
         client.on_restart = restore_sessions
         srv.openai = OpenAIServing(
-            srv.gen, name, {os.path.basename(path), "default"}, srv.limits, tokenizer, cfg.max_n
+            srv.gen,
+            name,
+            {os.path.basename(path), "default"},
+            srv.limits,
+            tokenizer,
+            cfg.max_n,
+            make_parser(cfg.tool_call_parser),
         )
         log.info("serving %s on http://%s:%d", name, cfg.host, cfg.port)
         yield

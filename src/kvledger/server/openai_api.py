@@ -15,6 +15,7 @@ from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
 from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
+from .tools import ToolParser, check_tools, forced_grammar, make_parser, render_messages
 
 
 def sse(obj: Any) -> str:
@@ -74,8 +75,20 @@ def finish_reason(st: GenState) -> str | None:
 
 
 class OpenAIServing:
-    def __init__(self, gen: GenerationService, name: str, aliases: set[str], limits, tokenizer, max_n: int):
+    def __init__(
+        self,
+        gen: GenerationService,
+        name: str,
+        aliases: set[str],
+        limits,
+        tokenizer,
+        max_n: int,
+        tool_parser: ToolParser | None = None,
+    ):
         self.gen = gen
+        self.tool_parser = tool_parser or make_parser("hermes")
+        template = getattr(tokenizer, "chat_template", None) or ""
+        self.template_has_tools = "tools" in template
         self.name = name
         self.model_names = {name} | aliases
         self.limits = limits
@@ -119,7 +132,9 @@ class OpenAIServing:
         return await self._run(base, jobs, body, disconnected, chat=False)
 
     # -- chat ----------------------------------------------------------------------------------------------
-    def chat_input(self, body: ChatRequest, add_generation_prompt: bool = True) -> list[int]:
+    def chat_input(
+        self, body: ChatRequest, add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         if not body.messages:
             raise ValidationError("messages must not be empty", param="messages", code="empty_prompt")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -129,10 +144,16 @@ class OpenAIServing:
             content = m.content
             if isinstance(content, list):
                 content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-            msgs.append({"role": m.role, "content": content or ""})
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            for k in ("tool_calls", "tool_call_id", "name"):
+                if getattr(m, k) is not None:
+                    msg[k] = getattr(m, k)
+            msgs.append(msg)
+        msgs = render_messages(msgs, tools or [], self.tool_parser, self.template_has_tools)
+        extra = {"tools": tools} if tools and self.template_has_tools else {}
         try:
             ids = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, return_dict=False
+                msgs, add_generation_prompt=add_generation_prompt, return_dict=False, **extra
             )
         except Exception as e:  # a template error is the client's messages' fault
             raise ValidationError(f"cannot apply the chat template: {e}", param="messages") from None
@@ -145,9 +166,18 @@ class OpenAIServing:
             raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = sampling_dict(body, max_tokens, body.logprobs, top)
-        ids, params = validate_request(self.chat_input(body), sp, self.limits)
+        tools, forced = check_tools(body.tools, body.tool_choice)
+        if forced is not None:
+            if any(k in sp for k in ("json_schema", "regex", "ebnf")):
+                raise ValidationError(
+                    "tool_choice required or a named function cannot be combined with another grammar",
+                    param="tool_choice",
+                )
+            sp["ebnf"] = forced_grammar(self.tool_parser, tools, forced)
+        ids, params = validate_request(self.chat_input(body, tools=tools), sp, self.limits)
         base = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True)
+        parser = self.tool_parser if tools else None
+        return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True, tools=parser)
 
     # -- shared --------------------------------------------------------------------------------------------
     def _logprobs(self, st: GenState, chat: bool, start: int = 0) -> dict | None:
@@ -182,7 +212,13 @@ class OpenAIServing:
         }
 
     async def _run(
-        self, base: str, jobs: list[tuple[list[int], SamplingParams]], body, disconnected, chat: bool
+        self,
+        base: str,
+        jobs: list[tuple[list[int], SamplingParams]],
+        body,
+        disconnected,
+        chat: bool,
+        tools: ToolParser | None = None,
     ):
         model = self.name
         created = int(time.time())
@@ -207,6 +243,14 @@ class OpenAIServing:
                 }
                 if chat:
                     c["message"] = {"role": "assistant", "content": st.visible}
+                    calls = tools.split(st.visible, final=True) if tools else (st.visible, None)
+                    if calls[1]:
+                        c["message"] = {
+                            "role": "assistant",
+                            "content": calls[0] or None,
+                            "tool_calls": [call.to_openai() for call in calls[1]],
+                        }
+                        c["finish_reason"] = "tool_calls"
                 else:
                     c["text"] = st.visible
                 choices.append(c)
@@ -236,7 +280,7 @@ class OpenAIServing:
                 for t in tasks:
                     t.cancel()
                 raise refused
-        return self._stream(base, jobs, model, created, chat, include_usage, queue, tasks, early)
+        return self._stream(base, jobs, model, created, chat, include_usage, queue, tasks, early, tools)
 
     def _pump(self, jobs, rids) -> tuple[asyncio.Queue, list[asyncio.Task]]:
         """One task per choice, putting ``(choice, state, error)`` on one queue; a final
@@ -268,11 +312,13 @@ class OpenAIServing:
         }
 
     async def _stream(
-        self, base, jobs, model, created, chat, include_usage, queue, tasks, early
+        self, base, jobs, model, created, chat, include_usage, queue, tasks, early, tools=None
     ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, delta_text: str | None, fr: str | None, lp=None, role: bool = False) -> dict:
+        def chunk(
+            i: int, delta_text: str | None, fr: str | None, lp=None, role: bool = False, calls=None
+        ) -> dict:
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": fr}
             if chat:
                 delta: dict[str, Any] = {}
@@ -280,12 +326,15 @@ class OpenAIServing:
                     delta["role"] = "assistant"
                 if delta_text is not None:
                     delta["content"] = delta_text
+                if calls is not None:
+                    delta["tool_calls"] = calls
                 c["delta"] = delta
             else:
                 c["text"] = delta_text or ""
             return {"id": base, "object": obj, "created": created, "model": model, "choices": [c]}
 
         shown = [0] * len(jobs)
+        calls_sent = [0] * len(jobs)
         tok_shown = [0] * len(jobs)
         final: list[GenState | None] = [None] * len(jobs)
         live = len(jobs)
@@ -306,12 +355,23 @@ class OpenAIServing:
                     yield sse(e.to_dict())
                     final[i] = st
                     continue
-                new_text = st.visible[shown[i] :]
-                shown[i] = len(st.visible)
+                text, calls = tools.split(st.visible, st.finished) if tools else (st.visible, None)
+                new_text = text[shown[i] :]
+                shown[i] = max(shown[i], len(text))
                 lp = self._logprobs(st, chat, tok_shown[i])
                 tok_shown[i] = len(st.output_ids)
+                fr = finish_reason(st)
+                for j, call in enumerate((calls or [])[calls_sent[i] :], start=calls_sent[i]):
+                    # As OpenAI streams a call: its id and name first, then the arguments.
+                    d = call.to_openai(index=j)
+                    args, d["function"] = d["function"]["arguments"], {"name": call.name, "arguments": ""}
+                    yield sse(chunk(i, None, None, calls=[d]))
+                    yield sse(chunk(i, None, None, calls=[{"index": j, "function": {"arguments": args}}]))
+                    calls_sent[i] = j + 1
+                if calls_sent[i] and fr is not None:
+                    fr = "tool_calls"
                 if new_text or st.finished or lp:
-                    yield sse(chunk(i, new_text, finish_reason(st), lp))
+                    yield sse(chunk(i, new_text, fr, lp))
                 if st.finished:
                     final[i] = st
             if include_usage:
