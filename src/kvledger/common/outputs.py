@@ -3,6 +3,8 @@ of the ``meta_info`` object that /generate and the offline ``Engine`` return."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -56,6 +58,9 @@ class RequestOutput(msgspec.Struct):
     completion_tokens: int
     cached_tokens: int
     spec_verify_ct: int = 0  # the request's verify steps so far (speculative decoding)
+    # Prompt logprobs computed this step, in prompt order (token 0's None is not sent).
+    input_logprobs: list[float] = []
+    input_top_logprobs: list[TopLogprobs | None] = []
 
     @classmethod
     def final(
@@ -69,6 +74,26 @@ class RequestOutput(msgspec.Struct):
         return cls(rid, [], [], [], True, reason, prompt_tokens, completion_tokens, cached_tokens)
 
 
+@dataclass
+class PromptLogprobs:
+    """A reader's copy of one request's prompt logprobs (scoring), gathered from its outputs."""
+
+    ids: list[int]  # the prompt
+    start: int  # logprob_start_len
+    top: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+
+    def add(self, out: RequestOutput) -> None:
+        self.logprobs.extend(out.input_logprobs)
+        self.top_logprobs.extend(out.input_top_logprobs)
+
+    def padded(self) -> tuple[list[float | None], list[TopLogprobs | None]]:
+        """From token ``start`` on; token 0 has none (nothing precedes it)."""
+        head: list = [None] if self.start == 0 else []
+        return head + self.logprobs, head + self.top_logprobs
+
+
 def meta_info(
     rid: str,
     prompt_tokens: int,
@@ -78,9 +103,16 @@ def meta_info(
     logprobs: list[float | None] | None = None,
     top_logprobs: list[TopLogprobs | None] | None = None,
     spec_verify_ct: int = 0,
+    prompt: PromptLogprobs | None = None,
+    token_text: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
-    """SGLang's ``meta_info``; logprobs as ``[logprob, token_id, text]`` triples when asked for;
-    with speculation, ``spec_verify_ct`` and the mean tokens a verify step gave."""
+    """SGLang's ``meta_info``; logprobs as ``[logprob, token_id, text]`` triples when asked for (text
+    with ``token_text``, else None), the prompt's with ``prompt``; with speculation,
+    ``spec_verify_ct`` and the mean tokens a verify step gave."""
+
+    def text(t: int) -> str | None:
+        return token_text(t) if token_text is not None else None
+
     meta: dict[str, Any] = {
         "id": rid,
         "prompt_tokens": prompt_tokens,
@@ -89,9 +121,17 @@ def meta_info(
         "finish_reason": finish.to_dict() if finish else None,
     }
     if logprobs is not None:
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, output_ids)]
+        meta["output_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(logprobs, output_ids)]
     if top_logprobs is not None:
-        meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in (top or [])] for top in top_logprobs]
+        meta["output_top_logprobs"] = [[[lp, t, text(t)] for t, lp in (top or [])] for top in top_logprobs]
+    if prompt is not None:
+        lps, tops = prompt.padded()
+        ids = prompt.ids[prompt.start : prompt.start + len(lps)]
+        meta["input_token_logprobs"] = [[lp, t, text(t)] for lp, t in zip(lps, ids)]
+        if prompt.top:
+            meta["input_top_logprobs"] = [
+                None if top is None else [[lp, t, text(t)] for t, lp in top] for top in tops
+            ]
     if spec_verify_ct:
         meta["spec_verify_ct"] = spec_verify_ct
         meta["spec_accept_length"] = round(len(output_ids) / spec_verify_ct, 3)

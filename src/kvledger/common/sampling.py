@@ -24,6 +24,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # Prompt logprobs (scoring): the logprob of every prompt token from this index on (the first
+    # token's is None); -1: none. Positions asked for are computed, never taken from a cache.
+    logprob_start_len: int = -1
     # Structured outputs (at most one): a JSON schema as text, a regular expression, an EBNF grammar.
     json_schema: str | None = None
     regex: str | None = None

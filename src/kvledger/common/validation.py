@@ -134,6 +134,11 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not _is_int(v) or not 0 <= v <= limits.max_top_logprobs:
             raise _bad("top_logprobs", f"top_logprobs must be an integer in [0, {limits.max_top_logprobs}]")
         p.top_logprobs = v
+    if d.get("logprob_start_len") is not None:
+        v = d["logprob_start_len"]
+        if not _is_int(v) or v < -1:
+            raise _bad("logprob_start_len", f"logprob_start_len must be an integer >= -1, got {v!r}")
+        p.logprob_start_len = v
     grammars = [k for k in ("json_schema", "regex", "ebnf") if d.get(k) is not None]
     if len(grammars) > 1:
         raise _bad(grammars[1], f"give at most one of json_schema, regex and ebnf, got {', '.join(grammars)}")

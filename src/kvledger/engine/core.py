@@ -196,6 +196,12 @@ class EngineCore:
                 one.logprobs[0],
                 one.top_logprobs[0],
             )
+            if one.prompt_logprobs is not None:
+                if out.prompt_logprobs is None:
+                    out.prompt_logprobs = [[] for _ in sched.reqs]
+                    out.prompt_top_logprobs = [[] for _ in sched.reqs]
+                out.prompt_logprobs[i] = one.prompt_logprobs[0]
+                out.prompt_top_logprobs[i] = one.prompt_top_logprobs[0]
             out.finished_sending |= one.finished_sending
             out.finished_recving |= one.finished_recving
         return out

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..common import FinishReason, RequestOutput, meta_info, parse_prompts
+from ..common.outputs import PromptLogprobs
 from ..config import EngineConfig
 from ..errors import NotFoundError, ValidationError
 from ..scheduler import Req
@@ -25,6 +26,7 @@ class _Track:
     cached_tokens: int = 0
     spec_verify_ct: int = 0
     version: int = 0
+    prompt: PromptLogprobs | None = None
 
     def result(self) -> dict:
         p = self.req.params
@@ -37,6 +39,7 @@ class _Track:
             self.logprobs if p.wants_logprobs else None,
             self.top_logprobs if p.top_logprobs else None,
             self.spec_verify_ct,
+            self.prompt,
         )
         return {
             "text": self.text.update(self.output_ids, self.finish),
@@ -84,8 +87,13 @@ class Engine:
         with self._lock:
             for r in reqs:
                 self.core.submit(r, session_params)
+                p = r.params
                 self._tracks[r.rid] = _Track(
-                    r, TextState(self.core.tokenizer, r.params.skip_special_tokens, r.params.stop)
+                    r,
+                    TextState(self.core.tokenizer, p.skip_special_tokens, p.stop),
+                    prompt=PromptLogprobs(r.input_ids, p.logprob_start_len, p.top_logprobs)
+                    if p.logprob_start_len >= 0
+                    else None,
                 )
 
     def _apply(self, outs: list[RequestOutput]) -> None:
@@ -96,6 +104,8 @@ class Engine:
             t.output_ids.extend(o.new_ids)
             t.logprobs.extend(o.new_logprobs)
             t.top_logprobs.extend(o.new_top_logprobs)
+            if t.prompt is not None:
+                t.prompt.add(o)
             t.cached_tokens = o.cached_tokens
             t.spec_verify_ct = o.spec_verify_ct
             if o.finished:

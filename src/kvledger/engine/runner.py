@@ -39,6 +39,9 @@ class ModelRunner:
             ext.append(n)
             seq.append(a + n)
             t += n
+            if r.prompt_lp_targets:
+                first = t - n + r.prompt_lp_offset
+                logit_index.extend(range(first, first + len(r.prompt_lp_targets)))
             if r.sampling is not None:
                 logit_index.extend(range(t - 1 - r.num_draft, t))
         return ForwardBatch(
@@ -62,6 +65,8 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput.empty(len(sched.reqs))
+        if any(r.prompt_lp_targets for r in sched.reqs):
+            logits = self._prompt_logprobs(sched, logits, out)
         rows: list[SamplingRow] = []
         masked_rows: list[int] = []
         masks = []
@@ -85,6 +90,34 @@ class ModelRunner:
             out.top_logprobs[i] = res.top_logprobs[k : k + n]
             k += r.num_draft + 1
         return out
+
+    @staticmethod
+    def _prompt_logprobs(
+        sched: SchedulerOutput, logits: torch.Tensor, out: ModelRunnerOutput
+    ) -> torch.Tensor:
+        """Take the prompt-logprob rows out of ``logits`` (each request's come before its sampling
+        rows), fill ``out.prompt_logprobs``, and return the sampling rows alone."""
+        n = len(sched.reqs)
+        out.prompt_logprobs = [[] for _ in range(n)]
+        out.prompt_top_logprobs = [[] for _ in range(n)]
+        keep: list[int] = []
+        k = 0
+        for i, r in enumerate(sched.reqs):
+            m = len(r.prompt_lp_targets or ())
+            if m:
+                lp = torch.log_softmax(logits[k : k + m].float(), dim=-1)
+                target = torch.tensor(r.prompt_lp_targets, dtype=torch.long)
+                out.prompt_logprobs[i] = lp.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+                if r.prompt_lp_top:
+                    v, ix = lp.topk(r.prompt_lp_top, dim=-1)
+                    out.prompt_top_logprobs[i] = [list(zip(a, b)) for a, b in zip(ix.tolist(), v.tolist())]
+                else:
+                    out.prompt_top_logprobs[i] = [None] * m
+                k += m
+            if r.sampling is not None:
+                keep.extend(range(k, k + r.num_draft + 1))
+                k += r.num_draft + 1
+        return logits[keep]
 
 
 def accepted_run(draws: list[int], drafts: list[int]) -> int:

@@ -118,8 +118,8 @@ class KVManager:
         if req.session is not None:
             pages, node = self.sessions.borrow(req), None
         else:
-            # Match all but the last token: at least one token is always computed, so there are logits.
-            pages, node = self.tree.match_prefix(fill[: len(fill) - 1])
+            # At least one token is always computed, so there are logits (see Req.reuse_limit).
+            pages, node = self.tree.match_prefix(fill[: req.reuse_limit])
             self.tree.inc_lock(node)
         req.slot = slot
         req.pages = list(pages)

@@ -50,7 +50,7 @@ class SessionKV:
     def borrow(self, req) -> list[int]:
         """The session pages a turn reads; at least one token is always computed."""
         s = req.session
-        n = min(s.kv_len, req.session_offset, len(req.fill_ids) - 1) // self.kv_manager.page_size
+        n = min(s.kv_len, req.session_offset, req.reuse_limit) // self.kv_manager.page_size
         return s.pages[:n]
 
     def free_pages(self, s: Session) -> None:

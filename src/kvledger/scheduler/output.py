@@ -28,6 +28,11 @@ class ScheduledReq:
     sampling: SamplingRow | None = None
     # Structured outputs: int32 [1 + num_draft, ceil(V / 32)], one row per sampled position.
     token_bitmask: np.ndarray | None = None
+    # Prompt logprobs: the logprob of each of these prompt tokens, from the rows starting at chunk
+    # offset ``prompt_lp_offset`` (row j predicts target j).
+    prompt_lp_targets: list[int] | None = None
+    prompt_lp_offset: int = 0
+    prompt_lp_top: int = 0  # top logprobs per prompt position
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +63,8 @@ class ModelRunnerOutput:
     logprobs: list[list[float | None]]
     top_logprobs: list[list[TopLogprobs | None]]
     errors: list[str | None] | None = None
+    prompt_logprobs: list[list[float]] | None = None  # per request, for its prompt_lp_targets
+    prompt_top_logprobs: list[list[TopLogprobs | None]] | None = None
     finished_sending: set[str] = field(default_factory=set)  # connector: async saves done
     finished_recving: set[str] = field(default_factory=set)  # connector: KV loads done
 

@@ -65,6 +65,9 @@ class Req:
     # --- bookkeeping ---
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
+    # Prompt logprobs of tokens logprob_start_len.. (None for token 0), filled chunk by chunk.
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     num_retractions: int = 0
     admitted_seq: int = 0  # admission order (retraction picks the newest)
     session: object | None = None  # the Session this request is a turn of (memory/session_kv.py)
@@ -76,6 +79,24 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token whose KV the sequence will need: the prompt and the output so far."""
         return self.input_ids + self.output_ids
+
+    @property
+    def next_prompt_logprob(self) -> int | None:
+        """The prompt token whose logprob is still to be computed (None: none is wanted)."""
+        s = self.params.logprob_start_len
+        if s < 0:
+            return None
+        t = s + len(self.input_logprobs)  # token 0's None is there from the start
+        return t if t < len(self.input_ids) else None
+
+    @property
+    def reuse_limit(self) -> int:
+        """Leading tokens whose KV may come from a cache or a session: all but the last (so there are
+        logits to sample from), and none at or past the position that computes a wanted prompt
+        logprob (a cached prefix has no logits: vLLM #5344)."""
+        n = len(self.fill_ids) - 1
+        t = self.next_prompt_logprob
+        return n if t is None else min(n, t - 1)
 
     @property
     def seq_len(self) -> int:
@@ -93,6 +114,11 @@ class Req:
         if end <= lp:
             return self.input_ids[start:end]
         return self.input_ids[start:] + self.output_ids[: end - lp]
+
+    def __post_init__(self) -> None:
+        if self.params.logprob_start_len == 0:
+            self.input_logprobs.append(None)  # the first token has no logprob: nothing precedes it
+            self.input_top_logprobs.append(None)
 
     def mark_finish(self, reason: FinishReason) -> None:
         """Record why the request must end; the first cause wins. Nothing is freed here."""

@@ -96,8 +96,8 @@ class Scheduler:
         """Queue a validated request (call ``check_submit`` first). On the engine's thread."""
         self.reqs[req.rid] = req
         self.waiting.append(req)
-        if req.params.max_new_tokens == 0:
-            req.mark_finish(FinishReason("length"))
+        if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None:
+            req.mark_finish(FinishReason("length"))  # nothing to compute (scoring still runs the prompt)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         """Mark ``rid`` for abort at the next safe point (any thread)."""
@@ -197,7 +197,18 @@ class Scheduler:
                 p, len(req.output_ids), req.input_ids if pen else None, req.output_ids if pen else None
             )
         mask = req.grammar.masks(c.drafts) if sampling is not None and req.grammar is not None else None
-        return ScheduledReq(req.rid, req.slot, a, req.tokens(a, b) + c.drafts, len(c.drafts), sampling, mask)
+        sr = ScheduledReq(req.rid, req.slot, a, req.tokens(a, b) + c.drafts, len(c.drafts), sampling, mask)
+        t = req.next_prompt_logprob
+        if t is not None:
+            # Token u's logprob comes from row u - 1: the rows of this chunk give tokens a+1 .. b.
+            last = min(b, len(req.input_ids) - 1)
+            assert t >= a + 1, "a wanted prompt logprob's row was taken from a cache"
+            if t <= last:
+                sr.prompt_lp_targets, sr.prompt_lp_offset = req.input_ids[t : last + 1], t - 1 - a
+                sr.prompt_lp_top = req.params.top_logprobs
+        if req.params.max_new_tokens == 0:
+            sr.sampling = None  # scoring only: the prompt's logprobs, no token drawn
+        return sr
 
     # -- a step, second half ----------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput | None) -> list[RequestOutput]:
@@ -218,8 +229,17 @@ class Scheduler:
             return
         fed_end = sr.start + sr.num_tokens
         tokens = result.tokens[i]
+        new_input = 0
+        if sr.prompt_lp_targets and result.prompt_logprobs is not None:
+            new_input = len(result.prompt_logprobs[i])
+            req.input_logprobs.extend(result.prompt_logprobs[i])
+            req.input_top_logprobs.extend(result.prompt_top_logprobs[i])
         if not tokens:
             req.kv_len = fed_end - sr.num_draft
+            if req.params.max_new_tokens == 0 and req.kv_len >= req.seq_len:
+                req.mark_finish(FinishReason("length"))  # scored: nothing to generate
+            if new_input:
+                self._outputs.append(self._output(req, 0, new_input))
             return
         if sr.num_draft:
             req.spec.record(sr.num_draft, len(tokens) - 1)
@@ -232,20 +252,28 @@ class Scheduler:
         req.kv_len = min(fed_end, before + n - 1)
         if fed_end > req.kv_len:
             self.kv_manager.truncate(req, req.kv_len)  # rejected drafts' positions go back to the pool
-        self._outputs.append(
-            RequestOutput(
-                req.rid,
-                req.output_ids[-n:],
-                req.output_logprobs[-n:],
-                req.output_top_logprobs[-n:],
-                False,
-                None,
-                len(req.input_ids),
-                len(req.output_ids),
-                req.cached_tokens,
-                req.spec.verify_ct,
-            )
+        self._outputs.append(self._output(req, n, new_input))
+
+    @staticmethod
+    def _output(req: Req, n: int, new_input: int) -> RequestOutput:
+        """This step's news for ``req``: its last ``n`` output tokens and ``new_input`` prompt logprobs."""
+        out = RequestOutput(
+            req.rid,
+            req.output_ids[len(req.output_ids) - n :],
+            req.output_logprobs[len(req.output_logprobs) - n :],
+            req.output_top_logprobs[len(req.output_top_logprobs) - n :],
+            False,
+            None,
+            len(req.input_ids),
+            len(req.output_ids),
+            req.cached_tokens,
+            req.spec.verify_ct,
         )
+        if new_input:
+            k = len(req.input_logprobs) - new_input  # (token 0's None is the reader's to add)
+            out.input_logprobs = req.input_logprobs[k:]
+            out.input_top_logprobs = req.input_top_logprobs[k:]
+        return out
 
     def _advance_grammar(self, req: Req, n: int) -> None:
         """The matcher follows the tokens the request kept; a grammar that has ended (its stop token

@@ -103,6 +103,11 @@ class SessionManager:
                 "session_params.rid (branching) is not supported; use offset to rewind",
                 param="session_params.rid",
             )
+        if req.params.logprob_start_len >= 0:
+            raise ValidationError(
+                "prompt logprobs (logprob_start_len) are not supported on session turns",
+                param="logprob_start_len",
+            )
         sid = params.get("id")
         s = self.sessions.get(sid) if isinstance(sid, str) else None
         if s is None or s.closing:

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..common import FinishReason, RequestOutput, SamplingParams, meta_info
-from ..common.outputs import TopLogprobs
+from ..common.outputs import PromptLogprobs, TopLogprobs
 from ..engine.detok import TextState
 from ..errors import KVLedgerError
 from .auth import current_principal
@@ -37,6 +37,7 @@ class GenState:
     spec_verify_ct: int = 0
     finish: FinishReason | None = None
     visible: str = ""
+    prompt: PromptLogprobs | None = None  # scoring: the prompt's logprobs as they arrive
 
     @property
     def finished(self) -> bool:
@@ -52,6 +53,8 @@ class GenState:
         self.output_ids.extend(out.new_ids)
         self.logprobs.extend(out.new_logprobs)
         self.top_logprobs.extend(out.new_top_logprobs)
+        if self.prompt is not None:
+            self.prompt.add(out)
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         # The engine's count: a session turn's prompt is the conversation so far plus its input.
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
@@ -59,7 +62,7 @@ class GenState:
             self.finish = out.finish_reason
         return verified
 
-    def native(self, return_logprob: bool) -> dict:
+    def native(self, return_logprob: bool, token_text=None) -> dict:
         """The /generate answer (and each streamed event): everything so far."""
         p = self.params
         meta = meta_info(
@@ -71,6 +74,8 @@ class GenState:
             self.logprobs if return_logprob else None,
             self.top_logprobs if return_logprob and p.top_logprobs else None,
             self.spec_verify_ct,
+            self.prompt if return_logprob else None,
+            token_text,
         )
         return {"text": self.visible, "output_ids": list(self.output_ids), "meta_info": meta}
 
@@ -106,6 +111,8 @@ class GenerationService:
         st = GenState(
             rid, params, TextState(self.tokenizer, params.skip_special_tokens, params.stop), len(input_ids)
         )
+        if params.logprob_start_len >= 0:
+            st.prompt = PromptLogprobs(input_ids, params.logprob_start_len, params.top_logprobs)
         t0 = time.monotonic()
         last = None
         q = await self.client.submit(rid, input_ids, params, session_params)

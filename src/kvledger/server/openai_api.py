@@ -114,15 +114,15 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, disconnected) -> dict | AsyncIterator[str]:
         self._check_common(body)
-        if body.echo or body.suffix is not None:
-            raise ValidationError(
-                "echo and suffix are not supported", param="echo" if body.echo else "suffix"
-            )
+        if body.suffix is not None:
+            raise ValidationError("suffix is not supported", param="suffix")
         if body.best_of not in (None, body.n):
             raise ValidationError("best_of other than n is not supported", param="best_of")
         if body.logprobs is not None and not (isinstance(body.logprobs, int) and 0 <= body.logprobs <= 20):
             raise ValidationError("logprobs must be an integer in [0, 20]", param="logprobs")
         sp = sampling_dict(body, body.max_tokens, body.logprobs is not None, body.logprobs or 0)
+        if body.echo and body.logprobs is not None:
+            sp["logprob_start_len"] = 0  # echo with logprobs scores the prompt (max_tokens 0: only that)
         prompts = self.completion_inputs(body)
         jobs = []
         for ids in prompts:
@@ -180,15 +180,17 @@ class OpenAIServing:
         return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True, tools=parser)
 
     # -- shared --------------------------------------------------------------------------------------------
-    def _logprobs(self, st: GenState, chat: bool, start: int = 0) -> dict | None:
+    def token_text(self, t: int) -> str:
+        return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
+
+    def _logprobs(self, st: GenState, chat: bool, start: int = 0, echo: bool = False) -> dict | None:
         if not (st.params.logprobs or st.params.top_logprobs):
             return None
-        tok = self.tokenizer
-
-        def text(t: int) -> str:
-            return tok.decode([t]) if tok is not None else str(t)
-
+        text = self.token_text
         ids, lps, tops = st.output_ids[start:], st.logprobs[start:], st.top_logprobs[start:]
+        if echo and st.prompt is not None:  # the prompt's tokens first (the first has no logprob)
+            plps, ptops = st.prompt.padded()
+            ids, lps, tops = st.prompt.ids + ids, plps + lps, ptops + tops
         if chat:
             return {
                 "content": [
@@ -204,11 +206,16 @@ class OpenAIServing:
                     for t, lp, top in zip(ids, lps, tops)
                 ]
             }
+        texts = [text(t) for t in ids]
+        offsets, at = [], 0
+        for piece in texts:
+            offsets.append(at)
+            at += len(piece)
         return {
-            "tokens": [text(t) for t in ids],
+            "tokens": texts,
             "token_logprobs": lps,
-            "top_logprobs": [{text(a): b for a, b in (top or [])} for top in tops],
-            "text_offset": [],
+            "top_logprobs": [None if top is None else {text(a): b for a, b in top} for top in tops],
+            "text_offset": offsets,
         }
 
     async def _run(
@@ -220,6 +227,7 @@ class OpenAIServing:
         chat: bool,
         tools: ToolParser | None = None,
     ):
+        echo = not chat and body.echo
         model = self.name
         created = int(time.time())
         rids = [f"{base}-{i}" for i in range(len(jobs))]
@@ -238,7 +246,7 @@ class OpenAIServing:
             for i, st in enumerate(states):
                 c: dict[str, Any] = {
                     "index": i,
-                    "logprobs": self._logprobs(st, chat),
+                    "logprobs": self._logprobs(st, chat, echo=echo),
                     "finish_reason": finish_reason(st),
                 }
                 if chat:
@@ -252,7 +260,7 @@ class OpenAIServing:
                         }
                         c["finish_reason"] = "tool_calls"
                 else:
-                    c["text"] = st.visible
+                    c["text"] = (self._echo_text(i, jobs[i][0], body) if echo else "") + st.visible
                 choices.append(c)
             return {
                 "id": base,
@@ -280,7 +288,10 @@ class OpenAIServing:
                 for t in tasks:
                     t.cancel()
                 raise refused
-        return self._stream(base, jobs, model, created, chat, include_usage, queue, tasks, early, tools)
+        echo_texts = [self._echo_text(j, ids, body) for j, (ids, _) in enumerate(jobs)] if echo else None
+        return self._stream(
+            base, jobs, model, created, chat, include_usage, queue, tasks, early, tools, echo_texts
+        )
 
     def _pump(self, jobs, rids) -> tuple[asyncio.Queue, list[asyncio.Task]]:
         """One task per choice, putting ``(choice, state, error)`` on one queue; a final
@@ -301,6 +312,15 @@ class OpenAIServing:
         ]
         return queue, tasks
 
+    def _echo_text(self, j: int, ids: list[int], body) -> str:
+        """The prompt of choice ``j`` as the client sent it (choices are n per prompt, in order)."""
+        text, _ = split_openai_prompt(body.prompt)
+        if isinstance(text, str):
+            return text
+        if isinstance(text, list):
+            return text[j // body.n]
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
     def _usage(self, states: list[GenState], jobs) -> dict:
         p = sum(len(ids) for ids, _ in jobs)
         c = sum(len(s.output_ids) for s in states)
@@ -312,7 +332,7 @@ class OpenAIServing:
         }
 
     async def _stream(
-        self, base, jobs, model, created, chat, include_usage, queue, tasks, early, tools=None
+        self, base, jobs, model, created, chat, include_usage, queue, tasks, early, tools=None, echo=None
     ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -342,6 +362,7 @@ class OpenAIServing:
             if chat:
                 for i in range(len(jobs)):
                     yield sse(chunk(i, "", None, role=True))
+            echoed = [echo is None] * len(jobs)
             while live:
                 i, st, err = early.pop(0) if early else await queue.get()
                 if isinstance(err, StopAsyncIteration):
@@ -355,10 +376,14 @@ class OpenAIServing:
                     yield sse(e.to_dict())
                     final[i] = st
                     continue
+                if not echoed[i] and not (st.output_ids or st.finished):
+                    continue  # the echo waits until the whole prompt is scored
                 text, calls = tools.split(st.visible, st.finished) if tools else (st.visible, None)
                 new_text = text[shown[i] :]
                 shown[i] = max(shown[i], len(text))
-                lp = self._logprobs(st, chat, tok_shown[i])
+                lp = self._logprobs(st, chat, tok_shown[i], echo=not echoed[i])
+                if not echoed[i]:  # the first chunk of an echoed completion begins with the prompt
+                    new_text, echoed[i] = echo[i] + new_text, True
                 tok_shown[i] = len(st.output_ids)
                 fr = finish_reason(st)
                 for j, call in enumerate((calls or [])[calls_sent[i] :], start=calls_sent[i]):

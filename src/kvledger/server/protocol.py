@@ -20,6 +20,8 @@ class GenerateRequest(_Strict):
     rid: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
     session_params: dict[str, Any] | None = None
 
 

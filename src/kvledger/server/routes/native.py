@@ -31,7 +31,10 @@ async def generate(request: Request):
         sp["logprobs"] = True
         if body.top_logprobs_num:
             sp["top_logprobs"] = body.top_logprobs_num
+        if body.logprob_start_len != -1:
+            sp["logprob_start_len"] = body.logprob_start_len
     jobs = [validate_request(ids, sp, srv.limits) for ids in ids_list]
+    text_fn = srv.openai.token_text if body.return_text_in_logprobs else None
     if not single:
         if body.stream:
             raise ValidationError("stream takes a single prompt", param="stream")
@@ -42,14 +45,14 @@ async def generate(request: Request):
                 for i, (ids, p) in enumerate(jobs)
             )
         )
-        return [s.native(body.return_logprob) for s in states]
+        return [s.native(body.return_logprob, text_fn) for s in states]
     (ids, params), rid = jobs[0], body.rid or uuid.uuid4().hex
     if not body.stream:
         st = await srv.gen.collect(ids, params, rid, request.is_disconnected, body.session_params)
         err = st.error()
         if err is not None:  # an unstreamed answer that failed is an error, partial output or not
             raise err
-        return st.native(body.return_logprob)
+        return st.native(body.return_logprob, text_fn)
     agen = srv.gen.stream(ids, params, rid, body.session_params)
     first = await agen.__anext__()  # errors before any output become a proper status code
     err = first.error()
@@ -58,11 +61,13 @@ async def generate(request: Request):
 
     async def events():
         try:
-            yield sse(first.native(body.return_logprob))
+            yield sse(first.native(body.return_logprob, text_fn))
             async for st in agen:
                 err = st.error()
                 yield sse(
-                    err.to_dict() if err is not None and not st.output_ids else st.native(body.return_logprob)
+                    err.to_dict()
+                    if err is not None and not st.output_ids
+                    else st.native(body.return_logprob, text_fn)
                 )
             yield "data: [DONE]\n\n"
         finally:
