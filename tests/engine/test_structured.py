@@ -170,3 +170,40 @@ def test_a_model_without_tokenizer_refuses_grammars(make_engine):
     eng = make_engine()
     with pytest.raises(ValidationError, match="tokenizer"):
         eng.generate(input_ids=[3, 4], sampling_params={"regex": "a"})
+
+
+def test_min_new_tokens_masks_the_stop_tokens(chat_loaded):
+    eng = engine(chat_loaded)
+    free = eng.generate(
+        input_ids=[9, 10, 11], sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    )
+    first = free["output_ids"][0]
+    sp = {"max_new_tokens": 8, "temperature": 0, "stop_token_ids": [first]}
+    assert eng.generate(input_ids=[9, 10, 11], sampling_params=sp)["output_ids"] == [first]
+    held = eng.generate(input_ids=[9, 10, 11], sampling_params={**sp, "min_new_tokens": 5})["output_ids"]
+    assert len(held) >= 5 and first not in held[:5]
+    # With a grammar too: both masks hold.
+    out = eng.generate(
+        input_ids=[9, 10, 11],
+        sampling_params={"regex": "[ab]{2,6}", "min_new_tokens": 4, "max_new_tokens": 10},
+    )
+    assert re.fullmatch("[ab]{4,6}", out["text"]), out["text"]
+    assert_idle_clean(eng)
+
+
+def test_stop_regex_ends_and_cuts_the_text(chat_loaded):
+    eng = engine(chat_loaded)
+    out = eng.generate(
+        input_ids=[9, 10, 11],
+        sampling_params={"regex": "abc[0-9]+xyz", "stop_regex": "[0-9]{2}", "max_new_tokens": 20},
+    )
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "stop" and re.fullmatch("[0-9]{2}", fr["matched"]), fr
+    assert out["text"].startswith("abc") and out["text"] == "abc" + out["text"][3:].split(fr["matched"])[0]
+    for bad in ("(((", ["a", 5], [""]):
+        with pytest.raises(ValidationError) as e:
+            eng.generate(input_ids=[3], sampling_params={"stop_regex": bad})
+        assert e.value.param == "stop_regex"
+    with pytest.raises(ValidationError):
+        eng.generate(input_ids=[3], sampling_params={"min_new_tokens": -1})
+    assert_idle_clean(eng)

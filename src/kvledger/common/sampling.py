@@ -15,6 +15,8 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
+    stop_regex: list[str] = field(default_factory=list)  # SGLang: end when the output matches one
+    min_new_tokens: int = 0  # EOS and stop tokens are not drawn before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None

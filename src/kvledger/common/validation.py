@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -70,7 +71,9 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
     d = dict(raw or {})
     if not isinstance(raw, (dict, type(None))):
         raise _bad("sampling_params", "sampling_params must be an object")
-    unknown = set(d) - _FIELDS - {"n", "max_tokens"}
+    # spaces_between_special_tokens: SGLang's detokenizer option, sent by its frontend; fast
+    # tokenizers (all this engine loads) decide it themselves, so it is checked and has no effect.
+    unknown = set(d) - _FIELDS - {"n", "max_tokens", "spaces_between_special_tokens"}
     if unknown:
         raise _bad(sorted(unknown)[0], f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
     p = SamplingParams()
@@ -109,6 +112,29 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if any(not s or len(s) > limits.max_stop_string_len for s in stop):
             raise _bad("stop", f"stop strings must have 1 to {limits.max_stop_string_len} characters")
         p.stop = stop
+    rx = d.get("stop_regex")
+    if rx is not None and rx != []:
+        rx = [rx] if isinstance(rx, str) else rx
+        if not isinstance(rx, (list, tuple)) or not all(isinstance(r, str) and r for r in rx):
+            raise _bad("stop_regex", "stop_regex must be a regular expression or a list of them")
+        if len(rx) > limits.max_stop_strings or any(len(r) > limits.max_stop_string_len for r in rx):
+            raise _bad(
+                "stop_regex",
+                f"at most {limits.max_stop_strings} stop regexes of at most {limits.max_stop_string_len} characters",
+            )
+        for r in rx:
+            try:
+                re.compile(r)
+            except re.error as e:
+                raise _bad("stop_regex", f"stop_regex {r!r} does not compile: {e}") from None
+        p.stop_regex = list(rx)
+    if d.get("min_new_tokens") is not None:
+        v = d["min_new_tokens"]
+        if not _is_int(v) or v < 0:
+            raise _bad("min_new_tokens", f"min_new_tokens must be an integer >= 0, got {v!r}")
+        p.min_new_tokens = v
+    if d.get("spaces_between_special_tokens") not in (None, True, False):
+        raise _bad("spaces_between_special_tokens", "spaces_between_special_tokens must be a boolean")
     ids = d.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or len(ids) > limits.max_stop_token_ids:

@@ -118,7 +118,7 @@ class EngineCore:
             sorted(eos),
         )
         self.scheduler = Scheduler(
-            self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer
+            self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
         )
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.max_sessions, cfg.session_timeout_s, ps)
         self.limits = Limits(

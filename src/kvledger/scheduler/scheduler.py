@@ -21,9 +21,12 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..common import FinishReason, RequestOutput
 from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
+from ..constrained import bitmask_width
 from ..errors import ConflictError, OverloadedError
 from ..memory import Holding, KVManager
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
@@ -56,8 +59,10 @@ class Scheduler:
         decode: Callable[[list[int]], str] | None = None,
         connector: KVConnector | None = None,
         proposer=None,
+        vocab_size: int = 0,
     ):
         self.cfg = cfg
+        self.vocab_size = vocab_size  # the width of token bitmasks (min_new_tokens)
         self.kv_manager = kv_manager
         self.context_length = context_length
         self.connector = connector or NoOpConnector()
@@ -185,8 +190,7 @@ class Scheduler:
             st.num_prefill_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         return out
 
-    @staticmethod
-    def _scheduled(c: Chunk) -> ScheduledReq:
+    def _scheduled(self, c: Chunk) -> ScheduledReq:
         req, a = c.req, c.req.kv_len
         b = a + c.num_tokens
         sampling = None
@@ -196,7 +200,10 @@ class Scheduler:
             sampling = SamplingRow(
                 p, len(req.output_ids), req.input_ids if pen else None, req.output_ids if pen else None
             )
-        mask = req.grammar.masks(c.drafts) if sampling is not None and req.grammar is not None else None
+        mask = None
+        if sampling is not None:
+            mask = req.grammar.masks(c.drafts) if req.grammar is not None else None
+            mask = self._min_tokens_mask(req, len(c.drafts) + 1, mask)
         sr = ScheduledReq(req.rid, req.slot, a, req.tokens(a, b) + c.drafts, len(c.drafts), sampling, mask)
         t = req.next_prompt_logprob
         if t is not None:
@@ -209,6 +216,19 @@ class Scheduler:
         if req.params.max_new_tokens == 0:
             sr.sampling = None  # scoring only: the prompt's logprobs, no token drawn
         return sr
+
+    def _min_tokens_mask(self, req: Req, rows: int, mask: np.ndarray | None) -> np.ndarray | None:
+        """Below min_new_tokens the stop tokens are not drawn: their bits cleared in the rows of
+        positions short of it (and'ed with a grammar's mask)."""
+        short = req.params.min_new_tokens - len(req.output_ids)
+        if short <= 0:
+            return mask
+        if mask is None:
+            mask = np.full((rows, bitmask_width(self.vocab_size)), -1, dtype=np.int32)
+        bits = mask.view(np.uint32)
+        for t in self.stop.stop_ids(req):
+            bits[:short, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
+        return mask
 
     # -- a step, second half ----------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput | None) -> list[RequestOutput]:

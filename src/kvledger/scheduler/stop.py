@@ -3,11 +3,14 @@ appended one by one and a stop inside the run cuts it there; the tokens after it
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 from ..common import FinishReason
 from ..common.outputs import TopLogprobs
 from .request import Req
+
+REGEX_TAIL_TOKENS = 64  # a stop_regex match is looked for in the text of the last this many tokens
 
 
 class StopChecker:
@@ -41,16 +44,30 @@ class StopChecker:
 
     def check(self, req: Req, tok: int) -> FinishReason | None:
         p = req.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        early = len(req.output_ids) <= p.min_new_tokens  # stops before min_new_tokens do not count
+        if not early and (tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids)):
             return FinishReason("stop", matched=tok)
         if len(req.output_ids) >= p.max_new_tokens:
             return FinishReason("length")
         if req.seq_len >= self.context_length:
             return FinishReason("length", "reached the context length")
-        if p.stop and self.decode is not None:
+        if early or self.decode is None:
+            return None
+        if p.stop:
             # Decode a tail long enough to contain the longest stop string.
             tail = self.decode(req.output_ids[-(max(map(len, p.stop)) + 8) :])
             for s in p.stop:
                 if s in tail:
                     return FinishReason("stop", matched=s)
+        if p.stop_regex:
+            tail = self.decode(req.output_ids[-REGEX_TAIL_TOKENS:])
+            for r in p.stop_regex:
+                m = re.search(r, tail)
+                if m and m.group(0):
+                    return FinishReason("stop", matched=m.group(0))
         return None
+
+    def stop_ids(self, req: Req) -> list[int]:
+        """The tokens that would end ``req`` (masked while it is short of min_new_tokens)."""
+        p = req.params
+        return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
