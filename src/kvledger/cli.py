@@ -71,6 +71,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                        dest=dest, type=int, default=getattr(d, dest))  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--num-threads", type=int, default=d.num_threads)
+    p.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
+                   help="tensor parallel ranks (processes over torch.distributed)")  # fmt: skip
+    p.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
+    p.add_argument("--node-rank", type=int, default=d.node_rank, help="this machine's index (0 serves HTTP)")
+    p.add_argument("--dist-init-addr", default=d.dist_init_addr, help="host:port of node 0's rendezvous")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -108,8 +113,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from .server.run import serve
 
+    engine = engine_config(args)
+    if engine.node_rank > 0:  # another machine of a multi-node group: its TP ranks, no HTTP
+        from .parallel.node import run_node
+
+        return run_node(engine)
     names = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine"}
-    serve(ServerConfig(**{k: v for k, v in vars(args).items() if k in names}, engine=engine_config(args)))
+    serve(ServerConfig(**{k: v for k, v in vars(args).items() if k in names}, engine=engine))
     return 0
 
 

@@ -68,6 +68,16 @@ class EngineConfig:
     """Seed of the engine's generator for requests that bring no seed of their own."""
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
+    tp_size: int = 1
+    """Tensor parallel ranks (processes, over torch.distributed: gloo on CPUs)."""
+    nnodes: int = 1
+    """Machines the TP ranks span (tp_size / nnodes ranks on each); node 0 serves HTTP."""
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    """host:port of rank 0's rendezvous (multi-node); None picks a free port on 127.0.0.1."""
+    dist_timeout_s: float = 24 * 3600.0
+    """How long a collective may wait. Idle workers wait in one for the next step, so this is long; a
+    rank that dies breaks its connections at once, and a hung one is the front's watchdog's to catch."""
 
     def replace(self, **changes) -> EngineConfig:
         known = {f.name for f in fields(self)}

@@ -20,6 +20,9 @@ from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
 from ..model.linear import QUANTIZATIONS
 from ..model.loader import LoadedModel
+from ..parallel.comm import Comm
+from ..parallel.errors import TPGroupBroken
+from ..parallel.shard import check_tp, local_config, shard_weights
 from ..scheduler import ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
 from ..spec.setup import check_spec_config, make_proposer
 from ..testing import faults
@@ -44,6 +47,8 @@ class EngineInfo:
     kv_bytes_per_token: int = 0
     weight_bytes: int = 0
     arch: str = ""  # llama | qwen2 | qwen3 | mistral
+    tp_size: int = 1
+    tp_worker_pids: list[int] = dataclasses.field(default_factory=list)  # this node's other ranks
 
 
 def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> None:
@@ -64,6 +69,54 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
         raise ValidationError("page_size must be >= 1", param="page_size")
     _check_quantization(cfg, resolve_dtype(cfg.dtype, device, cfg.quantization), device)
     check_spec_config(cfg)
+    if cfg.tp_size < 1 or cfg.nnodes < 1 or cfg.tp_size % cfg.nnodes:
+        raise ValidationError("tp_size must be a positive multiple of nnodes", param="tp_size")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ValidationError(f"node_rank must be in [0, {cfg.nnodes})", param="node_rank")
+    if cfg.nnodes > 1 and not cfg.dist_init_addr:
+        raise ValidationError(
+            "several nodes need --dist-init-addr host:port (node 0's)", param="dist_init_addr"
+        )
+    if cfg.tp_size > 1:
+        for bad, what in (
+            (cfg.enable_torch_compile, "enable_torch_compile"),
+            (cfg.speculative_algorithm == "STANDALONE", "speculative_algorithm"),
+        ):
+            if bad:
+                raise ValidationError(f"{what} is not supported with tensor parallelism yet", param=what)
+
+
+def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, device: str) -> LlamaModel:
+    """This rank's model: the checkpoint's shards for ``comm.rank`` (all of it on one rank)."""
+    mc = loaded.config
+    weights = shard_weights(mc, dict(loaded.weights), comm.rank, comm.size)
+    return LlamaModel(
+        local_config(mc, comm.rank, comm.size),
+        weights,
+        dtype=dtype,
+        device=device,
+        quantization=cfg.quantization,
+        comm=comm,
+    )
+
+
+def _runner(cfg: EngineConfig, model: LlamaModel, device: str) -> ModelRunner:
+    """The model runner over a KV buffer of ``cfg.max_total_tokens`` (this rank's KV heads)."""
+    lc = model.cfg
+    kv_buffer = KVBuffer(
+        lc.num_layers, cfg.max_total_tokens, lc.num_kv_heads, lc.head_dim, model.dtype, device
+    )
+    table = PageTable(cfg.max_running_requests, cfg.context_length, cfg.page_size, device)
+    return ModelRunner(model, kv_buffer, table, cfg.seed)
+
+
+def build_runner(
+    cfg: EngineConfig, comm: Comm, num_tokens: int, context: int, device: str = "cpu"
+) -> ModelRunner:
+    """A worker rank's runner: its shards of the model over the pool rank 0 decided on."""
+    dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
+    model = _sharded_model(cfg, load_model(cfg.model, load_tokenizer=False), comm, dtype, device)
+    return _runner(cfg.replace(max_total_tokens=num_tokens, context_length=context), model, device)
 
 
 class EngineCore:
@@ -82,15 +135,29 @@ class EngineCore:
         if device == "cpu":
             keep_heap_memory()
         t0 = time.monotonic()
-        loaded = loaded or load_model(cfg.model)
-        mc = loaded.config
-        self.dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
-        self.model = LlamaModel(
-            mc, dict(loaded.weights), dtype=self.dtype, device=device, quantization=cfg.quantization
-        )
+        comm, workers = Comm(), []
+        if cfg.tp_size > 1:  # the other ranks start loading while this one does
+            from ..parallel.executor import start_group
+
+            comm, workers = start_group(cfg)
+        try:
+            loaded = loaded or load_model(cfg.model)
+            mc = loaded.config
+            check_tp(mc, cfg.tp_size)
+            self.dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
+            self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
+        except BaseException:
+            for p in workers:
+                p.kill()
+            if workers:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+            raise
         self.tokenizer = loaded.tokenizer
         ps = cfg.page_size
-        per_token = KVBuffer.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        lc = self.model.cfg  # this rank's shapes (all of them on one rank)
+        per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, self.dtype)
         num_pages = max(1, (cfg.max_total_tokens or default_kv_tokens(per_token)) // ps)
         total = num_pages * ps
         context = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total)
@@ -103,11 +170,13 @@ class EngineCore:
             strict=cfg.strict_memory,
             holdings=lambda: self.scheduler.holdings(),
         )
-        kv_buffer = KVBuffer(mc.num_layers, total, mc.num_kv_heads, mc.head_dim, self.dtype, device)
-        runner = ModelRunner(
-            self.model, kv_buffer, PageTable(cfg.max_running_requests, context, ps, device), cfg.seed
-        )
+        runner = _runner(self.cfg, self.model, device)
         self.executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
+        if cfg.tp_size > 1:
+            from ..parallel.executor import TPExecutor, broadcast
+
+            broadcast({"num_tokens": total, "context": context})  # the workers build the same pool
+            self.executor = TPExecutor(self.executor, workers)
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -145,6 +214,8 @@ class EngineCore:
             per_token,
             self.model.weight_bytes(),
             mc.arch,
+            cfg.tp_size,
+            [p.pid for p in workers],
         )
         log.info(
             "engine ready in %.1fs: %s (%s, %s), KV %d tokens in pages of %d (%.0f MiB), context %d",
@@ -181,6 +252,8 @@ class EngineCore:
         are reported failed, and end with a 500 through the release path."""
         try:
             return self.executor.execute_model(sched)
+        except TPGroupBroken:
+            raise  # the ranks are out of step: the engine process ends and the front restarts it
         except Exception:
             log.exception("a forward of %d requests failed; running them one by one", len(sched.reqs))
         out = ModelRunnerOutput.empty(len(sched.reqs))

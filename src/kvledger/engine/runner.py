@@ -57,11 +57,15 @@ class ModelRunner:
             page_size=self.page_table.page_size,
         )
 
-    def execute(self, sched: SchedulerOutput, connector=None) -> ModelRunnerOutput:
+    def execute(
+        self, sched: SchedulerOutput, connector=None, sample: bool = True
+    ) -> ModelRunnerOutput | None:
+        """One step; a tensor-parallel worker rank runs the forward only (``sample=False``): rank 0
+        samples from the same gathered logits."""
         self.page_table.apply(sched.page_writes)
         batch = self.build(sched)
         logits = self.model.forward(batch, self.kv_buffer, connector)
-        return self._sample(sched, logits)
+        return self._sample(sched, logits) if sample else None
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput.empty(len(sched.reqs))

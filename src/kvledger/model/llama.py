@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..parallel.comm import Comm
 from .attention import (
     AttentionBackend,
     KVBuffer,
@@ -73,9 +74,11 @@ class _Net(nn.Module):
     """The whole forward as one module, so ``torch.compile`` can freeze its weights (and prepack them
     for oneDNN) and fuse the elementwise work; attention is the opaque op ``kvledger::attention``."""
 
-    def __init__(self, cfg: ModelConfig, embed, norm, lm_head, layers, cos, sin, handle: int):
+    def __init__(self, cfg: ModelConfig, embed, norm, lm_head, layers, cos, sin, handle: int, comm=None):
         super().__init__()
         self.cfg = cfg
+        self.comm = comm or Comm()  # tensor parallel: the O/down all-reduces, vocab-parallel ends
+        self.vocab_start = self.comm.rank * embed.shape[0]
         self.embed = _param(embed)
         self.norm = _param(norm)
         self.lm_head = lm_head
@@ -99,7 +102,14 @@ class _Net(nn.Module):
         T = input_ids.shape[0]
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        h = F.embedding(input_ids, self.embed)
+        comm = self.comm
+        if comm.size > 1:  # this rank holds rows [vocab_start, +len) of the embedding
+            local = input_ids - self.vocab_start
+            inside = (local >= 0) & (local < self.embed.shape[0])
+            h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed) * inside.unsqueeze(-1)
+            h = comm.all_reduce(h)
+        else:
+            h = F.embedding(input_ids, self.embed)
         eps = cfg.rms_norm_eps
         for i, L in enumerate(self.layers):
             x = _rms_norm(h, L.in_norm, eps)
@@ -113,13 +123,16 @@ class _Net(nn.Module):
             q = self._rope(q, cos, sin)
             k = self._rope(k, cos, sin)
             o = paged_attention(q, k, v, i, self.handle)
-            h = h + L.o(o)
+            h = h + comm.all_reduce(L.o(o))
             x = _rms_norm(h, L.post_norm, eps)
             gu = L.gate_up(x)
             g, u = gu.chunk(2, dim=-1)
-            h = h + L.down(F.silu(g) * u)
+            h = h + comm.all_reduce(L.down(F.silu(g) * u))
         h = _rms_norm(h[logit_index], self.norm, eps)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if comm.size > 1:
+            logits = comm.gather_vocab(logits)[:, : cfg.vocab_size]
+        return logits
 
 
 class LlamaModel:
@@ -134,7 +147,10 @@ class LlamaModel:
         device: str | torch.device = "cpu",
         attention: str = "torch",
         quantization: str | None = None,
+        comm=None,
     ):
+        """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
+        (``parallel/shard.py``); ``comm`` does the collectives."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -194,6 +210,7 @@ class LlamaModel:
             freqs.cos().to(self.device, dtype),
             freqs.sin().to(self.device, dtype),
             self.handle,
+            comm,
         ).eval()
         self.compiled: nn.Module | None = None
         self.compiled_forwards = 0  # forwards that ran through the compiled graph

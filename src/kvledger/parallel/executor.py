@@ -1,0 +1,131 @@
+"""The tensor-parallel executor (rank 0, in the engine process) and the start of the group.
+
+Rank 0 owns the scheduler and the one set of books; each step it broadcasts the step's
+``SchedulerOutput`` (plain data) to the other ranks, every rank runs the same forward on its shards
+(the collectives inside it keep them in lock step), and rank 0 samples. Workers own no pages of their
+own: they apply the same page-table writes, so a page id means the same page on every rank.
+
+A rank that dies breaks the group: its connections close, the next collective fails,
+``TPGroupBroken`` ends the engine process, and the front's restart path brings a new group up. A rank
+that hangs stalls the step, which the front's watchdog kills. Workers die with the engine process
+(PR_SET_PDEATHSIG), so none is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+from ..config import EngineConfig
+from ..engine.executor import Executor
+from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
+from .comm import TPComm
+from .errors import TPGroupBroken
+
+log = logging.getLogger("kvledger.engine")
+
+
+def ranks_of_node(cfg: EngineConfig, node: int) -> range:
+    per = cfg.tp_size // cfg.nnodes
+    return range(node * per, (node + 1) * per)
+
+
+def init_addr(cfg: EngineConfig) -> str:
+    if cfg.dist_init_addr:
+        return cfg.dist_init_addr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def launch_workers(
+    cfg: EngineConfig, addr: str, ranks: range, log_level: str = "WARNING"
+) -> list[subprocess.Popen]:
+    """Start the worker ranks of one node as processes (``python -m kvledger.parallel.worker``)."""
+    payload = json.dumps(dataclasses.asdict(cfg))
+    procs = []
+    for r in ranks:
+        if r == 0:
+            continue
+        cmd = [sys.executable, "-m", "kvledger.parallel.worker", str(r), addr, log_level]
+        procs.append(subprocess.Popen(cmd, env={**os.environ, "KVLEDGER_TP_CONFIG": payload}))
+    return procs
+
+
+def join_group(cfg: EngineConfig, rank: int, addr: str) -> TPComm:
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{addr}",
+        rank=rank,
+        world_size=cfg.tp_size,
+        timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+    )
+    return TPComm(rank, cfg.tp_size)
+
+
+def start_group(cfg: EngineConfig) -> tuple[TPComm, list[subprocess.Popen]]:
+    """Rank 0's side: launch this node's other ranks and join the group with them."""
+    addr = init_addr(cfg)
+    workers = launch_workers(cfg, addr, ranks_of_node(cfg, 0), logging.getLevelName(log.getEffectiveLevel()))
+    log.info("tensor parallel: %d ranks over %d node(s), rendezvous at %s", cfg.tp_size, cfg.nnodes, addr)
+    try:
+        return join_group(cfg, 0, addr), workers
+    except Exception:
+        for p in workers:
+            p.kill()
+        raise
+
+
+def broadcast(obj) -> object:
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class TPExecutor(Executor):
+    """Rank 0: broadcast the step, run rank 0's shard through ``inner``, return its output."""
+
+    def __init__(self, inner: Executor, workers: list[subprocess.Popen]):
+        self.inner = inner
+        self.workers = workers
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.workers]
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        dead = [p.pid for p in self.workers if p.poll() is not None]
+        if dead:
+            raise TPGroupBroken(f"tensor-parallel worker(s) {dead} exited")
+        try:
+            broadcast(sched)
+            return self.inner.execute_model(sched)
+        except Exception as e:
+            # The ranks may now disagree on where they are: no step can be trusted after this one.
+            raise TPGroupBroken(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        try:
+            if all(p.poll() is None for p in self.workers):
+                broadcast(None)
+        except Exception:
+            log.warning("tensor parallel: could not tell the workers to stop; killing them")
+        for p in self.workers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()

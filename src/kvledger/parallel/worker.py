@@ -1,0 +1,63 @@
+"""A tensor-parallel worker rank: join the group, load this rank's shards, then run every step
+rank 0 broadcasts until it broadcasts None.
+
+    python -m kvledger.parallel.worker RANK HOST:PORT [LOG_LEVEL]   (config in KVLEDGER_TP_CONFIG)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+
+from ..config import EngineConfig
+
+log = logging.getLogger("kvledger.worker")
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent (the engine, or a node launcher) dies,
+    so a crashed engine never leaves ranks behind."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run(cfg: EngineConfig, rank: int, addr: str) -> None:
+    import torch
+
+    from ..engine.core import build_runner
+    from .executor import broadcast, join_group
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    comm = join_group(cfg, rank, addr)
+    setup = broadcast(None)  # the pool's shape, decided by rank 0 after it loaded the model
+    runner = build_runner(cfg, comm, setup["num_tokens"], setup["context"])
+    log.info("rank %d ready", rank)
+    while True:
+        sched = broadcast(None)
+        if sched is None:
+            return
+        runner.execute(sched, sample=False)
+
+
+def main() -> int:
+    rank, addr = int(sys.argv[1]), sys.argv[2]
+    level = sys.argv[3] if len(sys.argv) > 3 else "WARNING"
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
+    die_with_parent()
+    cfg = EngineConfig(**json.loads(os.environ["KVLEDGER_TP_CONFIG"]))
+    try:
+        run(cfg, rank, addr)
+    except Exception as e:  # the group broke (rank 0 gone): exit, a new group will be started
+        log.warning("rank %d leaves the group: %s: %s", rank, type(e).__name__, e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
