@@ -21,7 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ENDLESS = r'root ::= [a-zA-Z0-9 ,.]+'
+ENDLESS = r"root ::= [a-zA-Z0-9 ,.]+"
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -77,7 +77,9 @@ def main() -> int:
         "grammar (same length)": {**base, "ignore_eos": True, "ebnf": ENDLESS},
         "json_schema": {**base, "json_schema": json.dumps(SCHEMA)},
     }
-    eng.generate(input_ids=prompts[:2], sampling_params={**modes["grammar (same length)"], "max_new_tokens": 4})
+    eng.generate(
+        input_ids=prompts[:2], sampling_params={**modes["grammar (same length)"], "max_new_tokens": 4}
+    )
     eng.generate(input_ids=prompts[:2], sampling_params={**modes["json_schema"], "max_new_tokens": 4})
     rates: dict[str, list[float]] = {m: [] for m in modes}
     mask_ms: dict[str, list[float]] = {m: [] for m in modes}

@@ -3,9 +3,9 @@
     python bench/tensor_parallel.py [--layers 12] [--batch 8] [--max-new-tokens 48]
 
 SmolLM2's 9 attention heads do not split in two, so the model is a random Llama of the same family
-(hidden 512, 8 heads, 4 KV heads, MLP 1536), built here. Expect TP=2 to be slower on a 2-core machine:
-both ranks share the cores, and every layer adds two all-reduces of ``[tokens, hidden]``. The point
-of TP is models too large for one machine; this measures its overhead. Writes bench/out/tp.json.
+(hidden 512, 8 heads, 4 KV heads, MLP 1536), built here. Every layer adds two all-reduces of
+``[tokens, hidden]``; on one machine they go through shared memory (``parallel/comm.py: ShmComm``),
+and the report gives both that and gloo's cost per all-reduce. Writes bench/out/tp.json.
 """
 
 from __future__ import annotations
@@ -28,25 +28,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _allreduce_worker(rank: int, port: int, shape: tuple[int, int], iters: int, out) -> None:
+def _allreduce_worker(rank: int, port: int, shape: tuple[int, int], iters: int, out, shm: str | None) -> None:
+    from kvledger.parallel.comm import ShmComm, TPComm
+
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comm = ShmComm(rank, 2, shm, shape[0] * shape[1], create=False) if shm else TPComm(rank, 2)
     x = torch.randn(*shape)
     for _ in range(20):
-        dist.all_reduce(x)
+        comm.all_reduce(x)
     t0 = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(x)
+        comm.all_reduce(x)
     if rank == 0:
         out.put((time.perf_counter() - t0) / iters)
     dist.destroy_process_group()
 
 
-def allreduce_us(shape: tuple[int, int], iters: int = 300) -> float:
+def allreduce_us(shape: tuple[int, int], iters: int = 300, shm: bool = False) -> float:
+    """One all-reduce of ``shape`` floats between two processes: gloo, or kvledger's shared memory."""
+    from kvledger.parallel.comm import ShmComm
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    path = None
+    if shm:
+        path = f"/dev/shm/kvledger-bench-{port}"
+        ShmComm(0, 2, path, shape[0] * shape[1], create=True)
     q = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_allreduce_worker, args=(port, shape, iters, q), nprocs=2)
+    try:
+        mp.spawn(_allreduce_worker, args=(port, shape, iters, q, path), nprocs=2)
+    finally:
+        if path:
+            os.unlink(path)
     return q.get() * 1e6
 
 
@@ -91,8 +106,12 @@ def main() -> int:
         "single_stream_tok_s": {f"tp{k}": round(statistics.median(v), 1) for k, v in single.items()},
         "tp2_equals_tp1": outs[1] == outs[2],
         "allreduce_us": {
-            "decode [8, 512]": round(allreduce_us((args.batch, 512)), 1),
-            "prefill [640, 512]": round(allreduce_us((640, 512), 100), 1),
+            f"{kind} {name}": round(allreduce_us(shape, iters, shm=kind == "shm"), 1)
+            for kind in ("gloo", "shm")
+            for name, shape, iters in (
+                ("decode [8, 512]", (args.batch, 512), 300),
+                ("prefill [640, 512]", (640, 512), 100),
+            )
         },
         "allreduces_per_forward": 2 * args.layers + 1,
     }

@@ -8,6 +8,7 @@ import pytest
 
 from kvledger import Engine
 from kvledger.errors import ModelLoadError, ValidationError
+from kvledger.parallel.comm import ShmComm
 from tests.helpers import assert_idle_clean, build_tiny_model
 from tests.server_harness import process_alive
 
@@ -50,6 +51,7 @@ def test_tp2_equals_tp1(tp_model):
     two = Engine(model=tp_model, tp_size=2, **opts)
     try:
         assert two.core.info.tp_size == 2 and len(two.core.info.tp_worker_pids) == 1
+        assert isinstance(two.core.model.net.comm, ShmComm)  # one machine: shared-memory collectives
         assert _workload(two) == _workload(one)
         assert two.core.scheduler.total_retractions > 0  # the small pool retracted on both
         assert_idle_clean(two)

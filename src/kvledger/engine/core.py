@@ -20,7 +20,7 @@ from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
 from ..model.linear import QUANTIZATIONS
 from ..model.loader import LoadedModel
-from ..parallel.comm import Comm
+from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
 from ..parallel.shard import check_tp, local_config, shard_weights
 from ..scheduler import ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
@@ -130,8 +130,8 @@ class EngineCore:
         connector: KVConnector | None = None,
     ):
         check_config(cfg, device)
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        if threads := rank_threads(cfg):
+            torch.set_num_threads(threads)
         if device == "cpu":
             keep_heap_memory()
         t0 = time.monotonic()
@@ -173,9 +173,10 @@ class EngineCore:
         runner = _runner(self.cfg, self.model, device)
         self.executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
         if cfg.tp_size > 1:
-            from ..parallel.executor import TPExecutor, broadcast
+            from ..parallel.executor import TPExecutor, share_setup
 
-            broadcast({"num_tokens": total, "context": context})  # the workers build the same pool
+            # The workers build the same pool; on one machine the collectives move to shared memory.
+            self.model.net.comm = share_setup(self.cfg, mc, total, context, workers)
             self.executor = TPExecutor(self.executor, workers)
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -6,6 +6,17 @@ from __future__ import annotations
 import torch
 
 
+def rank_threads(cfg) -> int | None:
+    """torch threads for one rank: the flag if given; with several ranks on this machine, its cores
+    shared out between them (oversubscribed ranks wait on each other in every collective)."""
+    import os
+
+    if cfg.num_threads:
+        return cfg.num_threads
+    local = cfg.tp_size // cfg.nnodes
+    return max(1, (os.cpu_count() or 1) // local) if local > 1 else None
+
+
 class Comm:
     """A single rank: identity collectives."""
 
@@ -36,3 +47,72 @@ class TPComm(Comm):
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
+
+
+class ShmComm(TPComm):
+    """All-reduce and all-gather through shared memory between the ranks of one machine: each rank
+    writes its part into its own slot and raises its sequence flag; every rank waits for all flags
+    and sums the slots in rank order (so every rank gets bit-identical results). Two buffer sets by
+    step parity make one wait per collective enough: a rank can only reuse a set once every other
+    rank has announced the next step, i.e. finished reading this one. gloo over loopback costs ~2 ms
+    per all-reduce here (bench/tensor_parallel.py), which this replaces; tensors larger than the slot
+    fall back to gloo (all ranks see the same shapes, so all take the same path)."""
+
+    FLAG_STRIDE = 8  # int64s between flags: one cache line each
+
+    def __init__(self, rank: int, size: int, path: str, capacity: int, create: bool, peers_alive=None):
+        import os
+
+        super().__init__(rank, size)
+        self.capacity = capacity
+        header = size * self.FLAG_STRIDE * 8
+        nbytes = header + 2 * size * capacity * 4
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+        raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        self.path = path
+        self.flags = raw[:header].view(torch.int64)
+        self.data = raw[header:].view(torch.float32).view(2, size, capacity)
+        self.step = 0
+        self.peers_alive = peers_alive  # rank 0: a check that its worker processes still run
+        self._yield = os.sched_yield
+
+    def _publish(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Write ``x`` into this rank's slot and wait for everyone's; None if it does not fit."""
+        import time
+
+        n = x.numel()
+        if n > self.capacity:
+            return None
+        self.step += 1
+        parity = self.step % 2
+        self.data[parity, self.rank, :n].copy_(x.reshape(-1))
+        self.flags[self.rank * self.FLAG_STRIDE] = self.step
+        deadline = time.monotonic() + 0.5
+        for j in range(self.size):
+            while int(self.flags[j * self.FLAG_STRIDE]) < self.step:
+                self._yield()
+                if self.peers_alive is not None and time.monotonic() > deadline:
+                    if not self.peers_alive():
+                        from .errors import TPGroupBroken
+
+                        raise TPGroupBroken("a tensor-parallel rank died during a collective")
+                    deadline = time.monotonic() + 0.5
+        return self.data[parity, :, :n]
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._publish(x)
+        if parts is None:
+            return super().all_reduce(x)
+        total = parts[0].clone()
+        for j in range(1, self.size):
+            total += parts[j]
+        x.copy_(total.view(x.shape))
+        return x
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._publish(x)
+        if parts is None:
+            return super().gather_vocab(x)
+        return torch.cat([parts[j].view(x.shape).to(x.dtype) for j in range(self.size)], dim=-1)

@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 
 from ..config import EngineConfig
 from ..engine.executor import Executor
@@ -82,6 +83,53 @@ def start_group(cfg: EngineConfig) -> tuple[TPComm, list[subprocess.Popen]]:
         for p in workers:
             p.kill()
         raise
+
+
+SHM_MAX_FLOATS = 16 * 2**20  # a slot of 64 MiB; larger collectives (huge logit gathers) use gloo
+
+
+def shm_capacity(cfg: EngineConfig, mc) -> int:
+    """Floats one rank's slot holds: a step's hidden states, or its logit rows' vocabulary slice."""
+    tokens = (cfg.chunked_prefill_size or 512) + cfg.max_running_requests * (
+        cfg.speculative_num_draft_tokens + 1
+    )
+    per_vocab = -(-mc.vocab_size // cfg.tp_size)
+    return min(SHM_MAX_FLOATS, tokens * max(mc.hidden_size, per_vocab))
+
+
+def share_setup(cfg: EngineConfig, mc, num_tokens: int, context: int, workers) -> TPComm:
+    """Rank 0: tell the workers the pool's shape and, when all ranks share this machine, a shared-
+    memory communicator's file; returns the communicator the forward should use."""
+    import torch.distributed as dist
+
+    from .comm import ShmComm
+
+    setup = {"num_tokens": num_tokens, "context": context, "shm": None, "shm_capacity": 0}
+    comm = TPComm(0, cfg.tp_size)
+    if cfg.nnodes == 1:
+        setup["shm"] = f"/dev/shm/kvledger-tp-{uuid.uuid4().hex}"
+        setup["shm_capacity"] = shm_capacity(cfg, mc)
+        comm = ShmComm(0, cfg.tp_size, setup["shm"], setup["shm_capacity"], create=True,
+                       peers_alive=lambda: all(p.poll() is None for p in workers))  # fmt: skip
+    broadcast(setup)
+    if setup["shm"]:
+        dist.barrier()  # every rank has mapped the file: it can go (the mappings stay)
+        os.unlink(setup["shm"])
+    return comm
+
+
+def join_setup(rank: int, size: int) -> tuple[dict, TPComm]:
+    """A worker's side of ``share_setup``."""
+    import torch.distributed as dist
+
+    from .comm import ShmComm
+
+    setup = broadcast(None)
+    if not setup["shm"]:
+        return setup, TPComm(rank, size)
+    comm = ShmComm(rank, size, setup["shm"], setup["shm_capacity"], create=False)
+    dist.barrier()
+    return setup, comm
 
 
 def broadcast(obj) -> object:

@@ -30,12 +30,13 @@ def run(cfg: EngineConfig, rank: int, addr: str) -> None:
     import torch
 
     from ..engine.core import build_runner
-    from .executor import broadcast, join_group
+    from .comm import rank_threads
+    from .executor import broadcast, join_group, join_setup
 
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    comm = join_group(cfg, rank, addr)
-    setup = broadcast(None)  # the pool's shape, decided by rank 0 after it loaded the model
+    if threads := rank_threads(cfg):
+        torch.set_num_threads(threads)
+    join_group(cfg, rank, addr)
+    setup, comm = join_setup(rank, cfg.tp_size)  # the pool's shape, decided by rank 0 once loaded
     runner = build_runner(cfg, comm, setup["num_tokens"], setup["context"])
     log.info("rank %d ready", rank)
     while True:
