@@ -3,9 +3,9 @@ costs per step (the matcher's bitmask fill on the scheduler's side, the mask app
 
     python bench/structured.py [--batch 16] [--max-new-tokens 64] [--rounds 3] [--dtype auto]
 
-Both modes decode the same number of tokens: the constrained one uses a grammar that never ends
-(letters, digits, spaces and punctuation, under ignore_eos), so the difference is the mask's cost,
-not shorter answers. A third mode runs a real JSON schema and reports its own tokens/s. Rounds
+Both modes decode the same number of tokens (min_new_tokens = max_new_tokens keeps the stop tokens
+masked; the grammar is letters, digits, spaces and punctuation), so the difference is the mask's
+cost, not shorter answers. A third mode runs a real JSON schema and reports its own tokens/s. Rounds
 alternate the modes so that the machine's noise hits each alike. Writes bench/out/structured.json.
 """
 
@@ -72,9 +72,12 @@ def main() -> int:
         msgs = [{"role": "user", "content": PROMPT.format(NAMES[i % len(NAMES)])}]
         prompts.append(list(tok.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)))
     base = {"max_new_tokens": args.max_new_tokens, "temperature": 0.7, "seed": 1}
+    # min_new_tokens = max_new_tokens masks the stop tokens (a complete grammar would allow EOS), so
+    # both modes make exactly max_new_tokens tokens per request.
+    same = {**base, "ignore_eos": True, "min_new_tokens": args.max_new_tokens}
     modes = {
-        "free": {**base, "ignore_eos": True},
-        "grammar (same length)": {**base, "ignore_eos": True, "ebnf": ENDLESS},
+        "free": same,
+        "grammar (same length)": {**same, "ebnf": ENDLESS},
         "json_schema": {**base, "json_schema": json.dumps(SCHEMA)},
     }
     eng.generate(
