@@ -93,6 +93,8 @@ def test_n_choices_logprobs_and_models(srv, client):
     assert len(c.choices[0].logprobs.content[0].top_logprobs) == 20
     models = client.models.list()
     assert models.data[0].id
+    card = httpx.get(srv.url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 1024 and card["root"] and card["parent"] is None
 
 
 def test_native_logprobs_and_stop_string(srv):

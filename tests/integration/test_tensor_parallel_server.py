@@ -11,6 +11,7 @@ import sys
 import time
 
 import httpx
+import openai
 
 from tests.integration.conftest import ENGINE_ARGS
 from tests.server_harness import Server, free_port, process_alive
@@ -22,11 +23,34 @@ BODY = {
 
 
 def test_serve_tp2_survives_a_dead_worker(chat_model, tmp_path):
-    s = Server(chat_model, *ENGINE_ARGS, "--tp-size", "2", log_path=str(tmp_path / "tp.log"))
+    s = Server(
+        chat_model,
+        *ENGINE_ARGS,
+        "--tp-size",
+        "2",
+        "--watchdog-timeout",
+        "3",
+        log_path=str(tmp_path / "tp.log"),
+    )
     pids: list[int] = []
     try:
         s.wait_healthy()
         first = httpx.post(s.url + "/generate", json=BODY, timeout=60).json()["output_ids"]
+        # The usual clients work as on one rank: OpenAI chat (streamed too) and a session.
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}]
+        full = c.chat.completions.create(model="default", messages=msgs, max_tokens=8, temperature=0)
+        parts = c.chat.completions.create(
+            model="default", messages=msgs, max_tokens=8, temperature=0, stream=True
+        )
+        assert (
+            "".join(p.choices[0].delta.content or "" for p in parts if p.choices)
+            == full.choices[0].message.content
+        )
+        sid = httpx.post(s.url + "/open_session", json={}).json()
+        turn = {**BODY, "session_params": {"id": sid}}
+        assert httpx.post(s.url + "/generate", json=turn, timeout=60).status_code == 200
+        assert httpx.post(s.url + "/close_session", json={"session_id": sid}).status_code == 200
         info = s.info()
         assert info["engine"]["tp_size"] == 2
         [worker] = info["engine"]["tp_worker_pids"]
@@ -41,6 +65,16 @@ def test_serve_tp2_survives_a_dead_worker(chat_model, tmp_path):
         pids += [*info["engine"]["tp_worker_pids"], info["engine_pid"]]
         again = httpx.post(s.url + "/generate", json=BODY, timeout=60).json()["output_ids"]
         assert again == first
+        # A rank that hangs stalls the step; the watchdog ends the engine and the group comes back.
+        [worker] = info["engine"]["tp_worker_pids"]
+        os.kill(worker, signal.SIGSTOP)
+        r = httpx.post(s.url + "/generate", json=BODY, timeout=60)
+        assert r.status_code == 503, r.text
+        s.wait_healthy(timeout=120)
+        info = s.info()
+        assert info["engine_restarts"] == 2
+        pids += [*info["engine"]["tp_worker_pids"], info["engine_pid"]]
+        assert httpx.post(s.url + "/generate", json=BODY, timeout=60).json()["output_ids"] == first
         s.wait_idle_clean()
     finally:
         assert s.stop() == 0

@@ -107,3 +107,9 @@ def test_rendering_without_template_support_adds_the_tools_and_writes_calls_as_t
     assert out[3] == msgs[2]
     kept = render_messages(msgs, [WEATHER], p, template_has_tools=True)
     assert kept[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_llama3_python_tag_is_not_content():
+    p = make_parser("llama3")
+    content, calls = p.split('<|python_tag|>{"name": "get_time", "parameters": {}}', final=True)
+    assert content == "" and [c.name for c in calls] == ["get_time"]

@@ -123,6 +123,9 @@ class HermesParser(ToolParser):
         return calls or None
 
 
+PYTHON_TAG = "<|python_tag|>"
+
+
 class Llama3Parser(ToolParser):
     name = "llama3"
     start = '{"name"'
@@ -134,10 +137,15 @@ class Llama3Parser(ToolParser):
     def format_calls(self, calls: list[tuple[str, dict]]) -> str:
         return "; ".join(self.format_call(n, a) for n, a in calls)
 
+    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall] | None]:
+        content, calls = super().split(text, final)
+        # Llama 3.1 may open its calls with <|python_tag|>: a marker, not content.
+        return (content.replace(PYTHON_TAG, "").rstrip() if calls else content), calls
+
     def parse_calls(self, text: str) -> list[ToolCall] | None:
         dec = json.JSONDecoder()
         calls, i = [], 0
-        text = text.replace("<|python_tag|>", "")
+        text = text.replace(PYTHON_TAG, "")
         while i < len(text):
             while i < len(text) and text[i] in " \n\t;":
                 i += 1

@@ -40,6 +40,9 @@ async def models(request: Request):
         "object": "model",
         "created": int(srv.started),
         "owned_by": "kvledger",
+        # vLLM's extra fields: the context length, and what the served name stands for.
         "max_model_len": srv.limits.context_length,
+        "root": srv.client.info.get("model_path") if srv.client else None,
+        "parent": None,
     }
     return {"object": "list", "data": [card]}
