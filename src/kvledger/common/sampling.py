@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # structured outputs; a request takes at most one
+
 
 @dataclass
 class SamplingParams:
@@ -37,10 +39,6 @@ class SamplingParams:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
-
-    @property
-    def constrained(self) -> bool:
-        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def has_penalties(self) -> bool:

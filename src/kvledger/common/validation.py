@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ValidationError
-from .sampling import SamplingParams
+from .sampling import GRAMMAR_KINDS, SamplingParams
 
 MAX_SEED = 2**63 - 1
 
@@ -165,7 +165,7 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not _is_int(v) or v < -1:
             raise _bad("logprob_start_len", f"logprob_start_len must be an integer >= -1, got {v!r}")
         p.logprob_start_len = v
-    grammars = [k for k in ("json_schema", "regex", "ebnf") if d.get(k) is not None]
+    grammars = [k for k in GRAMMAR_KINDS if d.get(k) is not None]
     if len(grammars) > 1:
         raise _bad(grammars[1], f"give at most one of json_schema, regex and ebnf, got {', '.join(grammars)}")
     for k in grammars:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..common.sampling import SamplingParams
+from ..common.sampling import GRAMMAR_KINDS, SamplingParams
 from ..errors import ValidationError
 from .bitmask import bitmask_width
 
@@ -41,7 +41,7 @@ class GrammarSpec:
 
 def grammar_spec(p: SamplingParams) -> GrammarSpec | None:
     """The request's grammar (validation allows at most one kind)."""
-    for kind in ("json_schema", "regex", "ebnf"):
+    for kind in GRAMMAR_KINDS:
         v = getattr(p, kind)
         if v is not None:
             return GrammarSpec(kind, v)
@@ -96,7 +96,6 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
-        self.compile_seconds = 0.0
 
     def _xgr(self):
         import xgrammar as xgr
@@ -126,7 +125,6 @@ class GrammarBackend:
                     code="unsupported_schema",
                 )
         xgr = self._xgr()
-        t0 = time.perf_counter()
         try:
             if spec.kind == "json_schema" and spec.source == ANY_JSON:
                 # Any JSON object (OpenAI's json_object), compact like the rest.
@@ -145,7 +143,6 @@ class GrammarBackend:
             raise ValidationError(
                 f"the {spec.kind} does not compile: {_reason(e)}", param=spec.kind, code="invalid_grammar"
             ) from None
-        self.compile_seconds += time.perf_counter() - t0
         matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2
         return GrammarState(matcher, self.vocab_size)
 

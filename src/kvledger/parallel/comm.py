@@ -3,14 +3,15 @@ torch.distributed group (gloo on CPUs, NCCL on GPUs)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 
 def rank_threads(cfg) -> int | None:
     """torch threads for one rank: the flag if given; with several ranks on this machine, its cores
     shared out between them (oversubscribed ranks wait on each other in every collective)."""
-    import os
-
     if cfg.num_threads:
         return cfg.num_threads
     local = cfg.tp_size // cfg.nnodes
@@ -61,8 +62,6 @@ class ShmComm(TPComm):
     FLAG_STRIDE = 8  # int64s between flags: one cache line each
 
     def __init__(self, rank: int, size: int, path: str, capacity: int, create: bool, peers_alive=None):
-        import os
-
         super().__init__(rank, size)
         self.capacity = capacity
         header = size * self.FLAG_STRIDE * 8
@@ -80,8 +79,6 @@ class ShmComm(TPComm):
 
     def _publish(self, x: torch.Tensor) -> torch.Tensor | None:
         """Write ``x`` into this rank's slot and wait for everyone's; None if it does not fit."""
-        import time
-
         n = x.numel()
         if n > self.capacity:
             return None

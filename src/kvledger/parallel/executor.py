@@ -147,10 +147,6 @@ class TPExecutor(Executor):
         self.inner = inner
         self.workers = workers
 
-    @property
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self.workers]
-
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         dead = [p.pid for p in self.workers if p.poll() is not None]
         if dead:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..common import SamplingParams, parse_prompts, validate_request
 from ..common.prompts import split_openai_prompt
+from ..common.sampling import GRAMMAR_KINDS
 from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
 from .generation import GenerationService, GenState
@@ -168,7 +169,7 @@ class OpenAIServing:
         sp = sampling_dict(body, max_tokens, body.logprobs, top)
         tools, forced = check_tools(body.tools, body.tool_choice)
         if forced is not None:
-            if any(k in sp for k in ("json_schema", "regex", "ebnf")):
+            if any(k in sp for k in GRAMMAR_KINDS):
                 raise ValidationError(
                     "tool_choice required or a named function cannot be combined with another grammar",
                     param="tool_choice",
@@ -250,13 +251,13 @@ class OpenAIServing:
                     "finish_reason": finish_reason(st),
                 }
                 if chat:
+                    content, calls = tools.split(st.visible, final=True) if tools else (st.visible, None)
                     c["message"] = {"role": "assistant", "content": st.visible}
-                    calls = tools.split(st.visible, final=True) if tools else (st.visible, None)
-                    if calls[1]:
+                    if calls:
                         c["message"] = {
                             "role": "assistant",
-                            "content": calls[0] or None,
-                            "tool_calls": [call.to_openai() for call in calls[1]],
+                            "content": content or None,
+                            "tool_calls": [call.to_openai() for call in calls],
                         }
                         c["finish_reason"] = "tool_calls"
                 else:
