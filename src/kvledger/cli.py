@@ -76,6 +76,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
     p.add_argument("--node-rank", type=int, default=d.node_rank, help="this machine's index (0 serves HTTP)")
     p.add_argument("--dist-init-addr", default=d.dist_init_addr, help="host:port of node 0's rendezvous")
+    p.add_argument("--disaggregation-mode", default=None, choices=["null", "prefill", "decode"],
+                   help="this server's part behind sglang-router --pd-disaggregation (default: null, neither)")  # fmt: skip
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,
+                   help="prefill: where decode servers fetch KV; decode: the port assumed if the router gives none")  # fmt: skip
+    p.add_argument("--disaggregation-bind-host", default=d.disaggregation_bind_host,
+                   help="prefill: the address the bootstrap port binds (default: --host)")  # fmt: skip
+    p.add_argument("--disaggregation-transfer-backend", default=d.disaggregation_transfer_backend,
+                   choices=["tcp"], help="tcp: the built-in KV transport (ZMQ over TCP)")  # fmt: skip
+    for flag, dest, what in (
+        ("--disaggregation-bootstrap-timeout", "disaggregation_bootstrap_timeout_s",
+         "prefill: release a request's KV if no decode server claims and acknowledges it in this long"),
+        ("--disaggregation-waiting-timeout", "disaggregation_waiting_timeout_s",
+         "decode: fail (502) and release a request whose KV has not arrived in this long"),
+    ):  # fmt: skip
+        p.add_argument(flag, dest=dest, type=float, default=getattr(d, dest), help=f"{what} (seconds)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -83,7 +98,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from .engine.core import check_config
 
     names = {f.name for f in dataclasses.fields(EngineConfig)}
-    cfg = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("disaggregation_mode") == "null":  # SGLang's spelling of "off"
+        values["disaggregation_mode"] = None
+    if values.get("disaggregation_bind_host") is None and getattr(args, "host", None):
+        values["disaggregation_bind_host"] = args.host  # bootstrap where the HTTP server listens
+    cfg = EngineConfig(**values)
     check_config(cfg)
     return cfg
 

@@ -79,6 +79,22 @@ class EngineConfig:
     """How long a collective may wait. Idle workers wait in one for the next step, so this is long; a
     rank that dies breaks its connections at once, and a hung one is the front's watchdog's to catch."""
 
+    disaggregation_mode: str | None = None
+    """None | prefill | decode: this server's part in prefill/decode disaggregation behind SGLang's
+    router (``disagg/``). Requests without a bootstrap room are served whole either way."""
+    disaggregation_bootstrap_port: int = 8998
+    """prefill: the port decode servers fetch KV from; decode: the port assumed when the router
+    passes none."""
+    disaggregation_bind_host: str | None = None
+    """prefill: the address the bootstrap port binds (None: the HTTP server's --host)."""
+    disaggregation_transfer_backend: str = "tcp"
+    """tcp: the built-in transport (ZMQ over TCP, ``disagg/wire.py``)."""
+    disaggregation_bootstrap_timeout_s: float = 300.0
+    """prefill: how long a finished request's KV waits for its decode server to claim and
+    acknowledge it before it is released."""
+    disaggregation_waiting_timeout_s: float = 300.0
+    """decode: how long an admitted request waits for its KV before it fails (502) and is released."""
+
     def replace(self, **changes) -> EngineConfig:
         known = {f.name for f in fields(self)}
         unknown = set(changes) - known

@@ -58,12 +58,25 @@ class MemoryLedgerError(KVLedgerError, status=500, type_="memory_ledger_error"):
     """The ledger's books do not balance (raised in strict mode only)."""
 
 
+class TransferError(KVLedgerError, status=502, type_="kv_transfer_error"):
+    """PD disaggregation: the KV of a request did not arrive (the prefill side failed, refused, was
+    refused or timed out). The request ends through the release path; nothing it held stays."""
+
+
 class ServiceUnavailable(KVLedgerError, status=503, type_="service_unavailable"):
     """The engine is not ready, restarting, shutting down or dead."""
 
 
 _BY_STATUS = {
-    c.status: c for c in (ValidationError, NotFoundError, ConflictError, OverloadedError, ServiceUnavailable)
+    c.status: c
+    for c in (
+        ValidationError,
+        NotFoundError,
+        ConflictError,
+        OverloadedError,
+        TransferError,
+        ServiceUnavailable,
+    )
 }
 
 

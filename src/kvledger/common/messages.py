@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import msgspec
 
+from .disagg import DisaggParams
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -22,6 +23,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     input_ids: list[int]
     sampling: SamplingParams
     session_params: dict[str, Any] | None = None
+    disagg: DisaggParams | None = None  # PD: the request's bootstrap room
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -2,8 +2,10 @@
 tier) or must be sent elsewhere, modelled on vLLM's ``KVConnectorBase_V1``.
 
 Scheduler side (rank 0, with the books):
+  * ``check_request(req)``: refuse a request before it is queued (a room already in use).
   * ``get_num_new_matched_tokens(req, num_computed)`` -> ``(n, load_async)``: how many tokens beyond
-    the local prefix match can be loaded. With ``n > 0`` the scheduler allocates pages for them
+    the local prefix match can be loaded (all but the last prompt token; with ``load_async`` the
+    whole prompt, when the connector also delivers the first output token: ``received_output``). With ``n > 0`` the scheduler allocates pages for them
     (they are the request's PRIVATE pages, owner ``req X [waiting for kv]`` while they arrive).
   * ``update_state_after_alloc(req, pages, n)``: where those tokens go.
   * ``build_connector_meta(sched_out)``: what the worker side needs for this step.
@@ -29,6 +31,10 @@ class KVConnector:
     """Base class; every method has the no-op behaviour, so a connector overrides what it needs."""
 
     # -- scheduler side ---------------------------------------------------------------------------------
+    def check_request(self, req) -> None:
+        """Refuse ``req`` before it is queued (raise a KVLedgerError); the last check of a submit."""
+        return None
+
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
         return 0, False
 
@@ -40,6 +46,11 @@ class KVConnector:
 
     def request_finished(self, req) -> bool:
         return False
+
+    def received_output(self, req) -> tuple[list[int], list, list] | None:
+        """Tokens the remote side already sampled for ``req`` (PD: prefill's first token), as
+        ``(tokens, logprobs, top_logprobs)``, taken once its load is reported done."""
+        return None
 
     # -- worker side ------------------------------------------------------------------------------------
     def start_load_kv(self, meta: Any, kv_buffer) -> None:

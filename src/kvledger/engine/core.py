@@ -15,6 +15,7 @@ from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..config import EngineConfig
 from ..connector import KVConnector
 from ..constrained import GrammarBackend, grammar_spec
+from ..disagg import check_disagg_config, make_connector
 from ..errors import ValidationError
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
@@ -49,6 +50,7 @@ class EngineInfo:
     arch: str = ""  # llama | qwen2 | qwen3 | mistral
     tp_size: int = 1
     tp_worker_pids: list[int] = dataclasses.field(default_factory=list)  # this node's other ranks
+    disaggregation_mode: str | None = None  # prefill | decode | None
 
 
 def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> None:
@@ -69,6 +71,7 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
         raise ValidationError("page_size must be >= 1", param="page_size")
     _check_quantization(cfg, resolve_dtype(cfg.dtype, device, cfg.quantization), device)
     check_spec_config(cfg)
+    check_disagg_config(cfg)
     if cfg.tp_size < 1 or cfg.nnodes < 1 or cfg.tp_size % cfg.nnodes:
         raise ValidationError("tp_size must be a positive multiple of nnodes", param="tp_size")
     if not 0 <= cfg.node_rank < cfg.nnodes:
@@ -171,6 +174,11 @@ class EngineCore:
             holdings=lambda: self.scheduler.holdings(),
         )
         runner = _runner(self.cfg, self.model, device)
+        if connector is None and cfg.disaggregation_mode is not None:
+            # The connector reaches the scheduler (built below) only through its thread-safe abort.
+            connector = make_connector(cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a))
+        self.connector = connector
+        self.last_step_ran = False
         self.executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
         if cfg.tp_size > 1:
             from ..parallel.executor import TPExecutor, share_setup
@@ -217,6 +225,7 @@ class EngineCore:
             mc.arch,
             cfg.tp_size,
             [p.pid for p in workers],
+            cfg.disaggregation_mode,
         )
         log.info(
             "engine ready in %.1fs: %s (%s, %s), KV %d tokens in pages of %d (%.0f MiB), context %d",
@@ -244,7 +253,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         self.sessions.expire()
         sched = self.scheduler.schedule()
-        result = self._execute(sched) if sched.reqs or self.scheduler.has_pending_kv else None
+        self.last_step_ran = bool(sched.reqs)  # False: nothing to compute (waiting on a connector)
+        pending = sched.reqs or sched.page_writes or self.scheduler.has_pending_kv
+        result = self._execute(sched) if pending else None
         return self.scheduler.update(sched, result)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -297,6 +308,8 @@ class EngineCore:
         """Queue a validated request; with ``session_params`` it becomes a turn of that session.
         Every refusal (409, 429, a session's 400/404/409) happens before anything is held."""
         self.scheduler.check_submit(req.rid)
+        if req.disagg is not None:
+            self._disagg_params(req, session_params)
         if session_params is not None:
             s = (
                 self.sessions.sessions.get(session_params.get("id"))
@@ -308,7 +321,26 @@ class EngineCore:
                 # let pending aborts finish first. Between steps this is a safe point.
                 self.scheduler.settle()
             self.sessions.attach(req, session_params, self.limits.context_length)
+        if self.connector is not None:
+            self.connector.check_request(req)  # last: it may take the request's room
         self.scheduler.submit(req)
+
+    def _disagg_params(self, req: Req, session_params: dict | None) -> None:
+        """A request with a bootstrap room on a PD server: prefill computes the prompt and one token;
+        decode takes the prompt's KV and that token, so it computes no prompt logprobs (the router
+        prepends prefill's). On a server that is neither, the room is ignored."""
+        mode = self.cfg.disaggregation_mode
+        if mode is None:
+            req.disagg = None
+            return
+        if session_params is not None:
+            raise ValidationError("a session turn cannot be disaggregated", param="session_params")
+        if mode == "prefill":
+            req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
+        else:
+            req.params = dataclasses.replace(req.params, logprob_start_len=-1)
+            req.input_logprobs.clear()
+            req.input_top_logprobs.clear()
 
     def reject(self, rid: str, e: ValidationError) -> RequestOutput:
         """The final output of a request refused before it was queued (engine process)."""
@@ -328,6 +360,11 @@ class EngineCore:
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.scheduler.abort(rid, message)
 
+    def connector_stats(self) -> dict | None:
+        """The PD transport's counters (None without one)."""
+        stats = getattr(self.connector, "stats", None)
+        return None if stats is None else {"mode": self.cfg.disaggregation_mode, **stats.as_dict()}
+
     def shutdown(self) -> int:
         """Everything still running ends through the release path, then sessions close; returns
         how many sessions were closed."""
@@ -339,6 +376,9 @@ class EngineCore:
         for sid in sids:
             self.close_session(sid)
         self.executor.shutdown()
+        close = getattr(self.connector, "close", None)
+        if close is not None:
+            close()
         return len(sids)
 
     def flush_cache(self) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..common import FinishReason, RequestOutput, meta_info, parse_prompts
+from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs
 from ..config import EngineConfig
 from ..errors import NotFoundError, ValidationError
@@ -180,9 +181,12 @@ class Engine:
         sampling_params: dict | None = None,
         rid: str | None = None,
         session_params: dict | None = None,
+        disagg: DisaggParams | None = None,
     ) -> str:
-        """Queue one request without waiting (drive it with ``step``); returns its rid."""
+        """Queue one request without waiting (drive it with ``step``); returns its rid. ``disagg``:
+        its bootstrap room on a PD engine (``disagg/``)."""
         reqs, _ = self._prepare(None, sampling_params, input_ids, rid)
+        reqs[0].disagg = disagg
         self._submit(reqs, session_params)
         return reqs[0].rid
 

@@ -18,8 +18,8 @@ from .runner import ModelRunner
 class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. An empty ``sched.reqs`` runs no forward but still reports the connector's
-        finished transfers. Raises if the forward fails (the engine then isolates the fault)."""
+        """Run one step. An empty ``sched.reqs`` runs no forward but still applies the page-table
+        changes (pages admitted for KV that is arriving) and reports the connector's finished transfers. Raises if the forward fails (the engine then isolates the fault)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook; nothing to release in-process
         """Release worker resources (processes, process groups)."""
@@ -36,7 +36,7 @@ class InProcessExecutor(Executor):
         c = self.connector
         if c is not None:
             c.start_load_kv(sched.connector_meta, self.runner.kv_buffer)
-        out = self.runner.execute(sched, c) if sched.reqs else ModelRunnerOutput.empty(0)
+        out = self.runner.execute(sched, c)
         if c is not None:
             c.wait_for_save()
             out.finished_sending, out.finished_recving = c.get_finished()

@@ -48,6 +48,7 @@ class _Loop:
                 self.on_add(msg.rid)
             try:
                 req = core.make_request(msg.input_ids, dataclasses.asdict(msg.sampling), msg.rid)
+                req.disagg = msg.disagg
                 core.submit(req, msg.session_params)
             except KVLedgerError as e:
                 self.send(m.Outputs([core.reject(msg.rid, e)]))
@@ -67,7 +68,10 @@ class _Loop:
         was_busy = False
         while True:
             idle = self.core.scheduler.idle
-            if self.pull.poll(0 if not idle else 50):
+            # Idle: wait for a message. Only waiting on KV (a transfer, an async save): check back
+            # soon, without spinning a core. Computing: just look.
+            wait_ms = 50 if idle else (0 if self.core.last_step_ran else 2)
+            if self.pull.poll(wait_ms):
                 while True:
                     try:
                         frame = self.pull.recv(zmq.NOBLOCK)
@@ -154,5 +158,6 @@ def _stats(core) -> dict:
         "retractions": s.total_retractions,
         "num_sessions": len(core.sessions.sessions),
         "memory": core.memory(),
+        "disagg": core.connector_stats(),
         "time": time.time(),
     }

@@ -63,6 +63,8 @@ class ModelRunner:
         """One step; a tensor-parallel worker rank runs the forward only (``sample=False``): rank 0
         samples from the same gathered logits."""
         self.page_table.apply(sched.page_writes)
+        if not sched.reqs:  # only page-table changes (pages for KV a connector is loading)
+            return ModelRunnerOutput.empty(0) if sample else None
         batch = self.build(sched)
         logits = self.model.forward(batch, self.kv_buffer, connector)
         return self._sample(sched, logits) if sample else None

@@ -110,7 +110,9 @@ class BatchPolicy:
         if not s.kv_manager.admit(req):
             return None
         ext, load_async = s.connector.get_num_new_matched_tokens(req, req.kv_len)
-        ext = min(ext, req.seq_len - 1 - req.kv_len)
+        # Loaded KV leaves the last prompt token to compute, unless it arrives async with the remote
+        # side's first output token (PD decode: ``Scheduler._join_received``).
+        ext = min(ext, req.seq_len - req.kv_len - (0 if load_async else 1))
         n = min(budget, req.seq_len - req.kv_len - ext)
         # Leave room for the running requests' next tokens, or admission would only cause retraction.
         fits = s.kv_manager.available_pages() - s.kv_manager.pages_needed(req, n + ext) >= reserve_pages

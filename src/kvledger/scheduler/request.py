@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ..common import FinishReason, SamplingParams
+from ..common.disagg import DisaggParams
 from ..common.outputs import TopLogprobs
 
 
@@ -62,6 +63,7 @@ class Req:
     kv_len: int = 0  # tokens whose KV is computed and stored
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported)
     num_external_tokens: int = 0  # tokens a KV connector is loading (WAITING_FOR_KV)
+    kv_trusted: bool = True  # False: KV that no forward or verified transfer wrote (never cached)
     # --- bookkeeping ---
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
@@ -74,6 +76,7 @@ class Req:
     session_offset: int = 0
     spec: SpecState = field(default_factory=SpecState)
     grammar: object | None = None  # structured outputs: its GrammarState (constrained/grammar.py)
+    disagg: DisaggParams | None = None  # PD: the room its KV goes to / comes from (disagg/)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -104,20 +104,23 @@ class Scheduler:
         if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None:
             req.mark_finish(FinishReason("length"))  # nothing to compute (scoring still runs the prompt)
 
-    def abort(self, rid: str, message: str = "aborted by the client") -> None:
-        """Mark ``rid`` for abort at the next safe point (any thread)."""
-        self._inbox.put((rid, message))
+    def abort(
+        self, rid: str, message: str = "aborted by the client", status: int = 200, code: str | None = None
+    ) -> None:
+        """Mark ``rid`` for abort at the next safe point (any thread). ``status`` >= 400 makes it an
+        error for a client that has seen no output yet (a failed KV transfer: 502)."""
+        self._inbox.put((rid, message, status, code))
 
     def settle(self) -> None:
         """Take in pending aborts and finish what they marked. Only between steps."""
         while True:
             try:
-                rid, message = self._inbox.get_nowait()
+                rid, message, status, code = self._inbox.get_nowait()
             except queue.Empty:
                 break
             r = self.reqs.get(rid)
             if r is not None:
-                r.mark_finish(FinishReason("abort", message))
+                r.mark_finish(FinishReason("abort", message, status=status, code=code))
         for r in [r for r in itertools.chain(self.running, self.waiting, self.waiting_for_kv) if r.to_finish]:
             self._finish(r)
 
@@ -169,6 +172,7 @@ class Scheduler:
         # KV from a failed forward is not trusted for reuse; everything else is valid and cached. A
         # session turn writes into its session only when it completed (never on abort).
         commit = reason.type != "abort" if req.session is not None else reason.status < 500
+        commit = commit and req.kv_trusted
         self.kv_manager.release(req, commit=commit)
         req.state = ReqState.FINISHED
         self.sending.pop(req.rid, None)
@@ -316,11 +320,29 @@ class Scheduler:
                 req.num_external_tokens = 0
                 req.state = ReqState.RUNNING
                 self.running.append(req)
+                self._join_received(req)
         # A finished request whose pages the connector held (a save, or a load it had to drain).
         for rid in result.finished_sending | result.finished_recving:
             req = self.sending.get(rid)
             if req is not None:
                 self._release(req)
+
+    def _join_received(self, req: Req) -> None:
+        """A request whose whole prompt's KV arrived takes the remote side's first token (PD's
+        "prebuilt" step: no forward). The stop checks run on it like on any token, so a request it
+        ends (max_new_tokens 1, EOS) finishes at the next safe point through the one release path,
+        every release hook included (seed 003). Without a token the last prompt position is
+        recomputed here."""
+        got = self.connector.received_output(req) if req.kv_len >= req.seq_len else None
+        if got is None:
+            req.kv_len = min(req.kv_len, req.seq_len - 1)
+            return
+        tokens, logprobs, tops = got
+        n = self.stop.append(req, tokens, logprobs, tops)
+        if req.grammar is not None:
+            self._advance_grammar(req, n)
+        req.kv_len = req.seq_len - 1
+        self._outputs.append(self._output(req, n, 0))
 
     def _check_books(self) -> None:
         """After the step's last safe point: conservation (every step in strict mode); a full audit

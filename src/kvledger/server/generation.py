@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..common import FinishReason, RequestOutput, SamplingParams, meta_info
+from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs, TopLogprobs
 from ..engine.detok import TextState
 from ..errors import KVLedgerError
@@ -104,9 +105,11 @@ class GenerationService:
         rid: str | None = None,
         session_params: dict | None = None,
         owner: str | None = None,
+        disagg: DisaggParams | None = None,
     ) -> AsyncIterator[GenState]:
         """Yield the request's state after each batch of new tokens; the last one is finished.
-        ``owner`` is who may abort it besides the admin (default: the calling principal)."""
+        ``owner`` is who may abort it besides the admin (default: the calling principal);
+        ``disagg`` its bootstrap room in PD mode."""
         rid = rid or uuid.uuid4().hex
         st = GenState(
             rid, params, TextState(self.tokenizer, params.skip_special_tokens, params.stop), len(input_ids)
@@ -115,7 +118,7 @@ class GenerationService:
             st.prompt = PromptLogprobs(input_ids, params.logprob_start_len, params.top_logprobs)
         t0 = time.monotonic()
         last = None
-        q = await self.client.submit(rid, input_ids, params, session_params)
+        q = await self.client.submit(rid, input_ids, params, session_params, disagg)
         self.owners[rid] = owner or current_principal()
         try:
             while st.finish is None:
@@ -156,13 +159,13 @@ class GenerationService:
             m.aborted.labels(ABORT_REASONS.get(status, "engine_error" if status >= 500 else "abort")).inc()
 
     async def collect(
-        self, input_ids, params, rid=None, disconnected=None, session_params=None, owner=None
+        self, input_ids, params, rid=None, disconnected=None, session_params=None, owner=None, disagg=None
     ) -> GenState:
         """Run to completion. ``disconnected`` is polled; if it turns true the request is aborted."""
 
         async def run() -> GenState:
             last = None
-            async for state in self.stream(input_ids, params, rid, session_params, owner):
+            async for state in self.stream(input_ids, params, rid, session_params, owner, disagg):
                 last = state
             return last
 

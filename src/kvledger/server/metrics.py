@@ -68,6 +68,22 @@ class Metrics:
             "kvledger_spec_accept_length_mean", "Mean tokens per speculative verify step", registry=r
         )
         self._verify = [0, 0]  # steps, tokens
+        self.pd_transfers = Gauge(
+            "kvledger_pd_transfers",
+            "PD disaggregation: KV transfers of this server by outcome (since the engine started)",
+            ["result"],
+            registry=r,
+        )
+        self.pd_frames_refused = Gauge(
+            "kvledger_pd_frames_refused",
+            "PD: transfer frames refused (wrong sizes, a foreign room, a bad header)",
+            registry=r,
+        )
+        self.pd_kv_bytes = Gauge("kvledger_pd_kv_bytes", "PD: KV bytes sent or received", registry=r)
+        self.pd_kv_tokens = Gauge("kvledger_pd_kv_tokens", "PD: tokens of KV sent or received", registry=r)
+        self.pd_transfer_seconds = Gauge(
+            "kvledger_pd_transfer_seconds", "PD: seconds spent in completed transfers", registry=r
+        )
         self.engine_restarts = Counter("kvledger_engine_restarts", "Engine process restarts", registry=r)
         self.watchdog_stalls = Counter(
             "kvledger_watchdog_stalls", "Engine stalls caught by the watchdog", registry=r
@@ -78,6 +94,14 @@ class Metrics:
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.retractions.set(stats.get("retractions", 0))
         self.sessions.set(stats.get("num_sessions", 0))
+        pd = stats.get("disagg")
+        if pd:
+            for result in ("ok", "failed", "timed_out"):
+                self.pd_transfers.labels(result).set(pd[f"transfers_{result}"])
+            self.pd_frames_refused.set(pd["frames_refused"])
+            self.pd_kv_bytes.set(pd["bytes"])
+            self.pd_kv_tokens.set(pd["tokens"])
+            self.pd_transfer_seconds.set(pd["seconds"])
         m = stats.get("memory")
         if not m:
             return

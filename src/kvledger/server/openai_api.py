@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..common import SamplingParams, parse_prompts, validate_request
+from ..common.disagg import parse_disagg
 from ..common.prompts import split_openai_prompt
 from ..common.sampling import GRAMMAR_KINDS
 from ..constrained.grammar import ANY_JSON
@@ -228,6 +229,8 @@ class OpenAIServing:
         chat: bool,
         tools: ToolParser | None = None,
     ):
+        # PD: the router's bootstrap room(s), one per choice; validated before anything runs.
+        rooms = parse_disagg(body.model_extra, len(jobs))
         echo = not chat and body.echo
         model = self.name
         created = int(time.time())
@@ -235,8 +238,8 @@ class OpenAIServing:
         if not body.stream:
             states = await asyncio.gather(
                 *(
-                    self.gen.collect(ids, p, rid, disconnected=disconnected)
-                    for (ids, p), rid in zip(jobs, rids)
+                    self.gen.collect(ids, p, rid, disconnected=disconnected, disagg=room)
+                    for (ids, p), rid, room in zip(jobs, rids, rooms)
                 )
             )
             for st in states:
@@ -272,7 +275,7 @@ class OpenAIServing:
                 "usage": self._usage(states, jobs),
             }
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        queue, tasks = self._pump(jobs, rids)
+        queue, tasks = self._pump(jobs, rids, rooms)
         # Wait for each choice's first event: a request the engine refuses (a grammar that does not
         # compile, a full queue) is answered with its status code, not a 200 stream with an error.
         early: list = []
@@ -294,14 +297,14 @@ class OpenAIServing:
             base, jobs, model, created, chat, include_usage, queue, tasks, early, tools, echo_texts
         )
 
-    def _pump(self, jobs, rids) -> tuple[asyncio.Queue, list[asyncio.Task]]:
+    def _pump(self, jobs, rids, rooms) -> tuple[asyncio.Queue, list[asyncio.Task]]:
         """One task per choice, putting ``(choice, state, error)`` on one queue; a final
         ``StopAsyncIteration`` marks each choice's end."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, ids, params, rid):
+        async def pump(i: int, ids, params, rid, room):
             try:
-                async for st in self.gen.stream(ids, params, rid):
+                async for st in self.gen.stream(ids, params, rid, disagg=room):
                     await queue.put((i, st, None))
             except Exception as e:
                 await queue.put((i, None, e))
@@ -309,7 +312,8 @@ class OpenAIServing:
                 await queue.put((i, None, StopAsyncIteration()))
 
         tasks = [
-            asyncio.create_task(pump(i, ids, p, rid)) for i, ((ids, p), rid) in enumerate(zip(jobs, rids))
+            asyncio.create_task(pump(i, ids, p, rid, room))
+            for i, ((ids, p), rid, room) in enumerate(zip(jobs, rids, rooms))
         ]
         return queue, tasks
 

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 
 from ... import __version__
 from ...common import validate_request
+from ...common.disagg import FAKE_BOOTSTRAP_HOST, DisaggParams
 from ...errors import ConflictError, NotFoundError, PermissionDenied
 from .. import auth
 from ..handlers import error_response, parse_body
@@ -76,6 +77,8 @@ async def server_info(request: Request):
         "engine_pid": client.pid,
         "served_model_name": srv.name,
         "dp_size": 1,
+        "disaggregation_mode": client.info.get("disaggregation_mode") or "null",
+        "disaggregation": (client.stats or {}).get("disagg"),
     }
 
 
@@ -125,14 +128,17 @@ async def health(request: Request):
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    """A real 1-token generation through the engine and its one release path."""
+    """A real 1-token generation through the engine and its one release path. On a PD server with
+    SGLang's fake bootstrap room (host 2.2.2.2, room 0): prefill computes and sends nothing; decode
+    receives nothing and ends on its first ("prebuilt") token -- seed 003's path."""
     srv = state(request)
-    srv.live_client()
+    client = srv.live_client()
     ids, params = validate_request([1], {"max_new_tokens": 1, "temperature": 0}, srv.limits)
     rid = f"health-{uuid.uuid4().hex}"
+    fake = DisaggParams(FAKE_BOOTSTRAP_HOST, None, 0) if client.info.get("disaggregation_mode") else None
     try:
         st = await asyncio.wait_for(
-            srv.gen.collect(ids, params, rid, request.is_disconnected, owner=auth.INTERNAL),
+            srv.gen.collect(ids, params, rid, request.is_disconnected, owner=auth.INTERNAL, disagg=fake),
             HEALTH_GENERATE_TIMEOUT_S,
         )
     except TimeoutError:

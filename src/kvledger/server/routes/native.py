@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from ...common import parse_prompts, validate_request
+from ...common.disagg import parse_disagg
 from ...errors import ValidationError
 from ..handlers import parse_body
 from ..openai_api import sse
@@ -34,6 +35,7 @@ async def generate(request: Request):
         if body.logprob_start_len != -1:
             sp["logprob_start_len"] = body.logprob_start_len
     jobs = [validate_request(ids, sp, srv.limits) for ids in ids_list]
+    rooms = parse_disagg(body.model_extra, len(jobs))  # PD: the router's bootstrap room(s)
     text_fn = srv.openai.token_text if body.return_text_in_logprobs else None
     if not single:
         if body.stream:
@@ -41,19 +43,21 @@ async def generate(request: Request):
         base = body.rid or uuid.uuid4().hex
         states = await asyncio.gather(
             *(
-                srv.gen.collect(ids, p, f"{base}-{i}", request.is_disconnected)
-                for i, (ids, p) in enumerate(jobs)
+                srv.gen.collect(ids, p, f"{base}-{i}", request.is_disconnected, disagg=room)
+                for i, ((ids, p), room) in enumerate(zip(jobs, rooms))
             )
         )
         return [s.native(body.return_logprob, text_fn) for s in states]
     (ids, params), rid = jobs[0], body.rid or uuid.uuid4().hex
     if not body.stream:
-        st = await srv.gen.collect(ids, params, rid, request.is_disconnected, body.session_params)
+        st = await srv.gen.collect(
+            ids, params, rid, request.is_disconnected, body.session_params, disagg=rooms[0]
+        )
         err = st.error()
         if err is not None:  # an unstreamed answer that failed is an error, partial output or not
             raise err
         return st.native(body.return_logprob, text_fn)
-    agen = srv.gen.stream(ids, params, rid, body.session_params)
+    agen = srv.gen.stream(ids, params, rid, body.session_params, disagg=rooms[0])
     first = await agen.__anext__()  # errors before any output become a proper status code
     err = first.error()
     if err is not None and not first.output_ids:

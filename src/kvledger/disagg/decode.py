@@ -1,0 +1,250 @@
+"""The decode side: pre-allocate a request's slot and pages, claim its room at the prefill server,
+write the arriving KV straight into those pages, then join the request to decoding with the first
+token prefill sampled.
+
+Ledger: from admission until the KV is in, the request holds its slot and pages in the state
+``req X [waiting for kv]`` (the scheduler's WAITING_FOR_KV). Every way out goes through the one
+release path: the transfer completes (the request decodes on; a request already finished by its
+first token -- max_new_tokens 1, EOS -- ends at once, the "prebuilt" finish of seed 003), the prefill
+side fails or refuses, the wait times out, or the client aborts. An abort takes the job's lock, so
+no frame is written into pages after they were released.
+
+Frames are checked before anything is written: a room this side does not hold, from another peer,
+out of order, or with the wrong number of bytes is refused and counted (a wrong size also fails the
+request: its transfer is broken).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from ..connector import KVConnector
+from ..errors import ConflictError
+from ..memory.pools import KVBuffer
+from . import kv_copy, wire
+from .endpoint import Endpoint, TransferStats
+
+log = logging.getLogger("kvledger.disagg")
+
+# abort(rid, message, status, code): ends a request at the next safe point (thread-safe)
+AbortFn = Callable[[str, str, int, str], None]
+
+
+@dataclass
+class _RecvJob:
+    rid: str
+    room: int
+    addr: str
+    start: int
+    num_tokens: int
+    locs: torch.Tensor  # cache locations of positions start..num_tokens
+    deadline: float
+    next: int = 0  # the next position expected
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+    done: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+
+class DecodeConnector(KVConnector):
+    def __init__(self, kv: KVBuffer, page_size: int, default_port: int, timeout_s: float, abort: AbortFn):
+        self.kv, self.page_size, self.default_port = kv, page_size, default_port
+        self.timeout_s, self.abort = timeout_s, abort
+        self.layout = kv_copy.layout_of(kv)
+        self.stats = TransferStats()
+        self._lock = threading.Lock()
+        self._live: dict[int, str] = {}  # room -> rid, from submit to the end
+        self._jobs: dict[int, _RecvJob] = {}  # room -> admitted, KV arriving
+        self._recv_done: set[str] = set()
+        self._first: dict[str, wire.Done] = {}  # rid -> prefill's first token, until the request takes it
+        self._received: set[str] = set()  # rids whose KV came in (a retraction then recomputes locally)
+        self._dealers: dict[str, zmq.Socket] = {}  # prefill address -> socket (I/O thread only)
+        self.io = Endpoint("kvledger-pd-decode")
+        self.io.on_frames, self.io.on_post, self.io.on_tick = self._on_frames, self._on_post, self._on_tick
+        self.io.start()
+
+    def _addr(self, d) -> str:
+        return f"{d.host}:{d.port or self.default_port}"
+
+    # -- scheduler side (engine thread) -----------------------------------------------------------------
+    def check_request(self, req) -> None:
+        d = req.disagg
+        if d is None or d.fake:
+            return
+        with self._lock:
+            if d.room in self._live:
+                raise ConflictError(f"bootstrap_room {d.room} is already in use", param="bootstrap_room")
+            self._live[d.room] = req.rid
+
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
+        if req.disagg is None or req.output_ids or req.rid in self._received:
+            return 0, False  # a direct request, or one retracted after its KV came: computed here
+        return len(req.input_ids) - num_computed_tokens, True  # all of it, and prefill's first token
+
+    def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
+        d = req.disagg
+        start, end = req.kv_len, req.kv_len + num_external_tokens
+        if d.fake:
+            # A health check: no KV moves. The pages hold whatever they held, so the request's KV
+            # must never reach the prefix cache.
+            req.kv_trusted = False
+            with self._lock:
+                self._first[req.rid] = wire.Done(d.room, end, 0)
+                self._recv_done.add(req.rid)
+            return
+        locs = kv_copy.locations(req.pages, self.page_size, start, end)
+        job = _RecvJob(
+            req.rid, d.room, self._addr(d), start, end, locs, time.monotonic() + self.timeout_s, start
+        )
+        with self._lock:
+            self._jobs[d.room] = job
+        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids), self.layout)
+        self.io.post(("send", job.addr, claim))
+
+    def received_output(self, req):
+        with self._lock:
+            done = self._first.pop(req.rid, None)
+        if done is None:
+            return None
+        return [done.first_token], [done.logprob], [done.top_logprobs]
+
+    def request_finished(self, req) -> bool:
+        d = req.disagg
+        if d is None:
+            return False
+        with self._lock:
+            self._live.pop(d.room, None)
+            self._first.pop(req.rid, None)
+            self._recv_done.discard(req.rid)
+            received = req.rid in self._received
+            self._received.discard(req.rid)
+            job = self._jobs.pop(d.room, None) if not d.fake else None
+        if job is not None:
+            with job.lock:  # after this no frame is written into the request's pages
+                job.cancelled = True
+        if not d.fake and not received and (job is None or not job.done):
+            # Ended before its KV came (aborted, refused in the queue, needs none): let prefill free.
+            self.io.post(("send", self._addr(d), wire.Fail(d.room, _why(req.to_finish))))
+        return False
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            done, self._recv_done = self._recv_done, set()
+            self._received |= done
+        return set(), done
+
+    def close(self) -> None:
+        self.io.close()
+
+    # -- the I/O thread ---------------------------------------------------------------------------------
+    def _dealer(self, addr: str) -> zmq.Socket:
+        sock = self._dealers.get(addr)
+        if sock is None:
+            sock = self.io.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{addr}")
+            self._dealers[addr] = sock
+            self.io.watch(sock, addr)
+        return sock
+
+    def _on_post(self, item) -> None:
+        _, addr, msg = item
+        try:
+            self._dealer(addr).send(wire.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.warning("PD decode: cannot send to prefill %s: %s", addr, e)
+
+    def _fail(self, job: _RecvJob, message: str, code: str, tell_prefill: bool) -> None:
+        """End ``job``'s request with a 502 (caller holds no lock). Its pages go at the next safe
+        point, through the release path (``request_finished`` cancels the job)."""
+        with job.lock:
+            if job.cancelled or job.done:
+                return
+            job.cancelled = True
+        self.abort(job.rid, message, 502, code)
+        if tell_prefill:
+            self._on_post(("send", job.addr, wire.Fail(job.room, message)))
+
+    def _refuse(self, addr: str, why: str, job: _RecvJob | None = None) -> None:
+        self.stats.frames_refused += 1
+        log.warning("PD decode: refused a frame from %s: %s", addr, why)
+        if job is not None:
+            self.stats.transfers_failed += 1
+            self._fail(job, f"KV transfer refused: {why}", "kv_transfer_refused", tell_prefill=True)
+
+    def _on_frames(self, _sock, addr: str, frames) -> None:
+        try:
+            msg = wire.decode(bytes(frames[0]))
+        except wire.WireError as e:
+            return self._refuse(addr, str(e))
+        with self._lock:
+            job = self._jobs.get(msg.room)
+        if job is None or job.addr != addr:
+            return self._refuse(addr, f"room {msg.room} is not expected from this prefill server")
+        if isinstance(msg, wire.KVData):
+            self._on_data(job, msg, frames, addr)
+        elif isinstance(msg, wire.Done):
+            self._on_done(job, msg, addr)
+        elif isinstance(msg, wire.Fail):
+            self.stats.transfers_failed += 1
+            self._fail(
+                job, f"the prefill server failed this request: {msg.reason}", "kv_transfer_failed", False
+            )
+        else:
+            self._refuse(addr, f"a {type(msg).__name__} message is not for a decode side", job)
+
+    def _on_data(self, job: _RecvJob, msg: wire.KVData, frames, addr: str) -> None:
+        if len(frames) != 2:
+            return self._refuse(addr, f"KV data of room {job.room} in {len(frames)} frames (want 2)", job)
+        want = msg.count * self.layout.bytes_per_token
+        payload = frames[1].buffer
+        if msg.start != job.next or msg.count <= 0 or msg.start + msg.count > job.num_tokens:
+            why = f"tokens {msg.start}+{msg.count} where {job.next}..{job.num_tokens} are expected"
+            return self._refuse(addr, why, job)
+        if len(payload) != want:
+            return self._refuse(addr, f"{len(payload)} bytes for {msg.count} tokens (want {want})", job)
+        with job.lock:
+            if job.cancelled:
+                return
+            a = msg.start - job.start
+            kv_copy.scatter(self.kv, job.locs[a : a + msg.count], payload, self.layout)
+            job.next += msg.count
+
+    def _on_done(self, job: _RecvJob, msg: wire.Done, addr: str) -> None:
+        if msg.num_tokens != job.num_tokens or job.next != job.num_tokens:
+            return self._refuse(addr, f"done at {job.next} of {job.num_tokens} tokens", job)
+        with job.lock:
+            if job.cancelled:
+                return
+            job.done = True
+        with self._lock:
+            self._first[job.rid] = msg
+            self._recv_done.add(job.rid)
+        st = self.stats
+        st.transfers_ok += 1
+        st.tokens += job.num_tokens - job.start
+        st.bytes += (job.num_tokens - job.start) * self.layout.bytes_per_token
+        st.seconds += time.monotonic() - job.created
+        self._on_post(("send", addr, wire.Ack(job.room)))
+
+    def _on_tick(self, now: float) -> None:
+        with self._lock:
+            late = [j for j in self._jobs.values() if not j.done and not j.cancelled and now > j.deadline]
+        for job in late:
+            self.stats.transfers_timed_out += 1
+            log.warning("PD decode: room %d: no KV from %s in %.0fs", job.room, job.addr, self.timeout_s)
+            msg = f"timed out after {self.timeout_s:.0f}s waiting for KV from the prefill server {job.addr}"
+            self._fail(job, msg, "kv_transfer_timeout", tell_prefill=True)
+
+
+def _why(reason) -> str:
+    if reason is None:
+        return "the decode request ended"
+    return f"the decode request ended ({reason.type}{': ' + reason.message if reason.message else ''})"

@@ -1,0 +1,121 @@
+"""The I/O thread each side of the built-in transport runs, and the figures both keep.
+
+ZMQ sockets are not thread-safe: one thread owns them all (the peer sockets and the receiving end of
+an in-process wake-up pipe). The engine thread hands it work with ``post`` (a queue plus a wake-up
+byte) and never touches a socket itself; the I/O thread reports back through sets the connector
+reads under its lock at the engine's safe points (``get_finished``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import zmq
+
+log = logging.getLogger("kvledger.disagg")
+
+TICK_S = 0.05  # timeouts are checked this often
+CHUNK_TOKENS = 256  # tokens per KV frame: bounds one frame (~12 MB for SmolLM2 in fp32)
+
+
+@dataclass
+class TransferStats:
+    """Counters of one side's transfers (``/metrics``, ``/server_info``)."""
+
+    transfers_ok: int = 0
+    transfers_failed: int = 0  # the other side failed or aborted
+    transfers_timed_out: int = 0
+    frames_refused: int = 0  # wrong sizes, a foreign room, a bad header: counted, never applied
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0  # claim -> acknowledged (prefill) / admitted -> received (decode)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Endpoint:
+    """A thread that owns a poller over ZMQ sockets and runs ``on_frames`` / ``on_post`` /
+    ``on_tick`` for its connector. Subclasses add sockets with ``watch``."""
+
+    def __init__(self, name: str):
+        self.ctx = zmq.Context.instance()
+        self.poller = zmq.Poller()
+        self._sockets: dict[zmq.Socket, str] = {}
+        self._posts: queue.SimpleQueue = queue.SimpleQueue()
+        addr = f"inproc://kvledger-wake-{uuid.uuid4().hex}"
+        self._wake_rx = self.ctx.socket(zmq.PULL)
+        self._wake_rx.bind(addr)
+        self._wake_tx = self.ctx.socket(zmq.PUSH)  # the engine thread's end (used only there)
+        self._wake_tx.connect(addr)
+        self.poller.register(self._wake_rx, zmq.POLLIN)
+        self._wake_lock = threading.Lock()  # post() may come from a hook on any thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def watch(self, sock: zmq.Socket, peer: str) -> None:
+        """Poll ``sock`` (I/O thread only, or before ``start``)."""
+        self._sockets[sock] = peer
+        self.poller.register(sock, zmq.POLLIN)
+
+    def post(self, item) -> None:
+        """Hand ``item`` to the I/O thread (``on_post``)."""
+        self._posts.put(item)
+        with self._wake_lock:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._wake_lock:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + TICK_S
+        while not self._stop.is_set():
+            try:
+                ready = dict(self.poller.poll(TICK_S * 1000))
+                if self._wake_rx in ready:
+                    while True:
+                        try:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    while True:
+                        try:
+                            self.on_post(self._posts.get_nowait())
+                        except queue.Empty:
+                            break
+                for sock, peer in list(self._sockets.items()):
+                    if sock in ready:
+                        self._drain(sock, peer)
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + TICK_S
+                    self.on_tick(now)
+            except Exception:  # the transport must outlive any one bad message
+                log.exception("KV transfer I/O thread: unexpected error")
+        for sock in [*self._sockets, self._wake_rx, self._wake_tx]:
+            sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket, peer: str) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.on_frames(sock, peer, frames)
+
+    # -- for subclasses ------------------------------------------------------------------------------
+    on_frames: Callable
+    on_post: Callable
+    on_tick: Callable

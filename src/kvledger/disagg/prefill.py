@@ -1,0 +1,258 @@
+"""The prefill side: run the prompt, hand its KV and first token to the decode server that claims the
+room, free the pages when decode acknowledges.
+
+Ledger: a finished request whose KV waits to be sent keeps its slot and pages in the state
+``req X [kv sending]`` (``request_finished`` returns True); it is released through the one release
+path when ``get_finished`` reports it (acknowledged, the decode side gave up, or the bootstrap
+timeout passed). Its KV is then committed to the prefix cache like any finished request's.
+
+The bootstrap endpoint is a ZMQ ROUTER bound at ``--disaggregation-bind-host`` :
+``--disaggregation-bootstrap-port``; decode servers connect to it (see ``wire.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from ..connector import KVConnector
+from ..errors import ConflictError, ValidationError
+from ..memory.pools import KVBuffer
+from . import kv_copy, wire
+from .endpoint import CHUNK_TOKENS, Endpoint, TransferStats
+
+log = logging.getLogger("kvledger.disagg")
+
+
+@dataclass
+class _SendJob:
+    rid: str
+    room: int
+    pages: list[int]
+    num_tokens: int
+    crc: int
+    first: wire.Done
+    created: float = field(default_factory=time.monotonic)
+    peer: bytes | None = None  # the claimant's ZMQ identity, once it claimed
+    start: int = 0
+    sent_at: float | None = None
+
+
+@dataclass
+class _Claim:
+    peer: bytes
+    claim: wire.Claim
+    at: float = field(default_factory=time.monotonic)
+
+
+class PrefillConnector(KVConnector):
+    def __init__(self, kv: KVBuffer, page_size: int, bind_host: str, port: int, timeout_s: float):
+        self.kv, self.page_size, self.timeout_s = kv, page_size, timeout_s
+        self.layout = kv_copy.layout_of(kv)
+        self.stats = TransferStats()
+        self._lock = threading.Lock()
+        self._live: dict[int, str] = {}  # room -> rid of a request still computing
+        self._jobs: dict[int, _SendJob] = {}  # room -> finished, KV held
+        self._claims: dict[int, _Claim] = {}  # room -> claimed before its request finished
+        # Rooms the decode side gave up on before their request finished here (or arrived): kept for
+        # one timeout, so the request does not hold its KV for nobody.
+        self._gone: dict[int, float] = {}
+        self._done: set[str] = set()
+        self.io = Endpoint("kvledger-pd-prefill")
+        self.sock = self.io.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self.sock.bind(f"tcp://{bind_host}:{port}")
+        except zmq.ZMQError as e:
+            self.sock.close()
+            raise ValidationError(
+                f"cannot bind the disaggregation bootstrap port {bind_host}:{port}: {e}",
+                param="disaggregation_bootstrap_port",
+            ) from None
+        self.address = f"{bind_host}:{port}"
+        self.io.watch(self.sock, "decode")
+        self.io.on_frames, self.io.on_post, self.io.on_tick = self._on_frames, self._on_post, self._on_tick
+        self.io.start()
+        log.info("PD prefill: bootstrap endpoint on tcp://%s", self.address)
+
+    # -- scheduler side (engine thread) -----------------------------------------------------------------
+    def check_request(self, req) -> None:
+        d = req.disagg
+        if d is None or d.fake:
+            return
+        with self._lock:
+            if d.room in self._live or d.room in self._jobs:
+                raise ConflictError(f"bootstrap_room {d.room} is already in use", param="bootstrap_room")
+            self._live[d.room] = req.rid
+
+    def request_finished(self, req) -> bool:
+        d = req.disagg
+        if d is None or d.fake:
+            return False
+        reason = req.to_finish
+        ok = (
+            reason is not None
+            and reason.type != "abort"
+            and req.slot is not None
+            and req.output_ids
+            and req.kv_len >= len(req.input_ids)
+        )
+        with self._lock:
+            self._live.pop(d.room, None)
+            if self._gone.pop(d.room, None) is not None:
+                ok = False  # decode already gave up: nothing to keep
+            if ok:
+                top = req.output_top_logprobs[0] if req.output_top_logprobs else None
+                first = wire.Done(d.room, len(req.input_ids), req.output_ids[0], req.output_logprobs[0], top)
+                crc = wire.tokens_crc(req.input_ids)
+                self._jobs[d.room] = _SendJob(
+                    req.rid, d.room, list(req.pages), len(req.input_ids), crc, first
+                )
+        self.io.post(("finished", d.room, None if ok else _why(reason)))
+        return bool(ok)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            done, self._done = self._done, set()
+        return done, set()
+
+    def close(self) -> None:
+        self.io.close()
+
+    # -- the I/O thread ---------------------------------------------------------------------------------
+    def _send(self, peer: bytes, msg, payload=None) -> None:
+        frames = [peer, wire.encode(msg)] + ([payload] if payload is not None else [])
+        self.sock.send_multipart(frames, copy=payload is None)
+
+    def _release(self, job: _SendJob, outcome: str) -> None:
+        """The job's pages may go: report its rid (caller holds the lock and removed the job)."""
+        self._done.add(job.rid)
+        st = self.stats
+        if outcome == "ok":
+            st.transfers_ok += 1
+            st.tokens += job.num_tokens - job.start
+            st.bytes += (job.num_tokens - job.start) * self.layout.bytes_per_token
+            st.seconds += time.monotonic() - job.created
+        elif outcome == "timeout":
+            st.transfers_timed_out += 1
+        else:
+            st.transfers_failed += 1
+
+    def _on_frames(self, sock, _peer, frames) -> None:
+        peer = bytes(frames[0])
+        try:
+            if len(frames) != 2:
+                raise wire.WireError(f"{len(frames) - 1} frames where a decode side sends 1")
+            msg = wire.decode(bytes(frames[1]))
+        except wire.WireError as e:
+            self.stats.frames_refused += 1
+            log.warning("PD prefill: refused a frame: %s", e)
+            return
+        if isinstance(msg, wire.Claim):
+            self._on_claim(peer, msg)
+        elif isinstance(msg, wire.Ack):
+            with self._lock:
+                job = self._jobs.get(msg.room)
+                if job is None or job.peer != peer or job.sent_at is None:
+                    self.stats.frames_refused += 1
+                    log.warning("PD prefill: refused an ack for room %d (not sent to that peer)", msg.room)
+                    return
+                del self._jobs[msg.room]
+                self._release(job, "ok")
+        elif isinstance(msg, wire.Fail):
+            with self._lock:
+                job = self._jobs.get(msg.room)
+                if job is not None and job.peer in (None, peer):
+                    del self._jobs[msg.room]
+                    self._release(job, "failed")
+                else:  # not finished yet, or not even arrived (the router posts to both at once)
+                    self._gone[msg.room] = time.monotonic()
+                self._claims.pop(msg.room, None)
+            log.info("PD prefill: decode gave up room %d: %s", msg.room, msg.reason)
+        else:
+            self.stats.frames_refused += 1
+            log.warning("PD prefill: refused a %s message from a decode side", type(msg).__name__)
+
+    def _on_claim(self, peer: bytes, claim: wire.Claim) -> None:
+        with self._lock:
+            job = self._jobs.get(claim.room)
+            if job is None:
+                prev = self._claims.get(claim.room)
+                if prev is not None and prev.peer != peer:
+                    self.stats.frames_refused += 1
+                    self._send(peer, wire.Fail(claim.room, "the room is claimed by another decode server"))
+                    return
+                self._claims[claim.room] = _Claim(peer, claim)
+                return
+            self._start(job, peer, claim)
+
+    def _refusal(self, job: _SendJob, peer: bytes, claim: wire.Claim) -> str | None:
+        if job.peer not in (None, peer):
+            return "the room is claimed by another decode server"
+        if claim.layout != self.layout:
+            return f"KV layout differs: prefill {self.layout}, decode {claim.layout}"
+        if claim.num_tokens != job.num_tokens or claim.tokens_crc != job.crc:
+            return "the prompt differs from the one prefilled for this room"
+        if not 0 <= claim.start <= claim.num_tokens:
+            return f"start {claim.start} outside the prompt of {claim.num_tokens} tokens"
+        return None
+
+    def _start(self, job: _SendJob, peer: bytes, claim: wire.Claim) -> None:
+        """Send the room's KV (caller holds the lock). A refused claim is counted and answered; the
+        job waits on for the right claimant (or its timeout)."""
+        why = self._refusal(job, peer, claim)
+        if why is not None:
+            self.stats.frames_refused += 1
+            log.warning("PD prefill: refused a claim for room %d: %s", claim.room, why)
+            self._send(peer, wire.Fail(claim.room, why))
+            return
+        job.peer, job.start = peer, claim.start
+        for a in range(claim.start, job.num_tokens, CHUNK_TOKENS):
+            b = min(a + CHUNK_TOKENS, job.num_tokens)
+            locs = kv_copy.locations(job.pages, self.page_size, a, b)
+            payload = kv_copy.gather(self.kv, locs).numpy()
+            self._send(peer, wire.KVData(job.room, a, b - a), payload)
+        self._send(peer, job.first)
+        job.sent_at = time.monotonic()
+
+    def _on_post(self, item) -> None:
+        _, room, why = item
+        with self._lock:
+            job = self._jobs.get(room)
+            pending = self._claims.pop(room, None)
+            if pending is None:
+                return
+            if job is not None:
+                self._start(job, pending.peer, pending.claim)
+            else:  # the request ended without KV to send: tell the claimant at once
+                self._send(pending.peer, wire.Fail(room, why or "the prefill request ended"))
+
+    def _on_tick(self, now: float) -> None:
+        t = self.timeout_s
+        with self._lock:
+            for room, job in list(self._jobs.items()):
+                if now - (job.sent_at or job.created) > t:
+                    del self._jobs[room]
+                    self._release(job, "timeout")
+                    what = "an acknowledgement" if job.sent_at else "a decode server to claim it"
+                    log.warning("PD prefill: room %d waited %.0fs for %s: released", room, t, what)
+                    if job.peer is not None:
+                        self._send(job.peer, wire.Fail(room, "prefill timed out"))
+            for room, c in list(self._claims.items()):
+                if now - c.at > t:
+                    del self._claims[room]
+                    self.stats.transfers_timed_out += 1
+                    self._send(c.peer, wire.Fail(room, "no prefill request for this room"))
+            for room, at in list(self._gone.items()):
+                if now - at > t:
+                    del self._gone[room]
+
+
+def _why(reason) -> str:
+    if reason is None:
+        return "the prefill request ended"
+    return f"the prefill request ended ({reason.type}{': ' + reason.message if reason.message else ''})"

@@ -1,0 +1,102 @@
+"""The built-in KV transport's wire format (over ZMQ, TCP).
+
+A message is one or two ZMQ frames. Frame 0 is the header: the magic ``b"KVL"``, a version byte, then
+a msgpack-encoded tagged struct (typed: a decoder gives the right class or raises). Frame 1, only
+after a ``KVData`` header, is the raw K/V bytes of ``count`` tokens, laid out ``[2, layers, kv_heads,
+count, head_dim]`` in the sender's dtype; its length must equal ``count * Layout.bytes_per_token``.
+Never pickle: a peer is another machine.
+
+decode -> prefill: ``Claim`` (I hold pages for this room: send me tokens ``start..num_tokens``),
+``Ack`` (all received: free yours), ``Fail`` (this room is off: I aborted).
+prefill -> decode: ``KVData`` + payload, ``Done`` (the last KV frame sent; here is the first sampled
+token), ``Fail`` (this room will never be sent: the prefill failed, or the claim was refused).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Union
+
+import msgspec
+
+MAGIC = b"KVL"
+VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class WireError(Exception):
+    """A frame that is not a valid message of this version (logged and counted, never fatal)."""
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """What a K/V byte means. Both sides must agree or the transfer is refused."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "float32"
+    itemsize: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
+
+
+class Claim(msgspec.Struct, tag="claim"):
+    room: int
+    num_tokens: int  # the prompt's length
+    start: int  # tokens before this come from decode's own prefix cache
+    tokens_crc: int  # crc32 of the prompt's token ids: the same prompt on both sides
+    layout: Layout
+
+
+class KVData(msgspec.Struct, tag="kv"):
+    room: int
+    start: int
+    count: int
+
+
+class Done(msgspec.Struct, tag="done"):
+    room: int
+    num_tokens: int  # tokens sent in all: start..num_tokens
+    first_token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Ack(msgspec.Struct, tag="ack"):
+    room: int
+
+
+class Fail(msgspec.Struct, tag="fail"):
+    room: int
+    reason: str
+
+
+Message = Union[Claim, KVData, Done, Ack, Fail]  # noqa: UP007 - msgspec needs a Union object
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return MAGIC + bytes([VERSION]) + _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> Message:
+    """Header frame -> message; ``WireError`` for anything else (wrong magic, version, type, size)."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(frame)} bytes (limit {MAX_HEADER_BYTES})")
+    if frame[:3] != MAGIC or len(frame) < 4:
+        raise WireError("not a kvledger transfer frame")
+    if frame[3] != VERSION:
+        raise WireError(f"wire version {frame[3]} (this side speaks {VERSION})")
+    try:
+        return _decoder.decode(frame[4:])
+    except msgspec.DecodeError as e:
+        raise WireError(f"malformed header: {e}") from None
+
+
+def tokens_crc(ids: list[int]) -> int:
+    """A cheap check that both sides hold the same prompt (not a security boundary)."""
+    return zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids))

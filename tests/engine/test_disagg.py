@@ -1,0 +1,359 @@
+"""PD disaggregation through the real transport: a prefill engine and a decode engine (the tiny
+Llama, fp32, strict memory) in one process, talking over ZMQ/TCP on 127.0.0.1. Greedy output equals
+a single engine's; the ledger names each side's held pages while KV is in flight; every way a
+transfer can end (done, prebuilt finish, fake health check, abort on either side, timeouts, refused
+frames) leaves both books clean."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from kvledger.common.disagg import FAKE_BOOTSTRAP_HOST, DisaggParams
+from kvledger.disagg import wire
+from tests.helpers import assert_idle_clean
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def pd(make_engine):
+    """``pd(**kw)`` -> (prefill, decode, port); prefill pages of 16 and decode pages of 4, so the
+    transfer is token-granular; connectors closed at teardown."""
+    made = []
+
+    def build(prefill_kw=None, decode_kw=None, with_prefill=True):
+        port = free_port()
+        pre = None
+        if with_prefill:
+            pre = make_engine(
+                disaggregation_mode="prefill",
+                disaggregation_bootstrap_port=port,
+                disaggregation_bind_host="127.0.0.1",
+                page_size=16,
+                **(prefill_kw or {}),
+            )
+            made.append(pre)
+        dec = make_engine(
+            disaggregation_mode="decode", disaggregation_bootstrap_port=port, page_size=4, **(decode_kw or {})
+        )
+        made.append(dec)
+        return pre, dec, port
+
+    yield build
+    for eng in made:
+        eng.core.connector.timeout_s = 0.2  # a failed test must not wait out the default timeouts
+        eng.run_until_idle()
+        eng.core.connector.close()
+
+
+def drive(engines, rids_by_engine, timeout=30.0) -> dict:
+    """Step every engine until each of its rids has a result (the transport runs in threads)."""
+    results: dict = {}
+    deadline = time.monotonic() + timeout
+    while any(r not in results for rids in rids_by_engine.values() for r in rids):
+        assert time.monotonic() < deadline, f"stuck: have {sorted(results)}"
+        for eng in engines:
+            eng.step()
+            for rid in rids_by_engine.get(id(eng), []):
+                if rid not in results and eng.result(rid, pop=False) is not None:
+                    results[rid] = eng.result(rid)
+        time.sleep(0.001)
+    return results
+
+
+def room(port: int, n: int, host: str = "127.0.0.1") -> DisaggParams:
+    return DisaggParams(host, port, n)
+
+
+def owners(eng) -> dict[str, int]:
+    return {h.owner: len(h.own_pages) for h in eng.core.scheduler.holdings() if h.kind == "request"}
+
+
+def stats(eng) -> dict:
+    return eng.core.connector_stats()
+
+
+PROMPTS = [[5], list(range(3, 8)), list(range(20, 37)), [(7 * i) % 250 + 1 for i in range(41)]]
+
+
+def test_pd_greedy_equals_a_single_engine(pd, make_engine):
+    ref_eng = make_engine()
+    refs = [
+        ref_eng.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 8})["output_ids"]
+        for p in PROMPTS
+    ]
+    pre, dec, port = pd()
+    rids = []
+    for i, p in enumerate(PROMPTS):
+        sp = {**GREEDY, "max_new_tokens": 8}
+        pre.add_request(p, sp, rid=f"p{i}", disagg=room(port, 100 + i))
+        dec.add_request(p, sp, rid=f"d{i}", disagg=room(port, 100 + i))
+        rids.append(i)
+    res = drive([pre, dec], {id(pre): [f"p{i}" for i in rids], id(dec): [f"d{i}" for i in rids]})
+    for i, ref in enumerate(refs):
+        assert res[f"p{i}"]["output_ids"] == ref[:1]  # prefill samples the first token only
+        assert res[f"d{i}"]["output_ids"] == ref, i
+        assert res[f"d{i}"]["meta_info"]["finish_reason"]["type"] == "length"
+    assert stats(dec)["transfers_ok"] == len(PROMPTS) and stats(pre)["transfers_ok"] == len(PROMPTS)
+    assert stats(dec)["tokens"] == sum(len(p) for p in PROMPTS)
+    assert stats(dec)["frames_refused"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_the_ledger_names_each_side_while_kv_is_in_flight(pd):
+    pre, dec, port = pd()
+    p = list(range(30, 60))
+    sp = {**GREEDY, "max_new_tokens": 4}
+    pre.add_request(p, sp, rid="p7", disagg=room(port, 7))
+    while pre.result("p7", pop=False) is None:
+        pre.step()
+    # Prefill answered (its one token) but keeps the KV for the decode side that has not claimed.
+    assert owners(pre) == {"req p7 [kv sending]": 2}
+    assert not pre.core.scheduler.idle
+    # Decode admits a request whose prefill has not even started: its pages wait for the KV.
+    dec.add_request(p, sp, rid="d8", disagg=room(port, 8))
+    dec.step()
+    assert owners(dec) == {"req d8 [waiting for kv]": -(-len(p) // 4)}
+    assert dec.memory()["kv_private"] == -(-len(p) // 4) * 4
+    dec.add_request(p, sp, rid="d7", disagg=room(port, 7))
+    pre.add_request(p, sp, rid="p8", disagg=room(port, 8))
+    res = drive([pre, dec], {id(pre): ["p8"], id(dec): ["d7", "d8"]})
+    assert res["d7"]["output_ids"] == res["d8"]["output_ids"] and len(res["d7"]["output_ids"]) == 4
+    pre.run_until_idle()
+    assert owners(pre) == {} and owners(dec) == {}
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_decode_prefix_cache_shortens_the_transfer(pd):
+    pre, dec, port = pd()
+    p = list(range(40, 80))
+    sp = {**GREEDY, "max_new_tokens": 3}
+    outs = []
+    for k in range(2):
+        pre.add_request(p, sp, rid=f"p{k}", disagg=room(port, k))
+        dec.add_request(p, sp, rid=f"d{k}", disagg=room(port, k))
+        outs.append(drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"])
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert outs[1]["meta_info"]["cached_tokens"] == len(p)  # local prefix + the transferred rest
+    # The second transfer sent only what decode's own radix cache did not have (reuse stops short
+    # of the last token, and at a page boundary).
+    assert stats(dec)["tokens"] < 2 * len(p)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+@pytest.mark.parametrize("ending", ["max_new_tokens_1", "stop_token_first"])
+def test_seed_003_a_request_finished_by_its_first_token_runs_every_release_hook(pd, ending):
+    """Seed 003: on the decode side's "prebuilt" path a request can be finished by prefill's first
+    token alone, with no forward. It must end through the one release path, every hook called."""
+    pre, dec, port = pd()
+    p = list(range(9, 30))
+    sp = {**GREEDY, "max_new_tokens": 1}
+    if ending == "stop_token_first":
+        probe = pre.generate(input_ids=p, sampling_params=sp)["output_ids"][0]
+        sp = {"temperature": 0.0, "max_new_tokens": 6, "stop_token_ids": [probe]}
+    called: list[str] = []
+    dec.core.scheduler.release_hooks.append(lambda r: called.append(r.rid))
+    pre.add_request(p, sp, rid="p", disagg=room(port, 3))
+    dec.add_request(p, sp, rid="d", disagg=room(port, 3))
+    forwards = 0
+    deadline = time.monotonic() + 30
+    while dec.result("d", pop=False) is None:
+        assert time.monotonic() < deadline
+        pre.step()
+        dec.step()
+        forwards += dec.core.last_step_ran
+        time.sleep(0.001)
+    res = dec.result("d")
+    assert len(res["output_ids"]) == 1
+    want = "length" if ending == "max_new_tokens_1" else "stop"
+    assert res["meta_info"]["finish_reason"]["type"] == want
+    assert forwards == 0, "the decode side ran a forward for a request its first token finished"
+    assert called == ["d"], "a release hook was skipped on the prebuilt path"
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_fake_bootstrap_health_checks_move_nothing_and_cache_nothing(pd):
+    pre, dec, _ = pd()
+    fake = DisaggParams(FAKE_BOOTSTRAP_HOST, None, 0)
+    called: list[str] = []
+    dec.core.scheduler.release_hooks.append(lambda r: called.append(r.rid))
+    dec.add_request([1, 2, 3], {"max_new_tokens": 1}, rid="hd", disagg=fake)
+    pre.add_request([1, 2, 3], {"max_new_tokens": 1}, rid="hp", disagg=fake)
+    res = drive([pre, dec], {id(pre): ["hp"], id(dec): ["hd"]})
+    assert res["hd"]["meta_info"]["finish_reason"]["type"] == "length" and called == ["hd"]
+    assert res["hp"]["meta_info"]["finish_reason"]["type"] == "length"
+    # The decode side's pages held no real KV: nothing of them may be cached.
+    assert dec.memory()["kv_cached_evictable"] == 0
+    assert stats(dec)["transfers_ok"] == 0 and stats(pre)["transfers_ok"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_prefill_never_sends_decode_times_out_and_frees(pd):
+    _, dec, port = pd(decode_kw={"disaggregation_waiting_timeout_s": 0.5}, with_prefill=False)
+    dec.add_request(list(range(5, 25)), {"max_new_tokens": 4}, rid="d", disagg=room(port, 1))
+    res = drive([dec], {id(dec): ["d"]})
+    fr = res["d"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "timed out" in fr["message"]
+    assert stats(dec)["transfers_timed_out"] == 1
+    assert_idle_clean(dec)
+
+
+def test_decode_never_claims_prefill_times_out_and_frees(pd):
+    pre, _, port = pd(prefill_kw={"disaggregation_bootstrap_timeout_s": 0.5})
+    pre.add_request(list(range(5, 25)), {"max_new_tokens": 4}, rid="p", disagg=room(port, 1))
+    drive([pre], {id(pre): ["p"]})
+    assert owners(pre) == {"req p [kv sending]": 2}
+    deadline = time.monotonic() + 10
+    while not pre.core.scheduler.idle:
+        assert time.monotonic() < deadline
+        pre.step()
+        time.sleep(0.01)
+    assert stats(pre)["transfers_timed_out"] == 1
+    assert pre.memory()["kv_cached_evictable"] > 0  # the KV was valid: it went to the prefix cache
+    assert_idle_clean(pre)
+
+
+def test_abort_on_decode_while_waiting_frees_both_sides(pd):
+    pre, dec, port = pd()
+    p = list(range(60, 90))
+    dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 11))
+    dec.step()
+    assert "req d [waiting for kv]" in owners(dec)
+    dec.abort("d")
+    res = drive([dec], {id(dec): ["d"]})
+    assert res["d"]["meta_info"]["finish_reason"]["type"] == "abort"
+    # Prefill runs the request afterwards: decode told it the room is off, so it does not hold.
+    pre.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="p", disagg=room(port, 11))
+    deadline = time.monotonic() + 10
+    while pre.result("p", pop=False) is None or not pre.core.scheduler.idle:
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        time.sleep(0.005)
+    assert owners(pre) == {}
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_abort_on_prefill_fails_the_decode_side_at_once(pd):
+    pre, dec, port = pd()
+    p = list(range(60, 200))
+    dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 12))
+    pre.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="p", disagg=room(port, 12))
+    dec.step()
+    time.sleep(0.2)  # the claim reaches prefill first
+    pre.abort("p")
+    res = drive([pre, dec], {id(pre): ["p"], id(dec): ["d"]}, timeout=10)
+    fr = res["d"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "prefill server failed" in fr["message"]
+    assert stats(dec)["transfers_failed"] == 1
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_claim_for_a_different_prompt_is_refused(pd):
+    pre, dec, port = pd()
+    pre.add_request(list(range(10, 30)), {**GREEDY, "max_new_tokens": 2}, rid="p", disagg=room(port, 5))
+    dec.add_request(list(range(11, 31)), {**GREEDY, "max_new_tokens": 2}, rid="d", disagg=room(port, 5))
+    res = drive([pre, dec], {id(pre): ["p"], id(dec): ["d"]})
+    fr = res["d"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "prompt differs" in fr["message"]
+    assert stats(pre)["frames_refused"] == 1
+    pre.core.connector.timeout_s = 0.1  # the true claimant never comes: let it time out
+    deadline = time.monotonic() + 10
+    while not pre.core.scheduler.idle:
+        assert time.monotonic() < deadline
+        pre.step()
+        time.sleep(0.01)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+class RoguePrefillServer:
+    """A bootstrap endpoint that answers claims with whatever the test says (a broken or hostile
+    prefill server)."""
+
+    def __init__(self, port: int):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+
+    def claim(self, timeout_ms=5000):
+        assert self.sock.poll(timeout_ms), "no claim arrived"
+        peer, frame = self.sock.recv_multipart()
+        return peer, wire.decode(frame)
+
+    def close(self):
+        self.sock.close()
+
+
+@pytest.mark.parametrize("attack", ["wrong_size", "foreign_room", "bad_header", "out_of_order"])
+def test_bad_frames_are_refused_counted_and_leave_no_trace(pd, attack):
+    _, dec, port = pd(decode_kw={"disaggregation_waiting_timeout_s": 3.0}, with_prefill=False)
+    rogue = RoguePrefillServer(port)
+    try:
+        p = list(range(5, 15))
+        dec.add_request(p, {**GREEDY, "max_new_tokens": 2}, rid="d", disagg=room(port, 77))
+        dec.step()
+        peer, claim = rogue.claim()
+        assert isinstance(claim, wire.Claim) and claim.room == 77 and claim.num_tokens == len(p)
+        bpt = claim.layout.bytes_per_token
+        if attack == "wrong_size":
+            rogue.sock.send_multipart(
+                [peer, wire.encode(wire.KVData(77, 0, len(p))), b"\0" * (bpt * len(p) - 1)]
+            )
+        elif attack == "foreign_room":
+            rogue.sock.send_multipart([peer, wire.encode(wire.KVData(78, 0, len(p))), b"\0" * (bpt * len(p))])
+        elif attack == "bad_header":
+            rogue.sock.send_multipart([peer, b"KVL\x09garbage"])
+        else:
+            rogue.sock.send_multipart([peer, wire.encode(wire.KVData(77, 4, 2)), b"\0" * (bpt * 2)])
+        res = drive([dec], {id(dec): ["d"]})
+        fr = res["d"]["meta_info"]["finish_reason"]
+        assert fr["type"] == "abort"
+        if attack in ("wrong_size", "out_of_order"):
+            assert "refused" in fr["message"]  # a broken transfer fails the request at once
+        else:
+            assert "timed out" in fr["message"]  # ignored; the real KV never came
+        assert stats(dec)["frames_refused"] >= 1
+        assert dec.memory()["kv_cached_evictable"] == 0  # nothing of the room was cached
+        assert_idle_clean(dec)
+    finally:
+        rogue.close()
+
+
+def test_requests_without_a_room_are_served_whole(pd, make_engine):
+    pre, dec, _ = pd()
+    ref = make_engine().generate(input_ids=[4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 5})
+    for eng in (pre, dec):
+        out = eng.generate(input_ids=[4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 5})
+        assert out["output_ids"] == ref["output_ids"]
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_room_in_use_is_refused_before_anything_is_held(pd):
+    from kvledger.errors import ConflictError
+
+    pre, dec, port = pd()
+    for eng in (pre, dec):
+        eng.add_request([1, 2, 3], {"max_new_tokens": 2}, rid="a", disagg=room(port, 9))
+        with pytest.raises(ConflictError):
+            eng.add_request([1, 2, 3], {"max_new_tokens": 2}, rid="b", disagg=room(port, 9))
+    drive([pre, dec], {id(pre): ["a"], id(dec): ["a"]})
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
