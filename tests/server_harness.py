@@ -104,6 +104,43 @@ class Server:
         return self.proc.returncode
 
 
+class Router:
+    """SGLang's router (``sglang-router``, a test dependency) as a subprocess on 127.0.0.1, with
+    ``args`` (its workers and mode) and health checks every second; healthy when constructed."""
+
+    def __init__(self, args: list[str], log_path: str, timeout: float = 60):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+             *args, "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"the router did not start:\n{self.logs()[-3000:]}")
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=20)
+        self.log.close()
+
+
 def gen(srv, body: dict, **kw) -> httpx.Response:
     """POST /generate on a started server."""
     return httpx.post(srv.url + "/generate", json=body, timeout=60, **kw)

@@ -5,17 +5,12 @@ replica, the router's health checks and ``/flush_cache`` fan-out work; every rep
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import httpx
 import openai
 import pytest
 
 from tests.integration.conftest import ENGINE_ARGS
-from tests.server_harness import Server, free_port
+from tests.server_harness import Router, Server
 
 pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
 
@@ -33,33 +28,8 @@ def replicas(chat_model, tmp_path_factory):
             s.stop()
 
 
-class Router:
-    def __init__(self, workers: list[Server], policy: str, log_path: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", *[w.url for w in workers], "--policy", policy,
-             "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and self.proc.poll() is None, Path(log_path).read_text()[
-                -2000:
-            ]
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=20)
-        self.log.close()
+def regular(workers: list[Server], policy: str) -> list[str]:
+    return ["--worker-urls", *[w.url for w in workers], "--policy", policy]
 
 
 def served(s: Server) -> float:
@@ -73,7 +43,7 @@ def served(s: Server) -> float:
 
 @pytest.mark.parametrize("policy", ["round_robin", "cache_aware"])
 def test_requests_spread_over_replicas(replicas, tmp_path, policy):
-    router = Router(replicas, policy, str(tmp_path / "router.log"))
+    router = Router(regular(replicas, policy), str(tmp_path / "router.log"))
     try:
         before = [served(s) for s in replicas]
         c = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
@@ -102,7 +72,7 @@ def test_requests_spread_over_replicas(replicas, tmp_path, policy):
 
 
 def test_routing_key_keeps_a_conversation_on_one_replica(replicas, tmp_path):
-    router = Router(replicas, "manual", str(tmp_path / "router.log"))
+    router = Router(regular(replicas, "manual"), str(tmp_path / "router.log"))
     try:
         for key in ("conversation-a", "conversation-b", "conversation-c"):
             before = [served(s) for s in replicas]

@@ -1,0 +1,217 @@
+"""PD disaggregation behind SGLang's own router: ``--pd-disaggregation --prefill URL BOOTSTRAP_PORT
+--decode URL`` drives a kvledger prefill server and a kvledger decode server (different page sizes,
+so the transfer is token-granular). Greedy fp32 output through the router equals a whole request's
+on one server, for /generate and /v1/chat/completions, streamed and not; health checks on both sides
+(SGLang's fake room) leak nothing; bad rendezvous fields are 400s that hold nothing; a room whose
+other half never comes times out on either side and frees. Both servers' books clean after each."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import ENGINE_ARGS
+from tests.server_harness import Router, Server, free_port
+
+pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
+
+TIMEOUT_S = "3"  # both sides' transfer timeouts, short so the fault tests are quick
+
+
+@pytest.fixture(scope="module")
+def pd_pair(chat_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd")
+    bport = free_port()
+    pre = Server(chat_model, *ENGINE_ARGS, "--disaggregation-mode", "prefill",
+                 "--disaggregation-bootstrap-port", str(bport), "--disaggregation-bootstrap-timeout", TIMEOUT_S,
+                 log_path=str(logs / "prefill.log"))  # fmt: skip
+    dec = Server(chat_model, *ENGINE_ARGS, "--page-size", "4", "--disaggregation-mode", "decode",
+                 "--disaggregation-waiting-timeout", TIMEOUT_S, log_path=str(logs / "decode.log"))  # fmt: skip
+    router = None
+    try:
+        pre.wait_healthy()
+        dec.wait_healthy()
+        router = Router(
+            [
+                "--pd-disaggregation",
+                "--prefill",
+                pre.url,
+                str(bport),
+                "--decode",
+                dec.url,
+                "--policy",
+                "round_robin",
+            ],
+            str(logs / "router.log"),
+        )
+        yield pre, dec, router, bport
+    finally:
+        if router is not None:
+            router.stop()
+        for s in (pre, dec):
+            s.stop()
+
+
+def pd_stats(s: Server) -> dict:
+    return s.info()["disaggregation"]
+
+
+def clean(*servers: Server) -> None:
+    for s in servers:
+        s.wait_idle_clean(timeout=15)
+
+
+PROMPTS = ["Hello there", "A longer prompt that crosses a few pages of the decode side's pool " * 3]
+
+
+def test_output_through_the_router_equals_one_server(pd_pair):
+    pre, dec, router, _ = pd_pair
+    before = pd_stats(dec)["transfers_ok"]
+    for text in PROMPTS:
+        body = {"text": text, "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+        whole = httpx.post(dec.url + "/generate", json=body, timeout=60).json()  # no room: served whole
+        via = httpx.post(router.url + "/generate", json=body, timeout=60)
+        assert via.status_code == 200, via.text
+        assert via.json()["output_ids"] == whole["output_ids"] and via.json()["text"] == whole["text"]
+        streamed = httpx.post(router.url + "/generate", json={**body, "stream": True}, timeout=60)
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        last = [ln for ln in streamed.text.splitlines() if ln.startswith("data: {")][-1]
+        assert httpx.Response(200, content=last[6:]).json()["output_ids"] == whole["output_ids"]
+    direct = openai.OpenAI(base_url=dec.url + "/v1", api_key="none", max_retries=0)
+    routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "Tell me about pages"}]
+    kw = {"model": "default", "messages": msgs, "max_tokens": 10, "temperature": 0}
+    want = direct.chat.completions.create(**kw).choices[0].message.content
+    assert routed.chat.completions.create(**kw).choices[0].message.content == want
+    parts = [
+        c.choices[0].delta.content or ""
+        for c in routed.chat.completions.create(**kw, stream=True)
+        if c.choices
+    ]
+    assert "".join(parts) == want
+    comp = routed.completions.create(model="default", prompt="Once", max_tokens=6, temperature=0)
+    assert (
+        comp.choices[0].text
+        == direct.completions.create(model="default", prompt="Once", max_tokens=6, temperature=0)
+        .choices[0]
+        .text
+    )
+    st = pd_stats(dec)
+    assert st["transfers_ok"] - before == 2 * len(PROMPTS) + 3 and st["frames_refused"] == 0, st
+    assert pd_stats(pre)["transfers_ok"] >= st["transfers_ok"]
+    metrics = httpx.get(dec.url + "/metrics").text
+    assert 'kvledger_pd_transfers{result="ok"}' in metrics
+    clean(pre, dec)
+
+
+def test_health_generate_on_both_sides_leaks_nothing(pd_pair):
+    """Seed 003: SGLang's PD health check (fake bootstrap host 2.2.2.2, room 0) on the decode side
+    ends on the prebuilt path; on the prefill side it computes and sends nothing."""
+    pre, dec, router, _ = pd_pair
+    cached = dec.info()["memory"]["kv_cached_evictable"]
+    for s in (pre, dec):
+        for _ in range(3):
+            assert httpx.get(s.url + "/health_generate", timeout=30).status_code == 200
+    assert httpx.get(router.url + "/health_generate", timeout=30).status_code == 200
+    clean(pre, dec)
+    assert dec.info()["memory"]["kv_cached_evictable"] == cached  # fake KV is never cached
+    for s in (pre, dec):
+        assert s.info()["disaggregation_mode"] in ("prefill", "decode")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"bootstrap_host": "127.0.0.1", "bootstrap_room": "12"},
+        {"bootstrap_host": "127.0.0.1", "bootstrap_room": -1},
+        {"bootstrap_host": "127.0.0.1", "bootstrap_room": 2**63},
+        {"bootstrap_host": "", "bootstrap_room": 1},
+        {"bootstrap_host": "127.0.0.1", "bootstrap_port": 70000, "bootstrap_room": 1},
+        {"bootstrap_room": 5},
+        {"bootstrap_host": ["127.0.0.1"], "bootstrap_room": [1, 2]},
+    ],
+)
+def test_bad_rendezvous_fields_are_400_and_hold_nothing(pd_pair, extra):
+    pre, dec, _, _ = pd_pair
+    for s in (pre, dec):
+        r = httpx.post(s.url + "/generate", json={"text": "hi", **extra}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"].startswith("bootstrap_"), err
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", **extra}, timeout=30)
+        assert r.status_code == 400, r.text
+    clean(pre, dec)
+
+
+def test_a_batch_takes_one_room_per_prompt(pd_pair):
+    pre, dec, _, bport = pd_pair
+    body = {"text": ["one", "two"], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "bootstrap_host": ["127.0.0.1", "127.0.0.1"], "bootstrap_port": [bport, bport],
+            "bootstrap_room": [9001, 9002]}  # fmt: skip
+    with cf.ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(httpx.post, pre.url + "/generate", json=body, timeout=60)
+        fd = ex.submit(httpx.post, dec.url + "/generate", json=body, timeout=60)
+        rp, rd = fp.result(), fd.result()
+    assert rp.status_code == 200 and rd.status_code == 200, (rp.text, rd.text)
+    whole = httpx.post(
+        dec.url + "/generate", json={k: body[k] for k in ("text", "sampling_params")}, timeout=60
+    )
+    assert [x["output_ids"] for x in rd.json()] == [x["output_ids"] for x in whole.json()]
+    clean(pre, dec)
+
+
+def test_the_other_half_never_comes_both_sides_time_out_and_free(pd_pair):
+    pre, dec, _, bport = pd_pair
+    before_d, before_p = pd_stats(dec), pd_stats(pre)
+    rendezvous = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bport}
+    # Decode only: prefill never gets the request, so nothing is ever sent -> 502 after the timeout.
+    r = httpx.post(
+        dec.url + "/generate",
+        json={"text": "lonely decode", "bootstrap_room": 77001, **rendezvous},
+        timeout=60,
+    )
+    assert r.status_code == 502, r.text
+    assert r.json()["error"]["type"] == "kv_transfer_error" and "timed out" in r.json()["error"]["message"]
+    # Prefill only: it answers (one token), holds the KV for a decode side that never claims, frees.
+    r = httpx.post(
+        pre.url + "/generate",
+        json={"text": "lonely prefill", "bootstrap_room": 77002, **rendezvous},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 1, r.text
+    clean(pre, dec)
+    assert pd_stats(dec)["transfers_timed_out"] == before_d["transfers_timed_out"] + 1
+    assert pd_stats(pre)["transfers_timed_out"] == before_p["transfers_timed_out"] + 1
+
+
+def test_client_disconnect_while_kv_is_awaited_frees(pd_pair):
+    pre, dec, _, bport = pd_pair
+    body = {
+        "text": "gone soon",
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": bport,
+        "bootstrap_room": 77003,
+    }
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(dec.url + "/generate", json=body, timeout=0.5)
+    clean(pre, dec)
+
+
+def test_abort_request_during_the_wait_frees(pd_pair):
+    pre, dec, _, bport = pd_pair
+    body = {"text": "abort me", "rid": "pd-abort-1", "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
+            "bootstrap_room": 77004}  # fmt: skip
+    with cf.ThreadPoolExecutor(1) as ex:
+        f = ex.submit(httpx.post, dec.url + "/generate", json=body, timeout=60)
+        time.sleep(0.5)
+        assert (
+            httpx.post(dec.url + "/abort_request", json={"rid": "pd-abort-1"}, timeout=10).status_code == 200
+        )
+        r = f.result()
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+    clean(pre, dec)
