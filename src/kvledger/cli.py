@@ -8,7 +8,7 @@ import logging
 import sys
 
 from .config import EngineConfig, ServerConfig
-from .errors import KVLedgerError
+from .errors import KVLedgerError, ValidationError
 from .server.tools import PARSERS
 
 
@@ -134,6 +134,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.run import serve
 
     engine = engine_config(args)
+    if args.dp_size > 1:
+        return _serve_dp(args, engine)
     if engine.node_rank > 0:  # another machine of a multi-node group: its TP ranks, no HTTP
         from .parallel.node import run_node
 
@@ -141,6 +143,27 @@ def _serve(args: argparse.Namespace) -> int:
     names = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine"}
     serve(ServerConfig(**{k: v for k, v in vars(args).items() if k in names}, engine=engine))
     return 0
+
+
+def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
+    """``--dp-size N``: N replicas of this command behind SGLang's router (server/dp_launcher.py)."""
+    from .server.dp_launcher import serve_dp
+
+    if engine.disaggregation_mode is not None or engine.nnodes > 1:
+        raise ValidationError(
+            "--dp-size starts regular replicas on this machine (no PD, one node)", param="dp_size"
+        )
+    raw = args.raw_argv[args.raw_argv.index("serve") + 1 :]
+    return serve_dp(
+        raw,
+        args.host,
+        args.port,
+        args.dp_size,
+        args.router_policy,
+        args.num_threads,
+        args.api_key,
+        args.grace_period_s,
+    )
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -168,6 +191,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
+                   help="start this many replicas (ports --port+1..) behind SGLang's router on --port")  # fmt: skip
+    p.add_argument("--router-policy", default="cache_aware",
+                   choices=["cache_aware", "round_robin", "random", "power_of_two", "manual"],
+                   help="--dp-size: the router's load-balancing policy")  # fmt: skip
     for flag, dest, what in (
         (
             "--watchdog-timeout",
@@ -200,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(s)
     s.set_defaults(func=_serve)
     args = parser.parse_args(argv)
+    args.raw_argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -107,6 +107,11 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
     import zmq
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s engine: %(message)s")
+    from ..parallel.worker import die_with_parent
+
+    die_with_parent()  # a front killed outright (SIGKILL) must not leave its engine behind
+    if os.getppid() == 1:  # it died before the line above
+        return
     to_engine, from_engine = ipc_paths(ipc_dir, generation)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import uuid
 
 from fastapi import APIRouter, Request
@@ -75,6 +76,7 @@ async def server_info(request: Request):
         "sessions": await client.call("sessions"),
         "engine_restarts": client.restarts,
         "engine_pid": client.pid,
+        "server_pid": os.getpid(),
         "served_model_name": srv.name,
         "dp_size": 1,
         "disaggregation_mode": client.info.get("disaggregation_mode") or "null",
