@@ -115,7 +115,8 @@ class Router:
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             *args, "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"],
+             *args, "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
+             "--prometheus-port", str(free_port())],  # its exporter's default port would collide
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         deadline = time.monotonic() + timeout

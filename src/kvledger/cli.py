@@ -83,7 +83,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregation-bind-host", default=d.disaggregation_bind_host,
                    help="prefill: the address the bootstrap port binds (default: --host)")  # fmt: skip
     p.add_argument("--disaggregation-transfer-backend", default=d.disaggregation_transfer_backend,
-                   choices=["tcp"], help="tcp: the built-in KV transport (ZMQ over TCP)")  # fmt: skip
+                   choices=["tcp", "mooncake"],
+                   help="tcp: the built-in KV transport (ZMQ over TCP); mooncake: Mooncake's transfer engine (TCP)")  # fmt: skip
     for flag, dest, what in (
         ("--disaggregation-bootstrap-timeout", "disaggregation_bootstrap_timeout_s",
          "prefill: release a request's KV if no decode server claims and acknowledges it in this long"),

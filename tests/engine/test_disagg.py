@@ -14,9 +14,20 @@ import zmq
 
 from kvledger.common.disagg import FAKE_BOOTSTRAP_HOST, DisaggParams
 from kvledger.disagg import wire
+from kvledger.disagg.mooncake import available as mooncake_missing
 from tests.helpers import assert_idle_clean
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# The built-in transport always; Mooncake's engine where it is installed (.ci/run installs it).
+BACKENDS = pytest.mark.parametrize(
+    "backend",
+    [
+        "tcp",
+        pytest.param(
+            "mooncake", marks=pytest.mark.skipif(bool(mooncake_missing()), reason=str(mooncake_missing()))
+        ),
+    ],
+)
 
 
 def free_port() -> int:
@@ -31,11 +42,12 @@ def pd(make_engine):
     transfer is token-granular; connectors closed at teardown."""
     made = []
 
-    def build(prefill_kw=None, decode_kw=None, with_prefill=True):
+    def build(prefill_kw=None, decode_kw=None, with_prefill=True, backend="tcp"):
         port = free_port()
         pre = None
         if with_prefill:
             pre = make_engine(
+                disaggregation_transfer_backend=backend,
                 disaggregation_mode="prefill",
                 disaggregation_bootstrap_port=port,
                 disaggregation_bind_host="127.0.0.1",
@@ -44,7 +56,11 @@ def pd(make_engine):
             )
             made.append(pre)
         dec = make_engine(
-            disaggregation_mode="decode", disaggregation_bootstrap_port=port, page_size=4, **(decode_kw or {})
+            disaggregation_transfer_backend=backend,
+            disaggregation_mode="decode",
+            disaggregation_bootstrap_port=port,
+            page_size=4,
+            **(decode_kw or {}),
         )
         made.append(dec)
         return pre, dec, port
@@ -86,13 +102,14 @@ def stats(eng) -> dict:
 PROMPTS = [[5], list(range(3, 8)), list(range(20, 37)), [(7 * i) % 250 + 1 for i in range(41)]]
 
 
-def test_pd_greedy_equals_a_single_engine(pd, make_engine):
+@BACKENDS
+def test_pd_greedy_equals_a_single_engine(pd, make_engine, backend):
     ref_eng = make_engine()
     refs = [
         ref_eng.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 8})["output_ids"]
         for p in PROMPTS
     ]
-    pre, dec, port = pd()
+    pre, dec, port = pd(backend=backend)
     rids = []
     for i, p in enumerate(PROMPTS):
         sp = {**GREEDY, "max_new_tokens": 8}
@@ -107,12 +124,16 @@ def test_pd_greedy_equals_a_single_engine(pd, make_engine):
     assert stats(dec)["transfers_ok"] == len(PROMPTS) and stats(pre)["transfers_ok"] == len(PROMPTS)
     assert stats(dec)["tokens"] == sum(len(p) for p in PROMPTS)
     assert stats(dec)["frames_refused"] == 0
+    # Mooncake wrote the pages itself: no KV went through the control socket.
+    assert (stats(dec)["kv_frames"] == 0) == (backend == "mooncake")
+    assert (stats(pre)["kv_frames"] == 0) == (backend == "mooncake")
     assert_idle_clean(pre)
     assert_idle_clean(dec)
 
 
-def test_the_ledger_names_each_side_while_kv_is_in_flight(pd):
-    pre, dec, port = pd()
+@BACKENDS
+def test_the_ledger_names_each_side_while_kv_is_in_flight(pd, backend):
+    pre, dec, port = pd(backend=backend)
     p = list(range(30, 60))
     sp = {**GREEDY, "max_new_tokens": 4}
     pre.add_request(p, sp, rid="p7", disagg=room(port, 7))
@@ -136,8 +157,9 @@ def test_the_ledger_names_each_side_while_kv_is_in_flight(pd):
     assert_idle_clean(dec)
 
 
-def test_decode_prefix_cache_shortens_the_transfer(pd):
-    pre, dec, port = pd()
+@BACKENDS
+def test_decode_prefix_cache_shortens_the_transfer(pd, backend):
+    pre, dec, port = pd(backend=backend)
     p = list(range(40, 80))
     sp = {**GREEDY, "max_new_tokens": 3}
     outs = []
@@ -155,10 +177,11 @@ def test_decode_prefix_cache_shortens_the_transfer(pd):
 
 
 @pytest.mark.parametrize("ending", ["max_new_tokens_1", "stop_token_first"])
-def test_seed_003_a_request_finished_by_its_first_token_runs_every_release_hook(pd, ending):
+@BACKENDS
+def test_seed_003_a_request_finished_by_its_first_token_runs_every_release_hook(pd, ending, backend):
     """Seed 003: on the decode side's "prebuilt" path a request can be finished by prefill's first
     token alone, with no forward. It must end through the one release path, every hook called."""
-    pre, dec, port = pd()
+    pre, dec, port = pd(backend=backend)
     p = list(range(9, 30))
     sp = {**GREEDY, "max_new_tokens": 1}
     if ending == "stop_token_first":
@@ -228,8 +251,9 @@ def test_decode_never_claims_prefill_times_out_and_frees(pd):
     assert_idle_clean(pre)
 
 
-def test_abort_on_decode_while_waiting_frees_both_sides(pd):
-    pre, dec, port = pd()
+@BACKENDS
+def test_abort_on_decode_while_waiting_frees_both_sides(pd, backend):
+    pre, dec, port = pd(backend=backend)
     p = list(range(60, 90))
     dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 11))
     dec.step()
@@ -249,8 +273,9 @@ def test_abort_on_decode_while_waiting_frees_both_sides(pd):
     assert_idle_clean(dec)
 
 
-def test_abort_on_prefill_fails_the_decode_side_at_once(pd):
-    pre, dec, port = pd()
+@BACKENDS
+def test_abort_on_prefill_fails_the_decode_side_at_once(pd, backend):
+    pre, dec, port = pd(backend=backend)
     p = list(range(60, 200))
     dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 12))
     pre.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="p", disagg=room(port, 12))
@@ -357,3 +382,48 @@ def test_a_room_in_use_is_refused_before_anything_is_held(pd):
     drive([pre, dec], {id(pre): ["a"], id(dec): ["a"]})
     assert_idle_clean(pre)
     assert_idle_clean(dec)
+
+
+@pytest.mark.skipif(bool(mooncake_missing()), reason=str(mooncake_missing()))
+def test_mooncake_decode_keeps_its_pages_until_prefill_stops_writing(pd):
+    """With Mooncake, prefill writes into decode's pages directly: a decode request that ends with its
+    claim open keeps its pages (kv sending) until prefill answers that no write will come."""
+    pre, dec, port = pd(backend="mooncake")
+    p = list(range(60, 100))
+    dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 21))
+    dec.step()
+    time.sleep(0.2)  # the claim reaches prefill (which has no such request yet)
+    prefill_io = pre.core.connector.io
+    prefill_io.close()  # a prefill side that has gone quiet: it cannot answer
+    dec.abort("d")
+    dec.step()
+    assert owners(dec) == {"req d [kv sending]": -(-len(p) // 4)}  # held: prefill may still write
+    assert dec.result("d", pop=False)["meta_info"]["finish_reason"]["type"] == "abort"  # answered
+    dec.core.connector.timeout_s = 0.2
+    with dec.core.connector._lock:  # the drain's deadline (set from the old timeout) passes now
+        dec.core.connector._draining = {r: (rid, 0.0) for r, (rid, _) in dec.core.connector._draining.items()}
+    deadline = time.monotonic() + 10
+    while not dec.core.scheduler.idle:
+        assert time.monotonic() < deadline, owners(dec)
+        dec.step()
+        time.sleep(0.01)
+    assert owners(dec) == {}
+    assert_idle_clean(dec)
+
+
+@pytest.mark.skipif(bool(mooncake_missing()), reason=str(mooncake_missing()))
+def test_mooncake_drain_ends_when_prefill_confirms(pd):
+    pre, dec, port = pd(backend="mooncake")
+    p = list(range(60, 100))
+    dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 22))
+    dec.step()
+    time.sleep(0.2)
+    dec.abort("d")
+    deadline = time.monotonic() + 10
+    while not dec.core.scheduler.idle:  # prefill answers the Fail at once: the drain is short
+        assert time.monotonic() < deadline, owners(dec)
+        dec.step()
+        time.sleep(0.005)
+    assert dec.result("d")["meta_info"]["finish_reason"]["type"] == "abort"
+    assert_idle_clean(dec)
+    assert_idle_clean(pre)

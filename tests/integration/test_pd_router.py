@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from kvledger.disagg.mooncake import available as mooncake_missing
 from tests.integration.conftest import ENGINE_ARGS
 from tests.server_harness import Router, Server, free_port
 
@@ -215,3 +216,51 @@ def test_abort_request_during_the_wait_frees(pd_pair):
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
     clean(pre, dec)
+
+
+@pytest.mark.skipif(bool(mooncake_missing()), reason=str(mooncake_missing()))
+def test_a_mooncake_pair_through_the_router(chat_model, tmp_path):
+    """The same pair with Mooncake's transfer engine moving the KV (TCP, P2P handshake)."""
+    bport = free_port()
+    mc = ("--disaggregation-transfer-backend", "mooncake")
+    pre = Server(chat_model, *ENGINE_ARGS, *mc, "--disaggregation-mode", "prefill",
+                 "--disaggregation-bootstrap-port", str(bport), log_path=str(tmp_path / "prefill.log"))  # fmt: skip
+    dec = Server(chat_model, *ENGINE_ARGS, *mc, "--page-size", "4", "--disaggregation-mode", "decode",
+                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+    router = None
+    try:
+        pre.wait_healthy()
+        dec.wait_healthy()
+        router = Router(["--pd-disaggregation", "--prefill", pre.url, str(bport), "--decode", dec.url],
+                        str(tmp_path / "router.log"))  # fmt: skip
+        for text in PROMPTS:
+            body = {
+                "text": text,
+                "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+            }
+            whole = httpx.post(dec.url + "/generate", json=body, timeout=60).json()
+            via = httpx.post(router.url + "/generate", json=body, timeout=60)
+            assert via.status_code == 200 and via.json()["output_ids"] == whole["output_ids"], via.text
+        routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        kw = {
+            "model": "default",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        want = openai.OpenAI(base_url=dec.url + "/v1", api_key="none").chat.completions.create(**kw)
+        parts = [
+            c.choices[0].delta.content or ""
+            for c in routed.chat.completions.create(**kw, stream=True)
+            if c.choices
+        ]
+        assert "".join(parts) == want.choices[0].message.content
+        st = pd_stats(dec)
+        assert st["transfers_ok"] == len(PROMPTS) + 1 and st["kv_frames"] == 0, st  # Mooncake moved it all
+        assert httpx.get(dec.url + "/health_generate", timeout=30).status_code == 200
+        clean(pre, dec)
+    finally:
+        if router is not None:
+            router.stop()
+        for s in (pre, dec):
+            s.stop()

@@ -15,7 +15,7 @@ from ..errors import ValidationError
 from ..memory.pools import KVBuffer
 
 MODES = ("prefill", "decode")
-TRANSFER_BACKENDS = ("tcp",)
+TRANSFER_BACKENDS = ("tcp", "mooncake")
 
 
 def check_disagg_config(cfg: EngineConfig) -> None:
@@ -39,6 +39,15 @@ def check_disagg_config(cfg: EngineConfig) -> None:
     for name in ("disaggregation_bootstrap_timeout_s", "disaggregation_waiting_timeout_s"):
         if getattr(cfg, name) <= 0:
             raise ValidationError(f"{name} must be > 0", param=name)
+    if cfg.disaggregation_transfer_backend == "mooncake":
+        from .mooncake import available
+
+        why = available()
+        if why is not None:
+            raise ValidationError(
+                f"the mooncake transfer backend is not installed: {why}",
+                param="disaggregation_transfer_backend",
+            )
     for bad, what in (
         (cfg.tp_size > 1, "tensor parallelism (tp_size > 1)"),
         (cfg.speculative_algorithm == "STANDALONE", "a draft model (its KV would have to move too)"),
@@ -51,20 +60,32 @@ def check_disagg_config(cfg: EngineConfig) -> None:
 
 def make_connector(cfg: EngineConfig, kv: KVBuffer, abort) -> KVConnector | None:
     """The connector for ``cfg.disaggregation_mode`` (None when it is off)."""
+    if cfg.disaggregation_mode is None:
+        return None
+    host = cfg.disaggregation_bind_host or "127.0.0.1"
+    data = None
+    if cfg.disaggregation_transfer_backend == "mooncake":
+        from .mooncake import MooncakeData
+
+        data = MooncakeData(kv, host)
     if cfg.disaggregation_mode == "prefill":
         from .prefill import PrefillConnector
 
         return PrefillConnector(
             kv,
             cfg.page_size,
-            cfg.disaggregation_bind_host or "127.0.0.1",
+            host,
             cfg.disaggregation_bootstrap_port,
             cfg.disaggregation_bootstrap_timeout_s,
+            data,
         )
-    if cfg.disaggregation_mode == "decode":
-        from .decode import DecodeConnector
+    from .decode import DecodeConnector
 
-        return DecodeConnector(
-            kv, cfg.page_size, cfg.disaggregation_bootstrap_port, cfg.disaggregation_waiting_timeout_s, abort
-        )
-    return None
+    return DecodeConnector(
+        kv,
+        cfg.page_size,
+        cfg.disaggregation_bootstrap_port,
+        cfg.disaggregation_waiting_timeout_s,
+        abort,
+        data,
+    )

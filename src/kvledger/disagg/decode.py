@@ -50,12 +50,17 @@ class _RecvJob:
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
     done: bool = False
+    direct: bool = False  # claimed with a Mooncake target: prefill may write into the pages itself
+    prefill_stopped: bool = False  # prefill said it will write no more (Done or Fail)
     created: float = field(default_factory=time.monotonic)
 
 
 class DecodeConnector(KVConnector):
-    def __init__(self, kv: KVBuffer, page_size: int, default_port: int, timeout_s: float, abort: AbortFn):
+    def __init__(
+        self, kv: KVBuffer, page_size: int, default_port: int, timeout_s: float, abort: AbortFn, data=None
+    ):
         self.kv, self.page_size, self.default_port = kv, page_size, default_port
+        self.data = data  # a MooncakeData (mooncake.py): claims ask prefill to write the pages directly
         self.timeout_s, self.abort = timeout_s, abort
         self.layout = kv_copy.layout_of(kv)
         self.stats = TransferStats()
@@ -65,6 +70,10 @@ class DecodeConnector(KVConnector):
         self._recv_done: set[str] = set()
         self._first: dict[str, wire.Done] = {}  # rid -> prefill's first token, until the request takes it
         self._received: set[str] = set()  # rids whose KV came in (a retraction then recomputes locally)
+        # Mooncake: room -> (rid, deadline) of an ended request whose pages wait for prefill to stop
+        # writing; its rid is reported in get_finished's first set when it has.
+        self._draining: dict[int, tuple[str, float]] = {}
+        self._drained: set[str] = set()
         self._dealers: dict[str, zmq.Socket] = {}  # prefill address -> socket (I/O thread only)
         self.io = Endpoint("kvledger-pd-decode")
         self.io.on_frames, self.io.on_post, self.io.on_tick = self._on_frames, self._on_post, self._on_tick
@@ -99,13 +108,18 @@ class DecodeConnector(KVConnector):
                 self._first[req.rid] = wire.Done(d.room, end, 0)
                 self._recv_done.add(req.rid)
             return
-        locs = kv_copy.locations(req.pages, self.page_size, start, end)
+        ps = self.page_size
+        locs = kv_copy.locations(req.pages, ps, start, end)
         job = _RecvJob(
             req.rid, d.room, self._addr(d), start, end, locs, time.monotonic() + self.timeout_s, start
         )
+        target = None
+        if self.data is not None:
+            target = self.data.target(req.pages[start // ps : -(-end // ps)], ps)
+            job.direct = True
         with self._lock:
             self._jobs[d.room] = job
-        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids), self.layout)
+        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids), self.layout, target)
         self.io.post(("send", job.addr, claim))
 
     def received_output(self, req):
@@ -132,13 +146,20 @@ class DecodeConnector(KVConnector):
         if not d.fake and not received and (job is None or not job.done):
             # Ended before its KV came (aborted, refused in the queue, needs none): let prefill free.
             self.io.post(("send", self._addr(d), wire.Fail(d.room, _why(req.to_finish))))
+            if job is not None and job.direct and not job.prefill_stopped:
+                # Prefill may be writing into these pages right now: keep them until it says it
+                # stopped (or the timeout passes).
+                with self._lock:
+                    self._draining[d.room] = (req.rid, time.monotonic() + self.timeout_s)
+                return True
         return False
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self._lock:
             done, self._recv_done = self._recv_done, set()
             self._received |= done
-        return set(), done
+            drained, self._drained = self._drained, set()
+        return drained, done
 
     def close(self) -> None:
         self.io.close()
@@ -186,6 +207,11 @@ class DecodeConnector(KVConnector):
             return self._refuse(addr, str(e))
         with self._lock:
             job = self._jobs.get(msg.room)
+            draining = self._draining.get(msg.room) if job is None else None
+            if draining is not None and isinstance(msg, wire.Done | wire.Fail):
+                del self._draining[msg.room]
+                self._drained.add(draining[0])  # prefill has stopped writing: the pages may go
+                return None
         if job is None or job.addr != addr:
             return self._refuse(addr, f"room {msg.room} is not expected from this prefill server")
         if isinstance(msg, wire.KVData):
@@ -193,6 +219,7 @@ class DecodeConnector(KVConnector):
         elif isinstance(msg, wire.Done):
             self._on_done(job, msg, addr)
         elif isinstance(msg, wire.Fail):
+            job.prefill_stopped = True
             self.stats.transfers_failed += 1
             self._fail(
                 job, f"the prefill server failed this request: {msg.reason}", "kv_transfer_failed", False
@@ -216,9 +243,12 @@ class DecodeConnector(KVConnector):
             a = msg.start - job.start
             kv_copy.scatter(self.kv, job.locs[a : a + msg.count], payload, self.layout)
             job.next += msg.count
+        self.stats.kv_frames += 1
 
     def _on_done(self, job: _RecvJob, msg: wire.Done, addr: str) -> None:
-        if msg.num_tokens != job.num_tokens or job.next != job.num_tokens:
+        job.prefill_stopped = True
+        complete = job.next == job.num_tokens or (msg.direct and job.direct)
+        if msg.num_tokens != job.num_tokens or not complete:
             return self._refuse(addr, f"done at {job.next} of {job.num_tokens} tokens", job)
         with job.lock:
             if job.cancelled:
@@ -237,6 +267,13 @@ class DecodeConnector(KVConnector):
     def _on_tick(self, now: float) -> None:
         with self._lock:
             late = [j for j in self._jobs.values() if not j.done and not j.cancelled and now > j.deadline]
+            for room, (rid, deadline) in list(self._draining.items()):
+                if now > deadline:
+                    log.warning(
+                        "PD decode: room %d: prefill never confirmed it stopped; pages released", room
+                    )
+                    del self._draining[room]
+                    self._drained.add(rid)
         for job in late:
             self.stats.transfers_timed_out += 1
             log.warning("PD decode: room %d: no KV from %s in %.0fs", job.room, job.addr, self.timeout_s)

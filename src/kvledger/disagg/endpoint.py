@@ -34,6 +34,7 @@ class TransferStats:
     frames_refused: int = 0  # wrong sizes, a foreign room, a bad header: counted, never applied
     tokens: int = 0
     bytes: int = 0
+    kv_frames: int = 0  # KVData frames sent/received (0 when Mooncake writes the pages)
     seconds: float = 0.0  # claim -> acknowledged (prefill) / admitted -> received (decode)
 
     def as_dict(self) -> dict:
@@ -69,13 +70,18 @@ class Endpoint:
 
     def post(self, item) -> None:
         """Hand ``item`` to the I/O thread (``on_post``)."""
-        self._posts.put(item)
         with self._wake_lock:
+            if self._stop.is_set():
+                return  # closed: the thread (and its sockets) are gone
+            self._posts.put(item)
             self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def close(self) -> None:
-        self._stop.set()
+        """Stop the thread and close the sockets (idempotent)."""
         with self._wake_lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
             self._wake_tx.send(b"", zmq.NOBLOCK)
         self._thread.join(timeout=2)
 
@@ -104,8 +110,9 @@ class Endpoint:
                     self.on_tick(now)
             except Exception:  # the transport must outlive any one bad message
                 log.exception("KV transfer I/O thread: unexpected error")
-        for sock in [*self._sockets, self._wake_rx, self._wake_tx]:
-            sock.close(linger=0)
+        with self._wake_lock:
+            for sock in [*self._sockets, self._wake_rx, self._wake_tx]:
+                sock.close(linger=0)
 
     def _drain(self, sock: zmq.Socket, peer: str) -> None:
         while True:

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from ..connector import KVConnector
@@ -40,6 +41,7 @@ class _SendJob:
     peer: bytes | None = None  # the claimant's ZMQ identity, once it claimed
     start: int = 0
     sent_at: float | None = None
+    direct: bool = False  # the claimant asked for Mooncake writes
 
 
 @dataclass
@@ -50,8 +52,9 @@ class _Claim:
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, kv: KVBuffer, page_size: int, bind_host: str, port: int, timeout_s: float):
+    def __init__(self, kv: KVBuffer, page_size: int, bind_host: str, port: int, timeout_s: float, data=None):
         self.kv, self.page_size, self.timeout_s = kv, page_size, timeout_s
+        self.data = data  # a MooncakeData (mooncake.py), or None: KV goes as KVData frames
         self.layout = kv_copy.layout_of(kv)
         self.stats = TransferStats()
         self._lock = threading.Lock()
@@ -166,12 +169,17 @@ class PrefillConnector(KVConnector):
         elif isinstance(msg, wire.Fail):
             with self._lock:
                 job = self._jobs.get(msg.room)
+                pending = self._claims.pop(msg.room, None)
+                direct = (job is not None and job.direct) or (
+                    pending is not None and pending.claim.mooncake is not None
+                )
                 if job is not None and job.peer in (None, peer):
                     del self._jobs[msg.room]
                     self._release(job, "failed")
                 else:  # not finished yet, or not even arrived (the router posts to both at once)
                     self._gone[msg.room] = time.monotonic()
-                self._claims.pop(msg.room, None)
+                if direct:  # a Mooncake claimant holds its pages until told no write will come
+                    self._send(peer, wire.Fail(msg.room, "stopped: no more writes for this room"))
             log.info("PD prefill: decode gave up room %d: %s", msg.room, msg.reason)
         else:
             self.stats.frames_refused += 1
@@ -199,6 +207,13 @@ class PrefillConnector(KVConnector):
             return "the prompt differs from the one prefilled for this room"
         if not 0 <= claim.start <= claim.num_tokens:
             return f"start {claim.start} outside the prompt of {claim.num_tokens} tokens"
+        t = claim.mooncake
+        if t is not None and self.data is not None:
+            want = -(-claim.num_tokens // t.page_size) - claim.start // t.page_size if t.page_size > 0 else -1
+            if t.page_size < 1 or len(t.pages) != want:
+                return f"the claim names {len(t.pages)} pages for tokens {claim.start}..{claim.num_tokens}"
+            if any(not 0 <= p < t.num_locations // t.page_size for p in t.pages):
+                return "the claim names pages outside its pool"
         return None
 
     def _start(self, job: _SendJob, peer: bytes, claim: wire.Claim) -> None:
@@ -211,11 +226,26 @@ class PrefillConnector(KVConnector):
             self._send(peer, wire.Fail(claim.room, why))
             return
         job.peer, job.start = peer, claim.start
+        if claim.mooncake is not None and self.data is not None:
+            job.direct = True
+            if claim.start < job.num_tokens:
+                locs = kv_copy.locations(job.pages, self.page_size, claim.start, job.num_tokens)
+                rc = self.data.write(locs, claim.mooncake, claim.start, self.layout)
+                if rc != 0:
+                    log.warning("PD prefill: mooncake write for room %d failed (%d)", job.room, rc)
+                    del self._jobs[job.room]
+                    self._release(job, "failed")
+                    self._send(peer, wire.Fail(job.room, f"the mooncake write failed ({rc})"))
+                    return
+            self._send(peer, msgspec.structs.replace(job.first, direct=True))
+            job.sent_at = time.monotonic()
+            return
         for a in range(claim.start, job.num_tokens, CHUNK_TOKENS):
             b = min(a + CHUNK_TOKENS, job.num_tokens)
             locs = kv_copy.locations(job.pages, self.page_size, a, b)
             payload = kv_copy.gather(self.kv, locs).numpy()
             self._send(peer, wire.KVData(job.room, a, b - a), payload)
+            self.stats.kv_frames += 1
         self._send(peer, job.first)
         job.sent_at = time.monotonic()
 
@@ -244,8 +274,7 @@ class PrefillConnector(KVConnector):
                         self._send(job.peer, wire.Fail(room, "prefill timed out"))
             for room, c in list(self._claims.items()):
                 if now - c.at > t:
-                    del self._claims[room]
-                    self.stats.transfers_timed_out += 1
+                    del self._claims[room]  # (counted by the decode side, whose wait timed out)
                     self._send(c.peer, wire.Fail(room, "no prefill request for this room"))
             for room, at in list(self._gone.items()):
                 if now - at > t:

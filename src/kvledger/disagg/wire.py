@@ -21,7 +21,7 @@ import msgspec
 
 MAGIC = b"KVL"
 VERSION = 1
-MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 4 * 1024 * 1024  # a Mooncake claim lists its pages (8 bytes or so per page)
 
 
 class WireError(Exception):
@@ -42,12 +42,25 @@ class Layout(msgspec.Struct, frozen=True):
         return 2 * self.num_layers * self.kv_heads * self.head_dim * self.itemsize
 
 
+class MooncakeTarget(msgspec.Struct, frozen=True):
+    """Where a Mooncake write goes (``mooncake.py``): the decode side's engine and KV tensors
+    (``[layers, kv_heads, num_locations, head_dim]`` each) and the pages of the claimed positions."""
+
+    session: str  # "host:rpc_port" of the decode side's transfer engine
+    k_base: int
+    v_base: int
+    num_locations: int
+    page_size: int
+    pages: list[int]  # pages of positions start..num_tokens (from page start // page_size)
+
+
 class Claim(msgspec.Struct, tag="claim"):
     room: int
     num_tokens: int  # the prompt's length
     start: int  # tokens before this come from decode's own prefix cache
     tokens_crc: int  # crc32 of the prompt's token ids: the same prompt on both sides
     layout: Layout
+    mooncake: MooncakeTarget | None = None  # None: send the KV as KVData frames
 
 
 class KVData(msgspec.Struct, tag="kv"):
@@ -62,6 +75,7 @@ class Done(msgspec.Struct, tag="done"):
     first_token: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
+    direct: bool = False  # the KV was written into decode's pages by Mooncake (no KVData frames)
 
 
 class Ack(msgspec.Struct, tag="ack"):

@@ -48,7 +48,9 @@ class IdPool:
     def _take(self, n: int, owner: str) -> list[int] | None:
         if n > len(self._free):
             return None
-        ids = self._free[len(self._free) - n :]
+        # Reversed: a fresh pool hands out ascending runs (0, 1, 2, ...), so a request's pages are
+        # contiguous locations as often as possible (one block per run for a KV transfer).
+        ids = self._free[len(self._free) - n :][::-1]
         del self._free[len(self._free) - n :]
         for i in ids:
             self._is_free[i] = 0

@@ -1,0 +1,222 @@
+"""PD disaggregation and DP replicas on this machine, side by side in one run.
+
+    python bench/disagg.py [--skip-http] [--num-prompts 16] [--input-len 256] [--output-len 32]
+
+1. Transfer cost: a prefill engine and a decode engine (SmolLM2, fp32) in this process; the prefill
+   side finishes a prompt and holds its KV, then the decode side claims it; the time from the claim to
+   the KV in decode's pages, per token of KV, for the built-in transport and Mooncake's (if installed).
+2. End to end over HTTP with `kvledger bench` (random prompts, fixed concurrency): one server; two
+   replicas behind SGLang's router (`serve --dp-size 2`); a prefill + decode pair behind the router in
+   PD mode. On 2 cores neither is expected to be faster than one server (the processes share the same
+   two cores); the figures say what the extra hop costs.
+
+Writes bench/out/disagg.json and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- 1. transfer cost -------------------------------------------------------------------------------------
+def transfer_cost(backend: str, lengths: list[int], rounds: int) -> list[dict]:
+    from kvledger import Engine
+    from kvledger.common.disagg import DisaggParams
+    from kvledger.model import load_model
+
+    loaded = load_model(None)
+    port = free_port()
+    common = {"dtype": "float32", "page_size": 16, "max_total_tokens": 16384, "loaded_model": loaded,
+              "disaggregation_transfer_backend": backend}  # fmt: skip
+    pre = Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **common)
+    dec = Engine(disaggregation_mode="decode", disaggregation_bootstrap_port=port, **common)
+    vocab = loaded.config.vocab_size
+    rows = []
+    room = 0
+    try:
+        for n in lengths:
+            times = []
+            for _ in range(rounds):
+                room += 1
+                prompt = [(room * 7919 + 31 * i) % (vocab - 10) + 5 for i in range(n)]  # no shared prefix
+                d = DisaggParams("127.0.0.1", port, room)
+                pre.add_request(prompt, {"max_new_tokens": 1}, rid=f"p{room}", disagg=d)
+                while pre.result(f"p{room}") is None:
+                    pre.step()
+                before = dec.core.connector.stats.transfers_ok
+                t0 = time.perf_counter()
+                dec.add_request(prompt, {"max_new_tokens": 1}, rid=f"d{room}", disagg=d)
+                deadline = time.monotonic() + 60
+                while dec.core.connector.stats.transfers_ok == before:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no transfer: {dec.core.connector_stats()} {dec.result(f'd{room}', pop=False)}")
+                    dec.step()
+                    time.sleep(0.002 * (not dec.core.last_step_ran))  # as the server's loop polls
+                times.append(time.perf_counter() - t0)
+                dec.run_until_idle()
+                dec.result(f"d{room}")
+                pre.run_until_idle()
+                dec.flush_cache()
+                pre.flush_cache()
+            best = min(times[1:] if rounds > 1 else times)  # the first round warms the sockets
+            per_token = dec.core.info.kv_bytes_per_token
+            rows.append({"backend": backend, "tokens": n, "ms": best * 1e3, "us_per_token": best / n * 1e6,
+                         "MB_per_s": n * per_token / best / 1e6, "kv_bytes_per_token": per_token})  # fmt: skip
+            print(
+                f"  {backend:8s} {n:5d} tokens: {best * 1e3:7.1f} ms  {best / n * 1e6:6.1f} us/token",
+                flush=True,
+            )
+    finally:
+        for eng in (pre, dec):
+            eng.shutdown()
+    return rows
+
+
+# -- 2. end to end ----------------------------------------------------------------------------------------
+class Procs:
+    def __init__(self, logdir: Path):
+        self.procs: list[subprocess.Popen] = []
+        self.logdir = logdir
+
+    def start(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.logdir / f"{name}.log", "w")  # noqa: SIM115 - lives as long as the process
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGINT)
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        self.procs = []
+
+
+def wait_up(url: str, path: str = "/v1/models", timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def bench(url: str, label: str, args, out: Path) -> dict:
+    path = out / f"{label}.json"
+    cmd = [sys.executable, "-m", "kvledger", "bench", "--base-url", url, "--label", label,
+           "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--concurrency", str(args.concurrency),
+           "--warmup", "2", "--output", str(path), "--no-progress"]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    return json.loads(path.read_text())["runs"][0]
+
+
+def end_to_end(args, out: Path) -> list[dict]:
+    py = [sys.executable, "-m", "kvledger", "serve", "--log-level", "warning", "--page-size", "16"]
+    router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+              "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]  # fmt: skip
+    rows = []
+    procs = Procs(out)
+    try:
+        port = free_port()
+        procs.start("single", [*py, "--port", str(port)])
+        wait_up(f"http://127.0.0.1:{port}")
+        rows.append({"system": "one server", **bench(f"http://127.0.0.1:{port}", "single", args, out)})
+        procs.stop()
+
+        port = free_port()
+        procs.start("dp2", [*py, "--port", str(port), "--dp-size", "2", "--router-policy", "round_robin"])
+        wait_up(f"http://127.0.0.1:{port}")
+        rows.append(
+            {"system": "DP 2 replicas + router", **bench(f"http://127.0.0.1:{port}", "dp2", args, out)}
+        )
+        procs.stop()
+
+        bport, pport, dport, rport = free_port(), free_port(), free_port(), free_port()
+        threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+        procs.start("prefill", [*py, *threads, "--port", str(pport), "--disaggregation-mode", "prefill",
+                                "--disaggregation-bootstrap-port", str(bport)])  # fmt: skip
+        procs.start("decode", [*py, *threads, "--port", str(dport), "--disaggregation-mode", "decode"])
+        wait_up(f"http://127.0.0.1:{pport}")
+        wait_up(f"http://127.0.0.1:{dport}")
+        procs.start("router", [*router, "--port", str(rport), "--pd-disaggregation", "--prefill",
+                               f"http://127.0.0.1:{pport}", str(bport), "--decode", f"http://127.0.0.1:{dport}"])  # fmt: skip
+        wait_up(f"http://127.0.0.1:{rport}", "/health")
+        rows.append(
+            {"system": "PD prefill + decode + router", **bench(f"http://127.0.0.1:{rport}", "pd", args, out)}
+        )
+        info = httpx.get(f"http://127.0.0.1:{dport}/get_server_info", timeout=10).json()["disaggregation"]
+        rows[-1]["pd_decode_stats"] = info
+    finally:
+        procs.stop()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="128,512,1024")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=4)
+    args = ap.parse_args()
+    from kvledger.disagg.mooncake import available
+
+    out = ROOT / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    print("KV transfer, claim -> KV in decode's pages (best of rounds after the first):")
+    cost = transfer_cost("tcp", lengths, args.rounds)
+    if available() is None:
+        cost += transfer_cost("mooncake", lengths, args.rounds)
+    else:
+        print(f"  mooncake: skipped ({available()})")
+    e2e = [] if args.skip_http else end_to_end(args, Path(tempfile.mkdtemp(prefix="kvledger-disagg-")))
+    (out / "disagg.json").write_text(json.dumps({"transfer": cost, "end_to_end": e2e}, indent=2, default=str))
+    print("\n| backend | tokens | ms | us/token | MB/s |\n|---|---|---|---|---|")
+    for r in cost:
+        print(
+            f"| {r['backend']} | {r['tokens']} | {r['ms']:.1f} | {r['us_per_token']:.1f} | {r['MB_per_s']:.0f} |"
+        )
+    if e2e:
+        print(
+            "\n| system | output tok/s | TTFT p50 ms | ITL p50 ms | e2e p50 ms | failed |\n|---|---|---|---|---|---|"
+        )
+        for r in e2e:
+            print(f"| {r['system']} | {r['output_tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} | "
+                  f"{r['itl_ms']['p50']:.0f} | {r['e2e_ms']['p50']:.0f} | {r['failed']} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
