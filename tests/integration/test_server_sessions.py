@@ -187,8 +187,14 @@ def test_abort_of_a_queued_turn(srv):
                     },
                 )
             )
-            await asyncio.sleep(0.2)
-            assert (await c.post("/abort_request", json={"rid": "queued-turn"})).status_code == 200
+            # On a loaded 2-core box the turn may take a moment to reach the engine: 404 until then.
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                assert not queued.done(), "the turn finished before it could be aborted in the queue"
+                if (await c.post("/abort_request", json={"rid": "queued-turn"})).status_code == 200:
+                    break
+            else:
+                raise AssertionError("the queued turn was never known to the server")
             r = await queued
             assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
             await asyncio.gather(*blockers)
