@@ -87,6 +87,15 @@ def drive(engines, rids_by_engine, timeout=30.0) -> dict:
     return results
 
 
+def until_idle(eng, timeout: float = 10.0) -> None:
+    """Step ``eng`` until it is idle, giving its transport thread time between steps."""
+    deadline = time.monotonic() + timeout
+    while not eng.core.scheduler.idle:
+        assert time.monotonic() < deadline, owners(eng)
+        eng.step()
+        time.sleep(0.005)
+
+
 def room(port: int, n: int, host: str = "127.0.0.1") -> DisaggParams:
     return DisaggParams(host, port, n)
 
@@ -241,11 +250,7 @@ def test_decode_never_claims_prefill_times_out_and_frees(pd):
     pre.add_request(list(range(5, 25)), {"max_new_tokens": 4}, rid="p", disagg=room(port, 1))
     drive([pre], {id(pre): ["p"]})
     assert owners(pre) == {"req p [kv sending]": 2}
-    deadline = time.monotonic() + 10
-    while not pre.core.scheduler.idle:
-        assert time.monotonic() < deadline
-        pre.step()
-        time.sleep(0.01)
+    until_idle(pre)
     assert stats(pre)["transfers_timed_out"] == 1
     assert pre.memory()["kv_cached_evictable"] > 0  # the KV was valid: it went to the prefix cache
     assert_idle_clean(pre)
@@ -299,11 +304,7 @@ def test_a_claim_for_a_different_prompt_is_refused(pd):
     assert fr["type"] == "abort" and "prompt differs" in fr["message"]
     assert stats(pre)["frames_refused"] == 1
     pre.core.connector.timeout_s = 0.1  # the true claimant never comes: let it time out
-    deadline = time.monotonic() + 10
-    while not pre.core.scheduler.idle:
-        assert time.monotonic() < deadline
-        pre.step()
-        time.sleep(0.01)
+    until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)
 
@@ -402,11 +403,7 @@ def test_mooncake_decode_keeps_its_pages_until_prefill_stops_writing(pd):
     dec.core.connector.timeout_s = 0.2
     with dec.core.connector._lock:  # the drain's deadline (set from the old timeout) passes now
         dec.core.connector._draining = {r: (rid, 0.0) for r, (rid, _) in dec.core.connector._draining.items()}
-    deadline = time.monotonic() + 10
-    while not dec.core.scheduler.idle:
-        assert time.monotonic() < deadline, owners(dec)
-        dec.step()
-        time.sleep(0.01)
+    until_idle(dec)
     assert owners(dec) == {}
     assert_idle_clean(dec)
 
@@ -419,11 +416,7 @@ def test_mooncake_drain_ends_when_prefill_confirms(pd):
     dec.step()
     time.sleep(0.2)
     dec.abort("d")
-    deadline = time.monotonic() + 10
-    while not dec.core.scheduler.idle:  # prefill answers the Fail at once: the drain is short
-        assert time.monotonic() < deadline, owners(dec)
-        dec.step()
-        time.sleep(0.005)
+    until_idle(dec)
     assert dec.result("d")["meta_info"]["finish_reason"]["type"] == "abort"
     assert_idle_clean(dec)
     assert_idle_clean(pre)
