@@ -5,8 +5,9 @@ Scheduler side (rank 0, with the books):
   * ``check_request(req)``: refuse a request before it is queued (a room already in use).
   * ``get_num_new_matched_tokens(req, num_computed)`` -> ``(n, load_async)``: how many tokens beyond
     the local prefix match can be loaded (all but the last prompt token; with ``load_async`` the
-    whole prompt, when the connector also delivers the first output token: ``received_output``). With ``n > 0`` the scheduler allocates pages for them
-    (they are the request's PRIVATE pages, owner ``req X [waiting for kv]`` while they arrive).
+    whole prompt, when the connector also delivers the first output token: ``received_output``).
+    With ``n > 0`` the scheduler allocates pages for them (they are the request's PRIVATE pages,
+    owner ``req X [waiting for kv]`` while they arrive).
   * ``update_state_after_alloc(req, pages, n)``: where those tokens go.
   * ``build_connector_meta(sched_out)``: what the worker side needs for this step.
   * ``request_finished(req)`` (a release hook: called on every ending, before the release) -> True

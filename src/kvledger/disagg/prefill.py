@@ -131,8 +131,9 @@ class PrefillConnector(KVConnector):
         frames = [peer, wire.encode(msg)] + ([payload] if payload is not None else [])
         self.sock.send_multipart(frames, copy=payload is None)
 
-    def _release(self, job: _SendJob, outcome: str) -> None:
-        """The job's pages may go: report its rid (caller holds the lock and removed the job)."""
+    def _job_done(self, job: _SendJob, outcome: str) -> None:
+        """Report the job's rid through get_finished, so the scheduler releases its pages through the
+        one release path (caller holds the lock and removed the job); count the outcome."""
         self._done.add(job.rid)
         st = self.stats
         if outcome == "ok":
@@ -165,7 +166,7 @@ class PrefillConnector(KVConnector):
                     log.warning("PD prefill: refused an ack for room %d (not sent to that peer)", msg.room)
                     return
                 del self._jobs[msg.room]
-                self._release(job, "ok")
+                self._job_done(job, "ok")
         elif isinstance(msg, wire.Fail):
             with self._lock:
                 job = self._jobs.get(msg.room)
@@ -175,7 +176,7 @@ class PrefillConnector(KVConnector):
                 )
                 if job is not None and job.peer in (None, peer):
                     del self._jobs[msg.room]
-                    self._release(job, "failed")
+                    self._job_done(job, "failed")
                 else:  # not finished yet, or not even arrived (the router posts to both at once)
                     self._gone[msg.room] = time.monotonic()
                 if direct:  # a Mooncake claimant holds its pages until told no write will come
@@ -234,7 +235,7 @@ class PrefillConnector(KVConnector):
                 if rc != 0:
                     log.warning("PD prefill: mooncake write for room %d failed (%d)", job.room, rc)
                     del self._jobs[job.room]
-                    self._release(job, "failed")
+                    self._job_done(job, "failed")
                     self._send(peer, wire.Fail(job.room, f"the mooncake write failed ({rc})"))
                     return
             self._send(peer, msgspec.structs.replace(job.first, direct=True))
@@ -267,7 +268,7 @@ class PrefillConnector(KVConnector):
             for room, job in list(self._jobs.items()):
                 if now - (job.sent_at or job.created) > t:
                     del self._jobs[room]
-                    self._release(job, "timeout")
+                    self._job_done(job, "timeout")
                     what = "an acknowledgement" if job.sent_at else "a decode server to claim it"
                     log.warning("PD prefill: room %d waited %.0fs for %s: released", room, t, what)
                     if job.peer is not None:

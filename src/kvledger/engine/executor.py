@@ -19,7 +19,8 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. An empty ``sched.reqs`` runs no forward but still applies the page-table
-        changes (pages admitted for KV that is arriving) and reports the connector's finished transfers. Raises if the forward fails (the engine then isolates the fault)."""
+        changes (pages admitted for KV that is arriving) and reports the connector's finished
+        transfers. Raises if the forward fails (the engine then isolates the fault)."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook; nothing to release in-process
         """Release worker resources (processes, process groups)."""
