@@ -70,7 +70,9 @@ def transfer_cost(backend: str, lengths: list[int], rounds: int) -> list[dict]:
                 deadline = time.monotonic() + 60
                 while dec.core.connector.stats.transfers_ok == before:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"no transfer: {dec.core.connector_stats()} {dec.result(f'd{room}', pop=False)}")
+                        raise RuntimeError(
+                            f"no transfer: {dec.core.connector_stats()} {dec.result(f'd{room}', pop=False)}"
+                        )
                     dec.step()
                     time.sleep(0.002 * (not dec.core.last_step_ran))  # as the server's loop polls
                 times.append(time.perf_counter() - t0)

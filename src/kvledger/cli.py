@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile the forward with torch.compile (faster decode; compiles at start-up)",
     )
-    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--page-size", type=int, default=None,
+                   help=f"tokens per KV page (default {d.page_size}; 16 with --enable-hierarchical-cache)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
@@ -92,6 +93,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          "decode: fail (502) and release a request whose KV has not arrived in this long"),
     ):  # fmt: skip
         p.add_argument(flag, dest=dest, type=float, default=getattr(d, dest), help=f"{what} (seconds)")
+    p.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="back the prefix cache with host memory (L2) and, with a storage backend, files (L3)")  # fmt: skip
+    p.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
+                   help="L2 size as a multiple of the KV pool (when --hicache-size is 0)")  # fmt: skip
+    p.add_argument(
+        "--hicache-size", type=float, default=d.hicache_size, help="L2 size in GB (0: use the ratio)"
+    )
+    p.add_argument("--hicache-write-policy", default=d.hicache_write_policy,
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="when a prefix is copied to L2: when cached, on its second hit, or when evicted")  # fmt: skip
+    p.add_argument("--hicache-storage-backend", default=d.hicache_storage_backend, choices=["file"],
+                   help="an L3 tier: one file per KV page under --hicache-storage-dir (survives restarts)")  # fmt: skip
+    p.add_argument(
+        "--hicache-storage-dir", default=d.hicache_storage_dir, help="where L3 files live (made 0700)"
+    )
+    p.add_argument("--hicache-salt", default=d.hicache_salt,
+                   help="per-deployment salt of the page keys (default: a random one kept in the storage dir)")  # fmt: skip
+    p.add_argument("--hicache-load-back-threshold", type=int, default=d.hicache_load_back_threshold,
+                   help="L2 matches shorter than this many tokens are recomputed")  # fmt: skip
+    p.add_argument("--hicache-prefetch-threshold", type=int, default=d.hicache_prefetch_threshold,
+                   help="L3 hits shorter than this many tokens are not prefetched")  # fmt: skip
+    p.add_argument("--hicache-prefetch-timeout", dest="hicache_prefetch_timeout_s", type=float,
+                   default=d.hicache_prefetch_timeout_s,
+                   help="seconds a queued request waits for its L3 prefetch")  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -100,6 +125,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
+    if values.get("page_size") is None:
+        values["page_size"] = 16 if values.get("enable_hierarchical_cache") else EngineConfig().page_size
     if values.get("disaggregation_mode") == "null":  # SGLang's spelling of "off"
         values["disaggregation_mode"] = None
     if values.get("disaggregation_bind_host") is None and getattr(args, "host", None):

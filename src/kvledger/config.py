@@ -95,6 +95,28 @@ class EngineConfig:
     disaggregation_waiting_timeout_s: float = 300.0
     """decode: how long an admitted request waits for its KV before it fails (502) and is released."""
 
+    enable_hierarchical_cache: bool = False
+    """Back the radix cache with a host-memory tier (L2) and optionally files (L3): a prefix evicted
+    from the KV pool is loaded back instead of recomputed (``hicache/``, SGLang's HiCache)."""
+    hicache_ratio: float = 2.0
+    """L2 size as a multiple of the KV pool (used when hicache_size is 0)."""
+    hicache_size: float = 0.0
+    """L2 size in GB (0: use hicache_ratio)."""
+    hicache_write_policy: str = "write_through"
+    """write_through: copy a prefix to L2 when it is cached; write_through_selective: on its second
+    hit; write_back: when it is evicted from the KV pool."""
+    hicache_storage_backend: str | None = None
+    """None | file: an L3 tier of one file per page under hicache_storage_dir (survives restarts)."""
+    hicache_storage_dir: str | None = None
+    hicache_salt: str | None = None
+    """Salt of the page-key chain (per deployment). None: a random one kept in the storage dir."""
+    hicache_load_back_threshold: int = 16
+    """L2 matches shorter than this many tokens are recomputed rather than loaded."""
+    hicache_prefetch_threshold: int = 64
+    """An L3 hit shorter than this many tokens is not prefetched."""
+    hicache_prefetch_timeout_s: float = 2.0
+    """How long a queued request waits for its L3 prefetch before it is computed without it."""
+
     def replace(self, **changes) -> EngineConfig:
         known = {f.name for f in fields(self)}
         unknown = set(changes) - known

@@ -3,13 +3,18 @@ tier) or must be sent elsewhere, modelled on vLLM's ``KVConnectorBase_V1``.
 
 Scheduler side (rank 0, with the books):
   * ``check_request(req)``: refuse a request before it is queued (a room already in use).
+  * ``request_queued(req)``: the request is in the waiting queue (every refusal is behind it): a
+    connector may start fetching its KV (the hierarchical cache's L3 prefetch).
   * ``get_num_new_matched_tokens(req, num_computed)`` -> ``(n, load_async)``: how many tokens beyond
     the local prefix match can be loaded (all but the last prompt token; with ``load_async`` the
     whole prompt, when the connector also delivers the first output token: ``received_output``).
+    ``n is None``: not known yet (a fetch still running); the scheduler admits others and asks again.
     With ``n > 0`` the scheduler allocates pages for them (they are the request's PRIVATE pages,
     owner ``req X [waiting for kv]`` while they arrive).
   * ``update_state_after_alloc(req, pages, n)``: where those tokens go.
   * ``build_connector_meta(sched_out)``: what the worker side needs for this step.
+  * ``step_finished()``: the step's forward is over (or failed); take in finished async work.
+  * ``has_pending``: async work in flight that the engine must keep stepping for (not idle).
   * ``request_finished(req)`` (a release hook: called on every ending, before the release) -> True
     to keep the request's pages until an async save ends (the request is then SENDING, owner
     ``req X [kv sending]``); its release happens when ``get_finished`` reports the rid done, through
@@ -36,7 +41,10 @@ class KVConnector:
         """Refuse ``req`` before it is queued (raise a KVLedgerError); the last check of a submit."""
         return None
 
-    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
+    def request_queued(self, req) -> None:
+        return None
+
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
@@ -47,6 +55,17 @@ class KVConnector:
 
     def request_finished(self, req) -> bool:
         return False
+
+    def step_finished(self) -> None:
+        return None
+
+    @property
+    def has_pending(self) -> bool:
+        return False
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait for the async work in flight (before a flush); False if it did not end in time."""
+        return True
 
     def received_output(self, req) -> tuple[list[int], list, list] | None:
         """Tokens the remote side already sampled for ``req`` (PD: prefill's first token), as

@@ -17,6 +17,7 @@ from ..connector import KVConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..disagg import check_disagg_config, make_connector
 from ..errors import ValidationError
+from ..hicache import HiCacheConnector, TierBooks, build_tiers, check_hicache_config
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
 from ..model.linear import QUANTIZATIONS
@@ -72,6 +73,7 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
     _check_quantization(cfg, resolve_dtype(cfg.dtype, device, cfg.quantization), device)
     check_spec_config(cfg)
     check_disagg_config(cfg)
+    check_hicache_config(cfg)
     if cfg.tp_size < 1 or cfg.nnodes < 1 or cfg.tp_size % cfg.nnodes:
         raise ValidationError("tp_size must be a positive multiple of nnodes", param="tp_size")
     if not 0 <= cfg.node_rank < cfg.nnodes:
@@ -165,6 +167,9 @@ class EngineCore:
         total = num_pages * ps
         context = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total)
         self.cfg = cfg.replace(max_total_tokens=total, context_length=context)
+        tiers = None
+        if cfg.enable_hierarchical_cache:
+            tiers = build_tiers(cfg, loaded.path, mc, lc, self.dtype, num_pages, device)
         self.kv_manager = KVManager(
             num_pages=num_pages,
             page_size=ps,
@@ -172,8 +177,17 @@ class EngineCore:
             enable_prefix_cache=cfg.enable_prefix_cache,
             strict=cfg.strict_memory,
             holdings=lambda: self.scheduler.holdings(),
+            tiers=tiers,
         )
         runner = _runner(self.cfg, self.model, device)
+        if tiers is not None:
+            if connector is not None:
+                raise ValidationError(
+                    "the hierarchical cache is a KV connector itself; pass one or the other"
+                )
+            tiers.bind(runner.kv_buffer)
+            connector = HiCacheConnector(tiers)
+            self.kv_manager.ledger.tiers = TierBooks(tiers, connector)
         if connector is None and cfg.disaggregation_mode is not None:
             # The connector reaches the scheduler (built below) only through its thread-safe abort.
             connector = make_connector(cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a))
@@ -382,8 +396,11 @@ class EngineCore:
         return len(sids)
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache. Refused (False) while requests run: their pages are locked."""
-        if not self.scheduler.idle:
+        """Drop the prefix cache (every tier but the L3 files). Refused (False) while requests run:
+        their pages are locked. File I/O still in flight is waited for first."""
+        if self.scheduler.has_requests:
+            return False
+        if self.connector is not None and not self.connector.drain():
             return False
         self.kv_manager.tree.flush()
         return True

@@ -46,11 +46,19 @@ class KVManager:
         enable_prefix_cache: bool,
         strict: bool,
         holdings: Callable[[], Iterable[Holding]],
+        tiers=None,
     ):
         self.page_size = page_size
         self.pages = PagePool(num_pages, page_size)
         self.slots = ReqSlotPool(num_slots)
-        self.tree = RadixCache(page_size, self._free_evicted, enabled=enable_prefix_cache)
+        self.tiers = tiers  # hicache/tiers.py: the L2 and L3 tiers under the tree (None: L1 only)
+        if tiers is not None:
+            from ..hicache.tree import HiRadixCache
+
+            self.tree: RadixCache = HiRadixCache(page_size, self._free_evicted, tiers)
+            tiers.tree, tiers.kv_manager = self.tree, self
+        else:
+            self.tree = RadixCache(page_size, self._free_evicted, enabled=enable_prefix_cache)
         self.ledger = Ledger(self.pages, self.slots, self.tree, holdings, strict)
         self.sessions = SessionKV(self)
         self.double_frees = 0
@@ -59,13 +67,16 @@ class KVManager:
     def free(self, pages: list[int], by: str) -> None:
         doubles = self.pages.free(pages, by)
         if doubles:
-            # Never silently: the audit cannot see a double free after the fact, so report it now.
-            self.double_frees += len(doubles)
-            self.ledger.violations += len(doubles)
-            msg = f"double free of pages {doubles[:20]} by {by}"
-            if self.ledger.strict:
-                raise MemoryLedgerError(msg)
-            log.error(msg)
+            self.report_double_free(doubles, by)
+
+    def report_double_free(self, doubles: list[int], by: str, tier: str = "L1") -> None:
+        # Never silently: the audit cannot see a double free after the fact, so report it now.
+        self.double_frees += len(doubles)
+        self.ledger.violations += len(doubles)
+        msg = f"double free of {tier} pages {doubles[:20]} by {by}"
+        if self.ledger.strict:
+            raise MemoryLedgerError(msg)
+        log.error(msg)
 
     def _free_evicted(self, pages: list[int]) -> None:
         self.free(pages, "radix eviction")

@@ -33,6 +33,7 @@ class Holding:
     borrowed_pages: Sequence[int] = ()  # pages read, owned by someone else
     slot: int | None = None
     borrowed_from: str | None = None  # None: the radix tree (under a lock); else the owning session
+    host_pages: Sequence[int] = ()  # L2 pages (hierarchical cache): a demoted idle session's KV
 
 
 @dataclass
@@ -41,23 +42,28 @@ class AuditReport:
     double_pages: dict[int, list[str]] = field(default_factory=dict)  # page -> its owners
     leaked_slots: dict[int, str] = field(default_factory=dict)
     double_slots: dict[int, list[str]] = field(default_factory=dict)
+    leaked_host_pages: dict[int, str] = field(default_factory=dict)  # L2 (hierarchical cache)
+    double_host_pages: dict[int, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+
+    def _parts(self) -> tuple:
+        return (
+            self.leaked_pages,
+            self.double_pages,
+            self.leaked_slots,
+            self.double_slots,
+            self.leaked_host_pages,
+            self.double_host_pages,
+            self.problems,
+        )
 
     @property
     def ok(self) -> bool:
-        return not (
-            self.leaked_pages or self.double_pages or self.leaked_slots or self.double_slots or self.problems
-        )
+        return not any(self._parts())
 
     @property
     def num_violations(self) -> int:
-        return (
-            len(self.leaked_pages)
-            + len(self.double_pages)
-            + len(self.leaked_slots)
-            + len(self.double_slots)
-            + len(self.problems)
-        )
+        return sum(len(p) for p in self._parts())
 
     def describe(self, limit: int = 20) -> str:
         parts = []
@@ -73,6 +79,8 @@ class AuditReport:
         show("pages with several owners", self.double_pages)
         show("leaked request slots (last owner)", self.leaked_slots)
         show("request slots with several owners", self.double_slots)
+        show("leaked L2 pages (last owner)", self.leaked_host_pages)
+        show("L2 pages with several owners", self.double_host_pages)
         parts.extend(self.problems[:limit])
         return "; ".join(parts) if parts else "ok"
 
@@ -99,6 +107,7 @@ class Ledger:
         self.violations = 0
         self.reclaimed_pages = 0
         self.last_report: AuditReport | None = None
+        self.tiers = None  # hicache/books.py TierBooks: the L2 tier's books, when the hierarchy is on
 
     # -- figures ----------------------------------------------------------------------------------
     def page_counts(self) -> dict[str, int]:
@@ -133,6 +142,7 @@ class Ledger:
             "kv_session": c["session"] * ps,
             "req_slots_total": self.slots.num_slots,
             "req_slots_free": self.slots.num_free,
+            **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
             "leak_check": {"ok": self.violations == 0, "checks": self.checks, "violations": self.violations},
             # The audits' cost: the last one's and all of them together.
             "audit": {
@@ -187,6 +197,8 @@ class Ledger:
                 f"slot conservation broken: free {self.slots.num_free} + used {c['slots_used']}"
                 f" != total {self.slots.num_slots}"
             )
+        if self.tiers is not None:
+            problems.extend(self.tiers.conservation_problems(list(self.holdings())))
         if problems:
             report = self.audit(count=False)
             report.problems[:0] = problems
@@ -237,8 +249,10 @@ class Ledger:
                     report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")
                 elif h.borrowed_from is not None and p not in session_pages.get(h.borrowed_from, ()):
                     report.problems.append(f"{h.owner} reads page {p}, which {h.borrowed_from} does not hold")
-        _classify(owners, self.pages.last_owner, report.leaked_pages, report.double_pages)
-        _classify(slot_owners, self.slots.last_owner, report.leaked_slots, report.double_slots)
+        classify(owners, self.pages.last_owner, report.leaked_pages, report.double_pages)
+        classify(slot_owners, self.slots.last_owner, report.leaked_slots, report.double_slots)
+        if self.tiers is not None:
+            self.tiers.audit(report, holdings)
         if count:
             self.checks += 1
             self.last_audit_seconds = time.perf_counter() - t0
@@ -262,9 +276,11 @@ class Ledger:
             self.reclaimed_pages += len(report.leaked_pages)
         for s in report.leaked_slots:
             self.slots.free(s, by="ledger reclaim")
+        if self.tiers is not None:
+            self.tiers.reclaim(report)
 
 
-def _classify(owners: dict[int, list[str]], last_owner: list[str], leaked: dict, double: dict) -> None:
+def classify(owners: dict[int, list[str]], last_owner: list[str], leaked: dict, double: dict) -> None:
     """Ids with no owner are leaks (named by their last owner); with several, double ownership."""
     for i in range(len(last_owner)):
         o = owners.get(i)

@@ -4,6 +4,11 @@ Each node holds a run of tokens (a multiple of ``page_size``) and the KV pages t
 with ``lock_ref > 0`` is *protected* (some live request reads it); otherwise it is *evictable*, and
 unlocked leaves are evicted least recently used first. The tree owns its pages: it is the only one
 that frees them (on eviction or flush).
+
+With the hierarchical cache (``hicache/tree.py``) a node may also hold a host (L2) copy, ``host``,
+and may have lost its L1 ``pages``: L1 stays closed under prefixes (a node with L1 pages has a parent
+with L1 pages), so the L1 match stops at the first node without them and a longer match continues
+in L2. The plain tree never has such nodes; the hooks below are no-ops in it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class TreeNode:
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    host: list[int] = field(default_factory=list)  # L2 pages of the same tokens (hierarchical cache)
+    hit_count: int = 0  # requests that matched or inserted it (write_through_selective)
     id: int = field(default_factory=lambda: next(_node_ids))  # names the node in the ledger's page map
 
     @property
@@ -72,11 +79,14 @@ class RadixCache:
             parent=node.parent,
             lock_ref=node.lock_ref,
             last_access=node.last_access,
+            host=node.host[: at // ps],
+            hit_count=node.hit_count,
         )
         assert node.parent is not None
         node.parent.children[self._child_key(upper.key, 0)] = upper
         node.key = node.key[at:]
         node.pages = node.pages[at // ps :]
+        node.host = node.host[at // ps :]
         node.parent = upper
         upper.children[self._child_key(node.key, 0)] = node
         return upper
@@ -90,7 +100,7 @@ class RadixCache:
         now = self._tick()
         while len(tokens) - at >= self.page_size:
             child = node.children.get(self._child_key(tokens, at))
-            if child is None:
+            if child is None or not child.pages:  # no L1 pages: the rest is the host tier's to match
                 break
             m = self._match_len(child.key, tokens, at)
             if m == 0:
@@ -98,22 +108,24 @@ class RadixCache:
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
+            self._hit(child)
             pages.extend(child.pages)
             at += m
             node = child
         return pages, node
 
     def insert(self, tokens: list[int], pages: list[int]) -> int:
-        """Insert a page-aligned run; returns how many leading tokens were already cached.
+        """Insert a page-aligned run; returns how many leading tokens were already cached in L1.
 
         The caller still owns ``pages`` for that already-cached prefix (duplicates) and must free
-        them; the pages of the newly inserted rest now belong to the tree.
+        them; the pages of the rest now belong to the tree: a new leaf, or nodes that had only a
+        host copy (hierarchical cache), which take them as their L1 pages.
         """
         assert len(tokens) % self.page_size == 0 and len(pages) * self.page_size == len(tokens)
         if not self.enabled or not tokens:
             return 0
         ps = self.page_size
-        node, at = self.root, 0
+        node, at, present = self.root, 0, 0
         now = self._tick()
         while at < len(tokens):
             child = node.children.get(self._child_key(tokens, at))
@@ -121,14 +133,34 @@ class RadixCache:
                 leaf = TreeNode(key=tokens[at:], pages=pages[at // ps :], parent=node, last_access=now)
                 node.children[self._child_key(tokens, at)] = leaf
                 self.evictable_pages += len(leaf.pages)
-                return at
+                self._inserted(leaf)
+                return present
             m = self._match_len(child.key, tokens, at)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
+            if child.pages:
+                present = at + m  # L1 is closed under prefixes: every node so far had pages too
+            else:
+                child.pages = pages[at // ps : (at + m) // ps]  # adopted: L2 node gets its L1 back
+                self._count_pages(child, len(child.pages))
             at += m
             node = child
-        return at
+        return present
+
+    def _count_pages(self, node: TreeNode, n: int) -> None:
+        """Counters for ``n`` L1 pages that ``node`` gained (negative: lost)."""
+        if node.lock_ref > 0:
+            self.protected_pages += n
+        else:
+            self.evictable_pages += n
+
+    # Hooks of the hierarchical cache (no-ops here).
+    def _hit(self, node: TreeNode) -> None:
+        """``node`` was matched by a request."""
+
+    def _inserted(self, node: TreeNode) -> None:
+        """``node`` is a new leaf holding freshly computed KV."""
 
     def inc_lock(self, node: TreeNode) -> None:
         while node is not self.root:

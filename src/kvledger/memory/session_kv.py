@@ -23,6 +23,7 @@ class Session:
     timeout_s: float | None
     tokens: list[int] = field(default_factory=list)  # the conversation so far
     pages: list[int] = field(default_factory=list)  # SESSION pages: KV of tokens[:kv_len]
+    host: list[int] = field(default_factory=list)  # ... or, demoted while idle, its L2 pages
     kv_len: int = 0
     busy_rid: str | None = None
     closing: bool = False  # close requested while a turn runs (close_on_finish)
@@ -38,25 +39,30 @@ class SessionKV:
     def __init__(self, kv_manager):
         self.kv_manager = kv_manager
         self.by_id: dict[str, Session] = {}
-        self.evictions = 0  # idle sessions whose KV was dropped for room
+        self.evictions = 0  # idle sessions whose KV was dropped (or demoted to L2) for room
 
     def idle_pages(self) -> int:
         return sum(len(s.pages) for s in self.by_id.values() if s.busy_rid is None)
 
     def holdings(self):
         for s in self.by_id.values():
-            yield Holding(owner=s.owner, kind="session", own_pages=s.pages)
+            yield Holding(owner=s.owner, kind="session", own_pages=s.pages, host_pages=s.host)
 
     def borrow(self, req) -> list[int]:
-        """The session pages a turn reads; at least one token is always computed."""
+        """The session pages a turn reads; at least one token is always computed. A session
+        demoted to L2 while idle is loaded back first."""
         s = req.session
+        if s.host:
+            self.kv_manager.tiers.promote_session(s)
         n = min(s.kv_len, req.session_offset, req.reuse_limit) // self.kv_manager.page_size
         return s.pages[:n]
 
     def free_pages(self, s: Session) -> None:
         assert s.busy_rid is None, "a running turn borrows these pages"
         self.kv_manager.free(s.pages, s.owner)
-        s.pages = []
+        if s.host:
+            self.kv_manager.tiers.host_free(s.host, s.owner)
+        s.pages, s.host = [], []
         s.kv_len = 0
 
     def release(self, s: Session) -> None:
@@ -65,16 +71,19 @@ class SessionKV:
         self.by_id.pop(s.id, None)
 
     def evict_idle(self, n: int) -> None:
-        """Drop idle sessions' KV, least recently used first, so that sessions never starve normal
-        requests. The sessions stay open; their next turn recomputes from their tokens."""
+        """Take idle sessions' KV out of L1, least recently used first, so that sessions never
+        starve normal requests: demoted to L2 with the hierarchical cache (loaded back on the next
+        turn), else dropped (the next turn recomputes from the session's tokens)."""
         idle = sorted(
             (s for s in self.by_id.values() if s.busy_rid is None and s.pages), key=lambda s: s.last_used
         )
+        tiers = self.kv_manager.tiers
         for s in idle:
             if n <= 0:
                 return
             n -= len(s.pages)
-            self.free_pages(s)
+            if tiers is None or not tiers.demote_session(s):
+                self.free_pages(s)
             self.evictions += 1
 
     def release_turn(self, req, commit: bool, final: bool) -> None:

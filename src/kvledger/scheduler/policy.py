@@ -32,6 +32,7 @@ class BatchPolicy:
     def __init__(self, sched):
         self.s = sched  # the Scheduler: its queues, KVManager, connector, proposer, config
         self._admit_counter = itertools.count(1)
+        self.deferred: set[str] = set()  # waiting requests a connector asked to wait this step
 
     # -- retraction --------------------------------------------------------------------------------
     def retract(self, req: Req) -> None:
@@ -105,11 +106,16 @@ class BatchPolicy:
 
     # -- prefills -----------------------------------------------------------------------------------
     def _admit(self, req: Req, budget: int, reserve_pages: int) -> Chunk | None:
-        """Admit the first waiting request: slot, cached prefix, external KV, pages for its chunk."""
+        """Admit a waiting request: slot, cached prefix, external KV, pages for its chunk. A request
+        the connector is still fetching KV for is deferred (``self.deferred``; nothing held)."""
         s = self.s
         if not s.kv_manager.admit(req):
             return None
         ext, load_async = s.connector.get_num_new_matched_tokens(req, req.kv_len)
+        if ext is None:
+            s.kv_manager.release(req, commit=False, final=False)
+            self.deferred.add(req.rid)
+            return None
         # Loaded KV leaves the last prompt token to compute, unless it arrives async with the remote
         # side's first output token (PD decode: ``Scheduler._join_received``).
         ext = min(ext, req.seq_len - req.kv_len - (0 if load_async else 1))
@@ -119,7 +125,7 @@ class BatchPolicy:
         if not fits or not s.kv_manager.allocate(req, ext + (0 if load_async else n)):
             s.kv_manager.release(req, commit=False, final=False)
             return None
-        s.waiting.popleft()
+        s.waiting.remove(req)
         req.admitted_seq = next(self._admit_counter)
         if req.num_retractions == 0:
             req.cached_tokens = req.kv_len + ext
@@ -147,14 +153,15 @@ class BatchPolicy:
                     return out
                 out.append(Chunk(req, n))
                 budget -= n
-        while (
-            s.waiting and budget > 0 and len(s.running) + len(s.waiting_for_kv) < s.cfg.max_running_requests
-        ):
-            req = s.waiting[0]
+        for req in list(s.waiting):
+            if budget <= 0 or len(s.running) + len(s.waiting_for_kv) >= s.cfg.max_running_requests:
+                return out
             if req.to_finish is not None:
                 return out
             chunk = self._admit(req, budget, reserve_pages)
             if chunk is None:
+                if req.rid in self.deferred:
+                    continue  # its KV is still being fetched: the next one may go first
                 return out
             if chunk.num_tokens:
                 out.append(chunk)
@@ -174,6 +181,7 @@ class BatchPolicy:
 
     def schedule(self) -> list[Chunk]:
         s = self.s
+        self.deferred.clear()
         batch = self._schedule_once()
         # Progress guarantee: running requests that all wait for pages (say, several long prompts
         # admitted chunk by chunk) would wait forever. Retract the newest until the oldest can move.
@@ -190,6 +198,7 @@ class BatchPolicy:
             and not s.waiting_for_kv
             and s.waiting
             and s.waiting[0].to_finish is None
+            and s.waiting[0].rid not in self.deferred
         ):
             # Nothing runs and the first waiting request still cannot be admitted: it never will be.
             self.mark_too_big(s.waiting[0])

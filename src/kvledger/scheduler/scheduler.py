@@ -103,6 +103,8 @@ class Scheduler:
         self.waiting.append(req)
         if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None:
             req.mark_finish(FinishReason("length"))  # nothing to compute (scoring still runs the prompt)
+        else:
+            self.connector.request_queued(req)
 
     def abort(
         self, rid: str, message: str = "aborted by the client", status: int = 200, code: str | None = None
@@ -131,15 +133,21 @@ class Scheduler:
             yield self.kv_manager.holding(r)
 
     @property
-    def idle(self) -> bool:
+    def has_requests(self) -> bool:
         return (
-            not (self.running or self.waiting or self.waiting_for_kv or self.sending) and self._inbox.empty()
+            bool(self.running or self.waiting or self.waiting_for_kv or self.sending)
+            or not self._inbox.empty()
         )
 
     @property
+    def idle(self) -> bool:
+        return not self.has_requests and not self.connector.has_pending
+
+    @property
     def has_pending_kv(self) -> bool:
-        """Requests waiting on the connector (a load to arrive, a save to end)."""
-        return bool(self.waiting_for_kv or self.sending)
+        """Requests waiting on the connector (a load to arrive, a save to end), or the connector's own
+        async work (the hierarchical cache's file I/O)."""
+        return bool(self.waiting_for_kv or self.sending) or self.connector.has_pending
 
     # -- the one release path -------------------------------------------------------------------------
     def _finish(self, req: Req) -> None:
@@ -240,6 +248,7 @@ class Scheduler:
             for i, sr in enumerate(sched.reqs):
                 self._apply(self.reqs[sr.rid], sr, result, i)
             self._connector_done(result)
+        self.connector.step_finished()
         self.settle()
         self._check_books()
         out, self._outputs = self._outputs, []

@@ -84,6 +84,21 @@ class Metrics:
         self.pd_transfer_seconds = Gauge(
             "kvledger_pd_transfer_seconds", "PD: seconds spent in completed transfers", registry=r
         )
+        self.hicache_tokens = Gauge(
+            "kvledger_hicache_tokens", "Hierarchical cache: L2 tokens by state", ["state"], registry=r
+        )
+        self.hicache_events = Gauge(
+            "kvledger_hicache_events",
+            "Hierarchical cache: running totals (tokens, pages, ops)",
+            ["event"],
+            registry=r,
+        )
+        self.hicache_l3 = Gauge(
+            "kvledger_hicache_l3", "Hierarchical cache: L3 files and bytes", ["what"], registry=r
+        )
+        self.hicache_l3_rejected = Gauge(
+            "kvledger_hicache_l3_rejected", "L3 files refused on read (a miss)", ["reason"], registry=r
+        )
         self.engine_restarts = Counter("kvledger_engine_restarts", "Engine process restarts", registry=r)
         self.watchdog_stalls = Counter(
             "kvledger_watchdog_stalls", "Engine stalls caught by the watchdog", registry=r
@@ -115,6 +130,23 @@ class Metrics:
         self.audit_last_seconds.set(m["audit"]["last_ms"] / 1000)
         self.audit_seconds.set(m["audit"]["seconds_total"])
         self.audit_violations.set(m["leak_check"]["violations"])
+        h = m.get("hicache")
+        if h:
+            self._update_hicache(h)
+
+    def _update_hicache(self, h: dict) -> None:
+        for state in ("total", "free", "cached", "loading", "storing", "prefetching", "session"):
+            self.hicache_tokens.labels(state).set(h[f"l2_{state}"])
+        for event in (
+            "backed_up_pages", "l1_demoted_pages", "l2_evicted_pages", "l2_hit_tokens", "l3_hit_tokens",
+            "prefetches", "prefetches_cancelled", "stores", "session_demotions", "session_promotions",
+        ):  # fmt: skip
+            self.hicache_events.labels(event).set(h[event])
+        if h.get("storage_backend"):
+            for what in ("l3_files", "l3_bytes", "pages_written", "pages_read", "write_errors"):
+                self.hicache_l3.labels(what).set(h[what])
+            for reason, n in h["rejected"].items():
+                self.hicache_l3_rejected.labels(reason).set(n)
 
     def observe_verify(self, tokens: int) -> None:
         self.spec_accept_length.observe(tokens)
