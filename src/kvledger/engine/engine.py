@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -117,7 +118,11 @@ class Engine:
         with self._lock:
             outs = self.core.step()
             self._apply(outs)
-            return outs
+        if not self.core.last_step_ran and not outs and self.core.scheduler.has_pending_kv:
+            # Only waiting on a connector's I/O thread (a transfer, a file read): yield the GIL and
+            # the core to it instead of spinning (the engine process polls every 2 ms the same way).
+            time.sleep(0.001)
+        return outs
 
     def generate(
         self,

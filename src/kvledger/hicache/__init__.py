@@ -58,6 +58,8 @@ def check_hicache_config(cfg) -> None:
         (not cfg.enable_prefix_cache, "a disabled prefix cache"),
         (cfg.tp_size > 1, "tensor parallelism"),
         (cfg.disaggregation_mode is not None, "prefill/decode disaggregation"),
+        # The draft model's K/V lives beside L1's in the same locations; L2 does not carry it.
+        (cfg.speculative_algorithm == "STANDALONE", "a draft model (STANDALONE)"),
     ):
         if bad:
             raise ValidationError(
