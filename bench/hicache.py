@@ -109,7 +109,9 @@ def main() -> int:
     (out / "hicache.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\n{args.families} families x {args.prefix}-token prefix x {args.turns} turns, c=1; "
           f"L1 {l1} tokens = 1/4 of the working set ({working_set}); SmolLM2 {args.dtype}; outputs equal\n")  # fmt: skip
-    print("| configuration | TTFT p50 | TTFT p50, second half | cached / prompt tokens | L2 hit | L3 hit | start |")
+    print(
+        "| configuration | TTFT p50 | TTFT p50, second half | cached / prompt tokens | L2 hit | L3 hit | start |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         h = r["hicache"]
