@@ -166,11 +166,17 @@ def test_abort_of_a_queued_turn(srv):
 
     async def main():
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            # Long enough to still run when the turn comes (300 tokens took under 0.4 s on a quiet box:
+            # the turn was admitted, not queued); aborted once the check is done.
             blockers = [
                 asyncio.create_task(
                     c.post(
                         "/generate",
-                        json={"input_ids": [i + 3] * 5, "sampling_params": {**G, "max_new_tokens": 300}},
+                        json={
+                            "input_ids": [i + 3] * 5,
+                            "rid": f"blocker-{i}",
+                            "sampling_params": {**G, "max_new_tokens": 1000},
+                        },
                     )
                 )
                 for i in range(8)
@@ -197,6 +203,8 @@ def test_abort_of_a_queued_turn(srv):
                 raise AssertionError("the queued turn was never known to the server")
             r = await queued
             assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+            for i in range(8):
+                await c.post("/abort_request", json={"rid": f"blocker-{i}"})
             await asyncio.gather(*blockers)
 
     asyncio.run(main())

@@ -386,6 +386,8 @@ class EngineCore:
             self.abort(rid, "the engine is shutting down")
         while not self.scheduler.idle:
             self.step()
+            if not self.last_step_ran:
+                time.sleep(0.001)  # only file or transfer I/O left: let its thread have the GIL
         sids = list(self.sessions.sessions)
         for sid in sids:
             self.close_session(sid)
