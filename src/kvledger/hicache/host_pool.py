@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.pools import IdPool, KVBuffer
+from ..memory.pools import KVBuffer, PagePool
 
 
-class HostPool(IdPool):
+class HostPool(PagePool):
     def __init__(
         self,
         num_pages: int,
@@ -28,9 +28,7 @@ class HostPool(IdPool):
         dtype: torch.dtype,
         pin_memory: bool = False,
     ):
-        super().__init__(num_pages)
-        self.num_pages = num_pages
-        self.page_size = page_size
+        super().__init__(num_pages, page_size)  # ids, free list and last owners as L1's pool
         # empty, not zeros: the OS maps host pages in as they are first written, so an unused L2
         # costs no resident memory.
         self.data = torch.empty(
@@ -42,17 +40,6 @@ class HostPool(IdPool):
     @property
     def page_bytes(self) -> int:
         return self.data[0].numel() * self.data.element_size()
-
-    def alloc(self, n: int, owner: str) -> list[int] | None:
-        return self._take(n, owner)
-
-    def free(self, pages: list[int], by: str) -> list[int]:
-        """Returns the pages that were already free (double frees; the caller reports them)."""
-        return self._give_back(pages, by)
-
-    def set_owner(self, pages: list[int], owner: str) -> None:
-        for p in pages:
-            self.last_owner[p] = owner
 
     def pinned(self, pages: list[int]) -> bool:
         return any(self.pins[p] or self.storing[p] for p in pages)

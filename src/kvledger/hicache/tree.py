@@ -87,21 +87,9 @@ class HiRadixCache(RadixCache):
         no L1 pages: (their L2 pages, the deepest such node). Whole nodes only: a partly matched node
         is split first, so a load is all-or-nothing per node."""
         host: list[int] = []
-        now = self._tick()
-        while len(tokens) - at >= self.page_size:
-            child = node.children.get(self._child_key(tokens, at))
-            if child is None or child.pages or not child.host:
-                break
-            m = self._match_len(child.key, tokens, at)
-            if m == 0:
-                break
-            if m < len(child.key):
-                child = self._split(child, m)
-            child.last_access = now
-            child.hit_count += 1
-            host.extend(child.host)
-            at += m
-            node = child
+        for node in self.descend(node, tokens, at, lambda c: not c.pages and bool(c.host)):  # noqa: B020
+            node.hit_count += 1
+            host.extend(node.host)
         return host, node
 
     def covered(self, tokens: list[int]) -> int:

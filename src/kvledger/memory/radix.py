@@ -92,26 +92,35 @@ class RadixCache:
         return upper
 
     # -- public API -------------------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
-        """Longest cached page-aligned prefix of ``tokens``: (its pages, the deepest node matched)."""
-        node, pages, at = self.root, [], 0
-        if not self.enabled:
-            return pages, node
+    def descend(
+        self, node: TreeNode, tokens: list[int], at: int, take: Callable[[TreeNode], bool]
+    ) -> Iterator[TreeNode]:
+        """Follow ``tokens[at:]`` down from ``node`` through the children ``take`` accepts, yielding
+        each matched node whole (a partly matched one is split first) with its access time updated."""
         now = self._tick()
         while len(tokens) - at >= self.page_size:
             child = node.children.get(self._child_key(tokens, at))
-            if child is None or not child.pages:  # no L1 pages: the rest is the host tier's to match
-                break
+            if child is None or not take(child):
+                return
             m = self._match_len(child.key, tokens, at)
             if m == 0:
-                break
+                return
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
-            self._hit(child)
-            pages.extend(child.pages)
+            yield child
             at += m
             node = child
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], TreeNode]:
+        """Longest cached page-aligned prefix of ``tokens``: (its pages, the deepest node matched)."""
+        node, pages = self.root, []
+        if not self.enabled:
+            return pages, node
+        # A node without L1 pages ends the match: the rest is the host tier's (hicache/tree.py).
+        for node in self.descend(self.root, tokens, 0, lambda c: bool(c.pages)):
+            self._hit(node)
+            pages.extend(node.pages)
         return pages, node
 
     def insert(self, tokens: list[int], pages: list[int]) -> int:
