@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvledger import Engine
 from kvledger.errors import ValidationError
-from kvledger.model.linear import Linear, quantize_int4, quantize_int8
+from kvledger.model.linear import Linear, can_prepack, quantize_int4, quantize_int8
 
 
 def test_quantize_int8_roundtrip_error_is_half_a_step():
@@ -94,3 +95,20 @@ def test_quantized_engine_close_to_fp32(tiny_llama, mode):
     out = eng8.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 24, "temperature": 0})
     assert len(out["output_ids"]) >= 1
     assert eng8.audit().ok, eng8.audit().describe()
+
+
+@pytest.mark.skipif(not can_prepack(torch.empty(1, dtype=torch.bfloat16)), reason="oneDNN without bf16 here")
+@pytest.mark.parametrize("rows", [1, 2, 7, 32, 300])
+def test_prepacked_bf16_linear_is_bit_identical_to_f_linear(rows):
+    """The oneDNN-prepacked weight gives exactly F.linear's result at any row count (the layout is
+    chosen for 32 rows) and replaces the dense copy; unpack brings the same weight back."""
+    torch.manual_seed(3)
+    w, b = torch.randn(80, 64).bfloat16(), torch.randn(80).bfloat16()
+    x = torch.randn(rows, 64).bfloat16()
+    lin = Linear(w.clone(), b.clone())
+    assert lin.packed is not None and lin.w is None and lin.packed_bytes() == w.numel() * 2
+    assert torch.equal(lin(x), F.linear(x, w, b))
+    lin.unpack()
+    assert lin.packed is None and torch.equal(lin.w, w) and torch.equal(lin(x), F.linear(x, w, b))
+    fp32 = Linear(w.float())
+    assert fp32.packed is None  # the fp32 reference path stays F.linear

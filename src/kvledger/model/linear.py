@@ -19,6 +19,17 @@ from torch import nn
 
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP = 32
+PACK_ROWS_HINT = 32  # oneDNN picks the blocked layout for this many rows; 1..256 all run well with it
+
+
+def can_prepack(w: torch.Tensor) -> bool:
+    """oneDNN prepacking applies to bf16 weights on a CPU whose oneDNN has bf16 kernels."""
+    return (
+        w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +67,7 @@ class Linear(nn.Module):
         quantization: str | None = None,
         small_rows: int = 4,
         source: torch.Tensor | None = None,
+        prepack: bool = True,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -84,6 +96,21 @@ class Linear(nn.Module):
             self.q_scale = (
                 torch.stack([scale.t(), zero.t()], dim=-1).to(device=w.device, dtype=w.dtype).contiguous()
             )
+        # An opaque oneDNN tensor; a plain attribute (not a parameter: module utilities that walk
+        # parameters, such as weight_bytes or state_dict, cannot read its storage).
+        self.packed: torch.Tensor | None = None
+        if prepack and can_prepack(w):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+            self.w = None
+
+    def unpack(self) -> None:
+        """Bring back the dense weight (for ``torch.compile``, whose freezing pass packs it again)."""
+        if self.packed is not None:
+            self.w = nn.Parameter(self.packed.to_dense(), requires_grad=False)
+            self.packed = None
+
+    def packed_bytes(self) -> int:
+        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Inside torch.compile the quantized branch would add a size guard and a second graph to
@@ -95,4 +122,6 @@ class Linear(nn.Module):
             else:
                 y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
             return y if self.b is None else y + self.b
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)

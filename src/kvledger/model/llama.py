@@ -218,6 +218,9 @@ class LlamaModel:
     def enable_compile(self) -> None:
         """Run forwards through ``torch.compile`` (dynamic token count; weights frozen and prepacked).
         Compilation happens on the first forwards of each new shape class (tens of seconds)."""
+        for m in self.net.modules():
+            if isinstance(m, Linear):
+                m.unpack()
         self.compiled = torch.compile(self.net, dynamic=True, options={"freezing": True})
 
     def weight_bytes(self) -> int:
@@ -229,7 +232,7 @@ class LlamaModel:
             if ptr not in seen:
                 seen.add(ptr)
                 n += t.untyped_storage().nbytes()
-        return n
+        return n + sum(m.packed_bytes() for m in self.net.modules() if isinstance(m, Linear))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None) -> torch.Tensor:
