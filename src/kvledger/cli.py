@@ -34,9 +34,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default=d.quantization,
-        choices=["int8", "int4"],
+        choices=["auto", "none", "int8", "int4"],
         help="weight-only int8 / int4 (groups of 32, Q4_1-exact) copies for forwards of <= 4 rows "
-        "(faster single-stream decode; needs bfloat16; int4 is CPU-only)",
+        "(faster single-stream decode; needs bfloat16; int4 is CPU-only). auto (default): a quantized "
+        "GGUF in its own precision (Q4 -> int4, Q5-Q8 -> int8) when the dtype is bfloat16",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=["auto", "torch", "cpu"],
+        help="cpu: kvledger's C++ kernels (paged decode attention in place, fused norm/rotary/SiLU; built "
+        "on first use, ~1 min, cached); auto (default): cpu for bfloat16 on a CPU where they build",
     )
     p.add_argument(
         "--enable-torch-compile",

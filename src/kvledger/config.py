@@ -16,11 +16,16 @@ class EngineConfig:
     """Path to a GGUF file or a Hugging Face model directory; None = the default SmolLM2 model."""
     dtype: str = "auto"
     """auto | float32 | bfloat16. auto picks the faster one on this machine."""
-    quantization: str | None = None
-    """None | int8 | int4. Adds weight-only quantized copies of the linear layers, used for forwards of
-    at most 4 rows (single-stream decode is weight-bandwidth bound); needs bfloat16. int4 (CPU only)
-    uses groups of 32, which reproduces a Q4_1 GGUF's own weights; its LM head stays int8. Output
-    within the tolerance in docs/architecture.md, not token-exact."""
+    quantization: str | None = "auto"
+    """auto | none | int8 | int4. Adds weight-only quantized copies of the linear layers, used for
+    forwards of at most 4 rows (single-stream decode is weight-bandwidth bound); needs bfloat16. int4
+    (CPU only) uses groups of 32, which reproduces a Q4_1 GGUF's own weights; its LM head stays int8.
+    auto: the checkpoint's own precision where the dtype is bfloat16 (a Q4 GGUF -> int4, Q5/Q6/Q8 ->
+    int8, float checkpoints none); none with float32. Output within the tolerance in
+    docs/architecture.md, not token-exact. None = none."""
+    attention_backend: str = "auto"
+    """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
+    fused norm/rotary/SiLU); auto picks it for bfloat16 on a CPU where they build, torch otherwise."""
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvledger import Engine
+from kvledger import Engine, kernels
 from kvledger.memory import KVBuffer
 from kvledger.model import ForwardBatch, LlamaModel, load_model
 from tests.helpers import assert_idle_clean, hf_greedy, hf_model
@@ -79,9 +79,17 @@ def test_prefill_logits_match_transformers(arch_model, page_size):
     ],
     ids=["all-at-once", "chunk7", "chunk64", "page1", "unmixed"],
 )
-def test_greedy_matches_transformers(arch_model, opts):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_matches_transformers(arch_model, opts, backend):
+    """Both attention backends; ``cpu`` also runs the norms, rotary and SiLU in the C++ kernels, which
+    in fp32 differ from torch only in the order of sums: the greedy tokens stay exact."""
     path, _, prompts, refs = arch_model
-    eng = Engine(path, dtype="float32", max_total_tokens=8192, strict_memory=True, **opts)
+    if backend == "cpu" and not kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
+    eng = Engine(
+        path, dtype="float32", max_total_tokens=8192, strict_memory=True, attention_backend=backend, **opts
+    )
+    assert eng.core.model.attention == backend
     outs = eng.generate(input_ids=prompts, sampling_params=GREEDY)
     for p, o, ref in zip(prompts, outs, refs):
         assert o["output_ids"] == ref, f"prompt of {len(p)} tokens"
@@ -91,12 +99,16 @@ def test_greedy_matches_transformers(arch_model, opts):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_mixed_batches_decode_while_others_prefill(arch_model, page_size):
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_mixed_batches_decode_while_others_prefill(arch_model, page_size, backend):
     """(d) Requests arrive while others decode, so prefill chunks and decodes share forwards."""
     path, _, prompts, refs = arch_model
+    if backend == "cpu" and not kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
     eng = Engine(
         path,
         dtype="float32",
+        attention_backend=backend,
         page_size=page_size,
         max_total_tokens=8192,
         strict_memory=True,

@@ -20,7 +20,7 @@ from ..errors import ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, check_hicache_config
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
-from ..model.linear import QUANTIZATIONS
+from ..model.attention import ATTENTION_BACKENDS
 from ..model.loader import LoadedModel
 from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
@@ -31,7 +31,13 @@ from ..testing import faults
 from .executor import Executor, InProcessExecutor
 from .malloc import keep_heap_memory
 from .page_table import PageTable
-from .resources import default_kv_tokens, resolve_dtype
+from .resources import (
+    QUANTIZATION_CHOICES,
+    default_kv_tokens,
+    explicit_quantization,
+    resolve_dtype,
+    resolve_quantization,
+)
 from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -55,11 +61,19 @@ class EngineInfo:
 
 
 def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> None:
-    if cfg.quantization not in QUANTIZATIONS:
+    if cfg.quantization is not None and cfg.quantization not in QUANTIZATION_CHOICES:
         raise ValidationError(
-            f"quantization must be int8, int4 or unset, got {cfg.quantization!r}", param="quantization"
+            f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {cfg.quantization!r}",
+            param="quantization",
         )
-    if cfg.quantization and dtype != torch.bfloat16:
+    if cfg.attention_backend not in ATTENTION_BACKENDS:
+        raise ValidationError(
+            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {cfg.attention_backend!r}",
+            param="attention_backend",
+        )
+    if explicit_quantization(cfg.quantization) is None:
+        return
+    if dtype != torch.bfloat16:
         raise ValidationError(f"{cfg.quantization} weights need dtype bfloat16", param="quantization")
     if cfg.quantization == "int4" and device != "cpu":
         raise ValidationError("int4 weights are CPU-only (torch's kernel); use int8", param="quantization")
@@ -70,7 +84,9 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
     flag is one line of error, not a failed start-up."""
     if cfg.page_size < 1:
         raise ValidationError("page_size must be >= 1", param="page_size")
-    _check_quantization(cfg, resolve_dtype(cfg.dtype, device, cfg.quantization), device)
+    _check_quantization(
+        cfg, resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization)), device
+    )
     check_spec_config(cfg)
     check_disagg_config(cfg)
     check_hicache_config(cfg)
@@ -91,6 +107,12 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
                 raise ValidationError(f"{what} is not supported with tensor parallelism yet", param=what)
 
 
+def model_quantization(cfg: EngineConfig, loaded: LoadedModel, dtype, device: str) -> str | None:
+    """The weight-only quantization this model runs with (``auto`` resolved against the file); every
+    rank resolves it from the same settings and file."""
+    return resolve_quantization(cfg.quantization, dtype, device, loaded.stored_quantization)
+
+
 def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, device: str) -> LlamaModel:
     """This rank's model: the checkpoint's shards for ``comm.rank`` (all of it on one rank)."""
     mc = loaded.config
@@ -100,7 +122,8 @@ def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, de
         weights,
         dtype=dtype,
         device=device,
-        quantization=cfg.quantization,
+        attention=cfg.attention_backend,
+        quantization=model_quantization(cfg, loaded, dtype, device),
         comm=comm,
     )
 
@@ -119,7 +142,7 @@ def build_runner(
     cfg: EngineConfig, comm: Comm, num_tokens: int, context: int, device: str = "cpu"
 ) -> ModelRunner:
     """A worker rank's runner: its shards of the model over the pool rank 0 decided on."""
-    dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
+    dtype = resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization))
     model = _sharded_model(cfg, load_model(cfg.model, load_tokenizer=False), comm, dtype, device)
     return _runner(cfg.replace(max_total_tokens=num_tokens, context_length=context), model, device)
 
@@ -149,8 +172,13 @@ class EngineCore:
             loaded = loaded or load_model(cfg.model)
             mc = loaded.config
             check_tp(mc, cfg.tp_size)
-            self.dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
+            self.dtype = resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization))
             self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
+            # From here on the settings name what runs (the L3 cache keys, /get_server_info).
+            cfg = cfg.replace(
+                quantization=model_quantization(cfg, loaded, self.dtype, device),
+                attention_backend=self.model.attention,
+            )
         except BaseException:
             for p in workers:
                 p.kill()

@@ -34,6 +34,27 @@ def resolve_dtype(name: str, device: str, quantization: str | None = None) -> to
     return torch.bfloat16 if quantization or device != "cpu" or cpu_has_bf16() else torch.float32
 
 
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+
+
+def explicit_quantization(name: str | None) -> str | None:
+    """The quantization asked for by name (int8/int4), before ``auto`` is resolved against a model."""
+    return name if name in ("int8", "int4") else None
+
+
+def resolve_quantization(name: str | None, dtype: torch.dtype, device: str, stored: str | None) -> str | None:
+    """``auto``: serve a quantized checkpoint in its own precision (``stored``: the loader's reading
+    of the file) when the dtype is bfloat16; float32 is the unquantized reference path. int4 is
+    CPU-only, so a Q4 file on a GPU gets int8."""
+    if name in (None, "none"):
+        return None
+    if name != "auto":
+        return name
+    if dtype != torch.bfloat16 or stored is None:
+        return None
+    return "int8" if stored == "int4" and device != "cpu" else stored
+
+
 def _ram_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -66,7 +66,10 @@ class TorchAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 
-    def prepare(self, batch: ForwardBatch) -> None:
+    @staticmethod
+    def split(batch: ForwardBatch) -> tuple[list[int], list[int], list[int], list]:
+        """The batch's decodes (flat token index, slot row, sequence length each) and extends
+        ``(tok_start, n, kv_idx [S], bool mask [n, S])``."""
         dec_tok, dec_rows, dec_lens, ext = [], [], [], []
         start = 0
         for row, pre, n, s in zip(batch.req_rows, batch.prefix_lens, batch.extend_lens, batch.seq_lens):
@@ -80,6 +83,10 @@ class TorchAttention:
                 mask = torch.arange(s).unsqueeze(0) <= q_pos
                 ext.append((start, n, kv_idx, mask))
             start += n
+        return dec_tok, dec_rows, dec_lens, ext
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        dec_tok, dec_rows, dec_lens, ext = self.split(batch)
         meta = _TorchMeta(None, None, None, ext)
         if dec_tok:
             ps = batch.page_size
@@ -98,10 +105,26 @@ class TorchAttention:
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
         batch.attn_meta = meta
 
-    def forward(self, layer, q, k, v, kv_buffer, batch):
-        k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]  # [KVH, locations, D]
+    @staticmethod
+    def store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> None:
+        """Write the batch's new K/V ``[T, KVH, D]`` into their cache locations."""
         k_cache[:, batch.out_loc] = k.transpose(0, 1).to(k_cache.dtype)
         v_cache[:, batch.out_loc] = v.transpose(0, 1).to(v_cache.dtype)
+
+    def extend(
+        self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ext
+    ) -> None:
+        """Attention of each extend (a prefill chunk) over its whole sequence, into ``out`` rows."""
+        for start, n, kv_idx, mask in ext:
+            qe = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            ke = k_cache.index_select(1, kv_idx).unsqueeze(0)  # [1, KVH, S, D]
+            ve = v_cache.index_select(1, kv_idx).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            out[start : start + n] = o[0].transpose(0, 1)
+
+    def forward(self, layer, q, k, v, kv_buffer, batch):
+        k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]  # [KVH, locations, D]
+        self.store(k_cache, v_cache, k, v, batch)
         meta: _TorchMeta = batch.attn_meta
         kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # A batch of decodes only (the common case): the rows are the batch, no scatter/gather of q.
@@ -147,12 +170,7 @@ class TorchAttention:
                 if only_decodes:
                     return o.permute(1, 0, 2, 3).reshape(bd, self.num_heads * d)
                 out[meta.dec_tok] = o.permute(1, 0, 2, 3).reshape(bd, self.num_heads, d)
-        for start, n, kv_idx, mask in meta.ext:
-            qe = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ke = k_cache.index_select(1, kv_idx).unsqueeze(0)  # [1, KVH, S, D]
-            ve = v_cache.index_select(1, kv_idx).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qe, ke, ve, attn_mask=mask, scale=self.scale, enable_gqa=True)
-            out[start : start + n] = o[0].transpose(0, 1)
+        self.extend(out, q, k_cache, v_cache, meta.ext)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
@@ -212,7 +230,16 @@ def _(q, k, v, layer, handle):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+
+
 def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
+    ``auto`` is resolved by the model (``LlamaModel``) before it gets here."""
     if name == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "cpu":
+        from .attention_cpu import CpuAttention
+
+        return CpuAttention(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

@@ -22,6 +22,7 @@ from .attention import (
     new_handle,
     paged_attention,
 )
+from .attention_cpu import resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .linear import Linear
@@ -74,9 +75,23 @@ class _Net(nn.Module):
     """The whole forward as one module, so ``torch.compile`` can freeze its weights (and prepack them
     for oneDNN) and fuse the elementwise work; attention is the opaque op ``kvledger::attention``."""
 
-    def __init__(self, cfg: ModelConfig, embed, norm, lm_head, layers, cos, sin, handle: int, comm=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed,
+        norm,
+        lm_head,
+        layers,
+        cos,
+        sin,
+        handle: int,
+        comm=None,
+        fused: bool = False,
+    ):
+        """``fused``: eager forwards use kvledger's C++ norm/rotary/SiLU kernels (loaded)."""
         super().__init__()
         self.cfg = cfg
+        self.fused = fused
         self.comm = comm or Comm()  # tensor parallel: the O/down all-reduces, vocab-parallel ends
         self.vocab_start = self.comm.rank * embed.shape[0]
         self.embed = _param(embed)
@@ -100,8 +115,12 @@ class _Net(nn.Module):
     ) -> torch.Tensor:
         cfg = self.cfg
         T = input_ids.shape[0]
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        # The C++ kernels in eager forwards; a compiled graph keeps the torch ops (Inductor fuses them).
+        fused = self.fused and not torch.compiler.is_compiling()
+        kops = torch.ops.kvledger_cpu if fused else None
+        if not fused:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
         comm = self.comm
         if comm.size > 1:  # this rank holds rows [vocab_start, +len) of the embedding
             local = input_ids - self.vocab_start
@@ -111,23 +130,56 @@ class _Net(nn.Module):
         else:
             h = F.embedding(input_ids, self.embed)
         eps = cfg.rms_norm_eps
+        heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+        def add_norm(h: torch.Tensor, delta: torch.Tensor, w: torch.Tensor):
+            """``h + delta`` and its RMS norm; the kernel adds into ``h`` in place."""
+            if fused:
+                return h, kops.add_rms_norm(h, delta, w, eps)
+            h = h + delta
+            return h, _rms_norm(h, w, eps)
+
+        x = (
+            kops.rms_norm(h, self.layers[0].in_norm, eps)
+            if fused
+            else _rms_norm(h, self.layers[0].in_norm, eps)
+        )
+        n_layers = len(self.layers)
         for i, L in enumerate(self.layers):
-            x = _rms_norm(h, L.in_norm, eps)
             qkv = L.qkv(x)
-            q = qkv[:, : self.q_size].view(T, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, self.q_size + self.kv_size :].view(T, cfg.num_kv_heads, cfg.head_dim)
+            q = qkv[:, : self.q_size].view(T, heads, hd)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(T, kv_heads, hd)
+            v = qkv[:, self.q_size + self.kv_size :].view(T, kv_heads, hd)
             if L.q_norm is not None:
                 q = _rms_norm(q, L.q_norm, eps)
                 k = _rms_norm(k, L.k_norm, eps)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
+            if fused:  # rotated in place; q and k heads are adjacent in the fused QKV row
+                if L.q_norm is None:
+                    kops.rope_(
+                        qkv[:, : self.q_size + self.kv_size].view(T, heads + kv_heads, hd),
+                        positions,
+                        self.cos,
+                        self.sin,
+                    )
+                else:
+                    kops.rope_(q, positions, self.cos, self.sin)
+                    kops.rope_(k, positions, self.cos, self.sin)
+            else:
+                q = self._rope(q, cos, sin)
+                k = self._rope(k, cos, sin)
             o = paged_attention(q, k, v, i, self.handle)
-            h = h + comm.all_reduce(L.o(o))
-            x = _rms_norm(h, L.post_norm, eps)
+            h, x = add_norm(h, comm.all_reduce(L.o(o)), L.post_norm)
             gu = L.gate_up(x)
-            g, u = gu.chunk(2, dim=-1)
-            h = h + comm.all_reduce(L.down(F.silu(g) * u))
+            if fused:
+                act = kops.silu_mul(gu)
+            else:
+                g, u = gu.chunk(2, dim=-1)
+                act = F.silu(g) * u
+            delta = comm.all_reduce(L.down(act))
+            if i + 1 < n_layers:
+                h, x = add_norm(h, delta, self.layers[i + 1].in_norm)
+            else:
+                h = h + delta
         h = _rms_norm(h[logit_index], self.norm, eps)
         logits = self.lm_head(h).float()
         if comm.size > 1:
@@ -145,16 +197,20 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        attention: str = "torch",
+        attention: str = "auto",
         quantization: str | None = None,
         comm=None,
     ):
         """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
-        (``parallel/shard.py``); ``comm`` does the collectives."""
+        (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
+        (``resolve_backend``); ``cpu`` also runs the norms, rotary and SiLU in the C++ kernels."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        self.attn: AttentionBackend = make_backend(attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attention = resolve_backend(attention, self.device, dtype)
+        self.attn: AttentionBackend = make_backend(
+            self.attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
 
         def take(name: str) -> torch.Tensor:
             try:
@@ -211,6 +267,7 @@ class LlamaModel:
             freqs.sin().to(self.device, dtype),
             self.handle,
             comm,
+            fused=self.attention == "cpu",
         ).eval()
         self.compiled: nn.Module | None = None
         self.compiled_forwards = 0  # forwards that ran through the compiled graph

@@ -35,6 +35,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: Any | None
     path: str
+    stored_quantization: str | None = None
+    """How the checkpoint stores its linear weights, as the weight-only mode that keeps that
+    precision: int4 (GGUF Q4_*), int8 (Q5/Q6/Q8), None (float). ``--quantization auto`` serves it."""
 
 
 def default_model_path() -> str:
@@ -249,7 +252,20 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
     tokenizer = None
     if load_tokenizer and "tokenizer.ggml.tokens" in reader.fields:
         tokenizer = _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    return LoadedModel(config, weights, tokenizer, path)
+    return LoadedModel(config, weights, tokenizer, path, gguf_stored_quantization(reader))
+
+
+_GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+_GGUF_INT8 = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K")
+
+
+def gguf_stored_quantization(reader) -> str | None:
+    """The precision most of the file's layer matrices are stored in (``blk.*`` 2-D tensors)."""
+    kinds = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    if not kinds:
+        return None
+    top = max(set(kinds), key=kinds.count)
+    return "int4" if top in _GGUF_INT4 else "int8" if top in _GGUF_INT8 else None
 
 
 def load_tokenizer(path: str) -> Any | None:

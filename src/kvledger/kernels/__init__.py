@@ -1,0 +1,102 @@
+"""kvledger's CPU kernels: a C++ extension (``csrc/``) registered as torch ops ``kvledger_cpu::*``.
+
+Built with ``torch.utils.cpp_extension`` on first use (about a minute on 2 cores, once: the build is
+cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
+afterwards. Without a compiler, or with ``KVLEDGER_CPU_KERNELS=0``, ``load()`` returns False with one
+log line and the model runs its pure-torch path. The AVX-512 kernels are chosen at run time from the
+CPU's flags (``KVLEDGER_CPU_ISA=scalar`` forces the portable ones); ``isa()`` says which.
+
+Every op has a fake implementation, so ``torch.compile`` treats them as opaque calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp")
+_lock = threading.Lock()
+_state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried"}
+
+
+def load() -> bool:
+    """Build (first time) and load the extension; True when ``torch.ops.kvledger_cpu`` is usable."""
+    with _lock:
+        if _state["tried"]:
+            return bool(_state["ok"])
+        _state["tried"] = True
+        if os.environ.get("KVLEDGER_CPU_KERNELS", "1") == "0":
+            _state["reason"] = "disabled by KVLEDGER_CPU_KERNELS=0"
+            log.info("CPU kernels: %s; using the torch fallback", _state["reason"])
+            return False
+        t0 = time.monotonic()
+        try:
+            from torch.utils.cpp_extension import load as build
+
+            build(
+                name="kvledger_cpu_ops",
+                sources=[str(_CSRC / s) for s in _SOURCES],
+                # fp-contract off: the kernels round where torch's eager ops round (no fused a*b+c
+                # that the reference does not do), so fp32 results differ only in reduction order.
+                extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],  # at::parallel_for is OpenMP in a header: serial without it
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, no ninja, a failed build: serve on without the kernels
+            _state["reason"] = (
+                f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
+            )
+            log.warning("CPU kernels unavailable (%s); using the torch fallback", _state["reason"])
+            return False
+        _register_fakes()
+        _state["ok"] = True
+        _state["reason"] = "loaded"
+        log.info("CPU kernels: loaded in %.1fs (isa %s)", time.monotonic() - t0, isa())
+        return True
+
+
+def available() -> bool:
+    return load()
+
+
+def status() -> str:
+    """Why the kernels are (not) in use, for logs and /get_server_info."""
+    return str(_state["reason"])
+
+
+def isa() -> str:
+    """``avx512`` or ``scalar``: the kernels this CPU runs."""
+    return str(torch.ops.kvledger_cpu.isa()) if _state["ok"] else "none"
+
+
+def _register_fakes() -> None:
+    lib = "kvledger_cpu::"
+
+    @torch.library.register_fake(lib + "rms_norm")
+    def _(x, w, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake(lib + "add_rms_norm")
+    def _(residual, x, w, eps):
+        return x.new_empty(x.shape)
+
+    @torch.library.register_fake(lib + "silu_mul")
+    def _(gu):
+        return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+
+    @torch.library.register_fake(lib + "rope_")
+    def _(x, positions, cos, sin):
+        return None
+
+    @torch.library.register_fake(lib + "decode_attention")
+    def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])

@@ -1,0 +1,221 @@
+// AVX-512 kernels (AVX512F/BW/VL/DQ + FMA): compiled for that ISA whatever the build's flags, called
+// only where the CPU reports it (ops.cpp). Dims must be multiples of 16 (ops.cpp checks; the portable
+// kernels take the rest).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvl {
+namespace {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m256i to_bf16(__m512 v) {  // round to nearest even; NaN stays a (quiet) NaN
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
+
+// v rounded to T and back (where the reference rounds an intermediate result).
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, bf16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+template <typename T> inline __m512 rnd(__m512 v) { return round16(v, static_cast<T*>(nullptr)); }
+
+// exp on 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the Taylor polynomial of degree 7
+// (relative error < 2e-7, about one float ulp); inputs clamped to exp's finite range.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+void rms_norm(const T* x, long xs, T* res, long rs, const T* w, T* out, long os, int dim, float eps,
+              long r0, long r1) {
+  std::vector<float> row(dim);
+  for (long r = r0; r < r1; ++r) {
+    const T* xr = x + r * xs;
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 16) {
+      __m512 v = load16(xr + i);
+      if (res) {
+        T* rr = res + r * rs + i;
+        v = rnd<T>(_mm512_add_ps(load16(rr), v));
+        store16(rr, v);
+      }
+      _mm512_storeu_ps(row.data() + i, v);
+      ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / dim + eps));
+    T* o = out + r * os;
+    for (int i = 0; i < dim; i += 16) {
+      __m512 n = rnd<T>(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), inv));
+      store16(o + i, _mm512_mul_ps(load16(w + i), n));
+    }
+  }
+}
+
+template <typename T>
+void silu_mul(const T* gu, long gs, T* out, long os, int dim, long r0, long r1) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (long r = r0; r < r1; ++r) {
+    const T* g = gu + r * gs;
+    const T* u = g + dim;
+    T* o = out + r * os;
+    for (int i = 0; i < dim; i += 16) {
+      __m512 a = load16(g + i);
+      __m512 s = rnd<T>(_mm512_div_ps(a, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))));
+      store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+    }
+  }
+}
+
+template <typename T>
+void rope(T* x, long xs, int heads, int head_dim, const int64_t* pos, const T* cos, const T* sin, long r0,
+          long r1) {
+  int half = head_dim / 2;
+  for (long r = r0; r < r1; ++r) {
+    const T* c = cos + pos[r] * half;
+    const T* s = sin + pos[r] * half;
+    for (int h = 0; h < heads; ++h) {
+      T* p = x + r * xs + static_cast<long>(h) * head_dim;
+      for (int i = 0; i < half; i += 16) {
+        __m512 x1 = load16(p + i), x2 = load16(p + i + half), ci = load16(c + i), si = load16(s + i);
+        __m512 a = _mm512_sub_ps(rnd<T>(_mm512_mul_ps(x1, ci)), rnd<T>(_mm512_mul_ps(x2, si)));
+        __m512 b = _mm512_add_ps(rnd<T>(_mm512_mul_ps(x2, ci)), rnd<T>(_mm512_mul_ps(x1, si)));
+        store16(p + i, a);
+        store16(p + i + half, b);
+      }
+    }
+  }
+}
+
+// Sums of 16 vectors at once: lane i of the result is the sum of a[i]'s lanes (a transpose-and-add
+// tree: 15 adds and 30 shuffles for 16 dot products, where 16 horizontal reductions take ~130 ops).
+inline __m512 sum16x16(__m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // c[j], 128-bit lane L, element m: lane L's part of the sum of a[4j+m]
+  __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// Tokens in blocks of 16: the block's scores of one query row are one register (their dot products
+// summed by sum16x16), so the online softmax (max, exp, sum) runs vectorized; K and V rows are read
+// where they lie in the pool. ND = D/16 as a constant for the common head dims (64, 128) lets the
+// compiler keep a query row and an output row in registers; 0 = any multiple of 16.
+template <typename T, int ND>
+void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
+               float scale, float* m, float* l, float* acc) {
+  constexpr int B = 16;
+  const int nd = ND ? ND : D / 16;
+  std::vector<float> qf(static_cast<size_t>(G) * D), sc(static_cast<size_t>(G) * B);
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < nd; ++j) _mm512_storeu_ps(&qf[g * D + j * 16], _mm512_mul_ps(load16(q + g * qs + j * 16), vs));
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + g * D + d, _mm512_setzero_ps());
+  }
+  const T* kr[B];
+  const T* vr[B];
+  __m512 dots[B];
+  for (long t0 = 0; t0 < n; t0 += B) {
+    const int nb = static_cast<int>(n - t0 < B ? n - t0 : B);
+    for (int j = 0; j < B; ++j) {  // past the end: repeat the last row (its scores are masked off)
+      const int64_t loc = locs[t0 + (j < nb ? j : nb - 1)];
+      kr[j] = k + loc * D;
+      vr[j] = v + loc * D;
+    }
+    for (int g = 0; g < G; ++g) {
+      const float* qg = &qf[g * D];
+      for (int j = 0; j < B; ++j) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(kr[j]));
+        for (int d = 1; d < nd; ++d) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d * 16), load16(kr[j] + d * 16), a);
+        dots[j] = a;
+      }
+      _mm512_storeu_ps(&sc[g * B], sum16x16(dots));
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
+    for (int g = 0; g < G; ++g) {
+      __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, &sc[g * B]);
+      const float mn = std::max(m[g], _mm512_reduce_max_ps(s));
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+      const float corr = std::exp(m[g] - mn);
+      l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+      m[g] = mn;
+      _mm512_storeu_ps(&sc[g * B], p);
+      float* ag = acc + g * D;
+      const __m512 c = _mm512_set1_ps(corr);
+      if (ND == 4 || ND == 8) {  // the output row in registers over the block
+        __m512 o[ND ? ND : 1];
+        for (int d = 0; d < nd; ++d) o[d] = _mm512_mul_ps(_mm512_loadu_ps(ag + d * 16), c);
+        for (int j = 0; j < nb; ++j) {
+          const __m512 pj = _mm512_set1_ps(sc[g * B + j]);
+          for (int d = 0; d < nd; ++d) o[d] = _mm512_fmadd_ps(pj, load16(vr[j] + d * 16), o[d]);
+        }
+        for (int d = 0; d < nd; ++d) _mm512_storeu_ps(ag + d * 16, o[d]);
+      } else {
+        for (int d = 0; d < D; d += 16) {
+          __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ag + d), c);
+          for (int j = 0; j < nb; ++j) o = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * B + j]), load16(vr[j] + d), o);
+          _mm512_storeu_ps(ag + d, o);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
+            float scale, float* m, float* l, float* acc) {
+  if (D == 64) return attend_nd<T, 4>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
+  if (D == 128) return attend_nd<T, 8>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
+  attend_nd<T, 0>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
+}
+
+template <typename T>
+Kernels<T> make() {
+  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>};
+}
+
+}  // namespace
+
+Kernels<float> avx512_f32() { return make<float>(); }
+Kernels<bf16> avx512_bf16() { return make<bf16>(); }
+
+}  // namespace kvl

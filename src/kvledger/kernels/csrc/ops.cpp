@@ -1,0 +1,264 @@
+// The torch side of kvledger's CPU kernels: argument checks, the split over threads
+// (at::parallel_for, torch's own OpenMP pool), the ISA choice at run time, and the registration as
+// torch ops (namespace kvledger_cpu; their fake implementations are in kernels/__init__.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvl {
+namespace {
+
+bool cpu_has_avx512() {
+  const char* force = std::getenv("KVLEDGER_CPU_ISA");
+  if (force && std::strcmp(force, "scalar") == 0) return false;
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+const bool kAvx512 = cpu_has_avx512();
+
+template <typename T> const Kernels<T>& portable();
+template <> const Kernels<float>& portable<float>() { static const auto k = scalar_f32(); return k; }
+template <> const Kernels<bf16>& portable<bf16>() { static const auto k = scalar_bf16(); return k; }
+template <typename T> const Kernels<T>& wide();
+#if defined(__x86_64__) || defined(_M_X64)
+template <> const Kernels<float>& wide<float>() { static const auto k = avx512_f32(); return k; }
+template <> const Kernels<bf16>& wide<bf16>() { static const auto k = avx512_bf16(); return k; }
+#else
+template <> const Kernels<float>& wide<float>() { return portable<float>(); }
+template <> const Kernels<bf16>& wide<bf16>() { return portable<bf16>(); }
+#endif
+
+// The AVX-512 kernels take dims that are whole registers of 16 floats.
+template <typename T> const Kernels<T>& pick(int dim) {
+  return (kAvx512 && dim % 16 == 0) ? wide<T>() : portable<T>();
+}
+
+template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+template <typename F> void by_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) f(bf16{});
+  else f(float{});
+}
+
+// Rows per task: about 16K elements, so that one-row (decode) calls stay on the calling thread.
+int64_t grain(int64_t dim) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1)); }
+
+at::Tensor norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res, const at::Tensor& w, double eps) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with contiguous rows");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "w must be [dim] contiguous, of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  const int dim = static_cast<int>(x.size(1));
+  if (res) {
+    TORCH_CHECK(res->sizes() == x.sizes() && res->stride(1) == 1 && res->scalar_type() == x.scalar_type(),
+                "residual must match x");
+  }
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const auto& k = pick<T>(dim);
+    T* rp = res ? ptr<T>(*res) : nullptr;
+    long rs = res ? res->stride(0) : 0;
+    at::parallel_for(0, x.size(0), grain(dim), [&](int64_t r0, int64_t r1) {
+      k.rms_norm(ptr<T>(x), x.stride(0), rp, rs, ptr<T>(w), ptr<T>(out), out.stride(0), dim, static_cast<float>(eps), r0, r1);
+    });
+  });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return norm_impl(x, c10::nullopt, w, eps); }
+
+at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w, double eps) {
+  return norm_impl(x, residual, w, eps);
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_float(gu, "gu");
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0, "gu must be [rows, 2*dim], rows contiguous");
+  const int dim = static_cast<int>(gu.size(1) / 2);
+  auto out = at::empty({gu.size(0), dim}, gu.options());
+  by_dtype(gu, [&](auto tag) {
+    using T = decltype(tag);
+    const auto& k = pick<T>(dim);
+    at::parallel_for(0, gu.size(0), grain(dim), [&](int64_t r0, int64_t r1) {
+      k.silu_mul(ptr<T>(gu), gu.stride(0), ptr<T>(out), out.stride(0), dim, r0, r1);
+    });
+  });
+  return out;
+}
+
+void rope_(at::Tensor& x, const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(2) % 2 == 0,
+              "x must be [tokens, heads, head_dim] with contiguous heads");
+  const int hd = static_cast<int>(x.size(2));
+  TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == hd / 2 &&
+                  cos.sizes() == sin.sizes() && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos/sin must be [positions, head_dim/2] contiguous, of x's dtype");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.is_contiguous() && pos.numel() == x.size(0),
+              "positions must be int64 [tokens]");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i) {
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < cos.size(0), "position ", pp[i], " outside the rotary table");
+  }
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const auto& k = pick<T>(hd / 2);
+    at::parallel_for(0, x.size(0), grain(x.size(1) * hd), [&](int64_t r0, int64_t r1) {
+      k.rope(ptr<T>(x), x.stride(0), static_cast<int>(x.size(1)), hd, pp, ptr<T>(cos), ptr<T>(sin), r0, r1);
+    });
+  });
+}
+
+// Decode attention over the paged pool, in place: request b's query heads [B, H, D] attend over the
+// tokens at req_to_token[rows[b], :lens[b]] of k_cache/v_cache [KVH, locations, D]. With k_new/v_new
+// [B, KVH, D] and out_loc [B], the new tokens' K/V are first written into their pages.
+// Work items are (request, KV head, KV range): the H/KVH query heads of one KV head share each K/V
+// read; long contexts are split so that every thread has work, and the partial softmaxes merged.
+at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& table,
+                            const at::Tensor& rows, const at::Tensor& lens, double scale,
+                            const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+                            const c10::optional<at::Tensor>& out_loc) {
+  check_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, head_dim]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D &&
+                  k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D &&
+                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
+  const int64_t KVH = k_cache.size(0), L = k_cache.size(1);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads (", H, ") must be a multiple of kv heads (", KVH, ")");
+  const int G = static_cast<int>(H / KVH);
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1, "req_to_token must be int64 [slots, context]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && lens.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  lens.is_contiguous() && rows.numel() == B && lens.numel() == B,
+              "rows and lens must be int64 [batch]");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(rp[b] >= 0 && rp[b] < table.size(0), "row ", rp[b], " outside req_to_token");
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= table.size(1), "length ", lp[b], " outside req_to_token");
+    max_len = std::max(max_len, lp[b]);
+  }
+  const bool write = k_new.has_value();
+  if (write) {
+    TORCH_CHECK(v_new && out_loc, "k_new, v_new and out_loc go together");
+    for (const auto* t : {&*k_new, &*v_new}) {
+      TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == KVH && t->size(2) == D && t->stride(2) == 1 &&
+                      t->stride(1) == D && t->scalar_type() == q.scalar_type(),
+                  "k_new/v_new must be [batch, kv_heads, head_dim] of q's dtype");
+    }
+    TORCH_CHECK(out_loc->scalar_type() == at::kLong && out_loc->is_contiguous() && out_loc->numel() == B,
+                "out_loc must be int64 [batch]");
+    const int64_t* op = out_loc->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(op[b] >= 0 && op[b] < L, "out_loc ", op[b], " outside the pool");
+  }
+  auto out = at::empty({B, H * D}, q.options());
+  const int64_t threads = at::get_num_threads();
+  // Splits of the KV range: enough items for ~4 per thread, none shorter than 64 tokens.
+  const int64_t want = (4 * threads + B * KVH - 1) / (B * KVH);
+  const int64_t S = std::max<int64_t>(1, std::min<int64_t>(want, (max_len + 63) / 64));
+  const int64_t part = G * (D + 2);  // m[G], l[G], acc[G*D] per item
+  std::vector<float> partial(static_cast<size_t>(B * KVH * S * part));
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t ts = table.stride(0);
+  by_dtype(q, [&](auto tag) {
+    using T = decltype(tag);
+    const auto& k = pick<T>(static_cast<int>(D));
+    T* kc = ptr<T>(k_cache);
+    T* vc = ptr<T>(v_cache);
+    if (write) {
+      const int64_t* op = out_loc->data_ptr<int64_t>();
+      const T* kn = ptr<T>(*k_new);
+      const T* vn = ptr<T>(*v_new);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < KVH; ++h) {
+          std::memcpy(kc + h * k_cache.stride(0) + op[b] * D, kn + b * k_new->stride(0) + h * D, D * sizeof(T));
+          std::memcpy(vc + h * v_cache.stride(0) + op[b] * D, vn + b * v_new->stride(0) + h * D, D * sizeof(T));
+        }
+      }
+    }
+    const T* qp = ptr<T>(q);
+    at::parallel_for(0, B * KVH * S, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / (KVH * S), h = (i / S) % KVH, s = i % S;
+        const int64_t chunk = (lp[b] + S - 1) / S;
+        const int64_t t0 = std::min(lp[b], s * chunk), t1 = std::min(lp[b], t0 + chunk);
+        float* pm = partial.data() + i * part;
+        k.attend(qp + b * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
+                 tp + rp[b] * ts + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm, pm + G, pm + 2 * G);
+      }
+    });
+    T* o = ptr<T>(out);
+    at::parallel_for(0, B * KVH, 16, [&](int64_t j0, int64_t j1) {
+      std::vector<float> acc(D);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int g = 0; g < G; ++g) {
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t s = 0; s < S; ++s) mx = std::max(mx, partial[(j * S + s) * part + g]);
+          std::fill(acc.begin(), acc.end(), 0.f);
+          float sum = 0.f;
+          for (int64_t s = 0; s < S; ++s) {
+            const float* pm = partial.data() + (j * S + s) * part;
+            if (pm[G + g] == 0.f) continue;  // an empty range
+            const float w = std::exp(pm[g] - mx);
+            sum += pm[G + g] * w;
+            for (int64_t d = 0; d < D; ++d) acc[d] += pm[2 * G + g * D + d] * w;
+          }
+          const float inv = sum > 0.f ? 1.f / sum : 0.f;  // an empty context attends to nothing: zeros
+          const int64_t b = j / KVH, h = j % KVH;
+          T* ob = o + b * H * D + (h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T>(acc[d] * inv);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+std::string isa() { return kAvx512 ? "avx512" : "scalar"; }
+
+}  // namespace
+}  // namespace kvl
+
+TORCH_LIBRARY(kvledger_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
+      "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None) -> Tensor");
+  m.def("isa", &kvl::isa);
+}
+
+TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
+  m.impl("rms_norm", &kvl::rms_norm);
+  m.impl("add_rms_norm", &kvl::add_rms_norm);
+  m.impl("silu_mul", &kvl::silu_mul);
+  m.impl("rope_", &kvl::rope_);
+  m.impl("decode_attention", &kvl::decode_attention);
+}

@@ -1,0 +1,100 @@
+// Portable kernels: plain loops (the compiler vectorizes what it can for the build's baseline ISA).
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvl {
+namespace {
+
+template <typename T>
+void rms_norm(const T* x, long xs, T* res, long rs, const T* w, T* out, long os, int dim, float eps,
+              long r0, long r1) {
+  std::vector<float> row(dim);
+  for (long r = r0; r < r1; ++r) {
+    const T* xr = x + r * xs;
+    float ss = 0.f;
+    for (int i = 0; i < dim; ++i) {
+      float v = to_f(xr[i]);
+      if (res) {
+        T* rr = res + r * rs;
+        v = round_t<T>(to_f(rr[i]) + v);
+        rr[i] = from_f<T>(v);
+      }
+      row[i] = v;
+      ss += v * v;
+    }
+    float inv = 1.f / std::sqrt(ss / dim + eps);
+    T* o = out + r * os;
+    for (int i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(w[i]) * round_t<T>(row[i] * inv));
+  }
+}
+
+template <typename T>
+void silu_mul(const T* gu, long gs, T* out, long os, int dim, long r0, long r1) {
+  for (long r = r0; r < r1; ++r) {
+    const T* g = gu + r * gs;
+    const T* u = g + dim;
+    T* o = out + r * os;
+    for (int i = 0; i < dim; ++i) {
+      float a = to_f(g[i]);
+      o[i] = from_f<T>(round_t<T>(a / (1.f + std::exp(-a))) * to_f(u[i]));
+    }
+  }
+}
+
+template <typename T>
+void rope(T* x, long xs, int heads, int head_dim, const int64_t* pos, const T* cos, const T* sin, long r0,
+          long r1) {
+  int half = head_dim / 2;
+  for (long r = r0; r < r1; ++r) {
+    const T* c = cos + pos[r] * half;
+    const T* s = sin + pos[r] * half;
+    for (int h = 0; h < heads; ++h) {
+      T* p = x + r * xs + static_cast<long>(h) * head_dim;
+      for (int i = 0; i < half; ++i) {
+        float x1 = to_f(p[i]), x2 = to_f(p[i + half]), ci = to_f(c[i]), si = to_f(s[i]);
+        p[i] = from_f<T>(round_t<T>(x1 * ci) - round_t<T>(x2 * si));
+        p[i + half] = from_f<T>(round_t<T>(x2 * ci) + round_t<T>(x1 * si));
+      }
+    }
+  }
+}
+
+template <typename T>
+void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
+            float scale, float* m, float* l, float* acc) {
+  std::vector<float> qf(static_cast<size_t>(G) * D);
+  for (int g = 0; g < G; ++g) {
+    for (int d = 0; d < D; ++d) qf[g * D + d] = to_f(q[g * qs + d]) * scale;
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.f;
+    for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
+  }
+  for (long t = 0; t < n; ++t) {
+    const T* kt = k + locs[t] * D;
+    const T* vt = v + locs[t] * D;
+    for (int g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int d = 0; d < D; ++d) s += qf[g * D + d] * to_f(kt[d]);
+      float mn = s > m[g] ? s : m[g];
+      float corr = std::exp(m[g] - mn), p = std::exp(s - mn);
+      l[g] = l[g] * corr + p;
+      for (int d = 0; d < D; ++d) acc[g * D + d] = acc[g * D + d] * corr + p * to_f(vt[d]);
+      m[g] = mn;
+    }
+  }
+}
+
+template <typename T>
+Kernels<T> make() {
+  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>};
+}
+
+}  // namespace
+
+Kernels<float> scalar_f32() { return make<float>(); }
+Kernels<bf16> scalar_bf16() { return make<bf16>(); }
+
+}  // namespace kvl

@@ -1,0 +1,214 @@
+"""kvledger's C++ CPU kernels against torch references, in fp32 and bf16, on both ISA paths.
+
+Tolerances: fp32 results differ from the reference only in the order of reductions (sums of squares,
+dot products, softmax sums): relative 1e-5. bf16 outputs are rounded where torch rounds them (so the
+elementwise ops are exact), and the attention output is within 1 bf16 rounding (2^-8 relative) of
+the reference computed in float from the same bf16 K/V (the torch backend rounds its scores and
+probabilities to bf16 as well, so it is further from the float result than the kernel is).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvledger import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
+ops = torch.ops.kvledger_cpu if kernels.load() else None
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def ref_rms_norm(x, w, eps):  # the model's torch path (transformers' order of operations)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def close(a, b, dtype, rel=None, atol=None):
+    rel = rel if rel is not None else (1e-5 if dtype == torch.float32 else 2**-7)
+    torch.testing.assert_close(a.float(), b.float(), rtol=rel, atol=rel * 1e-2 if atol is None else atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [576, 40])  # 40: not a multiple of 16, the portable path
+def test_rms_norm_and_fused_add(dtype, dim):
+    torch.manual_seed(0)
+    x = (torch.randn(37, dim) * 3).to(dtype)
+    w = torch.randn(dim).to(dtype)
+    close(ops.rms_norm(x, w, 1e-5), ref_rms_norm(x, w, 1e-5), dtype)
+    res = torch.randn(37, dim).to(dtype)
+    want_res = res + x
+    out = ops.add_rms_norm(res, x, w, 1e-5)
+    assert torch.equal(res, want_res)  # one rounding, as torch's add
+    close(out, ref_rms_norm(want_res, w, 1e-5), dtype)
+    # a strided row view (the rows of a bigger buffer)
+    big = torch.randn(37, dim * 2).to(dtype)
+    close(ops.rms_norm(big[:, :dim], w, 1e-6), ref_rms_norm(big[:, :dim], w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [1536, 24])
+def test_silu_mul(dtype, dim):
+    torch.manual_seed(1)
+    gu = (torch.randn(33, 2 * dim) * 4).to(dtype)
+    g, u = gu.chunk(2, dim=-1)
+    want = F.silu(g) * u
+    got = ops.silu_mul(gu)
+    close(got, want, dtype, rel=1e-5 if dtype == torch.float32 else 2**-7)
+    if dtype == torch.bfloat16:  # rounded where torch rounds: nearly all equal, the rest one ulp off
+        assert (got != want).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 8])
+def test_rope_in_place_matches_the_torch_rotation_exactly(dtype, head_dim):
+    torch.manual_seed(2)
+    t, heads = 19, 12
+    half = head_dim // 2
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(300).float()[:, None] * inv[None]
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    pos = torch.randint(0, 300, (t,))
+    buf = torch.randn(t, heads * head_dim + 40).to(dtype)  # q|k heads inside a wider row (qkv)
+    x = buf[:, : heads * head_dim].view(t, heads, head_dim)
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    x1, x2 = x[..., :half], x[..., half:]
+    want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    tail = buf[:, heads * head_dim :].clone()
+    ops.rope_(x, pos, cos, sin)
+    assert torch.equal(x, want)
+    assert torch.equal(buf[:, heads * head_dim :], tail)  # nothing outside the heads written
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        ops.rope_(x, torch.full((t,), 300), cos, sin)
+
+
+def _pool(kvh, pages, ps, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(kvh, pages * ps, d, generator=g).to(dtype)
+    v = torch.randn(kvh, pages * ps, d, generator=g).to(dtype)
+    return k, v
+
+
+def _table(lens, ps, pages, seed):
+    """req_to_token rows over shuffled pages (a request's pages are not adjacent)."""
+    g = torch.Generator().manual_seed(seed)
+    width = -(-max(max(lens), 1) // ps) * ps
+    table = torch.zeros(len(lens), width, dtype=torch.int64)
+    perm = torch.randperm(pages, generator=g)
+    nxt = 0
+    for r, n in enumerate(lens):
+        np_ = -(-n // ps)
+        locs = (perm[nxt : nxt + np_, None] * ps + torch.arange(ps)).flatten()
+        table[r, : np_ * ps] = locs
+        nxt += np_
+    return table
+
+
+def ref_decode(q, k, v, table, rows, lens, scale):
+    """Float attention of each request's heads over its tokens (GQA by head groups)."""
+    b, h, d = q.shape
+    kvh = k.shape[0]
+    out = torch.zeros(b, h, d)
+    for i in range(b):
+        n = int(lens[i])
+        if n == 0:
+            continue
+        loc = table[rows[i], :n]
+        ki = k[:, loc].float().repeat_interleave(h // kvh, 0)  # [H, n, D]
+        vi = v[:, loc].float().repeat_interleave(h // kvh, 0)
+        p = torch.softmax((ki @ q[i].float().unsqueeze(-1)).squeeze(-1) * scale, -1)
+        out[i] = (p.unsqueeze(1) @ vi).squeeze(1)
+    return out.reshape(b, h * d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize(("heads", "kvh"), [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
+def test_decode_attention_reads_pages_in_place(dtype, ps, heads, kvh):
+    d = 64
+    lens = [1, 15, 16, 17, 33, 250, 1100]  # one token, page boundaries, long (split over threads)
+    pages = sum(-(-n // ps) for n in lens) + 3
+    k, v = _pool(kvh, pages, ps, d, dtype, 3)
+    table = _table(lens, ps, pages, 4)
+    rows = torch.tensor([6, 0, 1, 2, 3, 4, 5])  # requests in other slots than their order
+    table = table[torch.argsort(rows)]
+    blens = torch.tensor(lens)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    got = ops.decode_attention(q, k, v, table, rows, blens, d**-0.5)
+    want = ref_decode(q, k, v, table, rows, blens, d**-0.5)
+    close(
+        got,
+        want,
+        dtype,
+        rel=1e-5 if dtype == torch.float32 else 2**-8,
+        atol=1e-5 if dtype == torch.float32 else 2**-8,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_writes_the_new_token_first_and_handles_empty_contexts(dtype):
+    d, heads, kvh, ps = 32, 6, 2, 16
+    lens = [5, 0, 40]
+    k, v = _pool(kvh, 8, ps, d, dtype, 5)
+    table = _table([max(n, 1) for n in lens], ps, 8, 6)
+    rows, blens = torch.arange(3), torch.tensor(lens)
+    qkv = torch.randn(3, (heads + 2 * kvh) * d).to(dtype)  # q, k, v as views of one fused row
+    q = qkv[:, : heads * d].view(3, heads, d)
+    kn = qkv[:, heads * d : (heads + kvh) * d].view(3, kvh, d)
+    vn = qkv[:, (heads + kvh) * d :].view(3, kvh, d)
+    out_loc = torch.stack([table[0, 4], table[1, 0], table[2, 39]])
+    k0, v0 = k.clone(), v.clone()
+    got = ops.decode_attention(q, k, v, table, rows, blens, d**-0.5, kn, vn, out_loc)
+    k0[:, out_loc] = kn.transpose(0, 1)
+    v0[:, out_loc] = vn.transpose(0, 1)
+    assert torch.equal(k, k0) and torch.equal(v, v0)  # the new K/V in their pages, nothing else
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    close(got, ref_decode(q, k0, v0, table, rows, blens, d**-0.5), dtype, rel=tol, atol=tol)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))  # an empty context attends to nothing
+
+
+def test_decode_attention_rejects_bad_arguments_without_writing():
+    d = 16
+    k, v = _pool(2, 4, 16, d, torch.float32, 7)
+    k0 = k.clone()
+    table = _table([20], 16, 4, 8)
+    q = torch.randn(1, 4, d)
+    kn, vn = torch.randn(1, 2, d), torch.randn(1, 2, d)
+    with pytest.raises(RuntimeError, match="outside req_to_token"):
+        ops.decode_attention(q, k, v, table, torch.tensor([0]), torch.tensor([10_000]), 0.25)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.decode_attention(
+            q, k, v, table, torch.tensor([0]), torch.tensor([20]), 0.25, kn, vn, torch.tensor([64])
+        )
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        ops.decode_attention(torch.randn(1, 3, d), k, v, table, torch.tensor([0]), torch.tensor([20]), 0.25)
+    assert torch.equal(k, k0)
+
+
+def test_fake_implementations_let_torch_compile_trace_the_ops():
+    def f(x, w, gu):
+        return ops.rms_norm(x, w, 1e-5) + ops.silu_mul(gu)
+
+    x, w, gu = torch.randn(5, 32).bfloat16(), torch.randn(32).bfloat16(), torch.randn(5, 64).bfloat16()
+    got = torch.compile(f, fullgraph=True, backend="eager")(x, w, gu)
+    assert torch.equal(got, f(x, w, gu))
+
+
+@pytest.mark.skipif(kernels.isa() != "avx512", reason="the CPU has no AVX-512: only the portable path runs")
+def test_the_portable_path_passes_the_same_checks():
+    """KVLEDGER_CPU_ISA=scalar picks the portable kernels when the library loads: run this file's
+    kernel checks again in a process where it is set."""
+    env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
+    code = (
+        "import torch, kvledger.kernels as k; assert k.load() and k.isa() == 'scalar', k.isa();"
+        "import sys; sys.exit(__import__('pytest').main(['-q', '-x', '-p', 'no:cacheprovider', "
+        f"{__file__!r}, '-k', 'not portable']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
