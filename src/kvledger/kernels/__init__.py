@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried"}
 
@@ -60,7 +60,12 @@ def load() -> bool:
         _register_fakes()
         _state["ok"] = True
         _state["reason"] = "loaded"
-        log.info("CPU kernels: loaded in %.1fs (isa %s)", time.monotonic() - t0, isa())
+        log.info(
+            "CPU kernels: loaded in %.1fs (isa %s, quantized linear %s)",
+            time.monotonic() - t0,
+            isa(),
+            quant_isa(),
+        )
         return True
 
 
@@ -76,6 +81,11 @@ def status() -> str:
 def isa() -> str:
     """``avx512`` or ``scalar``: the kernels this CPU runs."""
     return str(torch.ops.kvledger_cpu.isa()) if _state["ok"] else "none"
+
+
+def quant_isa() -> str:
+    """``avx512-vnni`` or ``scalar``: the quantized linear kernels this CPU runs."""
+    return str(torch.ops.kvledger_cpu.quant_isa()) if _state["ok"] else "none"
 
 
 def _register_fakes() -> None:
@@ -100,3 +110,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "decode_attention")
     def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake(lib + "quant_linear")
+    def _(x, w, scales, wsum128, bits, n):
+        return x.new_empty(x.shape[0], n)

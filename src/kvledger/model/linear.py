@@ -17,6 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+from ..kernels.quant import PackedWeight, pack
+
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP = 32
 PACK_ROWS_HINT = 32  # oneDNN picks the blocked layout for this many rows; 1..256 all run well with it
@@ -79,13 +82,19 @@ class Linear(nn.Module):
         self.small_rows = small_rows
         self.mode = quantization
         src = w if source is None else source
+        # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
+        self.qw: PackedWeight | None = None
+        if quantization is not None and w.device.type == "cpu" and kernels.load():
+            self.qw = pack(src, 4 if quantization == "int4" else 8)
         if quantization is not None and w.dtype != torch.bfloat16:
             raise ValueError(f"{quantization} weights need bfloat16 activations (dtype bfloat16)")
         if quantization == "int4" and w.device.type != "cpu":
             raise ValueError("int4 weights use torch's CPU kernel; on other devices use int8")
         if quantization == "int4" and src.shape[1] % INT4_GROUP:
             self.mode = "int8"  # int4 needs whole groups along K; int8 has no such constraint
-        if self.mode == "int8":
+        if self.qw is not None:
+            self.mode = quantization
+        elif self.mode == "int8":
             q, scale = quantize_int8(src)
             self.q = q.to(w.device)
             self.q_scale = scale.to(device=w.device, dtype=w.dtype)
@@ -110,14 +119,19 @@ class Linear(nn.Module):
             self.packed = None
 
     def packed_bytes(self) -> int:
-        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        """Bytes held outside parameters and buffers: the oneDNN weight and the kernel's quantized one."""
+        n = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        return n + (0 if self.qw is None else self.qw.nbytes())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Inside torch.compile the quantized branch would add a size guard and a second graph to
         # compile; compiled forwards carry several rows anyway, where bf16 is the faster choice.
         # (is_compiling first: comparing the symbolic row count would itself add the guard.)
-        if self.q is not None and not torch.compiler.is_compiling() and x.shape[0] <= self.small_rows:
-            if self.mode == "int4":
+        quantized = self.q is not None or self.qw is not None
+        if quantized and not torch.compiler.is_compiling() and x.shape[0] <= self.small_rows:
+            if self.qw is not None:
+                y = self.qw(x)
+            elif self.mode == "int4":
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.q_scale)
             else:
                 y = torch._weight_int8pack_mm(x, self.q, self.q_scale)

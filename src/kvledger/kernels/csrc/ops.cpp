@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "qlinear.h"
 
 namespace kvl {
 namespace {
@@ -31,6 +32,7 @@ bool cpu_has_avx512() {
 }
 
 const bool kAvx512 = cpu_has_avx512();
+const bool kVnni = kAvx512 && __builtin_cpu_supports("avx512vnni");
 
 template <typename T> const Kernels<T>& portable();
 template <> const Kernels<float>& portable<float>() { static const auto k = scalar_f32(); return k; }
@@ -239,7 +241,79 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   return out;
 }
 
+// y = x @ W.T for weights packed by kernels/quant.py (layout in qlinear.h): x [M, K] float32 or bf16
+// (rows contiguous), y [M, N] of x's dtype. The activations are quantized here, once per call, to int8
+// per group of 32 (scale = max|x| / 127, round to nearest even); both ISA paths read the same codes.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0 && n % 16 == 0 && n > 0, "in_features must be a multiple of 32 and out_features of 16");
+  const int64_t G = K / 32, NB = n / 16;
+  TORCH_CHECK(w.is_contiguous() && w.numel() == n * K / (bits == 4 ? 2 : 1) &&
+                  w.scalar_type() == (bits == 4 ? at::kByte : at::kChar),
+              "packed weights do not match [", n, ", ", K, "] at ", bits, " bits");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kHalf &&
+                  scales.numel() == NB * G * (bits == 4 ? 32 : 16),
+              "scales do not match the packed weights");
+  if (bits == 8) {
+    TORCH_CHECK(wsum128 && wsum128->is_contiguous() && wsum128->scalar_type() == at::kInt &&
+                    wsum128->numel() == NB * G * 16,
+                "int8 weights need their wsum128 [", NB * G * 16, "] int32");
+  }
+  auto out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<uint8_t> xu(bits == 8 ? static_cast<size_t>(M * K) : 0);
+  std::vector<float> sx(static_cast<size_t>(M * G)), xsum(static_cast<size_t>(M * G));
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = ptr<T>(x);
+    for (int64_t i = 0; i < M * G; ++i) {
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < 32; ++j) {
+        const float v = to_f(xp[i * 32 + j]);
+        amax = std::max(amax, std::fabs(v));
+        sum += v;
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      sx[i] = amax / 127.f;
+      xsum[i] = sum;
+      for (int j = 0; j < 32; ++j) {
+        const float q = std::nearbyint(to_f(xp[i * 32 + j]) * inv);
+        xq[i * 32 + j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, q)));
+        if (bits == 8) xu[i * 32 + j] = static_cast<uint8_t>(xq[i * 32 + j] + 128);
+      }
+    }
+  });
+  const QuantActs acts{xq.data(), xu.data(), sx.data(), xsum.data(), static_cast<int>(M), K};
+  static const QuantKernels scalar = quant_scalar();
+#if defined(__x86_64__) || defined(_M_X64)
+  static const QuantKernels vnni = quant_vnni();
+  const QuantKernels& qk = kVnni ? vnni : scalar;
+#else
+  const QuantKernels& qk = scalar;
+#endif
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  void* y = out.data_ptr();
+  // Row blocks of 16 over the threads; ~64K weights a task keeps one-row calls of small layers whole.
+  const int64_t grain = std::max<int64_t>(1, 65536 / (16 * K));
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    if (bits == 4) {
+      qk.q4(acts, w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), y, bf16, n, b0, b1);
+    } else {
+      qk.q8(acts, w.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+            wsum128->data_ptr<int32_t>(), y, bf16, n, b0, b1);
+    }
+  });
+  return out;
+}
+
 std::string isa() { return kAvx512 ? "avx512" : "scalar"; }
+
+std::string quant_isa() { return kVnni ? "avx512-vnni" : "scalar"; }
 
 }  // namespace
 }  // namespace kvl
@@ -252,7 +326,10 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n) -> Tensor");
   m.def("isa", &kvl::isa);
+  m.def("quant_isa", &kvl::quant_isa);
 }
 
 TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
@@ -261,4 +338,5 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("silu_mul", &kvl::silu_mul);
   m.impl("rope_", &kvl::rope_);
   m.impl("decode_attention", &kvl::decode_attention);
+  m.impl("quant_linear", &kvl::quant_linear);
 }

@@ -1,0 +1,132 @@
+// Quantized linear kernels with AVX512-VNNI (vpdpbusd: 64 unsigned x signed byte products summed into
+// 16 int32 lanes per instruction), compiled for that ISA whatever the build flags and called only where
+// the CPU reports it (ops.cpp). Lane l of every register is output row 16b+l, so a row block needs no
+// horizontal sums; the activations' 4-byte runs are broadcast to all lanes. Up to 4 activation rows share
+// each weight load (speculative verifies and small batches).
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "kernels.h"
+#include "qlinear.h"
+
+namespace kvl {
+namespace {
+
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+inline __m512 half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline void store16(void* y, bool bf16, long i, __m512 v) {
+  if (!bf16) {
+    _mm512_storeu_ps(static_cast<float*>(y) + i, v);
+    return;
+  }
+  uint16_t* o = static_cast<uint16_t*>(y) + i;  // round to nearest even, as f_to_bf16
+  __m512i u = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+template <int M>
+void q4_rows(const QuantActs& a, int m0, const uint8_t* w, const uint16_t* scales, void* y, bool bf16,
+             long N, long b0, long b1) {
+  const long G = a.K / 32;
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  for (long b = b0; b < b1; ++b) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (long g = 0; g < G; ++g) {
+      const uint8_t* wg = w + (b * G + g) * 256;
+      __m512i dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wg + c * 64);
+        const __m512i lo = _mm512_and_si512(v, nib);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = a.xq + (m0 + m) * a.K + g * 32 + c * 8;
+          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, bcast4(x));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, bcast4(x + 4));
+        }
+      }
+      const uint16_t* s = scales + (b * G + g) * 32;
+      const __m512 d = half16(s), mn = half16(s + 16);
+      for (int m = 0; m < M; ++m) {
+        const long i = (m0 + m) * G + g;
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(a.sx[i])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.xsum[i]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) store16(y, bf16, (m0 + m) * N + b * 16, acc[m]);
+  }
+}
+
+template <int M>
+void q8_rows(const QuantActs& a, int m0, const int8_t* w, const uint16_t* scales, const int32_t* wsum128,
+             void* y, bool bf16, long N, long b0, long b1) {
+  const long G = a.K / 32;
+  for (long b = b0; b < b1; ++b) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (long g = 0; g < G; ++g) {
+      const int8_t* wg = w + (b * G + g) * 512;
+      __m512i dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) {
+        const __m512i v = _mm512_loadu_si512(wg + c * 64);
+        for (int m = 0; m < M; ++m) {
+          dot[m] = _mm512_dpbusd_epi32(dot[m], bcast4(a.xu + (m0 + m) * a.K + g * 32 + c * 4), v);
+        }
+      }
+      const long i = (b * G + g) * 16;
+      const __m512 d = half16(scales + i);
+      const __m512i off = _mm512_loadu_si512(wsum128 + i);
+      for (int m = 0; m < M; ++m) {
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m], off));
+        acc[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(a.sx[(m0 + m) * G + g])), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) store16(y, bf16, (m0 + m) * N + b * 16, acc[m]);
+  }
+}
+
+// Activation rows in runs of up to 4 (each run streams the weights once).
+void q4(const QuantActs& a, const uint8_t* w, const uint16_t* s, void* y, bool bf16, long N, long b0, long b1) {
+  for (int m0 = 0; m0 < a.M; m0 += 4) {
+    switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
+      case 4: q4_rows<4>(a, m0, w, s, y, bf16, N, b0, b1); break;
+      case 3: q4_rows<3>(a, m0, w, s, y, bf16, N, b0, b1); break;
+      case 2: q4_rows<2>(a, m0, w, s, y, bf16, N, b0, b1); break;
+      default: q4_rows<1>(a, m0, w, s, y, bf16, N, b0, b1);
+    }
+  }
+}
+
+void q8(const QuantActs& a, const int8_t* w, const uint16_t* s, const int32_t* ws, void* y, bool bf16, long N,
+        long b0, long b1) {
+  for (int m0 = 0; m0 < a.M; m0 += 4) {
+    switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
+      case 4: q8_rows<4>(a, m0, w, s, ws, y, bf16, N, b0, b1); break;
+      case 3: q8_rows<3>(a, m0, w, s, ws, y, bf16, N, b0, b1); break;
+      case 2: q8_rows<2>(a, m0, w, s, ws, y, bf16, N, b0, b1); break;
+      default: q8_rows<1>(a, m0, w, s, ws, y, bf16, N, b0, b1);
+    }
+  }
+}
+
+}  // namespace
+
+QuantKernels quant_vnni() { return QuantKernels{&q4, &q8}; }
+
+}  // namespace kvl

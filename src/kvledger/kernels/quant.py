@@ -1,0 +1,114 @@
+"""Weights for ``kvledger_cpu::quant_linear``: GGUF-style blocks of 32 along the input dimension,
+packed 16 output rows at a time (the layout is described in ``csrc/qlinear.h``).
+
+- ``int4`` is Q4_1: ``w = d * q + m`` with ``q`` in 0..15 and the block's min and max mapping to codes 0
+  and 15. Quantizing weights dequantized from a Q4_1 file recovers the file's own codes, and its fp16
+  ``d`` and ``m``.
+- ``int8`` is Q8_0: ``w = d * q`` with ``q`` in -127..127 and ``d = max|w| / 127``; the same holds for a
+  Q8_0 file (SmolLM2's embedding and tied LM head).
+
+Activations are quantized to int8 per block of 32 inside the op (as llama.cpp does for these formats);
+the error that adds is measured in tests/unit/test_quant_linear.py and docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32
+ROWS = 16  # output rows per block: one int32 lane each in the kernel
+FP16_MAX = 65504.0
+
+
+@dataclass
+class PackedWeight:
+    """One quantized linear layer as the op reads it."""
+
+    bits: int
+    out_features: int
+    in_features: int
+    w: torch.Tensor  # uint8 (int4, two codes a byte) or int8
+    scales: torch.Tensor  # fp16
+    wsum128: torch.Tensor | None  # int32, int8 only
+
+    def nbytes(self) -> int:
+        extra = 0 if self.wsum128 is None else self.wsum128.numel() * 4
+        return self.w.numel() * self.w.element_size() + self.scales.numel() * 2 + extra
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvledger_cpu.quant_linear(
+            x, self.w, self.scales, self.wsum128, self.bits, self.out_features
+        )
+
+
+def packable(w: torch.Tensor) -> bool:
+    """The kernel takes whole blocks: out_features a multiple of 16, in_features of 32."""
+    return w.dim() == 2 and w.shape[0] % ROWS == 0 and w.shape[1] % GROUP == 0 and w.device.type == "cpu"
+
+
+def q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks: ``(q [N, K] int32 in 0..15, d [N, K/32], m [N, K/32])`` with ``w ~= d*q + m``;
+    ``d`` and ``m`` are rounded to fp16 first (the file's precision), the codes chosen against them."""
+    n, k = w.shape
+    wf = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = wf.amin(-1), wf.amax(-1)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round((wf - m[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
+    return q.view(n, k), d, m
+
+
+def q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks: ``(q [N, K] int8 in -127..127, d [N, K/32])`` with ``w ~= d*q``."""
+    n, k = w.shape
+    wf = w.float().view(n, k // GROUP, GROUP)
+    d = (wf.abs().amax(-1) / 127).half().float()
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.round(wf / safe[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, k), d
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """Per-(row, group) values ``[N, G]`` as ``[N/16, G, 16]``: one register per (row block, group)."""
+    n, g = t.shape
+    return t.view(n // ROWS, ROWS, g).transpose(1, 2)
+
+
+def pack(w: torch.Tensor, bits: int) -> PackedWeight | None:
+    """Quantize and pack ``w [N, K]``; None when the shape or the scales' range does not fit."""
+    if not packable(w):
+        return None
+    n, k = w.shape
+    nb = n // ROWS
+    if bits == 4:
+        q, d, m = q4_1(w)
+        if max(d.abs().max().item(), m.abs().max().item()) > FP16_MAX:
+            return None
+        # [NB, 16 rows, K/8 chunks, 2 halves, 4] -> [NB, K/8, 16, 4, 2]: low nibble = first half
+        v = q.view(nb, ROWS, k // 8, 2, 4).permute(0, 2, 1, 4, 3).to(torch.uint8)
+        packed = (v[..., 0] | (v[..., 1] << 4)).contiguous().view(-1)
+        scales = torch.stack([_blocks(d), _blocks(m)], dim=2).half().contiguous().view(-1)
+        return PackedWeight(4, n, k, packed, scales, None)
+    if bits == 8:
+        q, d = q8_0(w)
+        if d.max().item() > FP16_MAX:
+            return None
+        packed = q.view(nb, ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+        wsum = q.view(n, k // GROUP, GROUP).sum(-1, dtype=torch.int32) * 128
+        return PackedWeight(
+            8, n, k, packed, _blocks(d).half().contiguous().view(-1), _blocks(wsum).contiguous().view(-1)
+        )
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def dequantize(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """The weights the packed form stands for, in float32 (for tests and tolerances)."""
+    if bits == 4:
+        q, d, m = q4_1(w)
+        n, k = w.shape
+        return (q.view(n, -1, GROUP).float() * d[..., None] + m[..., None]).view(n, k)
+    q, d = q8_0(w)
+    return (q.view(w.shape[0], -1, GROUP).float() * d[..., None]).view(w.shape)
