@@ -212,3 +212,49 @@ def test_the_portable_path_passes_the_same_checks():
     )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize(("heads", "kvh"), [(4, 4), (9, 3), (16, 2)])
+def test_extend_attention_is_causal_over_prefix_and_new_tokens(dtype, ps, heads, kvh):
+    """Prefill chunks with and without a cached prefix (crossing page boundaries), in one call; query
+    token i of an extend sees exactly its prefix and the new tokens up to itself. Rows of other
+    tokens (decodes sharing the forward) are left as they were."""
+    d = 64
+    exts = [(0, 1, 40), (2, 0, 2), (1, 17, 15), (3, 33, 70)]  # (slot row, prefix, new tokens)
+    lens = [0] * 4
+    for row, pre, n in exts:
+        lens[row] = pre + n
+    pages = sum(-(-n // ps) for n in lens) + 2
+    k, v = _pool(kvh, pages, ps, d, dtype, 9)
+    table = _table(lens, ps, pages, 10)
+    t = 3 + sum(n for _, _, n in exts)  # 3 decode rows first
+    q = torch.randn(t, heads, d).to(dtype)
+    out = torch.full((t, heads * d), 7.0).to(dtype)
+    starts, s = [], 3
+    for _, _, n in exts:
+        starts.append(s)
+        s += n
+    cols = [torch.tensor(c) for c in zip(*[(r, st, p, n) for (r, p, n), st in zip(exts, starts)])]
+    ops.extend_attention_(out, q, k, v, table, *cols, d**-0.5)
+    assert torch.equal(out[:3], torch.full((3, heads * d), 7.0).to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    for (row, pre, n), st in zip(exts, starts):
+        want = ref_decode(
+            q[st : st + n], k, v, table, torch.full((n,), row), torch.arange(pre + 1, pre + n + 1), d**-0.5
+        )
+        close(out[st : st + n], want, dtype, rel=tol, atol=tol)
+
+
+def test_extend_attention_rejects_ranges_outside_the_tables():
+    d = 16
+    k, v = _pool(2, 4, 16, d, torch.float32, 11)
+    table = _table([20], 16, 4, 12)
+    q, out = torch.randn(5, 4, d), torch.zeros(5, 4 * d)
+    one = torch.tensor([0])
+    with pytest.raises(RuntimeError, match="outside req_to_token"):
+        ops.extend_attention_(out, q, k, v, table, one, one * 0, torch.tensor([30]), torch.tensor([5]), 0.25)
+    with pytest.raises(RuntimeError, match="outside q"):
+        ops.extend_attention_(out, q, k, v, table, one, torch.tensor([3]), one * 0, torch.tensor([5]), 0.25)
+    assert torch.equal(out, torch.zeros(5, 4 * d))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvledger import kernels
-from kvledger.kernels.quant import dequantize, pack, q4_1, q8_0
+from kvledger.kernels.quant import dequantize, int8_linear, pack, q4_1, q8_0
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
 
@@ -26,7 +26,7 @@ def quantized_acts(x: torch.Tensor):
     """The op's activation quantization in float32: codes, scale and exact sum per block of 32."""
     xf = x.float().view(x.shape[0], -1, 32)
     amax = xf.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xf * inv[..., None]).clamp(-127, 127)
     return q, amax / 127.0, xf.sum(-1)
 
@@ -102,11 +102,49 @@ def test_shapes_without_whole_blocks_are_not_packed_and_bad_arguments_are_refuse
     assert op(torch.randn(0, 64), p.w, p.scales, None, 4, 32).shape == (0, 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [576, 40])  # 40: not whole AVX-512 registers, the portable path
+def test_quantize_rows_and_scale_rows_match_their_definitions(dtype, k):
+    torch.manual_seed(6)
+    x = (torch.randn(9, k) * torch.rand(9, 1) * 5).to(dtype)
+    x[3] = 0  # an all-zero row: scale 0, every code 128
+    xq, s = torch.ops.kvledger_cpu.quantize_rows(x)
+    amax = x.float().abs().amax(1)
+    # tensor / tensor: IEEE division (torch computes `127.0 / t` as a reciprocal times 127, an ulp off)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    assert torch.equal(s, amax / 127)
+    assert torch.equal(xq, (torch.round(x.float() * inv[:, None]).clamp(-127, 127) + 128).to(torch.uint8))
+    y, b = torch.randn(9, k), torch.randn(k).to(dtype)
+    out = torch.ops.kvledger_cpu.scale_rows(y, s, b, x)
+    assert out.dtype == dtype
+    assert torch.equal(out, (y * s[:, None]).to(dtype) + b)  # rounded, then the bias added, as torch does
+    assert torch.equal(torch.ops.kvledger_cpu.scale_rows(y, s, None, x), (y * s[:, None]).to(dtype))
+
+
+def test_int8_linear_is_exact_integer_arithmetic_with_per_token_scales():
+    """oneDNN's u8 x s8 product at activation scale 1, then each row's scale: equal to the float64
+    product of the codes (rel 1e-6); ~1% from the float product for rows of very different sizes."""
+    torch.manual_seed(7)
+    w = torch.randn(96, 160) * 0.05
+    lin = int8_linear(w)
+    if lin is None:
+        pytest.skip("this torch has no oneDNN int8 linear")
+    x = torch.randn(12, 160) * torch.rand(12, 1) * 8
+    y = lin(x)
+    xq, s = torch.ops.kvledger_cpu.quantize_rows(x)
+    wq = torch.round(w / lin.w_scale[:, None]).clamp(-127, 127)
+    exact = ((xq.double() - 128) @ wq.double().T) * s.double()[:, None] * lin.w_scale.double()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-6)
+    ref = x @ w.T
+    assert ((y - ref).norm() / ref.norm()).item() < 0.02
+
+
 @pytest.mark.skipif(
     kernels.quant_isa() != "avx512-vnni", reason="no AVX512-VNNI: only the portable path runs"
 )
 def test_the_portable_path_is_bit_identical(tmp_path):
-    """Both builds sum in the same order with the same fused multiply-adds."""
+    """Both builds sum in the same order with the same fused multiply-adds, and quantize rows the
+    same way (round half to even)."""
     torch.manual_seed(5)
     cases = [
         (torch.randn(64, 128) * 0.05, torch.randn(r, 128).bfloat16(), b) for b in (4, 8) for r in (1, 3, 6)
@@ -116,10 +154,13 @@ def test_the_portable_path_is_bit_identical(tmp_path):
         "import torch, sys; from kvledger import kernels; from kvledger.kernels.quant import pack;"
         "assert kernels.load() and kernels.quant_isa() == 'scalar';"
         f"cases = torch.load({str(tmp_path / 'cases.pt')!r});"
-        f"torch.save([pack(w, b)(x) for w, x, b in cases], {str(tmp_path / 'out.pt')!r})"
+        "q = torch.ops.kvledger_cpu.quantize_rows;"
+        f"torch.save([(pack(w, b)(x), *q(x)) for w, x, b in cases], {str(tmp_path / 'out.pt')!r})"
     )
     env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    for (w, x, b), y in zip(cases, torch.load(tmp_path / "out.pt")):
+    for (w, x, b), (y, xq, s) in zip(cases, torch.load(tmp_path / "out.pt")):
         assert torch.equal(pack(w, b)(x), y)
+        xq2, s2 = torch.ops.kvledger_cpu.quantize_rows(x)
+        assert torch.equal(xq, xq2) and torch.equal(s, s2)

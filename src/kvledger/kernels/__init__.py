@@ -111,6 +111,18 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
+    @torch.library.register_fake(lib + "extend_attention_")
+    def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):
+        return None
+
+    @torch.library.register_fake(lib + "quantize_rows")
+    def _(x):
+        return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake(lib + "scale_rows")
+    def _(y, scale, bias, like):
+        return y.new_empty(y.shape, dtype=like.dtype)
+
     @torch.library.register_fake(lib + "quant_linear")
     def _(x, w, scales, wsum128, bits, n):
         return x.new_empty(x.shape[0], n)

@@ -112,3 +112,42 @@ def dequantize(w: torch.Tensor, bits: int) -> torch.Tensor:
         return (q.view(n, -1, GROUP).float() * d[..., None] + m[..., None]).view(n, k)
     q, d = q8_0(w)
     return (q.view(w.shape[0], -1, GROUP).float() * d[..., None]).view(w.shape)
+
+
+@dataclass
+class Int8Weight:
+    """A layer for oneDNN's int8 linear (``onednn.qlinear_pointwise``: u8 activations x s8 weights,
+    VNNI), used for forwards of more rows than the GEMV kernel takes (batched decode, prefill).
+    Weights: int8 per output channel. Activations: int8 per row (token), quantized by
+    ``kvledger_cpu::quantize_rows``; oneDNN runs at activation scale 1 with fp32 output and
+    ``kvledger_cpu::scale_rows`` applies each row's own scale (and the bias), so the per-token scales
+    are exact (oneDNN itself takes one activation scale per call)."""
+
+    packed: torch.Tensor  # oneDNN's prepacked int8 weight
+    w_scale: torch.Tensor  # float32 [N]
+    zero: torch.Tensor  # int64 zeros [N]
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        k = torch.ops.kvledger_cpu
+        xq, s = k.quantize_rows(x)
+        y = torch.ops.onednn.qlinear_pointwise(
+            xq, 1.0, 128, self.packed, self.w_scale, self.zero, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return k.scale_rows(y, s, bias, x)
+
+
+def int8_linear(w: torch.Tensor) -> Int8Weight | None:
+    """Per-channel symmetric int8 of ``w [N, K]`` for oneDNN; None where this torch has no oneDNN int8."""
+    if w.device.type != "cpu" or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return None
+    wf = w.float()
+    scale = (wf.abs().amax(1) / 127).clamp(min=1e-12)
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(q, None)
+    except RuntimeError:
+        return None
+    return Int8Weight(
+        packed, scale, torch.zeros(w.shape[0], dtype=torch.int64), q.numel() + scale.numel() * 4
+    )

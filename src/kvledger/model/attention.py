@@ -80,13 +80,16 @@ class TorchAttention:
                 dec_rows.append(row)
                 dec_lens.append(s)
             elif n > 1:
-                kv_idx = batch.req_to_token[row, :s]
-                mask = None
-                if pre:
-                    mask = torch.arange(s).unsqueeze(0) <= torch.arange(pre, pre + n).unsqueeze(1)
-                ext.append((start, n, kv_idx, mask))
+                ext.append(TorchAttention.sdpa_extend(batch, row, start, pre, n))
             start += n
         return dec_tok, dec_rows, dec_lens, ext
+
+    @staticmethod
+    def sdpa_extend(batch: ForwardBatch, row: int, start: int, pre: int, n: int) -> tuple:
+        """``(tok_start, n, kv_idx [S], mask [n, S] or None)`` of one extend for ``extend``."""
+        s = pre + n
+        mask = None if not pre else torch.arange(s).unsqueeze(0) <= torch.arange(pre, s).unsqueeze(1)
+        return start, n, batch.req_to_token[row, :s], mask
 
     def prepare(self, batch: ForwardBatch) -> None:
         dec_tok, dec_rows, dec_lens, ext = self.split(batch)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..kernels.quant import PackedWeight, pack
+from ..kernels.quant import Int8Weight, PackedWeight, int8_linear, pack
 
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP = 32
@@ -84,8 +84,10 @@ class Linear(nn.Module):
         src = w if source is None else source
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
         self.qw: PackedWeight | None = None
+        self.w8: Int8Weight | None = None  # more rows than small_rows: oneDNN's int8 linear
         if quantization is not None and w.device.type == "cpu" and kernels.load():
             self.qw = pack(src, 4 if quantization == "int4" else 8)
+            self.w8 = int8_linear(src) if self.qw is not None else None
         if quantization is not None and w.dtype != torch.bfloat16:
             raise ValueError(f"{quantization} weights need bfloat16 activations (dtype bfloat16)")
         if quantization == "int4" and w.device.type != "cpu":
@@ -121,7 +123,7 @@ class Linear(nn.Module):
     def packed_bytes(self) -> int:
         """Bytes held outside parameters and buffers: the oneDNN weight and the kernel's quantized one."""
         n = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
-        return n + (0 if self.qw is None else self.qw.nbytes())
+        return n + (0 if self.qw is None else self.qw.nbytes()) + (0 if self.w8 is None else self.w8.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Inside torch.compile the quantized branch would add a size guard and a second graph to
@@ -136,6 +138,8 @@ class Linear(nn.Module):
             else:
                 y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
             return y if self.b is None else y + self.b
+        if self.w8 is not None and not torch.compiler.is_compiling():
+            return self.w8(x, self.b)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)

@@ -208,9 +208,42 @@ void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, lo
   attend_nd<T, 0>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
 }
 
+
+template <typename T>
+void quantize_rows(const T* x, int K, uint8_t* q, float* scale, long r0, long r1) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (long r = r0; r < r1; ++r) {
+    const T* row = x + r * K;
+    __m512 mx = _mm512_setzero_ps();
+    for (int i = 0; i < K; i += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load16(row + i), sign));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    scale[r] = amax / 127.f;
+    const __m512i off = _mm512_set1_epi32(128);
+    for (int i = 0; i < K; i += 16) {
+      __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load16(row + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+      const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(v), off);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + i), _mm512_cvtepi32_epi8(c));
+    }
+  }
+}
+
+template <typename T>
+void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N, long r0, long r1) {
+  for (long r = r0; r < r1; ++r) {
+    const __m512 s = _mm512_set1_ps(scale[r]);
+    for (int i = 0; i < N; i += 16) {
+      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(y + r * N + i), s);
+      if (bias) v = _mm512_add_ps(rnd<T>(v), load16(bias + i));
+      store16(out + r * N + i, v);
+    }
+  }
+}
+
 template <typename T>
 Kernels<T> make() {
-  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>};
+  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>, &quantize_rows<T>, &scale_rows<T>};
 }
 
 }  // namespace

@@ -27,6 +27,10 @@ struct Kernels {
   // running max m[G], sum l[G] and unnormalized output acc[G*D] (flash-decoding partials).
   void (*attend)(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
                  float scale, float* m, float* l, float* acc);
+  // Rows of x [.., K] to uint8 codes nearbyint(x * 127 / max|row|) + 128 and scale[r] = max|row| / 127.
+  void (*quantize_rows)(const T* x, int K, uint8_t* q, float* scale, long r0, long r1);
+  // out[r, i] = T(y[r, i] * scale[r]) (+ bias[i] after rounding, as torch adds a bias), y float [.., N].
+  void (*scale_rows)(const float* y, const float* scale, const T* bias, T* out, int N, long r0, long r1);
 };
 
 Kernels<float> scalar_f32();

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -241,6 +242,115 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   return out;
 }
 
+// Attention of prefill chunks (extends) over the paged pool, in place: extend e's query rows
+// q[starts[e] .. starts[e] + lens[e]) [T, H, D] attend causally over the tokens at
+// req_to_token[rows[e], :prefix[e] + i + 1] (query i sees its prefix and the new tokens up to itself);
+// their K/V are already in the pool. Writes those rows of out [T, H * D]; other rows are left alone.
+// Work items are (extend, KV head, query token): each is the decode kernel's `attend` over its causal
+// range, so the G query heads of one KV head share every K/V read, and the K/V of one request stay
+// in cache across its query tokens.
+void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& table, const at::Tensor& rows, const at::Tensor& starts,
+                      const at::Tensor& prefix, const at::Tensor& lens, double scale) {
+  check_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, head_dim]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.is_contiguous() &&
+                  out.scalar_type() == q.scalar_type(),
+              "out must be [tokens, heads * head_dim] contiguous, of q's dtype");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D &&
+                  k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D &&
+                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
+  const int64_t KVH = k_cache.size(0);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads (", H, ") must be a multiple of kv heads (", KVH, ")");
+  const int G = static_cast<int>(H / KVH);
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1, "req_to_token must be int64 [slots, context]");
+  const int64_t E = rows.numel();
+  for (const auto* t : {&rows, &starts, &prefix, &lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == E, "rows, starts, prefix and lens must be int64 [extends]");
+  }
+  const int64_t *rp = rows.data_ptr<int64_t>(), *sp = starts.data_ptr<int64_t>();
+  const int64_t *pp = prefix.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  std::vector<int64_t> first(E + 1, 0);  // work items of extends before e
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(rp[e] >= 0 && rp[e] < table.size(0), "row ", rp[e], " outside req_to_token");
+    TORCH_CHECK(lp[e] >= 0 && pp[e] >= 0 && pp[e] + lp[e] <= table.size(1), "extend ", e, " outside req_to_token");
+    TORCH_CHECK(sp[e] >= 0 && sp[e] + lp[e] <= T, "extend ", e, " outside q");
+    first[e + 1] = first[e] + lp[e] * KVH;
+  }
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t ts = table.stride(0);
+  by_dtype(q, [&](auto tag) {
+    using T_ = decltype(tag);
+    const auto& k = pick<T_>(static_cast<int>(D));
+    const T_* kc = ptr<T_>(k_cache);
+    const T_* vc = ptr<T_>(v_cache);
+    const T_* qp = ptr<T_>(q);
+    T_* o = ptr<T_>(out);
+    at::parallel_for(0, first[E], 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> part(static_cast<size_t>(G * (D + 2)));
+      int64_t e = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
+      for (int64_t i = i0; i < i1; ++i) {
+        while (i >= first[e + 1]) ++e;
+        const int64_t j = i - first[e], h = j % KVH, t = j / KVH;  // KV heads of one token adjacent
+        const int64_t row = sp[e] + t;
+        float *m = part.data(), *l = m + G, *acc = l + G;
+        k.attend(qp + row * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
+                 tp + rp[e] * ts, pp[e] + t + 1, G, static_cast<int>(D), static_cast<float>(scale), m, l, acc);
+        for (int g = 0; g < G; ++g) {
+          const float inv = 1.f / l[g];  // >= 1 token: the query's own
+          T_* ob = o + row * H * D + (h * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T_>(acc[g * D + d] * inv);
+        }
+      }
+    });
+  });
+}
+
+// Per-row (per-token) int8 quantization for oneDNN's u8 x s8 linear (model/linear.py): scale =
+// max|row| / 127, xq = nearbyint(x / scale) + 128 (zero point 128). Returns (xq [M, K] uint8, scale [M]).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, features] contiguous");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xq = at::empty({M, K}, x.options().dtype(at::kByte));
+  auto sc = at::empty({M}, x.options().dtype(at::kFloat));
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const auto& k = pick<T>(static_cast<int>(K));
+    at::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
+      k.quantize_rows(ptr<T>(x), static_cast<int>(K), xq.data_ptr<uint8_t>(), sc.data_ptr<float>(), r0, r1);
+    });
+  });
+  return {xq, sc};
+}
+
+// y [M, N] float32 (an int8 linear's output at activation scale 1) times each row's scale, plus an
+// optional bias [N], rounded once to the dtype of `like`.
+at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& scale, const c10::optional<at::Tensor>& bias,
+                      const at::Tensor& like) {
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat, "y must be [rows, n] float32");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == y.size(0),
+              "scale must be float32 [rows]");
+  check_float(like, "like");
+  const int64_t M = y.size(0), N = y.size(1);
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == like.scalar_type(),
+                "bias must be [n] of the output dtype");
+  }
+  auto out = at::empty({M, N}, y.options().dtype(like.scalar_type()));
+  by_dtype(like, [&](auto tag) {
+    using T = decltype(tag);
+    const auto& k = pick<T>(static_cast<int>(N));
+    const T* bp = bias ? ptr<T>(*bias) : nullptr;
+    at::parallel_for(0, M, grain(N), [&](int64_t r0, int64_t r1) {
+      k.scale_rows(y.data_ptr<float>(), scale.data_ptr<float>(), bp, ptr<T>(out), static_cast<int>(N), r0, r1);
+    });
+  });
+  return out;
+}
+
 // y = x @ W.T for weights packed by kernels/quant.py (layout in qlinear.h): x [M, K] float32 or bf16
 // (rows contiguous), y [M, N] of x's dtype. The activations are quantized here, once per call, to int8
 // per group of 32 (scale = max|x| / 127, round to nearest even); both ISA paths read the same codes.
@@ -328,6 +438,11 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n) -> Tensor");
+  m.def(
+      "extend_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
+      "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale) -> ()");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
+  m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
   m.def("isa", &kvl::isa);
   m.def("quant_isa", &kvl::quant_isa);
 }
@@ -339,4 +454,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("rope_", &kvl::rope_);
   m.impl("decode_attention", &kvl::decode_attention);
   m.impl("quant_linear", &kvl::quant_linear);
+  m.impl("extend_attention_", &kvl::extend_attention);
+  m.impl("quantize_rows", &kvl::quantize_rows);
+  m.impl("scale_rows", &kvl::scale_rows);
 }

@@ -101,26 +101,31 @@ void q8_rows(const QuantActs& a, int m0, const int8_t* w, const uint16_t* scales
   }
 }
 
-// Activation rows in runs of up to 4 (each run streams the weights once).
+// Activation rows in runs of up to 4, each run over one row block at a time: a block's weights
+// (16 rows x K) stay in L1 while every run of activation rows passes over them.
 void q4(const QuantActs& a, const uint8_t* w, const uint16_t* s, void* y, bool bf16, long N, long b0, long b1) {
-  for (int m0 = 0; m0 < a.M; m0 += 4) {
-    switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
-      case 4: q4_rows<4>(a, m0, w, s, y, bf16, N, b0, b1); break;
-      case 3: q4_rows<3>(a, m0, w, s, y, bf16, N, b0, b1); break;
-      case 2: q4_rows<2>(a, m0, w, s, y, bf16, N, b0, b1); break;
-      default: q4_rows<1>(a, m0, w, s, y, bf16, N, b0, b1);
+  for (long b = b0; b < b1; ++b) {
+    for (int m0 = 0; m0 < a.M; m0 += 4) {
+      switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
+        case 4: q4_rows<4>(a, m0, w, s, y, bf16, N, b, b + 1); break;
+        case 3: q4_rows<3>(a, m0, w, s, y, bf16, N, b, b + 1); break;
+        case 2: q4_rows<2>(a, m0, w, s, y, bf16, N, b, b + 1); break;
+        default: q4_rows<1>(a, m0, w, s, y, bf16, N, b, b + 1);
+      }
     }
   }
 }
 
 void q8(const QuantActs& a, const int8_t* w, const uint16_t* s, const int32_t* ws, void* y, bool bf16, long N,
         long b0, long b1) {
-  for (int m0 = 0; m0 < a.M; m0 += 4) {
-    switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
-      case 4: q8_rows<4>(a, m0, w, s, ws, y, bf16, N, b0, b1); break;
-      case 3: q8_rows<3>(a, m0, w, s, ws, y, bf16, N, b0, b1); break;
-      case 2: q8_rows<2>(a, m0, w, s, ws, y, bf16, N, b0, b1); break;
-      default: q8_rows<1>(a, m0, w, s, ws, y, bf16, N, b0, b1);
+  for (long b = b0; b < b1; ++b) {
+    for (int m0 = 0; m0 < a.M; m0 += 4) {
+      switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
+        case 4: q8_rows<4>(a, m0, w, s, ws, y, bf16, N, b, b + 1); break;
+        case 3: q8_rows<3>(a, m0, w, s, ws, y, bf16, N, b, b + 1); break;
+        case 2: q8_rows<2>(a, m0, w, s, ws, y, bf16, N, b, b + 1); break;
+        default: q8_rows<1>(a, m0, w, s, ws, y, bf16, N, b, b + 1);
+      }
     }
   }
 }

@@ -1,4 +1,5 @@
 // Portable kernels: plain loops (the compiler vectorizes what it can for the build's baseline ISA).
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -87,9 +88,34 @@ void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, lo
   }
 }
 
+
+template <typename T>
+void quantize_rows(const T* x, int K, uint8_t* q, float* scale, long r0, long r1) {
+  for (long r = r0; r < r1; ++r) {
+    const T* row = x + r * K;
+    float amax = 0.f;
+    for (int i = 0; i < K; ++i) amax = std::max(amax, std::fabs(to_f(row[i])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    scale[r] = amax / 127.f;
+    for (int i = 0; i < K; ++i) {
+      const float v = std::max(-127.f, std::min(127.f, std::nearbyint(to_f(row[i]) * inv)));
+      q[r * K + i] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+    }
+  }
+}
+
+template <typename T>
+void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N, long r0, long r1) {
+  for (long r = r0; r < r1; ++r) {
+    for (int i = 0; i < N; ++i) {
+      const float v = y[r * N + i] * scale[r];
+      out[r * N + i] = from_f<T>(bias ? round_t<T>(v) + to_f(bias[i]) : v);
+    }
+  }
+}
 template <typename T>
 Kernels<T> make() {
-  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>};
+  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>, &quantize_rows<T>, &scale_rows<T>};
 }
 
 }  // namespace
