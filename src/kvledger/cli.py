@@ -47,6 +47,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "on first use, ~1 min, cached); auto (default): cpu for bfloat16 on a CPU where they build",
     )
     p.add_argument(
+        "--enable-int8-batch",
+        action="store_true",
+        help="with a quantization: forwards of more than 4 rows (prefill, batched decode) in oneDNN's int8 "
+        "linear, per-token int8 activations (1.2-1.9x faster GEMMs here; less faithful to the file)",
+    )
+    p.add_argument(
         "--enable-torch-compile",
         action="store_true",
         help="compile the forward with torch.compile (faster decode; compiles at start-up)",

@@ -26,6 +26,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
     fused norm/rotary/SiLU); auto picks it for bfloat16 on a CPU where they build, torch otherwise."""
+    enable_int8_batch: bool = False
+    """In a quantized mode, run forwards of more than 4 rows (prefill, batched decode) through oneDNN's
+    int8 linear with per-token int8 activations instead of the bf16 GEMM: 1.2-1.9x faster GEMMs here,
+    but further from the file's weights (bench/quant_agreement.py: mean |logprob delta| 0.108 vs 0.066
+    on SmolLM2), so off by default."""
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""

@@ -103,3 +103,29 @@ def test_default_engine_on_a_float_checkpoint_is_bf16_without_quantization(make_
         return
     assert eng.core.cfg.quantization is None and eng.core.info.dtype == "bfloat16"
     eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
+
+
+@needs_kernels
+def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mode(make_engine):
+    """--enable-int8-batch: prompts of more than 4 tokens go through oneDNN's int8 linear (counted on
+    the first layer), the chosen first token's logprob stays within 0.1 of fp32; without a
+    quantization, or in float32, the flag is refused before anything starts."""
+    from kvledger.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="needs a quantized mode"):
+        make_engine(dtype="bfloat16", quantization="none", enable_int8_batch=True)
+    with pytest.raises(ValidationError, match="needs a quantized mode"):
+        make_engine(dtype="float32", quantization="int8", enable_int8_batch=True)
+    ref = make_engine(dtype="float32")
+    eng = make_engine(dtype="bfloat16", quantization="int8", enable_int8_batch=True)
+    qkv = eng.core.model.net.layers[0].qkv
+    assert qkv.w8 is not None
+    calls = []
+    real = qkv.w8
+    qkv.w8 = lambda x, b=None: calls.append(x.shape[0]) or real(x, b)
+    p = {"max_new_tokens": 1, "temperature": 0, "logprobs": True}
+    for prompt in _prompts(4, seed=3):
+        a = ref.generate(input_ids=prompt, sampling_params=p)["meta_info"]["output_token_logprobs"][0]
+        b = eng.generate(input_ids=prompt, sampling_params=p)["meta_info"]["output_token_logprobs"][0]
+        assert a[1] == b[1] and abs(a[0] - b[0]) < 0.1, (a, b)
+    assert calls and min(calls) > 4  # only forwards of more than 4 rows took it

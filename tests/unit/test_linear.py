@@ -50,8 +50,9 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
     torch.manual_seed(1)
     w = torch.randn(96, 64).bfloat16()
     b = torch.randn(96).bfloat16()
-    lin = Linear(w, b, mode, small_rows=4)
+    lin = Linear(w, b, mode, small_rows=4, int8_batch=True)
     assert (lin.qw is not None) == (lin.w8 is not None) == (path == "kernel")
+    assert Linear(w, b, mode, small_rows=4).w8 is None  # off unless asked
     x = torch.randn(rows, 64).bfloat16()
     y = lin(x)
     dense = F.linear(x, w, b)

@@ -71,6 +71,11 @@ def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> N
             f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {cfg.attention_backend!r}",
             param="attention_backend",
         )
+    if cfg.enable_int8_batch and (cfg.quantization in (None, "none") or cfg.dtype in ("float32", "fp32")):
+        raise ValidationError(
+            "enable_int8_batch needs a quantized mode (quantization auto, int8 or int4) in bfloat16",
+            param="enable_int8_batch",
+        )
     if explicit_quantization(cfg.quantization) is None:
         return
     if dtype != torch.bfloat16:
@@ -124,6 +129,7 @@ def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, de
         device=device,
         attention=cfg.attention_backend,
         quantization=model_quantization(cfg, loaded, dtype, device),
+        int8_batch=cfg.enable_int8_batch,
         comm=comm,
     )
 

@@ -57,7 +57,8 @@ def quantize_int4(
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)``; with a quantized copy, calls of at most ``small_rows`` rows use it.
+    """``y = x @ W.T (+ b)``; with a quantized copy, calls of at most ``small_rows`` rows use it, and
+    with ``int8_batch`` larger calls use oneDNN's int8 linear (per-token int8 activations).
 
     ``source`` is the full-precision weight to quantize from (``w`` may already be rounded to bf16,
     which would blur int4 codes recovered from a Q4_1 checkpoint).
@@ -71,6 +72,7 @@ class Linear(nn.Module):
         small_rows: int = 4,
         source: torch.Tensor | None = None,
         prepack: bool = True,
+        int8_batch: bool = False,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -87,7 +89,7 @@ class Linear(nn.Module):
         self.w8: Int8Weight | None = None  # more rows than small_rows: oneDNN's int8 linear
         if quantization is not None and w.device.type == "cpu" and kernels.load():
             self.qw = pack(src, 4 if quantization == "int4" else 8)
-            self.w8 = int8_linear(src) if self.qw is not None else None
+            self.w8 = int8_linear(src) if self.qw is not None and int8_batch else None
         if quantization is not None and w.dtype != torch.bfloat16:
             raise ValueError(f"{quantization} weights need bfloat16 activations (dtype bfloat16)")
         if quantization == "int4" and w.device.type != "cpu":

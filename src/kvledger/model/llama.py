@@ -200,10 +200,12 @@ class LlamaModel:
         attention: str = "auto",
         quantization: str | None = None,
         comm=None,
+        int8_batch: bool = False,
     ):
         """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
         (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
-        (``resolve_backend``); ``cpu`` also runs the norms, rotary and SiLU in the C++ kernels."""
+        (``resolve_backend``); ``cpu`` also runs the norms, rotary and SiLU in the C++ kernels.
+        ``int8_batch``: quantized layers run forwards of more than 4 rows in oneDNN's int8 linear."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -222,7 +224,7 @@ class LlamaModel:
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         def lin(w: torch.Tensor, b: torch.Tensor | None = None, mode: str | None = quantization) -> Linear:
-            return Linear(cast(w), None if b is None else cast(b), mode, source=w)
+            return Linear(cast(w), None if b is None else cast(b), mode, source=w, int8_batch=int8_batch)
 
         raw_embed = take("model.embed_tokens.weight")
         embed = cast(raw_embed)
@@ -231,7 +233,11 @@ class LlamaModel:
         # The LM head is int8 even in int4 mode: it is usually kept at 8 bits in quantized checkpoints
         # (Q8_0 in SmolLM2's GGUF), and its logits are what sampling sees.
         lm_mode = "int8" if quantization == "int4" else quantization
-        lm = Linear(embed, None, lm_mode, source=raw_embed) if tied else lin(lm_head, mode=lm_mode)
+        lm = (
+            Linear(embed, None, lm_mode, source=raw_embed, int8_batch=int8_batch)
+            if tied
+            else lin(lm_head, mode=lm_mode)
+        )
         norm = cast(take("model.norm.weight"))
         layers = []
         for i in range(cfg.num_layers):
