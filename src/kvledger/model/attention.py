@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,6 +54,17 @@ class _TorchMeta:
     dec_v_buf: torch.Tensor | None = None
 
 
+@dataclass
+class BatchSplit:
+    """One forward's requests by the attention they need (``TorchAttention.split``)."""
+
+    dec_tok: list[int]  # decodes: flat token index,
+    dec_rows: list[int]  # request-slot row,
+    dec_lens: list[int]  # sequence length (the new token included)
+    sdpa_ext: list  # extends for SDPA: (tok_start, n, kv_idx [S], mask [n, S] or None: plain causal)
+    kernel_ext: list[list[int]]  # extends for a backend's kernel: [rows, tok_starts, prefixes, new tokens]
+
+
 class TorchAttention:
     """Reference backend in plain PyTorch; runs anywhere, exact in fp32.
 
@@ -67,22 +79,23 @@ class TorchAttention:
         self.scale = head_dim**-0.5
 
     @staticmethod
-    def split(batch: ForwardBatch) -> tuple[list[int], list[int], list[int], list]:
-        """The batch's decodes (flat token index, slot row, sequence length each) and extends
-        ``(tok_start, n, kv_idx [S], bool mask [n, S])``; an extend with no prefix has mask None: it is
-        plain causal attention, which SDPA runs without a mask (skipping the blocks above the diagonal:
-        ~2x faster for a long prompt than the same mask spelled out)."""
-        dec_tok, dec_rows, dec_lens, ext = [], [], [], []
+    def split(batch: ForwardBatch, in_kernel: Callable[[int, int], bool] | None = None) -> BatchSplit:
+        """The batch's decodes and extends (see ``BatchSplit``); ``in_kernel(prefix, new)`` picks the
+        extends a backend runs in its own kernel (the rest go to SDPA)."""
+        sp = BatchSplit([], [], [], [], [[], [], [], []])
         start = 0
         for row, pre, n, s in zip(batch.req_rows, batch.prefix_lens, batch.extend_lens, batch.seq_lens):
             if n == 1:
-                dec_tok.append(start)
-                dec_rows.append(row)
-                dec_lens.append(s)
+                sp.dec_tok.append(start)
+                sp.dec_rows.append(row)
+                sp.dec_lens.append(s)
+            elif n > 1 and in_kernel is not None and in_kernel(pre, n):
+                for col, v in zip(sp.kernel_ext, (row, start, pre, n)):
+                    col.append(v)
             elif n > 1:
-                ext.append(TorchAttention.sdpa_extend(batch, row, start, pre, n))
+                sp.sdpa_ext.append(TorchAttention.sdpa_extend(batch, row, start, pre, n))
             start += n
-        return dec_tok, dec_rows, dec_lens, ext
+        return sp
 
     @staticmethod
     def sdpa_extend(batch: ForwardBatch, row: int, start: int, pre: int, n: int) -> tuple:
@@ -92,8 +105,9 @@ class TorchAttention:
         return start, n, batch.req_to_token[row, :s], mask
 
     def prepare(self, batch: ForwardBatch) -> None:
-        dec_tok, dec_rows, dec_lens, ext = self.split(batch)
-        meta = _TorchMeta(None, None, None, ext)
+        sp = self.split(batch)
+        dec_tok, dec_rows, dec_lens = sp.dec_tok, sp.dec_rows, sp.dec_lens
+        meta = _TorchMeta(None, None, None, sp.sdpa_ext)
         if dec_tok:
             ps = batch.page_size
             pmax = -(-max(dec_lens) // ps)

@@ -62,7 +62,7 @@ class _CpuMeta:
     dec_rows: torch.Tensor | None  # [Bd] request-slot rows
     dec_lens: torch.Tensor | None  # [Bd] sequence lengths (the new token included)
     ext: tuple[torch.Tensor, ...] | None  # int64 [E] each: slot rows, first token, prefix, new tokens
-    long_ext: list  # long extends, for SDPA: as TorchAttention.split's
+    long_ext: list  # long extends, for SDPA: BatchSplit.sdpa_ext
     only_decodes: bool
 
 
@@ -75,29 +75,15 @@ class CpuAttention(TorchAttention):
         self.extend_op = torch.ops.kvledger_cpu.extend_attention_
 
     def prepare(self, batch: ForwardBatch) -> None:
-        dec_tok, dec_rows, dec_lens = [], [], []
-        ext: list[list[int]] = [[], [], [], []]
-        long_ext = []
-        start = 0
-        for row, pre, n, s in zip(batch.req_rows, batch.prefix_lens, batch.extend_lens, batch.seq_lens):
-            if n == 1:
-                dec_tok.append(start)
-                dec_rows.append(row)
-                dec_lens.append(s)
-            elif n > 1 and kernel_extend(pre, n):
-                for col, v in zip(ext, (row, start, pre, n)):
-                    col.append(v)
-            elif n > 1:
-                long_ext.append(self.sdpa_extend(batch, row, start, pre, n))
-            start += n
-        i64 = torch.int64
+        sp = self.split(batch, kernel_extend)
+        i64, dec = torch.int64, bool(sp.dec_tok)
         batch.attn_meta = _CpuMeta(
-            torch.tensor(dec_tok) if dec_tok else None,
-            torch.tensor(dec_rows, dtype=i64) if dec_tok else None,
-            torch.tensor(dec_lens, dtype=i64) if dec_tok else None,
-            tuple(torch.tensor(col, dtype=i64) for col in ext) if ext[0] else None,
-            long_ext,
-            not ext[0] and not long_ext and len(dec_tok) == batch.num_tokens,
+            torch.tensor(sp.dec_tok) if dec else None,
+            torch.tensor(sp.dec_rows, dtype=i64) if dec else None,
+            torch.tensor(sp.dec_lens, dtype=i64) if dec else None,
+            tuple(torch.tensor(col, dtype=i64) for col in sp.kernel_ext) if sp.kernel_ext[0] else None,
+            sp.sdpa_ext,
+            not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) == batch.num_tokens,
         )
 
     def forward(self, layer, q, k, v, kv_buffer, batch):
