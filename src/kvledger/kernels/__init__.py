@@ -69,10 +69,6 @@ def load() -> bool:
         return True
 
 
-def available() -> bool:
-    return load()
-
-
 def status() -> str:
     """Why the kernels are (not) in use, for logs and /get_server_info."""
     return str(_state["reason"])

@@ -48,14 +48,18 @@ def packable(w: torch.Tensor) -> bool:
     return w.dim() == 2 and w.shape[0] % ROWS == 0 and w.shape[1] % GROUP == 0 and w.device.type == "cpu"
 
 
-def q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def q4_1(
+    w: torch.Tensor, scale_dtype: torch.dtype | None = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 blocks: ``(q [N, K] int32 in 0..15, d [N, K/32], m [N, K/32])`` with ``w ~= d*q + m``;
-    ``d`` and ``m`` are rounded to fp16 first (the file's precision), the codes chosen against them."""
+    ``d`` and ``m`` are rounded to ``scale_dtype`` first (fp16: the file's precision; None: kept in
+    float32), the codes chosen against them."""
     n, k = w.shape
     wf = w.float().view(n, k // GROUP, GROUP)
     lo, hi = wf.amin(-1), wf.amax(-1)
-    d = ((hi - lo) / 15).half().float()
-    m = lo.half().float()
+    d, m = (hi - lo) / 15, lo
+    if scale_dtype is not None:
+        d, m = d.to(scale_dtype).float(), m.to(scale_dtype).float()
     safe = torch.where(d > 0, d, torch.ones_like(d))
     q = torch.round((wf - m[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.int32)
     return q.view(n, k), d, m

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..kernels.quant import Int8Weight, PackedWeight, int8_linear, pack
+from ..kernels.quant import GROUP, Int8Weight, PackedWeight, int8_linear, pack, q4_1
 
 QUANTIZATIONS = (None, "int8", "int4")
-INT4_GROUP = 32
+INT4_GROUP = GROUP  # GGUF Q4_1 blocks: the same groups on both int4 paths
 PACK_ROWS_HINT = 32  # oneDNN picks the blocked layout for this many rows; 1..256 all run well with it
 
 
@@ -48,12 +48,10 @@ def quantize_int4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric int4 in groups of ``group`` along K (Q4_1's scheme): returns ``(q [N, K] int32 in
     0..15, scale [N, K/group], zero [N, K/group])`` with ``w ~= (q - 8) * scale + zero``."""
-    n, k = w.shape
-    wf = w.float().view(n, k // group, group)
-    lo, hi = wf.amin(-1), wf.amax(-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((wf - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
-    return q.view(n, k), scale, lo + 8 * scale
+    if group != GROUP:
+        raise ValueError(f"int4 groups are {GROUP} wide (GGUF's Q4_1 blocks), got {group}")
+    q, d, m = q4_1(w, scale_dtype=None)  # torch's kernel keeps its scales in the activations' dtype
+    return q, d, m + 8 * d
 
 
 class Linear(nn.Module):
