@@ -58,7 +58,10 @@ def main() -> int:
     args = p.parse_args()
     texts = prompts(args.prompts)
     outs = {}
-    for name, kw in (("fp32", {"dtype": "float32"}), ("default", {"quantization": args.quantization, "enable_int8_batch": args.enable_int8_batch})):
+    for name, kw in (
+        ("fp32", {"dtype": "float32"}),
+        ("default", {"quantization": args.quantization, "enable_int8_batch": args.enable_int8_batch}),
+    ):
         eng = Engine(loaded_model=load_model(args.model), max_total_tokens=16384, **kw)
         label = f"{name}: {eng.core.info.dtype}, attention {eng.core.model.attention}"
         label += ", int8 batch" if eng.core.cfg.enable_int8_batch else ""

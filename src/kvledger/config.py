@@ -14,6 +14,10 @@ class EngineConfig:
 
     model: str | None = None
     """Path to a GGUF file or a Hugging Face model directory; None = the default SmolLM2 model."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N. auto: the first CUDA device where torch sees one, else the CPU.
+    On CUDA the model runs in torch (SDPA attention, bf16 GEMMs; weights served unquantized) and
+    sampling stays on the host; tensor parallelism and disaggregation are CPU-only so far."""
     dtype: str = "auto"
     """auto | float32 | bfloat16. auto picks the faster one on this machine."""
     quantization: str | None = "auto"

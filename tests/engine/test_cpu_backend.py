@@ -79,7 +79,7 @@ def test_quantization_auto_serves_the_file_in_its_own_precision():
     bf16, fp32 = torch.bfloat16, torch.float32
     assert resolve_quantization("auto", bf16, "cpu", "int4") == "int4"
     assert resolve_quantization("auto", bf16, "cpu", "int8") == "int8"
-    assert resolve_quantization("auto", bf16, "cuda", "int4") == "int8"  # int4 is CPU-only
+    assert resolve_quantization("auto", bf16, "cuda", "int4") is None  # CPU kernels: bf16 on a GPU
     assert resolve_quantization("auto", bf16, "cpu", None) is None  # a float checkpoint stays float
     assert resolve_quantization("auto", fp32, "cpu", "int4") is None  # fp32: the reference path
     assert resolve_quantization("none", bf16, "cpu", "int4") is None

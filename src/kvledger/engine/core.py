@@ -35,6 +35,7 @@ from .resources import (
     QUANTIZATION_CHOICES,
     default_kv_tokens,
     explicit_quantization,
+    resolve_device,
     resolve_dtype,
     resolve_quantization,
 )
@@ -80,15 +81,35 @@ def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> N
         return
     if dtype != torch.bfloat16:
         raise ValidationError(f"{cfg.quantization} weights need dtype bfloat16", param="quantization")
-    if cfg.quantization == "int4" and device != "cpu":
-        raise ValidationError("int4 weights are CPU-only (torch's kernel); use int8", param="quantization")
+    if device != "cpu":
+        raise ValidationError(
+            f"{cfg.quantization} weights run in CPU kernels; on {device} use quantization none "
+            "(auto serves a quantized file's weights in bfloat16 there)",
+            param="quantization",
+        )
 
 
-def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
+def _check_device(cfg: EngineConfig, device: str) -> None:
+    """What runs on a CUDA device so far: one process, the torch attention backend."""
+    if device == "cpu":
+        return
+    for bad, what in (
+        (cfg.tp_size > 1, "tp_size > 1 (its collectives are CPU shared memory / gloo)"),
+        (cfg.disaggregation_mode is not None, "disaggregation (its KV transfer reads host memory)"),
+        (cfg.attention_backend == "cpu", "attention_backend cpu (CPU kernels)"),
+        (cfg.enable_int8_batch, "enable_int8_batch (oneDNN's CPU int8 linear)"),
+    ):
+        if bad:
+            raise ValidationError(f"{what} is not supported on {device}; use --device cpu", param="device")
+
+
+def check_config(cfg: EngineConfig) -> str:
     """The settings checks that need no model: the CLI runs them before starting anything, so a bad
-    flag is one line of error, not a failed start-up."""
+    flag is one line of error, not a failed start-up. Returns the device the engine runs on."""
+    device = resolve_device(cfg.device)
     if cfg.page_size < 1:
         raise ValidationError("page_size must be >= 1", param="page_size")
+    _check_device(cfg, device)
     _check_quantization(
         cfg, resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization)), device
     )
@@ -110,6 +131,7 @@ def check_config(cfg: EngineConfig, device: str = "cpu") -> None:
         ):
             if bad:
                 raise ValidationError(f"{what} is not supported with tensor parallelism yet", param=what)
+    return device
 
 
 def model_quantization(cfg: EngineConfig, loaded: LoadedModel, dtype, device: str) -> str | None:
@@ -160,10 +182,11 @@ class EngineCore:
         self,
         cfg: EngineConfig,
         loaded: LoadedModel | None = None,
-        device: str = "cpu",
         connector: KVConnector | None = None,
     ):
-        check_config(cfg, device)
+        device = check_config(cfg)
+        if ":" in device:  # cuda:N: this process's current device (allocations, streams)
+            torch.cuda.set_device(torch.device(device))
         if threads := rank_threads(cfg):
             torch.set_num_threads(threads)
         if device == "cpu":
@@ -182,6 +205,7 @@ class EngineCore:
             self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
             # From here on the settings name what runs (the L3 cache keys, /get_server_info).
             cfg = cfg.replace(
+                device=device,
                 quantization=model_quantization(cfg, loaded, self.dtype, device),
                 attention_backend=self.model.attention,
             )
@@ -197,7 +221,7 @@ class EngineCore:
         ps = cfg.page_size
         lc = self.model.cfg  # this rank's shapes (all of them on one rank)
         per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, self.dtype)
-        num_pages = max(1, (cfg.max_total_tokens or default_kv_tokens(per_token)) // ps)
+        num_pages = max(1, (cfg.max_total_tokens or default_kv_tokens(per_token, device)) // ps)
         total = num_pages * ps
         context = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total)
         self.cfg = cfg.replace(max_total_tokens=total, context_length=context)
@@ -276,8 +300,9 @@ class EngineCore:
             cfg.disaggregation_mode,
         )
         log.info(
-            "engine ready in %.1fs: %s (%s, %s), KV %d tokens in pages of %d (%.0f MiB), context %d",
-            time.monotonic() - t0, mc.name, mc.arch, dtype_name, total, ps, total * per_token / 2**20, context,
+            "engine ready in %.1fs on %s: %s (%s, %s), KV %d tokens in pages of %d (%.0f MiB), context %d",
+            time.monotonic() - t0, device, mc.name, mc.arch, dtype_name, total, ps, total * per_token / 2**20,
+            context,
         )  # fmt: skip
 
     def _warm_up_compile(self) -> None:

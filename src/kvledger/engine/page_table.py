@@ -15,11 +15,12 @@ class PageTable:
         self.page_size = page_size
         row = -(-max_context // page_size) * page_size  # whole pages for the longest sequence
         self.req_to_token = torch.zeros(num_slots, row, dtype=torch.int64, device=device)
-        self._offsets = torch.arange(page_size, device=device)
+        self._offsets = torch.arange(page_size)
 
     def apply(self, writes: list[PageWrite]) -> None:
         ps = self.page_size
         for w in writes:
+            # Built on the host; the assignment copies them to the table's device.
             p = torch.tensor(w.pages, dtype=torch.int64)
             cols = (p.unsqueeze(1) * ps + self._offsets).flatten()
             begin = w.start_page * ps

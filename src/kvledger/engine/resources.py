@@ -44,15 +44,42 @@ def explicit_quantization(name: str | None) -> str | None:
 
 def resolve_quantization(name: str | None, dtype: torch.dtype, device: str, stored: str | None) -> str | None:
     """``auto``: serve a quantized checkpoint in its own precision (``stored``: the loader's reading
-    of the file) when the dtype is bfloat16; float32 is the unquantized reference path. int4 is
-    CPU-only, so a Q4 file on a GPU gets int8."""
+    of the file) when the dtype is bfloat16; float32 is the unquantized reference path. The weight-only
+    kernels are CPU kernels: on a GPU ``auto`` serves the dequantized weights in bf16 (the GEMMs are
+    compute-, not bandwidth-bound there at these sizes)."""
     if name in (None, "none"):
         return None
     if name != "auto":
         return name
-    if dtype != torch.bfloat16 or stored is None:
+    if dtype != torch.bfloat16 or stored is None or device != "cpu":
         return None
-    return "int8" if stored == "int4" and device != "cpu" else stored
+    return stored
+
+
+DEVICE_CHOICES = "auto | cpu | cuda | cuda:N"
+
+
+def resolve_device(name: str) -> str:
+    """The torch device a setting names: ``auto`` is the first CUDA device where torch sees one, else
+    the CPU; ``cuda``/``cuda:N`` must exist. Checked before anything starts (a bad one is one line)."""
+    name = (name or "auto").strip().lower()
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return "cpu"
+    kind, _, index = name.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ValidationError(f"device must be {DEVICE_CHOICES}, got {name!r}", param="device")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ValidationError(
+            f"device {name}: torch sees no CUDA device (torch {torch.__version__}, {build})", param="device"
+        )
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValidationError(
+            f"device {name}: only {torch.cuda.device_count()} CUDA device(s)", param="device"
+        )
+    return name
 
 
 def _ram_bytes() -> int:
@@ -62,5 +89,15 @@ def _ram_bytes() -> int:
         return 8 * 1024**3
 
 
-def default_kv_tokens(bytes_per_token: int) -> int:
-    return min(min(DEFAULT_KV_BYTES, _ram_bytes() // 5) // bytes_per_token, DEFAULT_MAX_KV_TOKENS)
+GPU_KV_FRACTION = 0.8  # of the device memory still free once the weights are loaded (SGLang's mem fraction)
+
+
+def default_kv_tokens(bytes_per_token: int, device: str = "cpu") -> int:
+    """The KV pool's default size: 2 GiB capped by a fifth of the RAM on a CPU; on a GPU most of the
+    memory left after the weights (activations and the sampler need the rest)."""
+    if device.startswith("cuda"):
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        budget = int(free * GPU_KV_FRACTION)
+    else:
+        budget = min(DEFAULT_KV_BYTES, _ram_bytes() // 5)
+    return min(budget // bytes_per_token, DEFAULT_MAX_KV_TOKENS)

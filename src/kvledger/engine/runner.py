@@ -25,7 +25,8 @@ class ModelRunner:
         positions through the LM head (its last sequence token and each draft)."""
         table = self.page_table.req_to_token
         ids: list[int] = []
-        positions, out_loc = [], []
+        positions: list[torch.Tensor] = []
+        out_loc: list[torch.Tensor] = []
         logit_index: list[int] = []
         rows, prefix, ext, seq = [], [], [], []
         t = 0
@@ -55,7 +56,7 @@ class ModelRunner:
             logit_index=torch.tensor(logit_index, dtype=torch.int64),
             req_to_token=table,
             page_size=self.page_table.page_size,
-        )
+        ).to(table.device)
 
     def execute(
         self, sched: SchedulerOutput, connector=None, sample: bool = True
@@ -71,6 +72,9 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         out = ModelRunnerOutput.empty(len(sched.reqs))
+        # Sampling (penalties, grammar bitmasks, seeded generators) runs on the host: one copy of the
+        # sampled rows' logits per step, and the same draws on every device.
+        logits = logits.cpu()
         if any(r.prompt_lp_targets for r in sched.reqs):
             logits = self._prompt_logprobs(sched, logits, out)
         rows: list[SamplingRow] = []

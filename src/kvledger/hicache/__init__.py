@@ -97,7 +97,7 @@ def build_tiers(cfg, model_path: str, model_cfg, local_cfg, dtype, num_l1_pages:
     else:
         num = int(num_l1_pages * cfg.hicache_ratio)
     num = max(num, 1)
-    host = HostPool(num, ps, layers, heads, dim, dtype, pin_memory=device == "cuda")
+    host = HostPool(num, ps, layers, heads, dim, dtype, pin_memory=device.startswith("cuda"))
     namespace = "|".join(
         (
             model_fingerprint(model_path),

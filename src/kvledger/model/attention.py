@@ -101,7 +101,12 @@ class TorchAttention:
     def sdpa_extend(batch: ForwardBatch, row: int, start: int, pre: int, n: int) -> tuple:
         """``(tok_start, n, kv_idx [S], mask [n, S] or None)`` of one extend for ``extend``."""
         s = pre + n
-        mask = None if not pre else torch.arange(s).unsqueeze(0) <= torch.arange(pre, s).unsqueeze(1)
+        dev = batch.req_to_token.device
+        mask = (
+            None
+            if not pre
+            else torch.arange(s, device=dev).unsqueeze(0) <= torch.arange(pre, s, device=dev).unsqueeze(1)
+        )
         return start, n, batch.req_to_token[row, :s], mask
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -110,18 +115,21 @@ class TorchAttention:
         meta = _TorchMeta(None, None, None, sp.sdpa_ext)
         if dec_tok:
             ps = batch.page_size
+            dev = batch.req_to_token.device
             pmax = -(-max(dec_lens) // ps)
             lmax = pmax * ps
-            lens = torch.tensor(dec_lens)
-            meta.dec_tok = torch.tensor(dec_tok)
+            lens = torch.tensor(dec_lens, device=dev)
+            meta.dec_tok = torch.tensor(dec_tok, device=dev)
             meta.dec_len0 = dec_lens[0]
             # Gather whole pages, not tokens: one contiguous page_size*head_dim run per index is several
             # times faster to copy than single token rows (the gather dominates decode time).
             pages = batch.req_to_token[dec_rows, :lmax:ps] // ps
-            page_valid = torch.arange(pmax).unsqueeze(0) * ps < lens.unsqueeze(1)
+            page_valid = torch.arange(pmax, device=dev).unsqueeze(0) * ps < lens.unsqueeze(1)
             meta.dec_kv_idx = torch.where(page_valid, pages, 0)
-            valid = torch.arange(lmax).unsqueeze(0) < lens.unsqueeze(1)
-            mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))
+            valid = torch.arange(lmax, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            mask = torch.zeros(valid.shape, dtype=torch.float32, device=dev).masked_fill_(
+                ~valid, float("-inf")
+            )
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
         batch.attn_meta = meta
 

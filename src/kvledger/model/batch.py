@@ -30,6 +30,14 @@ class ForwardBatch:
     page_size: int = 1  # locations come in pages of this many tokens (page p = p*ps ...)
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The host-built index tensors moved to the model's device (``req_to_token`` lives there)."""
+        if device.type == "cpu":
+            return self
+        for name in ("input_ids", "positions", "out_loc", "logit_index"):
+            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        return self
+
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
