@@ -129,3 +129,115 @@ def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mod
         b = eng.generate(input_ids=prompt, sampling_params=p)["meta_info"]["output_token_logprobs"][0]
         assert a[1] == b[1] and abs(a[0] - b[0]) < 0.1, (a, b)
     assert calls and min(calls) > 4  # only forwards of more than 4 rows took it
+
+
+@pytest.fixture(scope="module")
+def tiny_hd64(tmp_path_factory):
+    """A tiny Llama with SmolLM2's head_dim (64) and GQA ratio (3): the bf16 flash kernel's shapes."""
+    from kvledger.model import load_model
+    from tests.helpers import build_tiny_model
+
+    path = build_tiny_model(
+        str(tmp_path_factory.mktemp("tiny_hd64")),
+        "llama",
+        seed=4,
+        hidden_size=96,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+    )
+    return load_model(path)
+
+
+@needs_kernels
+@pytest.mark.skipif(not (kernels.load() and kernels.has_bf16_dot()), reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_long_prompts_take_the_flash_kernel_and_agree_with_the_torch_backend(tiny_hd64, page_size):
+    """Prompts of 70-400 tokens in chunks of 160 (so later chunks run over a cached prefix), decodes
+    sharing the forwards: extends of >= FLASH_MIN_NEW tokens go through flash_attention_ (counted),
+    shorter ones through extend_attention_, the output agrees with the torch backend in bf16 and the
+    ledger is clean. (This tiny model's logits are flat, so agreement here checks the plumbing; the
+    numbers are checked per layer below and per kernel in tests/unit/test_cpu_kernels.py.)"""
+    from kvledger import Engine
+    from kvledger.model.attention_cpu import FLASH_MIN_NEW
+    from tests.helpers import assert_idle_clean
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randrange(70, 400))] for _ in range(6)]
+    prompts.append([*prompts[0][:90], 7, 8, 9])  # a cached prefix, then a short extend
+    outs, flash_calls = {}, []
+    for backend in ("torch", "cpu"):
+        eng = Engine(
+            loaded_model=tiny_hd64,
+            dtype="bfloat16",
+            attention_backend=backend,
+            page_size=page_size,
+            chunked_prefill_size=160,
+            enable_mixed_chunk=True,
+            max_total_tokens=8192,
+            strict_memory=True,
+        )
+        attn = eng.core.model.attn
+        if backend == "cpu":
+            assert attn.flash
+            real = attn.flash_op
+            attn.flash_op = lambda out, q, *a, real=real: (
+                flash_calls.append(a[-2].tolist()) or real(out, q, *a)
+            )
+        outs[backend] = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert_idle_clean(eng)
+    news = [n for call in flash_calls for n in call]
+    assert news and min(news) >= FLASH_MIN_NEW, news
+    same = 0
+    for a, b in zip(outs["torch"], outs["cpu"]):
+        n = next(
+            (i for i, (x, y) in enumerate(zip(a["output_ids"], b["output_ids"])) if x != y),
+            len(a["output_ids"]),
+        )
+        same += n == len(a["output_ids"])
+        lp_a = [t[0] for t in a["meta_info"]["output_token_logprobs"][:n]]
+        lp_b = [t[0] for t in b["meta_info"]["output_token_logprobs"][:n]]
+        assert max((abs(x - y) for x, y in zip(lp_a, lp_b)), default=0.0) < 0.05
+    assert same >= 5, same
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_one_layer_of_a_mixed_batch_equals_the_torch_backend(page_size):
+    """The cpu backend's routing on one attention layer of a real batch (decodes, short extends after
+    a prefix, long extends with and without one: per-token kernel, flash kernel where the CPU has
+    AVX512-BF16, decode kernel): every row within bf16 rounding of the torch backend's."""
+    from kvledger.engine.page_table import PageTable
+    from kvledger.engine.runner import ModelRunner
+    from kvledger.memory import KVBuffer, PageWrite
+    from kvledger.model.attention import TorchAttention
+    from kvledger.model.attention_cpu import CpuAttention
+    from kvledger.scheduler.output import ScheduledReq, SchedulerOutput
+
+    heads, kvh, d, bf16 = 9, 3, 64, torch.bfloat16
+    torch.manual_seed(3)
+    reqs = [(0, 300, 1), (1, 40, 1), (2, 200, 5), (3, 0, 150), (4, 170, 90), (5, 0, 7)]  # slot, prefix, new
+    table = PageTable(len(reqs), 512, page_size)
+    writes, nxt = [], 3
+    for slot, pre, n in reqs:
+        np_ = -(-(pre + n) // page_size)
+        writes.append(PageWrite(slot, 0, list(range(nxt + np_ - 1, nxt - 1, -1))))  # pages out of order
+        nxt += np_
+    table.apply(writes)
+    sched = SchedulerOutput([ScheduledReq(str(s), s, pre, [5] * n) for s, pre, n in reqs])
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.page_table = table
+    batch = runner.build(sched)
+    t = batch.num_tokens
+    q = torch.randn(t, heads, d).to(bf16) * 2
+    k, v = torch.randn(t, kvh, d).to(bf16), torch.randn(t, kvh, d).to(bf16)
+    outs = []
+    for backend in (TorchAttention(heads, kvh, d), CpuAttention(heads, kvh, d, bf16)):
+        torch.manual_seed(4)  # the same cached prefix K/V for both
+        kv = KVBuffer(1, nxt * page_size, kvh, d, bf16)
+        kv.k.normal_()
+        kv.v.normal_()
+        backend.prepare(batch)
+        outs.append(backend.forward(0, q, k, v, kv, batch).float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=2**-6, atol=2**-6)

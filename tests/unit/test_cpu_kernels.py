@@ -247,6 +247,62 @@ def test_extend_attention_is_causal_over_prefix_and_new_tokens(dtype, ps, heads,
         close(out[st : st + n], want, dtype, rel=tol, atol=tol)
 
 
+needs_bf16_dot = pytest.mark.skipif(
+    not (kernels.load() and kernels.has_bf16_dot()),
+    reason="the CPU has no AVX512-BF16 (or the portable ISA is forced)",
+)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("ps", [1, 16])
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(4, 4, 64), (9, 3, 64), (16, 2, 64), (8, 2, 128)])
+def test_flash_attention_is_causal_over_prefix_and_new_tokens(ps, heads, kvh, d):
+    """The bf16 prefill kernel on the same contract as extend_attention_: extends with and without a
+    prefix, lengths that leave partial tiles of 4 query rows and partial chunks of 64 keys, a prefix
+    ending inside a chunk; other rows untouched. Within 2^-7 relative of the float reference (its
+    probabilities are rounded to bf16 before P @ V, as torch's CPU flash attention rounds them)."""
+    dtype = torch.bfloat16
+    exts = [(0, 0, 1), (2, 0, 130), (1, 17, 64), (3, 100, 77), (4, 63, 2)]  # (slot row, prefix, new)
+    lens = [0] * 5
+    for row, pre, n in exts:
+        lens[row] = pre + n
+    pages = sum(-(-n // ps) for n in lens) + 2
+    k, v = _pool(kvh, pages, ps, d, dtype, 19)
+    table = _table(lens, ps, pages, 20)
+    t = 2 + sum(n for _, _, n in exts)
+    q = (torch.randn(t, heads, d) * 2).to(dtype)  # sharper softmax than unit scores
+    out = torch.full((t, heads * d), 7.0).to(dtype)
+    starts, s = [], 2
+    for _, _, n in exts:
+        starts.append(s)
+        s += n
+    cols = [torch.tensor(c) for c in zip(*[(r, st, p, n) for (r, p, n), st in zip(exts, starts)])]
+    ops.flash_attention_(out, q, k, v, table, *cols, d**-0.5)
+    assert torch.equal(out[:2], torch.full((2, heads * d), 7.0).to(dtype))
+    for (row, pre, n), st in zip(exts, starts):
+        want = ref_decode(
+            q[st : st + n], k, v, table, torch.full((n,), row), torch.arange(pre + 1, pre + n + 1), d**-0.5
+        )
+        close(out[st : st + n], want, dtype, rel=2**-7, atol=2**-7)
+
+
+@needs_bf16_dot
+def test_flash_attention_rejects_what_it_does_not_run():
+    k, v = _pool(2, 4, 16, 64, torch.bfloat16, 11)
+    table = _table([20], 16, 4, 12)
+    q, out = torch.randn(5, 4, 64).bfloat16(), torch.zeros(5, 4 * 64).bfloat16()
+    one = torch.tensor([0])
+    cols = (one, one * 0, one * 0, torch.tensor([5]))
+    with pytest.raises(RuntimeError, match="takes bfloat16"):
+        ops.flash_attention_(out.float(), q.float(), k.float(), v.float(), table, *cols, 0.125)
+    k32, v32 = _pool(2, 4, 16, 32, torch.bfloat16, 11)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        ops.flash_attention_(out[:, :128], q[..., :32].contiguous(), k32, v32, table, *cols, 0.125)
+    with pytest.raises(RuntimeError, match="outside req_to_token"):
+        ops.flash_attention_(out, q, k, v, table, one, one * 0, torch.tensor([30]), torch.tensor([5]), 0.125)
+    assert torch.equal(out, torch.zeros(5, 4 * 64).bfloat16())
+
+
 def test_extend_attention_rejects_ranges_outside_the_tables():
     d = 16
     k, v = _pool(2, 4, 16, d, torch.float32, 11)

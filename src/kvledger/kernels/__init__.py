@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried"}
 
@@ -79,6 +79,11 @@ def isa() -> str:
     return str(torch.ops.kvledger_cpu.isa()) if _state["ok"] else "none"
 
 
+def has_bf16_dot() -> bool:
+    """Whether ``flash_attention_`` runs here (a CPU with AVX512-BF16, the kernels loaded)."""
+    return bool(_state["ok"]) and bool(torch.ops.kvledger_cpu.has_bf16_dot())
+
+
 def quant_isa() -> str:
     """``avx512-vnni`` or ``scalar``: the quantized linear kernels this CPU runs."""
     return str(torch.ops.kvledger_cpu.quant_isa()) if _state["ok"] else "none"
@@ -108,6 +113,10 @@ def _register_fakes() -> None:
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake(lib + "extend_attention_")
+    def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):
+        return None
+
+    @torch.library.register_fake(lib + "flash_attention_")
     def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):
         return None
 

@@ -263,13 +263,16 @@ def _(q, k, v, layer, handle):
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
-def make_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+def make_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
-    ``auto`` is resolved by the model (``LlamaModel``) before it gets here."""
+    ``auto`` is resolved by the model (``LlamaModel``) before it gets here. ``dtype``: the model's
+    (the cpu backend has a bf16-only prefill kernel)."""
     if name == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim)
     if name == "cpu":
         from .attention_cpu import CpuAttention
 
-        return CpuAttention(num_heads, num_kv_heads, head_dim)
+        return CpuAttention(num_heads, num_kv_heads, head_dim, dtype)
     raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

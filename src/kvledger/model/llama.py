@@ -211,7 +211,7 @@ class LlamaModel:
         self.device = torch.device(device)
         self.attention = resolve_backend(attention, self.device, dtype)
         self.attn: AttentionBackend = make_backend(
-            self.attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            self.attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype
         )
 
         def take(name: str) -> torch.Tensor:

@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "flash.h"
 #include "kernels.h"
 #include "qlinear.h"
 
@@ -34,6 +35,7 @@ bool cpu_has_avx512() {
 
 const bool kAvx512 = cpu_has_avx512();
 const bool kVnni = kAvx512 && __builtin_cpu_supports("avx512vnni");
+const bool kBf16Dot = kAvx512 && __builtin_cpu_supports("avx512bf16");
 
 template <typename T> const Kernels<T>& portable();
 template <> const Kernels<float>& portable<float>() { static const auto k = scalar_f32(); return k; }
@@ -308,6 +310,92 @@ void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   });
 }
 
+// The same attention as extend_attention (same arguments and result), for bf16 where the CPU has
+// AVX512-BF16 and head_dim is a multiple of 64: each (extend, KV head) packs its keys and values once
+// (flash.h), then tiles of 4 query rows (token-major, the group's heads adjacent) run flash_rows over
+// the threads. Tiles near the end of a prompt see more keys, so the tiles are dealt out light and
+// heavy alternately: at::parallel_for's contiguous ranges then carry about equal work.
+void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& table, const at::Tensor& rows, const at::Tensor& starts,
+                     const at::Tensor& prefix, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(kBf16Dot, "flash_attention_ needs a CPU with AVX512-BF16");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "flash_attention_ takes bfloat16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, head_dim]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(D % 64 == 0, "head_dim must be a multiple of 64, got ", D);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.is_contiguous() &&
+                  out.scalar_type() == q.scalar_type(),
+              "out must be [tokens, heads * head_dim] contiguous, of q's dtype");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D &&
+                  k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D &&
+                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
+  const int64_t KVH = k_cache.size(0);
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads (", H, ") must be a multiple of kv heads (", KVH, ")");
+  const int64_t G = H / KVH;
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1, "req_to_token must be int64 [slots, context]");
+  const int64_t E = rows.numel();
+  for (const auto* t : {&rows, &starts, &prefix, &lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == E, "rows, starts, prefix and lens must be int64 [extends]");
+  }
+  const int64_t *rp = rows.data_ptr<int64_t>(), *sp = starts.data_ptr<int64_t>();
+  const int64_t *pp = prefix.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t ts = table.stride(0);
+  std::vector<int64_t> pack_at(E * KVH + 1, 0);  // offsets of each (extend, KV head)'s packed K (and V)
+  struct Tile { int64_t e, h, r0; };
+  std::vector<Tile> tiles;
+  for (int64_t e = 0; e < E; ++e) {
+    TORCH_CHECK(rp[e] >= 0 && rp[e] < table.size(0), "row ", rp[e], " outside req_to_token");
+    TORCH_CHECK(lp[e] >= 0 && pp[e] >= 0 && pp[e] + lp[e] <= table.size(1), "extend ", e, " outside req_to_token");
+    TORCH_CHECK(sp[e] >= 0 && sp[e] + lp[e] <= T, "extend ", e, " outside q");
+    for (int64_t h = 0; h < KVH; ++h) {
+      pack_at[e * KVH + h + 1] = pack_at[e * KVH + h] + flash_padded(pp[e] + lp[e]) * D;
+      for (int64_t r0 = 0; r0 < lp[e] * G; r0 += kFlashRows) tiles.push_back({e, h, r0});
+    }
+  }
+  std::vector<bf16> kt(pack_at[E * KVH]), vt(pack_at[E * KVH]);
+  const bf16* kc = ptr<bf16>(k_cache);
+  const bf16* vc = ptr<bf16>(v_cache);
+  at::parallel_for(0, E * KVH, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / KVH, h = i % KVH;
+      flash_pack(kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts, pp[e] + lp[e],
+                 static_cast<int>(D), kt.data() + pack_at[i], vt.data() + pack_at[i]);
+    }
+  });
+  // Light and heavy alternately (by the keys a tile sees): ~equal work in each contiguous range.
+  std::vector<int64_t> order(tiles.size());
+  {
+    std::vector<int64_t> by_cost(tiles.size());
+    for (size_t i = 0; i < tiles.size(); ++i) by_cost[i] = static_cast<int64_t>(i);
+    std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t a, int64_t b) {
+      return pp[tiles[a].e] + tiles[a].r0 / G < pp[tiles[b].e] + tiles[b].r0 / G;
+    });
+    for (size_t i = 0, lo = 0, hi = tiles.size(); i < tiles.size(); ++i) order[i] = by_cost[i % 2 ? --hi : lo++];
+  }
+  const bf16* qp = ptr<bf16>(q);
+  bf16* o = ptr<bf16>(out);
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(flash_scratch_floats(static_cast<int>(D)));
+    for (int64_t i = i0; i < i1; ++i) {
+      const Tile& t = tiles[order[i]];
+      FlashRows fr{};
+      fr.n = static_cast<int>(std::min<int64_t>(kFlashRows, lp[t.e] * G - t.r0));
+      for (int j = 0; j < fr.n; ++j) {
+        const int64_t r = t.r0 + j, tok = r / G, head = t.h * G + r % G, row = sp[t.e] + tok;
+        fr.q[j] = qp + row * q.stride(0) + head * D;
+        fr.out[j] = o + row * H * D + head * D;
+        fr.limit[j] = pp[t.e] + tok;
+      }
+      const int64_t at_ = pack_at[t.e * KVH + t.h];
+      flash_rows(fr, kt.data() + at_, vt.data() + at_, static_cast<int>(D), static_cast<float>(scale), scratch.data());
+    }
+  });
+}
+
+bool has_bf16_dot() { return kBf16Dot; }
+
 // Per-row (per-token) int8 quantization for oneDNN's u8 x s8 linear (model/linear.py): scale =
 // max|row| / 127, xq = nearbyint(x / scale) + 128 (zero point 128). Returns (xq [M, K] uint8, scale [M]).
 std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
@@ -441,6 +529,10 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def(
       "extend_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
       "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale) -> ()");
+  m.def(
+      "flash_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
+      "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale) -> ()");
+  m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
   m.def("isa", &kvl::isa);
@@ -455,6 +547,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("decode_attention", &kvl::decode_attention);
   m.impl("quant_linear", &kvl::quant_linear);
   m.impl("extend_attention_", &kvl::extend_attention);
+  m.impl("flash_attention_", &kvl::flash_attention);
   m.impl("quantize_rows", &kvl::quantize_rows);
   m.impl("scale_rows", &kvl::scale_rows);
 }

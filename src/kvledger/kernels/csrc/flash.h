@@ -1,0 +1,35 @@
+// Causal prefill attention in bf16 with AVX512-BF16 (flash_bf16.cpp); ops.cpp packs each extend's
+// keys and values once per KV head, then hands tiles of query rows to flash_rows over the threads.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace kvl {
+
+constexpr int kFlashRows = 4;  // query rows per call, sharing every K/V load
+
+// Keys are packed in chunks of 64 (zero padded).
+inline long flash_padded(long S) { return (S + 63) / 64 * 64; }
+
+// Floats of scratch flash_rows needs (scores, bf16 probabilities, output accumulators).
+inline size_t flash_scratch_floats(int D) { return kFlashRows * (64 + 32 + D); }
+
+// Up to kFlashRows query rows of one KV head: row i reads q[i] (head_dim bf16), sees keys 0..limit[i]
+// and writes out[i]. Rows past n are not read or written.
+struct FlashRows {
+  const bf16* q[kFlashRows];
+  bf16* out[kFlashRows];
+  long limit[kFlashRows];
+  int n;
+};
+
+// The keys/values at locs[0..S) of one KV head (rows of D in k, v) into the layouts flash_rows reads:
+// kt [Sp/16][D/2][16][2], vt [Sp/2][D][2] (Sp = flash_padded(S), zeros past S).
+void flash_pack(const bf16* k, const bf16* v, const int64_t* locs, long S, int D, bf16* kt, bf16* vt);
+
+// Softmax(q k^T * scale) v per row over its causal range; D a multiple of 64.
+void flash_rows(const FlashRows& r, const bf16* kt, const bf16* vt, int D, float scale, float* scratch);
+
+}  // namespace kvl
