@@ -37,9 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=d.quantization,
         choices=["auto", "none", "int8", "int4"],
-        help="weight-only int8 / int4 (groups of 32, Q4_1-exact) copies for forwards of <= 4 rows "
-        "(faster single-stream decode; needs bfloat16; int4 is CPU-only). auto (default): a quantized "
-        "GGUF in its own precision (Q4 -> int4, Q5-Q8 -> int8) when the dtype is bfloat16",
+        help="weight-only int8 / int4 linear layers in GGUF's blocks of 32 (Q8_0 / Q4_1-exact; CPU only, "
+        "needs bfloat16). auto (default): a quantized GGUF in its own precision (Q4 -> int4, Q5-Q8 -> "
+        "int8) when the dtype is bfloat16",
     )
     p.add_argument(
         "--attention-backend",
@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enable-int8-batch",
         action="store_true",
         help="with a quantization: forwards of more than 4 rows (prefill, batched decode) in oneDNN's int8 "
-        "linear, per-token int8 activations (1.2-1.9x faster GEMMs here; less faithful to the file)",
+        "linear, per-token int8 activations (faster long prefills; less faithful to the file)",
     )
     p.add_argument(
         "--enable-torch-compile",

@@ -21,9 +21,11 @@ class EngineConfig:
     dtype: str = "auto"
     """auto | float32 | bfloat16. auto picks the faster one on this machine."""
     quantization: str | None = "auto"
-    """auto | none | int8 | int4. Adds weight-only quantized copies of the linear layers, used for
-    forwards of at most 4 rows (single-stream decode is weight-bandwidth bound); needs bfloat16. int4
-    (CPU only) uses groups of 32, which reproduces a Q4_1 GGUF's own weights; its LM head stays int8.
+    """auto | none | int8 | int4. Weight-only quantized linear layers in GGUF's blocks of 32 (int4 =
+    Q4_1: a Q4_1 file's own weights; int8 = Q8_0; the LM head stays int8), CPU only, needs bfloat16.
+    Where kvledger's CPU kernels load they serve every forward (int8 activations per block of 32,
+    llama.cpp's scheme; faster than the bf16 GEMM at every batch size here); otherwise torch's
+    weight-only kernels serve forwards of at most 4 rows and the bf16 GEMM the rest.
     auto: the checkpoint's own precision where the dtype is bfloat16 (a Q4 GGUF -> int4, Q5/Q6/Q8 ->
     int8, float checkpoints none); none with float32. Output within the tolerance in
     docs/architecture.md, not token-exact. None = none."""
@@ -32,9 +34,8 @@ class EngineConfig:
     fused norm/rotary/SiLU); auto picks it for bfloat16 on a CPU where they build, torch otherwise."""
     enable_int8_batch: bool = False
     """In a quantized mode, run forwards of more than 4 rows (prefill, batched decode) through oneDNN's
-    int8 linear with per-token int8 activations instead of the bf16 GEMM: 1.2-1.9x faster GEMMs here,
-    but further from the file's weights (bench/quant_agreement.py: mean |logprob delta| 0.108 vs 0.066
-    on SmolLM2), so off by default."""
+    int8 linear (weights int8 per output channel, activations int8 per token) instead: faster for
+    long prefills, but further from the file's weights (bench/quant_agreement.py), so off by default."""
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""

@@ -1,10 +1,13 @@
-"""Linear-layer weights, optionally with a weight-only int8 or int4 copy for small batches.
+"""Linear-layer weights, optionally with a weight-only int8 or int4 copy.
 
-On this class of CPU a one-row matmul is bound by how fast the weights stream from memory. torch's
-``_weight_int8pack_mm`` (int8, per-output-channel scales, bf16 activations) reads half the bytes of
-bf16 and runs 2-4x faster for 1-4 rows; ``_weight_int4pack_mm_for_cpu`` (int4 in groups of 32 along
-the input dimension, a bf16 scale and zero per group) reads a quarter and runs ~3x faster again. From
-~8 rows up the bf16 GEMM wins, so quantized modes keep both copies and pick per call by row count.
+Where kvledger's CPU kernels load, the copy is its own (``kernels/quant.py``: GGUF's Q4_1 / Q8_0
+blocks, int8 activations per block of 32, VNNI dot products) and serves every call: one row is bound
+by streaming the weights (int4 reads a quarter of bf16's bytes), and from 16 rows up the integer dot
+products still beat the prepacked bf16 GEMM 1.2-1.5x on this CPU. Without the kernels, torch's
+``_weight_int8pack_mm`` (int8, per-output-channel scales) and ``_weight_int4pack_mm_for_cpu`` (int4
+in groups of 32, a bf16 scale and zero per group) serve calls of up to ``small_rows`` rows, where
+they are 2-4x faster than bf16; the bf16 GEMM wins from ~8 rows up, so those modes keep both copies
+and pick per call by row count.
 
 int4 groups of 32 with ``w = (q - 8) * scale + zero`` are exactly GGUF's Q4_1 blocks (``w = d*q + m``
 with the block's min and max mapping to codes 0 and 15), so quantizing weights that were dequantized
@@ -55,8 +58,9 @@ def quantize_int4(
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)``; with a quantized copy, calls of at most ``small_rows`` rows use it, and
-    with ``int8_batch`` larger calls use oneDNN's int8 linear (per-token int8 activations).
+    """``y = x @ W.T (+ b)``; with kvledger's quantized copy every call uses it, with torch's calls of
+    at most ``small_rows`` rows; with ``int8_batch`` larger calls use oneDNN's int8 linear instead
+    (per-token int8 activations).
 
     ``source`` is the full-precision weight to quantize from (``w`` may already be rounded to bf16,
     which would blur int4 codes recovered from a Q4_1 checkpoint).
@@ -130,16 +134,21 @@ class Linear(nn.Module):
         # compile; compiled forwards carry several rows anyway, where bf16 is the faster choice.
         # (is_compiling first: comparing the symbolic row count would itself add the guard.)
         quantized = self.q is not None or self.qw is not None
-        if quantized and not torch.compiler.is_compiling() and x.shape[0] <= self.small_rows:
-            if self.qw is not None:
-                y = self.qw(x)
-            elif self.mode == "int4":
-                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.q_scale)
-            else:
-                y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
-            return y if self.b is None else y + self.b
-        if self.w8 is not None and not torch.compiler.is_compiling():
-            return self.w8(x, self.b)
+        if quantized and not torch.compiler.is_compiling():
+            small = x.shape[0] <= self.small_rows
+            if self.w8 is not None and not small:
+                return self.w8(x, self.b)
+            # kvledger's kernel beats the prepacked bf16 GEMM at every row count here (1.2-1.5x from
+            # 16 rows up, 1.5-4x below: bench/RESULTS.md); torch's weight-only kernels only up to
+            # small_rows.
+            if self.qw is not None or small:
+                if self.qw is not None:
+                    y = self.qw(x)
+                elif self.mode == "int4":
+                    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.q_scale)
+                else:
+                    y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
+                return y if self.b is None else y + self.b
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)

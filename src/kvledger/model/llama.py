@@ -205,7 +205,8 @@ class LlamaModel:
         """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
         (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
         (``resolve_backend``); ``cpu`` also runs the norms, rotary and SiLU in the C++ kernels.
-        ``int8_batch``: quantized layers run forwards of more than 4 rows in oneDNN's int8 linear."""
+        ``int8_batch``: quantized layers run forwards of more than 4 rows in oneDNN's int8 linear
+        instead of their own kernel."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)

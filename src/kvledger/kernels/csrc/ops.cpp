@@ -463,30 +463,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   }
   auto out = at::empty({M, n}, x.options());
   if (M == 0) return out;
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<uint8_t> xu(bits == 8 ? static_cast<size_t>(M * K) : 0);
-  std::vector<float> sx(static_cast<size_t>(M * G)), xsum(static_cast<size_t>(M * G));
-  by_dtype(x, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xp = ptr<T>(x);
-    for (int64_t i = 0; i < M * G; ++i) {
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < 32; ++j) {
-        const float v = to_f(xp[i * 32 + j]);
-        amax = std::max(amax, std::fabs(v));
-        sum += v;
-      }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      sx[i] = amax / 127.f;
-      xsum[i] = sum;
-      for (int j = 0; j < 32; ++j) {
-        const float q = std::nearbyint(to_f(xp[i * 32 + j]) * inv);
-        xq[i * 32 + j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, q)));
-        if (bits == 8) xu[i * 32 + j] = static_cast<uint8_t>(xq[i * 32 + j] + 128);
-      }
-    }
-  });
-  const QuantActs acts{xq.data(), xu.data(), sx.data(), xsum.data(), static_cast<int>(M), K};
   static const QuantKernels scalar = quant_scalar();
 #if defined(__x86_64__) || defined(_M_X64)
   static const QuantKernels vnni = quant_vnni();
@@ -494,7 +470,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 #else
   const QuantKernels& qk = scalar;
 #endif
+  std::vector<int8_t> xq(static_cast<size_t>(M * K));
+  std::vector<uint8_t> xu(bits == 8 ? static_cast<size_t>(M * K) : 0);
+  std::vector<float> sx(static_cast<size_t>(M * G)), xsum(static_cast<size_t>(M * G));
   const bool bf16 = x.scalar_type() == at::kBFloat16;
+  // Groups over the threads from 512 on (~16K activations): a decode row stays on this thread.
+  at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
+    qk.quantize(x.data_ptr(), bf16, xq.data(), bits == 8 ? xu.data() : nullptr, sx.data(), xsum.data(), i0, i1);
+  });
+  const QuantActs acts{xq.data(), xu.data(), sx.data(), xsum.data(), static_cast<int>(M), K};
   void* y = out.data_ptr();
   // Row blocks of 16 over the threads; ~64K weights a task keeps one-row calls of small layers whole.
   const int64_t grain = std::max<int64_t>(1, 65536 / (16 * K));

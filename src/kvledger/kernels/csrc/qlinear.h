@@ -20,12 +20,21 @@ struct QuantActs {  // one call's activations, M rows of K, quantized per group 
   const int8_t* xq;    // [M, K] int8 (int4 weights)
   const uint8_t* xu;   // [M, K] xq + 128 (int8 weights)
   const float* sx;     // [M, K/32] scale: x ~= sx * xq
-  const float* xsum;   // [M, K/32] sum of x over the group (float, exact: Q4_1's min term)
+  const float* xsum;   // [M, K/32] sx * sum of xq over the group (Q4_1's min term; see quantize)
   int M;
   long K;
 };
 
 struct QuantKernels {
+  // Groups [i0, i1) of 32 activations (group i = row i / (K/32), inputs 32 * (i % (K/32)) ..; rows
+  // contiguous, so group i starts at x + 32 i), x float or bf16 (x_bf16): sx = max|x| / 127, xq =
+  // nearbyint(x * 127 / max|x|) (round to nearest even), xu = xq + 128 when not null, xsum = sx * the
+  // integer sum of xq: the min term m * sum(x) then sees the same quantized x as the d term, so the
+  // activations' rounding errors are weighted by w = d*q + m (centred) rather than by d*q (GGUF's Q8_1
+  // does the same; with the exact float sum SmolLM2's layers came out ~2.5x further from the float
+  // product). Both builds compute the same bits.
+  void (*quantize)(const void* x, bool x_bf16, int8_t* xq, uint8_t* xu, float* sx, float* xsum, long i0,
+                   long i1);
   // y[m, 16b .. 16b+16) for row blocks b in [b0, b1); y is [M, N] float or bf16 (out_bf16).
   void (*q4)(const QuantActs& a, const uint8_t* w, const uint16_t* scales, void* y, bool out_bf16, long N,
              long b0, long b1);

@@ -1,6 +1,7 @@
 // Portable quantized linear kernels: the same sums in the same order as qlinear_vnni.cpp.
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kernels.h"
@@ -66,8 +67,31 @@ void q8(const QuantActs& a, const int8_t* w, const uint16_t* scales, const int32
   }
 }
 
+template <typename T>
+void quantize_t(const T* x, int8_t* xq, uint8_t* xu, float* sx, float* xsum, long i0, long i1) {
+  for (long i = i0; i < i1; ++i) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(x[i * 32 + j])));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    sx[i] = amax / 127.f;
+    int32_t qsum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const float q = std::nearbyint(to_f(x[i * 32 + j]) * inv);
+      xq[i * 32 + j] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, q)));
+      qsum += xq[i * 32 + j];
+      if (xu) xu[i * 32 + j] = static_cast<uint8_t>(xq[i * 32 + j] + 128);
+    }
+    xsum[i] = sx[i] * static_cast<float>(qsum);
+  }
+}
+
+void quantize(const void* x, bool x_bf16, int8_t* xq, uint8_t* xu, float* sx, float* xsum, long i0, long i1) {
+  if (x_bf16) quantize_t(static_cast<const bf16*>(x), xq, xu, sx, xsum, i0, i1);
+  else quantize_t(static_cast<const float*>(x), xq, xu, sx, xsum, i0, i1);
+}
+
 }  // namespace
 
-QuantKernels quant_scalar() { return QuantKernels{&q4, &q8}; }
+QuantKernels quant_scalar() { return QuantKernels{&quantize, &q4, &q8}; }
 
 }  // namespace kvl
