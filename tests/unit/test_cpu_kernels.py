@@ -221,25 +221,30 @@ def test_extend_attention_is_causal_over_prefix_and_new_tokens(dtype, ps, heads,
     """Prefill chunks with and without a cached prefix (crossing page boundaries), in one call; query
     token i of an extend sees exactly its prefix and the new tokens up to itself. Rows of other
     tokens (decodes sharing the forward) are left as they were."""
-    d = 64
     exts = [(0, 1, 40), (2, 0, 2), (1, 17, 15), (3, 33, 70)]  # (slot row, prefix, new tokens)
-    lens = [0] * 4
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    _check_causal(ops.extend_attention_, exts, dtype, ps, heads, kvh, 64, tol, seed=9, decodes=3)
+
+
+def _check_causal(op, exts, dtype, ps, heads, kvh, d, tol, seed, decodes, q_scale=1.0):
+    """``op`` (extend_attention_'s contract) over ``exts`` (slot row, prefix, new tokens) after
+    ``decodes`` rows it must leave alone: each extend's rows equal the float reference within tol."""
+    lens = [0] * len(exts)
     for row, pre, n in exts:
         lens[row] = pre + n
     pages = sum(-(-n // ps) for n in lens) + 2
-    k, v = _pool(kvh, pages, ps, d, dtype, 9)
-    table = _table(lens, ps, pages, 10)
-    t = 3 + sum(n for _, _, n in exts)  # 3 decode rows first
-    q = torch.randn(t, heads, d).to(dtype)
+    k, v = _pool(kvh, pages, ps, d, dtype, seed)
+    table = _table(lens, ps, pages, seed + 1)
+    t = decodes + sum(n for _, _, n in exts)
+    q = (torch.randn(t, heads, d) * q_scale).to(dtype)
     out = torch.full((t, heads * d), 7.0).to(dtype)
-    starts, s = [], 3
+    starts, s = [], decodes
     for _, _, n in exts:
         starts.append(s)
         s += n
     cols = [torch.tensor(c) for c in zip(*[(r, st, p, n) for (r, p, n), st in zip(exts, starts)])]
-    ops.extend_attention_(out, q, k, v, table, *cols, d**-0.5)
-    assert torch.equal(out[:3], torch.full((3, heads * d), 7.0).to(dtype))
-    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    op(out, q, k, v, table, *cols, d**-0.5)
+    assert torch.equal(out[:decodes], torch.full((decodes, heads * d), 7.0).to(dtype))
     for (row, pre, n), st in zip(exts, starts):
         want = ref_decode(
             q[st : st + n], k, v, table, torch.full((n,), row), torch.arange(pre + 1, pre + n + 1), d**-0.5
@@ -261,29 +266,9 @@ def test_flash_attention_is_causal_over_prefix_and_new_tokens(ps, heads, kvh, d)
     prefix, lengths that leave partial tiles of 4 query rows and partial chunks of 64 keys, a prefix
     ending inside a chunk; other rows untouched. Within 2^-7 relative of the float reference (its
     probabilities are rounded to bf16 before P @ V, as torch's CPU flash attention rounds them)."""
-    dtype = torch.bfloat16
     exts = [(0, 0, 1), (2, 0, 130), (1, 17, 64), (3, 100, 77), (4, 63, 2)]  # (slot row, prefix, new)
-    lens = [0] * 5
-    for row, pre, n in exts:
-        lens[row] = pre + n
-    pages = sum(-(-n // ps) for n in lens) + 2
-    k, v = _pool(kvh, pages, ps, d, dtype, 19)
-    table = _table(lens, ps, pages, 20)
-    t = 2 + sum(n for _, _, n in exts)
-    q = (torch.randn(t, heads, d) * 2).to(dtype)  # sharper softmax than unit scores
-    out = torch.full((t, heads * d), 7.0).to(dtype)
-    starts, s = [], 2
-    for _, _, n in exts:
-        starts.append(s)
-        s += n
-    cols = [torch.tensor(c) for c in zip(*[(r, st, p, n) for (r, p, n), st in zip(exts, starts)])]
-    ops.flash_attention_(out, q, k, v, table, *cols, d**-0.5)
-    assert torch.equal(out[:2], torch.full((2, heads * d), 7.0).to(dtype))
-    for (row, pre, n), st in zip(exts, starts):
-        want = ref_decode(
-            q[st : st + n], k, v, table, torch.full((n,), row), torch.arange(pre + 1, pre + n + 1), d**-0.5
-        )
-        close(out[st : st + n], want, dtype, rel=2**-7, atol=2**-7)
+    # q x 2: a sharper softmax than unit scores
+    _check_causal(ops.flash_attention_, exts, torch.bfloat16, ps, heads, kvh, d, 2**-7, 19, 2, q_scale=2.0)
 
 
 @needs_bf16_dot
@@ -297,7 +282,9 @@ def test_flash_attention_rejects_what_it_does_not_run():
         ops.flash_attention_(out.float(), q.float(), k.float(), v.float(), table, *cols, 0.125)
     k32, v32 = _pool(2, 4, 16, 32, torch.bfloat16, 11)
     with pytest.raises(RuntimeError, match="multiple of 64"):
-        ops.flash_attention_(out[:, :128], q[..., :32].contiguous(), k32, v32, table, *cols, 0.125)
+        ops.flash_attention_(
+            torch.zeros(5, 128).bfloat16(), q[..., :32].contiguous(), k32, v32, table, *cols, 0.125
+        )
     with pytest.raises(RuntimeError, match="outside req_to_token"):
         ops.flash_attention_(out, q, k, v, table, one, one * 0, torch.tensor([30]), torch.tensor([5]), 0.125)
     assert torch.equal(out, torch.zeros(5, 4 * 64).bfloat16())

@@ -244,6 +244,48 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   return out;
 }
 
+// The arguments of extend_attention_ / flash_attention_, checked (shapes, dtypes, every extend inside
+// q and req_to_token) and unpacked.
+struct ExtendArgs {
+  int64_t T, H, D, KVH, G, E;
+  const int64_t *rows, *starts, *prefix, *lens, *table;
+  int64_t table_stride;
+};
+
+ExtendArgs check_extend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& table, const at::Tensor& rows,
+                        const at::Tensor& starts, const at::Tensor& prefix, const at::Tensor& lens) {
+  check_float(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, head_dim]");
+  ExtendArgs a{};
+  a.T = q.size(0), a.H = q.size(1), a.D = q.size(2);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == a.T && out.size(1) == a.H * a.D && out.is_contiguous() &&
+                  out.scalar_type() == q.scalar_type(),
+              "out must be [tokens, heads * head_dim] contiguous, of q's dtype");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == a.D &&
+                  k_cache.stride(2) == 1 && k_cache.stride(1) == a.D && v_cache.stride(2) == 1 &&
+                  v_cache.stride(1) == a.D && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
+  a.KVH = k_cache.size(0);
+  TORCH_CHECK(a.KVH > 0 && a.H % a.KVH == 0, "heads (", a.H, ") must be a multiple of kv heads (", a.KVH, ")");
+  a.G = a.H / a.KVH;
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1, "req_to_token must be int64 [slots, context]");
+  a.E = rows.numel();
+  for (const auto* t : {&rows, &starts, &prefix, &lens}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == a.E, "rows, starts, prefix and lens must be int64 [extends]");
+  }
+  a.rows = rows.data_ptr<int64_t>(), a.starts = starts.data_ptr<int64_t>();
+  a.prefix = prefix.data_ptr<int64_t>(), a.lens = lens.data_ptr<int64_t>();
+  a.table = table.data_ptr<int64_t>(), a.table_stride = table.stride(0);
+  for (int64_t e = 0; e < a.E; ++e) {
+    TORCH_CHECK(a.rows[e] >= 0 && a.rows[e] < table.size(0), "row ", a.rows[e], " outside req_to_token");
+    TORCH_CHECK(a.lens[e] >= 0 && a.prefix[e] >= 0 && a.prefix[e] + a.lens[e] <= table.size(1), "extend ", e, " outside req_to_token");
+    TORCH_CHECK(a.starts[e] >= 0 && a.starts[e] + a.lens[e] <= a.T, "extend ", e, " outside q");
+  }
+  return a;
+}
+
 // Attention of prefill chunks (extends) over the paged pool, in place: extend e's query rows
 // q[starts[e] .. starts[e] + lens[e]) [T, H, D] attend causally over the tokens at
 // req_to_token[rows[e], :prefix[e] + i + 1] (query i sees its prefix and the new tokens up to itself);
@@ -254,35 +296,13 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
 void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& table, const at::Tensor& rows, const at::Tensor& starts,
                       const at::Tensor& prefix, const at::Tensor& lens, double scale) {
-  check_float(q, "q");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, head_dim]");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.is_contiguous() &&
-                  out.scalar_type() == q.scalar_type(),
-              "out must be [tokens, heads * head_dim] contiguous, of q's dtype");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D &&
-                  k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D &&
-                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
-  const int64_t KVH = k_cache.size(0);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads (", H, ") must be a multiple of kv heads (", KVH, ")");
-  const int G = static_cast<int>(H / KVH);
-  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1, "req_to_token must be int64 [slots, context]");
-  const int64_t E = rows.numel();
-  for (const auto* t : {&rows, &starts, &prefix, &lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == E, "rows, starts, prefix and lens must be int64 [extends]");
-  }
-  const int64_t *rp = rows.data_ptr<int64_t>(), *sp = starts.data_ptr<int64_t>();
-  const int64_t *pp = prefix.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
+  const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens);
+  const int64_t H = a.H, D = a.D, KVH = a.KVH, E = a.E;
+  const int G = static_cast<int>(a.G);
+  const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *lp = a.lens;
+  const int64_t *tp = a.table, ts = a.table_stride;
   std::vector<int64_t> first(E + 1, 0);  // work items of extends before e
-  for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(rp[e] >= 0 && rp[e] < table.size(0), "row ", rp[e], " outside req_to_token");
-    TORCH_CHECK(lp[e] >= 0 && pp[e] >= 0 && pp[e] + lp[e] <= table.size(1), "extend ", e, " outside req_to_token");
-    TORCH_CHECK(sp[e] >= 0 && sp[e] + lp[e] <= T, "extend ", e, " outside q");
-    first[e + 1] = first[e] + lp[e] * KVH;
-  }
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t ts = table.stride(0);
+  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + lp[e] * KVH;
   by_dtype(q, [&](auto tag) {
     using T_ = decltype(tag);
     const auto& k = pick<T_>(static_cast<int>(D));
@@ -320,35 +340,15 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& prefix, const at::Tensor& lens, double scale) {
   TORCH_CHECK(kBf16Dot, "flash_attention_ needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "flash_attention_ takes bfloat16");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, head_dim]");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens);
+  const int64_t H = a.H, D = a.D, KVH = a.KVH, G = a.G, E = a.E;
   TORCH_CHECK(D % 64 == 0, "head_dim must be a multiple of 64, got ", D);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D && out.is_contiguous() &&
-                  out.scalar_type() == q.scalar_type(),
-              "out must be [tokens, heads * head_dim] contiguous, of q's dtype");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D &&
-                  k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D &&
-                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
-  const int64_t KVH = k_cache.size(0);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads (", H, ") must be a multiple of kv heads (", KVH, ")");
-  const int64_t G = H / KVH;
-  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.stride(1) == 1, "req_to_token must be int64 [slots, context]");
-  const int64_t E = rows.numel();
-  for (const auto* t : {&rows, &starts, &prefix, &lens}) {
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == E, "rows, starts, prefix and lens must be int64 [extends]");
-  }
-  const int64_t *rp = rows.data_ptr<int64_t>(), *sp = starts.data_ptr<int64_t>();
-  const int64_t *pp = prefix.data_ptr<int64_t>(), *lp = lens.data_ptr<int64_t>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const int64_t ts = table.stride(0);
+  const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *lp = a.lens;
+  const int64_t *tp = a.table, ts = a.table_stride;
   std::vector<int64_t> pack_at(E * KVH + 1, 0);  // offsets of each (extend, KV head)'s packed K (and V)
   struct Tile { int64_t e, h, r0; };
   std::vector<Tile> tiles;
   for (int64_t e = 0; e < E; ++e) {
-    TORCH_CHECK(rp[e] >= 0 && rp[e] < table.size(0), "row ", rp[e], " outside req_to_token");
-    TORCH_CHECK(lp[e] >= 0 && pp[e] >= 0 && pp[e] + lp[e] <= table.size(1), "extend ", e, " outside req_to_token");
-    TORCH_CHECK(sp[e] >= 0 && sp[e] + lp[e] <= T, "extend ", e, " outside q");
     for (int64_t h = 0; h < KVH; ++h) {
       pack_at[e * KVH + h + 1] = pack_at[e * KVH + h] + flash_padded(pp[e] + lp[e]) * D;
       for (int64_t r0 = 0; r0 < lp[e] * G; r0 += kFlashRows) tiles.push_back({e, h, r0});
