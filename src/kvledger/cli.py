@@ -31,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--device", default=d.device,
-                   help="auto | cpu | cuda | cuda:N (auto: a CUDA device where torch sees one, else cpu)")  # fmt: skip
+                   help="cpu (default) | cuda | cuda:N | auto (a CUDA device where torch sees one, else cpu)")  # fmt: skip
     p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
     p.add_argument(
         "--quantization",

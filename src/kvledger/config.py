@@ -14,10 +14,11 @@ class EngineConfig:
 
     model: str | None = None
     """Path to a GGUF file or a Hugging Face model directory; None = the default SmolLM2 model."""
-    device: str = "auto"
-    """auto | cpu | cuda | cuda:N. auto: the first CUDA device where torch sees one, else the CPU.
-    On CUDA the model runs in torch (SDPA attention, bf16 GEMMs; weights served unquantized) and
-    sampling stays on the host; tensor parallelism and disaggregation are CPU-only so far."""
+    device: str = "cpu"
+    """cpu | cuda | cuda:N | auto (the first CUDA device where torch sees one, else the CPU). On CUDA
+    the model runs in torch (SDPA attention, bf16 GEMMs; weights served unquantized) and sampling
+    stays on the host; tensor parallelism and disaggregation are CPU-only so far. The default stays
+    cpu until the CUDA path has run on a GPU (tests/engine/test_device.py): a GPU is opt-in."""
     dtype: str = "auto"
     """auto | float32 | bfloat16. auto picks the faster one on this machine."""
     quantization: str | None = "auto"

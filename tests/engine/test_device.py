@@ -33,6 +33,7 @@ def test_resolve_device():
     assert resolve_device("auto") == ("cuda" if HAS_CUDA else "cpu")
     assert resolve_device("") == resolve_device("auto")
     assert resolve_device("CPU") == "cpu"
+    assert core.check_config(EngineConfig()) == "cpu"  # a GPU is opt-in until the CUDA path has run on one
     for bad in ("tpu", "cuda:x", "cuda:-1", "cpu:0", "mps"):
         with pytest.raises(ValidationError, match=re.escape("device must be auto | cpu | cuda | cuda:N")):
             resolve_device(bad)
