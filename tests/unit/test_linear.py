@@ -1,4 +1,5 @@
-"""Weight-only int8 linear layers: the int8 copy is used for few rows, bf16 beyond, both close."""
+"""Weight-only int8/int4 linear layers: kvledger's kernel for every row count where it loads, torch's
+weight-only kernels for few rows and bf16 beyond otherwise; all close to the float product."""
 
 from __future__ import annotations
 
@@ -64,6 +65,22 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
     # int4 of random (non-Q4_1) weights is lossy: ~1/30 of a group's range per weight; the int8
     # linear's per-token activations ~1%
     assert rel < (0.03 if mode == "int8" or rows > 4 else 0.08), rel
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_the_kernel_serves_every_row_count(mode, rows):
+    """Without --enable-int8-batch, kvledger's kernel runs prefill-sized calls too (not the bf16
+    GEMM): the output is the kernel's, bit for bit, and not the dense product's."""
+    if not kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
+    torch.manual_seed(3)
+    w, b = torch.randn(96, 64).bfloat16(), torch.randn(96).bfloat16()
+    lin = Linear(w, b, mode, small_rows=4)
+    x = torch.randn(rows, 64).bfloat16()
+    y = lin(x)
+    assert torch.equal(y, lin.qw(x) + b)
+    assert not torch.equal(y, F.linear(x, w, b))
 
 
 def test_int8_needs_bfloat16(tiny_llama):

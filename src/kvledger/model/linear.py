@@ -46,13 +46,9 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def quantize_int4(
-    w: torch.Tensor, group: int = INT4_GROUP
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 in groups of ``group`` along K (Q4_1's scheme): returns ``(q [N, K] int32 in
-    0..15, scale [N, K/group], zero [N, K/group])`` with ``w ~= (q - 8) * scale + zero``."""
-    if group != GROUP:
-        raise ValueError(f"int4 groups are {GROUP} wide (GGUF's Q4_1 blocks), got {group}")
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of 32 along K (GGUF's Q4_1 blocks): returns ``(q [N, K] int32 in
+    0..15, scale [N, K/32], zero [N, K/32])`` with ``w ~= (q - 8) * scale + zero``."""
     q, d, m = q4_1(w, scale_dtype=None)  # torch's kernel keeps its scales in the activations' dtype
     return q, d, m + 8 * d
 
@@ -130,25 +126,31 @@ class Linear(nn.Module):
         return n + (0 if self.qw is None else self.qw.nbytes()) + (0 if self.w8 is None else self.w8.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Inside torch.compile the quantized branch would add a size guard and a second graph to
-        # compile; compiled forwards carry several rows anyway, where bf16 is the faster choice.
-        # (is_compiling first: comparing the symbolic row count would itself add the guard.)
-        quantized = self.q is not None or self.qw is not None
-        if quantized and not torch.compiler.is_compiling():
-            small = x.shape[0] <= self.small_rows
-            if self.w8 is not None and not small:
-                return self.w8(x, self.b)
-            # kvledger's kernel beats the prepacked bf16 GEMM at every row count here (1.2-1.5x from
-            # 16 rows up, 1.5-4x below: bench/RESULTS.md); torch's weight-only kernels only up to
-            # small_rows.
-            if self.qw is not None or small:
-                if self.qw is not None:
-                    y = self.qw(x)
-                elif self.mode == "int4":
-                    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.q_scale)
-                else:
-                    y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
-                return y if self.b is None else y + self.b
+        # Under torch.compile the quantized branches would add a size guard per layer (and a second
+        # graph); compiled graphs run the bf16 GEMM, which Inductor packs. (is_compiling first:
+        # comparing the symbolic row count would itself add the guard.)
+        if (self.q is not None or self.qw is not None) and not torch.compiler.is_compiling():
+            y = self._quantized(x)
+            if y is not None:
+                return y
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The quantized path for this call, or None where the bf16 GEMM is the one to run: oneDNN's
+        int8 linear (``int8_batch``) for more than ``small_rows`` rows; kvledger's kernel for every row
+        count (it beats the prepacked bf16 GEMM at all of them here: bench/RESULTS.md); torch's
+        weight-only kernels up to ``small_rows``."""
+        small = x.shape[0] <= self.small_rows
+        if self.w8 is not None and not small:
+            return self.w8(x, self.b)
+        if self.qw is not None:
+            y = self.qw(x)
+        elif not small:
+            return None
+        elif self.mode == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.q_scale)
+        else:
+            y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
+        return y if self.b is None else y + self.b

@@ -36,7 +36,6 @@ class DraftModelProposer:
             mc.num_layers, num_tokens, mc.num_kv_heads, mc.head_dim, model.dtype, model.device
         )
         self._offsets = torch.arange(page_size)
-        self.device = model.device
 
     def num_drafts(self, req, limit: int) -> int:
         """How many drafts to make room for (0: none this step)."""
@@ -51,7 +50,7 @@ class DraftModelProposer:
         start = min(spec.draft_end, req.kv_len)
         n = req.seq_len
         row = (torch.tensor(req.pages).unsqueeze(1) * self.page_size + self._offsets).reshape(1, -1)
-        row = row.to(self.device)
+        row = row.to(self.model.device)
         tok = self._forward(req.tokens(start, n), start, row)
         drafts = [tok]
         for j in range(1, k):
@@ -73,5 +72,5 @@ class DraftModelProposer:
             logit_index=torch.tensor([t - 1]),
             req_to_token=row,
             page_size=self.page_size,
-        ).to(self.device)
+        ).to(self.model.device)
         return int(self.model.forward(batch, self.kv_buffer)[0].argmax())
