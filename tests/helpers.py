@@ -56,7 +56,7 @@ def hf_model(path: str):
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy continuation of one unpadded prompt with transformers (the reference)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

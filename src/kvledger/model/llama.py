@@ -21,6 +21,7 @@ from .attention import (
     make_backend,
     new_handle,
     paged_attention,
+    sdpa_backends,
 )
 from .attention_cpu import resolve_backend
 from .batch import ForwardBatch
@@ -309,5 +310,8 @@ class LlamaModel:
         use = self.compiled is not None and batch.num_tokens > 1 and batch.logit_index.shape[0] > 1
         net = self.compiled if use else self.net
         self.compiled_forwards += use
-        with attention_context(self.handle, self.attn, kv_buffer, batch, connector):
+        with (
+            attention_context(self.handle, self.attn, kv_buffer, batch, connector),
+            sdpa_backends(self.device),
+        ):
             return net(batch.input_ids, batch.positions, batch.logit_index)
