@@ -16,7 +16,17 @@
 
 Everything lands in ``OUT/gpu_check.json`` (and the server logs beside it). The GGUF given can be any
 Llama GGUF; the lent machine's transfer limit (64 MiB) is why a truncated SmolLM2 (its first blocks,
-the real tokenizer) is what was used there, see bench/RESULTS.md.
+the real tokenizer) is what was used there, see bench/RESULTS.md. To prepare one here:
+
+    python bench/gpu_check.py --make-kit KIT [--blocks 4]
+
+writes ``KIT/smollm2-4blk.gguf`` (the shipped GGUF's first blocks, every tensor as stored) and
+``KIT/smollm2`` (its config and tokenizer, for ``--hf-config``). The machine also needs the wheels it
+lacks (for python 3.12: fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types,
+typing-inspection, opentelemetry-api, gguf, pyzmq, msgspec, xgrammar, apache-tvm-ffi, openai, jiter,
+sniffio, httpx2, httpcore2, truststore), installed there with ``pip install --no-index --no-deps
+--target`` and put on ``PYTHONPATH`` with ``src`` and the repository root; ``KVLEDGER_CPU_KERNELS=0``
+skips building the CPU kernels there.
 """
 
 from __future__ import annotations
@@ -317,12 +327,46 @@ def http_bench(args, model: str, res: dict) -> None:
         srv.stop()
 
 
+def make_kit(out: Path, blocks: int) -> None:
+    """The shipped SmolLM2 GGUF cut to its first ``blocks`` blocks, and its config + tokenizer."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    from kvledger.model.loader import default_model_path
+
+    src = Path(default_model_path())
+    out.mkdir(parents=True, exist_ok=True)
+    tok_dir = out / "smollm2"
+    AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(tok_dir)
+    AutoConfig.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(tok_dir)
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    dst = out / f"smollm2-{blocks}blk.gguf"
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the writer adds these itself
+        value = blocks if name == f"{arch}.block_count" else field.contents()
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= blocks:
+            continue
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    log.info("wrote %s (%.1f MB) and %s", dst, dst.stat().st_size / 1e6, tok_dir)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument(
-        "--hf-config", required=True, help="dir with config.json + tokenizer of the default model"
-    )
+    ap.add_argument("--gguf")
+    ap.add_argument("--hf-config", help="dir with config.json + tokenizer of the default model")
+    ap.add_argument("--make-kit", metavar="DIR", help="write a truncated SmolLM2 GGUF + its tokenizer, exit")
+    ap.add_argument("--blocks", type=int, default=4, help="--make-kit: blocks kept")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="bench/out/gpu")
     ap.add_argument("--work", default="/tmp/kvledger-gpu-check")
@@ -331,6 +375,11 @@ def main() -> int:
     ap.add_argument("--only", default="parity,server,offline,http")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.make_kit:
+        make_kit(Path(args.make_kit), args.blocks)
+        return 0
+    if not (args.gguf and args.hf_config):
+        ap.error("--gguf and --hf-config are needed (or --make-kit DIR)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     res: dict = {"device": args.device, "torch": torch.__version__}
