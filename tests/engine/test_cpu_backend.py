@@ -237,3 +237,39 @@ def test_one_layer_of_a_mixed_batch_equals_the_torch_backend(page_size):
         backend.prepare(batch)
         outs.append(backend.forward(0, q, k, v, kv, batch).float())
     torch.testing.assert_close(outs[1], outs[0], rtol=2**-6, atol=2**-6)
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypatch, page_size):
+    """``kvledger_cpu::decode_layers`` runs every layer of a batch of decodes in one call: the same
+    ops in the same order as the Python loop, so the same tokens and logprobs bit for bit. Batches
+    with a prefill chunk beside the decodes keep the loop."""
+    from kvledger.model import llama
+
+    runs = {}
+    for one_call in (False, True):
+        monkeypatch.setattr(llama, "DECODE_IN_ONE_CALL", one_call)
+        eng = make_engine(dtype="bfloat16", quantization="int4", page_size=page_size, chunked_prefill_size=32)
+        outs = eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)
+        one = eng.generate(input_ids=_prompts(1, seed=3)[0], sampling_params=GREEDY)  # a single stream
+        runs[one_call] = [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in [*outs, one]]
+        assert (eng.core.model.one_call_forwards > 0) == one_call
+        assert eng.core.model.net.decode_plan() is not None
+    assert runs[True] == runs[False]
+
+
+@needs_kernels
+def test_one_call_decodes_only_where_the_layers_allow(make_engine):
+    """fp32 (no packed projections): the Python loop; with ``--enable-int8-batch`` only up to the rows
+    where each projection stays on the kernel (more go to oneDNN's int8 linear)."""
+    eng = make_engine()  # float32: the reference path
+    eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
+    assert eng.core.model.net.decode_plan() is None and eng.core.model.one_call_forwards == 0
+    eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True)
+    plan = eng.core.model.net.decode_plan()
+    assert plan is not None and plan.max_rows == 4
+    eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)  # decode batches of 6: the loop
+    assert eng.core.model.one_call_forwards == 0
+    eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
+    assert eng.core.model.one_call_forwards > 0

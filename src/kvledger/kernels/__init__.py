@@ -112,6 +112,10 @@ def _register_fakes() -> None:
     def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
+    @torch.library.register_fake(lib + "decode_layers")
+    def _(h, w, scales, wsum, bits, n, in_norms, post_norms, k_all, v_all, *rest):
+        return None
+
     @torch.library.register_fake(lib + "extend_attention_")
     def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):
         return None

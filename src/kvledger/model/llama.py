@@ -7,6 +7,7 @@ positions named in ``batch.logit_index`` go through the final norm and the LM he
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,16 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
+DECODE_IN_ONE_CALL = True
+"""Batches of decodes run every layer in one C++ call (``_Net.decode_step``) where the model allows."""
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    args: tuple  # kvledger_cpu::decode_layers' weight arguments, in its order
+    max_rows: int  # the most rows (decodes) a step may have for it
+
+
 class _Net(nn.Module):
     """The whole forward as one module, so ``torch.compile`` can freeze its weights (and prepack them
     for oneDNN) and fuse the elementwise work; attention is the opaque op ``kvledger::attention``."""
@@ -102,8 +113,65 @@ class _Net(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.handle = handle
+        self._plan: _DecodePlan | None = None
+        self._plan_built = False
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def decode_plan(self) -> _DecodePlan | None:
+        """What ``kvledger_cpu::decode_layers`` takes, built once; None where the layers are not all
+        the kernel's packed projections without biases or q/k norms, on one rank, with the kernels
+        loaded (the Python loop then runs). Projections and weights are not replaced after
+        construction (``Linear.unpack`` only touches the bf16 copy)."""
+        if self._plan_built:
+            return self._plan
+        self._plan_built = True
+        projs = [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
+        if (
+            not self.fused
+            or self.comm.size > 1
+            or any(p.qw is None or p.b is not None for p in projs)
+            or any(L.q_norm is not None for L in self.layers)
+        ):
+            return None
+        qw = [p.qw for p in projs]
+        args = (
+            [q.w for q in qw],
+            [q.scales for q in qw],
+            [q.wsum128 for q in qw],
+            [q.bits for q in qw],
+            [q.out_features for q in qw],
+            [L.in_norm for L in self.layers],
+            [L.post_norm for L in self.layers],
+        )
+        # Larger calls of a layer with oneDNN's int8 copy go there (Linear._quantized), not the kernel.
+        max_rows = min((p.small_rows for p in projs if p.w8 is not None), default=1 << 62)
+        self._plan = _DecodePlan(args, max_rows)
+        return self._plan
+
+    def decode_step(
+        self,
+        plan: _DecodePlan,
+        input_ids,
+        positions,
+        logit_index,
+        kv_buffer,
+        table,
+        rows,
+        lens,
+        out_loc,
+        scale,
+    ) -> torch.Tensor:
+        """The forward of a batch of decodes with every layer in one kernel call; the same ops in the
+        same order as ``forward``'s fused path, so the same logits bit for bit."""
+        eps = self.cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)
+        torch.ops.kvledger_cpu.decode_layers(
+            h, *plan.args, kv_buffer.k, kv_buffer.v, positions, self.cos, self.sin, table, rows, lens, out_loc,
+            self.cfg.num_heads, scale, eps,
+        )  # fmt: skip
+        h = _rms_norm(h[logit_index], self.norm, eps)
+        return self.lm_head(h).float()
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -279,6 +347,7 @@ class LlamaModel:
         ).eval()
         self.compiled: nn.Module | None = None
         self.compiled_forwards = 0  # forwards that ran through the compiled graph
+        self.one_call_forwards = 0  # batches of decodes whose layers ran in one kernel call
 
     def enable_compile(self) -> None:
         """Run forwards through ``torch.compile`` (dynamic token count; weights frozen and prepacked).
@@ -310,6 +379,15 @@ class LlamaModel:
         use = self.compiled is not None and batch.num_tokens > 1 and batch.logit_index.shape[0] > 1
         net = self.compiled if use else self.net
         self.compiled_forwards += use
+        meta = batch.attn_meta
+        if not use and connector is None and DECODE_IN_ONE_CALL and getattr(meta, "only_decodes", False):
+            plan = self.net.decode_plan()
+            if plan is not None and batch.num_tokens <= plan.max_rows:
+                self.one_call_forwards += 1
+                return self.net.decode_step(
+                    plan, batch.input_ids, batch.positions, batch.logit_index, kv_buffer, batch.req_to_token,
+                    meta.dec_rows, meta.dec_lens, batch.out_loc, self.attn.scale,
+                )  # fmt: skip
         with (
             attention_context(self.handle, self.attn, kv_buffer, batch, connector),
             sdpa_backends(self.device),
