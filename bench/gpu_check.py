@@ -68,7 +68,7 @@ def sync(device: str) -> None:
 
 def chat_ids(tok, text: str) -> list[int]:
     ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def parity(args, res: dict) -> None:

@@ -255,7 +255,7 @@ def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypat
         one = eng.generate(input_ids=_prompts(1, seed=3)[0], sampling_params=GREEDY)  # a single stream
         runs[one_call] = [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in [*outs, one]]
         assert (eng.core.model.one_call_forwards > 0) == one_call
-        assert eng.core.model.net.decode_plan() is not None
+        assert eng.core.model.net.decode_plan is not None
     assert runs[True] == runs[False]
 
 
@@ -265,9 +265,9 @@ def test_one_call_decodes_only_where_the_layers_allow(make_engine):
     where each projection stays on the kernel (more go to oneDNN's int8 linear)."""
     eng = make_engine()  # float32: the reference path
     eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
-    assert eng.core.model.net.decode_plan() is None and eng.core.model.one_call_forwards == 0
+    assert eng.core.model.net.decode_plan is None and eng.core.model.one_call_forwards == 0
     eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True)
-    plan = eng.core.model.net.decode_plan()
+    plan = eng.core.model.net.decode_plan
     assert plan is not None and plan.max_rows == 4
     eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)  # decode batches of 6: the loop
     assert eng.core.model.one_call_forwards == 0

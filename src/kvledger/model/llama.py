@@ -6,6 +6,7 @@ positions named in ``batch.logit_index`` go through the final norm and the LM he
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -113,19 +114,15 @@ class _Net(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.handle = handle
-        self._plan: _DecodePlan | None = None
-        self._plan_built = False
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
+    @functools.cached_property
     def decode_plan(self) -> _DecodePlan | None:
         """What ``kvledger_cpu::decode_layers`` takes, built once; None where the layers are not all
         the kernel's packed projections without biases or q/k norms, on one rank, with the kernels
         loaded (the Python loop then runs). Projections and weights are not replaced after
         construction (``Linear.unpack`` only touches the bf16 copy)."""
-        if self._plan_built:
-            return self._plan
-        self._plan_built = True
         projs = [p for L in self.layers for p in (L.qkv, L.o, L.gate_up, L.down)]
         if (
             not self.fused
@@ -146,8 +143,7 @@ class _Net(nn.Module):
         )
         # Larger calls of a layer with oneDNN's int8 copy go there (Linear._quantized), not the kernel.
         max_rows = min((p.small_rows for p in projs if p.w8 is not None), default=1 << 62)
-        self._plan = _DecodePlan(args, max_rows)
-        return self._plan
+        return _DecodePlan(args, max_rows)
 
     def decode_step(
         self,
@@ -164,14 +160,30 @@ class _Net(nn.Module):
     ) -> torch.Tensor:
         """The forward of a batch of decodes with every layer in one kernel call; the same ops in the
         same order as ``forward``'s fused path, so the same logits bit for bit."""
-        eps = self.cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         torch.ops.kvledger_cpu.decode_layers(
             h, *plan.args, kv_buffer.k, kv_buffer.v, positions, self.cos, self.sin, table, rows, lens, out_loc,
-            self.cfg.num_heads, scale, eps,
+            self.cfg.num_heads, scale, self.cfg.rms_norm_eps,
         )  # fmt: skip
-        h = _rms_norm(h[logit_index], self.norm, eps)
-        return self.lm_head(h).float()
+        return self._logits(h, logit_index)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        if comm.size == 1:
+            return F.embedding(input_ids, self.embed)
+        # This rank holds rows [vocab_start, +len) of the embedding.
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed.shape[0])
+        h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed) * inside.unsqueeze(-1)
+        return comm.all_reduce(h)
+
+    def _logits(self, h: torch.Tensor, logit_index: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the rows that sample; float32 ``[rows, vocab]``."""
+        h = _rms_norm(h[logit_index], self.norm, self.cfg.rms_norm_eps)
+        logits = self.lm_head(h).float()
+        if self.comm.size > 1:
+            logits = self.comm.gather_vocab(logits)[:, : self.cfg.vocab_size]
+        return logits
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -191,13 +203,7 @@ class _Net(nn.Module):
             cos = self.cos[positions].unsqueeze(1)
             sin = self.sin[positions].unsqueeze(1)
         comm = self.comm
-        if comm.size > 1:  # this rank holds rows [vocab_start, +len) of the embedding
-            local = input_ids - self.vocab_start
-            inside = (local >= 0) & (local < self.embed.shape[0])
-            h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed) * inside.unsqueeze(-1)
-            h = comm.all_reduce(h)
-        else:
-            h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         eps = cfg.rms_norm_eps
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
@@ -249,11 +255,7 @@ class _Net(nn.Module):
                 h, x = add_norm(h, delta, self.layers[i + 1].in_norm)
             else:
                 h = h + delta
-        h = _rms_norm(h[logit_index], self.norm, eps)
-        logits = self.lm_head(h).float()
-        if comm.size > 1:
-            logits = comm.gather_vocab(logits)[:, : cfg.vocab_size]
-        return logits
+        return self._logits(h, logit_index)
 
 
 class LlamaModel:
@@ -381,7 +383,7 @@ class LlamaModel:
         self.compiled_forwards += use
         meta = batch.attn_meta
         if not use and connector is None and DECODE_IN_ONE_CALL and getattr(meta, "only_decodes", False):
-            plan = self.net.decode_plan()
+            plan = self.net.decode_plan
             if plan is not None and batch.num_tokens <= plan.max_rows:
                 self.one_call_forwards += 1
                 return self.net.decode_step(
