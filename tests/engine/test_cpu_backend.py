@@ -12,6 +12,7 @@ from kvledger import kernels
 from kvledger.engine.resources import resolve_quantization
 from kvledger.errors import ModelLoadError
 from kvledger.model.attention_cpu import resolve_backend
+from kvledger.model.linear import INT8_BATCH_ROWS
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "logprobs": True}
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
@@ -113,9 +114,10 @@ def test_default_engine_on_a_float_checkpoint_is_bf16_without_quantization(make_
 
 @needs_kernels
 def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mode(make_engine):
-    """--enable-int8-batch: prompts of more than 4 tokens go through oneDNN's int8 linear (counted on
-    the first layer), the chosen first token's logprob stays within 0.1 of fp32; without a
-    quantization, or in float32, the flag is refused before anything starts."""
+    """--enable-int8-batch: prompts of INT8_BATCH_ROWS tokens and more go through oneDNN's int8
+    linear (counted on the first layer), the chosen first token's logprob stays within 0.1 of fp32;
+    the decodes stay on the kernel; without a quantization, or in float32, the flag is refused
+    before anything starts."""
     from kvledger.errors import ValidationError
 
     with pytest.raises(ValidationError, match="needs a quantized mode"):
@@ -130,11 +132,17 @@ def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mod
     real = qkv.w8
     qkv.w8 = lambda x, b=None: calls.append(x.shape[0]) or real(x, b)
     p = {"max_new_tokens": 1, "temperature": 0, "logprobs": True}
-    for prompt in _prompts(4, seed=3):
+    rng = random.Random(3)
+    for n in (INT8_BATCH_ROWS, 150, 200, 260):
+        prompt = [rng.randrange(3, 250) for _ in range(n)]
         a = ref.generate(input_ids=prompt, sampling_params=p)["meta_info"]["output_token_logprobs"][0]
         b = eng.generate(input_ids=prompt, sampling_params=p)["meta_info"]["output_token_logprobs"][0]
         assert a[1] == b[1] and abs(a[0] - b[0]) < 0.1, (a, b)
-    assert calls and min(calls) > 4  # only forwards of more than 4 rows took it
+    assert sorted(calls) == [INT8_BATCH_ROWS, 150, 200, 260]  # each prompt's one forward
+    calls.clear()
+    prompts = _prompts(6)  # one prefill forward of them all, then 23 decode steps of 6 rows
+    eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    assert calls == [sum(map(len, prompts))]
 
 
 @pytest.fixture(scope="module")
@@ -260,12 +268,20 @@ def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypat
 
 
 @needs_kernels
-def test_one_call_decodes_only_where_the_layers_allow(make_engine):
+def test_one_call_decodes_only_where_the_layers_allow(make_engine, monkeypatch):
     """fp32 (no packed projections): the Python loop; with ``--enable-int8-batch`` only up to the rows
-    where each projection stays on the kernel (more go to oneDNN's int8 linear)."""
+    where each projection stays on the kernel (more go to oneDNN's int8 linear): by default every
+    decode batch the engine allows, here with the threshold lowered to 5 the loop for 6 decodes."""
+    from kvledger.model import linear
+
     eng = make_engine()  # float32: the reference path
     eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
     assert eng.core.model.net.decode_plan is None and eng.core.model.one_call_forwards == 0
+    eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True)
+    assert eng.core.model.net.decode_plan.max_rows == INT8_BATCH_ROWS - 1
+    eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)
+    assert eng.core.model.one_call_forwards > 0
+    monkeypatch.setattr(linear, "INT8_BATCH_ROWS", 5)
     eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True)
     plan = eng.core.model.net.decode_plan
     assert plan is not None and plan.max_rows == 4

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from kvledger import Engine, kernels
 from kvledger.errors import ValidationError
-from kvledger.model.linear import Linear, can_prepack, quantize_int4, quantize_int8
+from kvledger.model.linear import INT8_BATCH_ROWS, Linear, can_prepack, quantize_int4, quantize_int8
 
 
 def test_quantize_int8_roundtrip_error_is_half_a_step():
@@ -41,9 +41,10 @@ def test_int4_recovers_q4_1_blocks_exactly():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32])
 def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, monkeypatch):
-    """Both quantized paths. With kvledger's kernels: calls of at most 4 rows take the GEMV kernel,
-    larger ones oneDNN's int8 linear (per-token int8 activations); without them (torch's kernels):
-    at most 4 rows the quantized copy, larger ones the dense bf16 weight (exactly F.linear's)."""
+    """Both quantized paths. With kvledger's kernels and ``int8_batch``: calls below
+    ``int8_batch_rows`` (5 here) take the kernel, larger ones oneDNN's int8 linear (per-token int8
+    activations); without them (torch's kernels): at most 4 rows the quantized copy, larger ones the
+    dense bf16 weight (exactly F.linear's)."""
     if path == "kernel" and not kernels.load():
         pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
     if path == "torch":
@@ -51,7 +52,7 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
     torch.manual_seed(1)
     w = torch.randn(96, 64).bfloat16()
     b = torch.randn(96).bfloat16()
-    lin = Linear(w, b, mode, small_rows=4, int8_batch=True)
+    lin = Linear(w, b, mode, small_rows=4, int8_batch=True, int8_batch_rows=5)
     assert (lin.qw is not None) == (lin.w8 is not None) == (path == "kernel")
     assert Linear(w, b, mode, small_rows=4).w8 is None  # off unless asked
     x = torch.randn(rows, 64).bfloat16()
@@ -65,6 +66,20 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
     # int4 of random (non-Q4_1) weights is lossy: ~1/30 of a group's range per weight; the int8
     # linear's per-token activations ~1%
     assert rel < (0.03 if mode == "int8" or rows > 4 else 0.08), rel
+
+
+@pytest.mark.parametrize("rows", [64, INT8_BATCH_ROWS - 1, INT8_BATCH_ROWS, 300])
+def test_int8_batch_takes_only_prefill_sized_calls_by_default(rows):
+    """``int8_batch`` without a threshold of its own: oneDNN's int8 linear from INT8_BATCH_ROWS rows
+    (where it is the faster one), kvledger's kernel below it, bit for bit each path's own output."""
+    if not kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
+    torch.manual_seed(5)
+    w = torch.randn(96, 64).bfloat16()
+    lin = Linear(w, None, "int4", int8_batch=True)
+    x = torch.randn(rows, 64).bfloat16()
+    want = lin.w8(x, None) if rows >= INT8_BATCH_ROWS else lin.qw(x)
+    assert torch.equal(lin(x), want)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

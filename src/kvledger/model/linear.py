@@ -26,6 +26,11 @@ from ..kernels.quant import GROUP, Int8Weight, PackedWeight, int8_linear, pack, 
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP = GROUP  # GGUF Q4_1 blocks: the same groups on both int4 paths
 PACK_ROWS_HINT = 32  # oneDNN picks the blocked layout for this many rows; 1..256 all run well with it
+INT8_BATCH_ROWS = 128
+"""With ``int8_batch``, calls of at least this many rows (prefill chunks) take oneDNN's int8 linear.
+Below it kvledger's int4/int8 kernel is the faster one on this CPU (SmolLM2's four projections, both
+threads: 0.78x oneDNN's time at 32 rows, 0.96x at 64, 1.04x at 128, 1.31x at 512), so batched decodes
+stay on it and on the file's own weights."""
 
 
 def can_prepack(w: torch.Tensor) -> bool:
@@ -55,8 +60,8 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; with kvledger's quantized copy every call uses it, with torch's calls of
-    at most ``small_rows`` rows; with ``int8_batch`` larger calls use oneDNN's int8 linear instead
-    (per-token int8 activations).
+    at most ``small_rows`` rows; with ``int8_batch`` calls of at least ``int8_batch_rows`` rows use
+    oneDNN's int8 linear instead (per-token int8 activations).
 
     ``source`` is the full-precision weight to quantize from (``w`` may already be rounded to bf16,
     which would blur int4 codes recovered from a Q4_1 checkpoint).
@@ -71,6 +76,7 @@ class Linear(nn.Module):
         source: torch.Tensor | None = None,
         prepack: bool = True,
         int8_batch: bool = False,
+        int8_batch_rows: int | None = None,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -80,11 +86,12 @@ class Linear(nn.Module):
         self.register_buffer("q", None, persistent=False)
         self.register_buffer("q_scale", None, persistent=False)
         self.small_rows = small_rows
+        self.int8_batch_rows = INT8_BATCH_ROWS if int8_batch_rows is None else int8_batch_rows
         self.mode = quantization
         src = w if source is None else source
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
         self.qw: PackedWeight | None = None
-        self.w8: Int8Weight | None = None  # more rows than small_rows: oneDNN's int8 linear
+        self.w8: Int8Weight | None = None  # int8_batch_rows rows and more: oneDNN's int8 linear
         if quantization is not None and w.device.type == "cpu" and kernels.load():
             self.qw = pack(src, 4 if quantization == "int4" else 8)
             self.w8 = int8_linear(src) if self.qw is not None and int8_batch else None
@@ -139,12 +146,12 @@ class Linear(nn.Module):
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor | None:
         """The quantized path for this call, or None where the bf16 GEMM is the one to run: oneDNN's
-        int8 linear (``int8_batch``) for more than ``small_rows`` rows; kvledger's kernel for every row
-        count (it beats the prepacked bf16 GEMM at all of them here: bench/RESULTS.md); torch's
+        int8 linear (``int8_batch``) from ``int8_batch_rows`` rows; kvledger's kernel for every other
+        row count (it beats the prepacked bf16 GEMM at all of them here: bench/RESULTS.md); torch's
         weight-only kernels up to ``small_rows``."""
-        small = x.shape[0] <= self.small_rows
-        if self.w8 is not None and not small:
+        if self.w8 is not None and x.shape[0] >= self.int8_batch_rows:
             return self.w8(x, self.b)
+        small = x.shape[0] <= self.small_rows
         if self.qw is not None:
             y = self.qw(x)
         elif not small:

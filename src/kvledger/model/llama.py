@@ -141,8 +141,9 @@ class _Net(nn.Module):
             [L.in_norm for L in self.layers],
             [L.post_norm for L in self.layers],
         )
-        # Larger calls of a layer with oneDNN's int8 copy go there (Linear._quantized), not the kernel.
-        max_rows = min((p.small_rows for p in projs if p.w8 is not None), default=1 << 62)
+        # Calls from int8_batch_rows rows of a layer with oneDNN's int8 copy go there
+        # (Linear._quantized), not the kernel.
+        max_rows = min((p.int8_batch_rows - 1 for p in projs if p.w8 is not None), default=1 << 62)
         return _DecodePlan(args, max_rows)
 
     def decode_step(
@@ -276,8 +277,8 @@ class LlamaModel:
         """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
         (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
         (``resolve_backend``); ``cpu`` also runs the norms, rotary and SiLU in the C++ kernels.
-        ``int8_batch``: quantized layers run forwards of more than 4 rows in oneDNN's int8 linear
-        instead of their own kernel."""
+        ``int8_batch``: quantized layers run forwards of ``linear.INT8_BATCH_ROWS`` rows and more
+        (prefill chunks) in oneDNN's int8 linear instead of their own kernel."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
