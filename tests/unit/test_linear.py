@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kvledger import Engine, kernels
 from kvledger.errors import ValidationError
+from kvledger.model import linear
 from kvledger.model.linear import INT8_BATCH_ROWS, Linear, can_prepack, quantize_int4, quantize_int8
 
 
@@ -42,7 +43,7 @@ def test_int4_recovers_q4_1_blocks_exactly():
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32])
 def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, monkeypatch):
     """Both quantized paths. With kvledger's kernels and ``int8_batch``: calls below
-    ``int8_batch_rows`` (5 here) take the kernel, larger ones oneDNN's int8 linear (per-token int8
+    ``INT8_BATCH_ROWS`` (lowered to 5 here) take the kernel, larger ones oneDNN's int8 linear (per-token int8
     activations); without them (torch's kernels): at most 4 rows the quantized copy, larger ones the
     dense bf16 weight (exactly F.linear's)."""
     if path == "kernel" and not kernels.load():
@@ -52,7 +53,8 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
     torch.manual_seed(1)
     w = torch.randn(96, 64).bfloat16()
     b = torch.randn(96).bfloat16()
-    lin = Linear(w, b, mode, small_rows=4, int8_batch=True, int8_batch_rows=5)
+    monkeypatch.setattr(linear, "INT8_BATCH_ROWS", 5)
+    lin = Linear(w, b, mode, small_rows=4, int8_batch=True)
     assert (lin.qw is not None) == (lin.w8 is not None) == (path == "kernel")
     assert Linear(w, b, mode, small_rows=4).w8 is None  # off unless asked
     x = torch.randn(rows, 64).bfloat16()

@@ -60,7 +60,7 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; with kvledger's quantized copy every call uses it, with torch's calls of
-    at most ``small_rows`` rows; with ``int8_batch`` calls of at least ``int8_batch_rows`` rows use
+    at most ``small_rows`` rows; with ``int8_batch`` calls of at least ``INT8_BATCH_ROWS`` rows use
     oneDNN's int8 linear instead (per-token int8 activations).
 
     ``source`` is the full-precision weight to quantize from (``w`` may already be rounded to bf16,
@@ -76,7 +76,6 @@ class Linear(nn.Module):
         source: torch.Tensor | None = None,
         prepack: bool = True,
         int8_batch: bool = False,
-        int8_batch_rows: int | None = None,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -86,7 +85,7 @@ class Linear(nn.Module):
         self.register_buffer("q", None, persistent=False)
         self.register_buffer("q_scale", None, persistent=False)
         self.small_rows = small_rows
-        self.int8_batch_rows = INT8_BATCH_ROWS if int8_batch_rows is None else int8_batch_rows
+        self.int8_batch_rows = INT8_BATCH_ROWS  # read here, so a test may lower it for the layers it builds
         self.mode = quantization
         src = w if source is None else source
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
