@@ -245,6 +245,35 @@ def test_prefill_never_sends_decode_times_out_and_frees(pd):
     assert_idle_clean(dec)
 
 
+def test_an_unmatched_claim_outlives_the_decode_sides_own_wait(pd):
+    """Equal timeouts: the decode side owns the wait, so its own timeout answers the client, however
+    late its I/O thread ticks; prefill's claim backstop must not beat it (it did on CI by ms)."""
+    t = 0.5
+    pre, dec, port = pd(
+        prefill_kw={"disaggregation_bootstrap_timeout_s": t},
+        decode_kw={"disaggregation_waiting_timeout_s": t},
+    )
+    conn = pre.core.connector
+    dec.add_request(list(range(5, 25)), {"max_new_tokens": 4}, rid="d", disagg=room(port, 3))
+    deadline = time.monotonic() + 10
+    while 3 not in conn._claims:
+        assert time.monotonic() < deadline, "the claim never reached prefill"
+        dec.step()
+        time.sleep(0.005)
+    conn._on_tick(conn._claims[3].at + 1.5 * t)  # decode's deadline has passed; its tick is late
+    assert 3 in conn._claims
+    res = drive([dec], {id(dec): ["d"]})
+    fr = res["d"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "timed out" in fr["message"], fr
+    assert stats(dec)["transfers_timed_out"] == 1 and stats(dec)["transfers_failed"] == 0
+    while 3 in conn._claims:  # decode's Fail takes the claim away
+        assert time.monotonic() < deadline, "prefill kept the claim"
+        time.sleep(0.01)
+    until_idle(dec)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
 def test_decode_never_claims_prefill_times_out_and_frees(pd):
     pre, _, port = pd(prefill_kw={"disaggregation_bootstrap_timeout_s": 0.5})
     pre.add_request(list(range(5, 25)), {"max_new_tokens": 4}, rid="p", disagg=room(port, 1))

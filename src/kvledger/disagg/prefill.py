@@ -27,6 +27,7 @@ from . import kv_copy, wire
 from .endpoint import CHUNK_TOKENS, Endpoint, TransferStats
 
 log = logging.getLogger("kvledger.disagg")
+CLAIM_BACKSTOP = 2.0  # a claim whose prefill request never comes is dropped after this x the timeout
 
 
 @dataclass
@@ -274,9 +275,13 @@ class PrefillConnector(KVConnector):
                     if job.peer is not None:
                         self._send(job.peer, wire.Fail(room, "prefill timed out"))
             for room, c in list(self._claims.items()):
-                if now - c.at > t:
-                    del self._claims[room]  # (counted by the decode side, whose wait timed out)
-                    self._send(c.peer, wire.Fail(room, "no prefill request for this room"))
+                # The decode side owns this wait: it times out at its own deadline, counts it and
+                # tells us. This is only the backstop for a claimant that went away, so it waits
+                # longer: with equal timeouts the two timers otherwise race (CI saw ours win).
+                if now - c.at > CLAIM_BACKSTOP * t:
+                    del self._claims[room]
+                    why = f"no prefill request for this room in {CLAIM_BACKSTOP * t:.0f}s"
+                    self._send(c.peer, wire.Fail(room, why))
             for room, at in list(self._gone.items()):
                 if now - at > t:
                     del self._gone[room]
