@@ -130,8 +130,10 @@ def ref_decode(q, k, v, table, rows, lens, scale):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize(("heads", "kvh"), [(4, 4), (9, 3), (16, 2)])  # GQA ratios 1, 3, 8
-def test_decode_attention_reads_pages_in_place(dtype, ps, heads, kvh):
-    d = 64
+# The kernel's paths: 64 (K and V rows widened once for 4 heads at a time), 128 (V rows for 2),
+# 48 (any multiple of 16: one head at a time).
+@pytest.mark.parametrize("d", [64, 128, 48])
+def test_decode_attention_reads_pages_in_place(dtype, ps, heads, kvh, d):
     lens = [1, 15, 16, 17, 33, 250, 1100]  # one token, page boundaries, long (split over threads)
     pages = sum(-(-n // ps) for n in lens) + 3
     k, v = _pool(kvh, pages, ps, d, dtype, 3)

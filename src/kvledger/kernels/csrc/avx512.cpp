@@ -84,24 +84,56 @@ void rope(T* x, long xs, int heads, int head_dim, const int64_t* pos, const T* c
 
 // Sums of 16 vectors at once: lane i of the result is the sum of a[i]'s lanes (a transpose-and-add
 // tree: 15 adds and 30 shuffles for 16 dot products, where 16 horizontal reductions take ~130 ops).
-inline __m512 sum16x16(__m512* a) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // c[j], 128-bit lane L, element m: lane L's part of the sum of a[4j+m]
+// In two stages, so that a caller can reduce 4 vectors as soon as they exist: sum4of16 turns a[0..4)
+// into c (128-bit lane L, element m: lane L's part of the sum of a[m]); sum16of4 takes four such c.
+inline __m512 sum4of16(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 b0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 b1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512d x = _mm512_castps_pd(b0), y = _mm512_castps_pd(b1);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+}
+
+inline __m512 sum16of4(const __m512* c) {
   __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
   __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
+inline __m512 sum16x16(const __m512* a) {
+  const __m512 c[4] = {sum4of16(a[0], a[1], a[2], a[3]), sum4of16(a[4], a[5], a[6], a[7]),
+                       sum4of16(a[8], a[9], a[10], a[11]), sum4of16(a[12], a[13], a[14], a[15])};
+  return sum16of4(c);
+}
+
+constexpr int kMaxG = 64;  // heads a KV head serves up to which V rows are widened once a block
+
+// acc[g] = acc[g] * corr[g] + sum_j p[g][j] v[j] for GN heads (p at p + g * ps), D = 16 * ND.
+template <typename T, int ND, int GN>
+inline void pv_heads(float* acc, int D, const float* corr, const float* p, int ps, const T* const* vr, int nb) {
+  __m512 o[GN][ND];
+  for (int g = 0; g < GN; ++g) {
+    const __m512 c = _mm512_set1_ps(corr[g]);
+    for (int d = 0; d < ND; ++d) o[g][d] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d * 16), c);
+  }
+  for (int j = 0; j < nb; ++j) {
+    __m512 vj[ND];
+    for (int d = 0; d < ND; ++d) vj[d] = load16(vr[j] + d * 16);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g * ps + j]);
+      for (int d = 0; d < ND; ++d) o[g][d] = _mm512_fmadd_ps(pj, vj[d], o[g][d]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(acc + g * D + d * 16, o[g][d]);
+}
+
 // Tokens in blocks of 16: the block's scores of one query row are one register (their dot products
 // summed by sum16x16), so the online softmax (max, exp, sum) runs vectorized; K and V rows are read
 // where they lie in the pool. ND = D/16 as a constant for the common head dims (64, 128) lets the
-// compiler keep a query row and an output row in registers; 0 = any multiple of 16.
+// compiler keep a query row and an output row in registers; 0 = any multiple of 16. With ND set, each
+// K row (head dim 64) and V row is widened to float once for all the query heads of its KV head: the
+// widening took a third of the instructions when it was repeated per head. The sums are the same, in
+// the same order, whichever path runs (tests/unit/test_cpu_kernels.py holds them to the reference).
 template <typename T, int ND>
 void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
                float scale, float* m, float* l, float* acc) {
@@ -118,6 +150,7 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
   const T* kr[B];
   const T* vr[B];
   __m512 dots[B];
+  __m512 quads[4 * kMaxG];  // per head, its four sum4of16 of a block
   for (long t0 = 0; t0 < n; t0 += B) {
     const int nb = static_cast<int>(n - t0 < B ? n - t0 : B);
     for (int j = 0; j < B; ++j) {  // past the end: repeat the last row (its scores are masked off)
@@ -125,39 +158,68 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
       kr[j] = k + loc * D;
       vr[j] = v + loc * D;
     }
-    for (int g = 0; g < G; ++g) {
-      const float* qg = &qf[g * D];
-      for (int j = 0; j < B; ++j) {
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(kr[j]));
-        for (int d = 1; d < nd; ++d) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d * 16), load16(kr[j] + d * 16), a);
-        dots[j] = a;
+    if (ND == 4 && G <= kMaxG) {
+      // Head dim 64: four K rows widened once for every head (16 registers), each head's four dot
+      // products reduced at once; the same sums in the same order as sum16x16 below.
+      for (int j0 = 0; j0 < B; j0 += 4) {
+        __m512 kk[4][4];
+        for (int j = 0; j < 4; ++j)
+          for (int d = 0; d < 4; ++d) kk[j][d] = load16(kr[j0 + j] + d * 16);
+        for (int g = 0; g < G; ++g) {
+          const float* qg = &qf[g * D];
+          __m512 a[4];
+          for (int j = 0; j < 4; ++j) {
+            a[j] = _mm512_mul_ps(_mm512_loadu_ps(qg), kk[j][0]);
+            for (int d = 1; d < 4; ++d) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d * 16), kk[j][d], a[j]);
+          }
+          quads[g * 4 + j0 / 4] = sum4of16(a[0], a[1], a[2], a[3]);
+        }
       }
-      _mm512_storeu_ps(&sc[g * B], sum16x16(dots));
+      for (int g = 0; g < G; ++g) _mm512_storeu_ps(&sc[g * B], sum16of4(&quads[g * 4]));
+    } else {
+      for (int g = 0; g < G; ++g) {
+        const float* qg = &qf[g * D];
+        for (int j = 0; j < B; ++j) {
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qg), load16(kr[j]));
+          for (int d = 1; d < nd; ++d) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d * 16), load16(kr[j] + d * 16), a);
+          dots[j] = a;
+        }
+        _mm512_storeu_ps(&sc[g * B], sum16x16(dots));
+      }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
+    float corr[kMaxG];
     for (int g = 0; g < G; ++g) {
       __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, &sc[g * B]);
       const float mn = std::max(m[g], _mm512_reduce_max_ps(s));
       const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
-      const float corr = std::exp(m[g] - mn);
-      l[g] = l[g] * corr + _mm512_reduce_add_ps(p);
+      const float cg = std::exp(m[g] - mn);
+      l[g] = l[g] * cg + _mm512_reduce_add_ps(p);
       m[g] = mn;
       _mm512_storeu_ps(&sc[g * B], p);
-      float* ag = acc + g * D;
-      const __m512 c = _mm512_set1_ps(corr);
-      if (ND == 4 || ND == 8) {  // the output row in registers over the block
-        __m512 o[ND ? ND : 1];
-        for (int d = 0; d < nd; ++d) o[d] = _mm512_mul_ps(_mm512_loadu_ps(ag + d * 16), c);
-        for (int j = 0; j < nb; ++j) {
-          const __m512 pj = _mm512_set1_ps(sc[g * B + j]);
-          for (int d = 0; d < nd; ++d) o[d] = _mm512_fmadd_ps(pj, load16(vr[j] + d * 16), o[d]);
-        }
-        for (int d = 0; d < nd; ++d) _mm512_storeu_ps(ag + d * 16, o[d]);
-      } else {
+      if (g < kMaxG) corr[g] = cg;
+      if (ND == 0 || G > kMaxG) {  // any head dim: one head at a time, V rows read per head
+        float* ag = acc + g * D;
+        const __m512 c = _mm512_set1_ps(cg);
         for (int d = 0; d < D; d += 16) {
           __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ag + d), c);
           for (int j = 0; j < nb; ++j) o = _mm512_fmadd_ps(_mm512_set1_ps(sc[g * B + j]), load16(vr[j] + d), o);
           _mm512_storeu_ps(ag + d, o);
+        }
+      }
+    }
+    if constexpr (ND != 0) {
+      if (G > kMaxG) continue;
+      // The output rows of up to 16 / ND heads in registers over the block, each V row widened once
+      // for all of them (not once a head: the widening was a third of the block's instructions).
+      // Each lane sees the same operations in the same order as above: the same bits.
+      constexpr int GB = ND ? 16 / ND : 1;
+      for (int g0 = 0; g0 < G; g0 += GB) {
+        switch (G - g0 >= GB ? GB : G - g0) {
+          case 1: pv_heads<T, ND, 1>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb); break;
+          case 2: pv_heads<T, ND, 2>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb); break;
+          case 3: pv_heads<T, ND, (GB >= 3 ? 3 : 1)>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb); break;
+          default: pv_heads<T, ND, (GB >= 4 ? 4 : 1)>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb);
         }
       }
     }
