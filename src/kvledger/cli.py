@@ -66,7 +66,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
-    _bool_pair(p, "enable-mixed-chunk", d.enable_mixed_chunk, "prefill chunks and decodes in one forward")
+    _bool_pair(
+        p,
+        "enable-mixed-chunk",
+        d.enable_mixed_chunk,
+        "prefill chunks and decodes in one forward: first tokens sooner under bursts, running streams wait for the chunk",
+    )
     _bool_pair(p, "enable-prefix-cache", d.enable_prefix_cache, "radix prefix cache")
     p.add_argument("--strict-memory", action="store_true", help="raise on any memory-ledger violation")
     p.add_argument("--audit-interval-s", type=float, default=d.audit_interval_s,
