@@ -105,7 +105,7 @@ inline __m512 sum16x16(const __m512* a) {
   return sum16of4(c);
 }
 
-constexpr int kMaxG = 64;  // heads a KV head serves up to which V rows are widened once a block
+constexpr int kMaxG = 64;  // most query heads a KV head may serve on the grouped paths of attend_nd
 
 // acc[g] = acc[g] * corr[g] + sum_j p[g][j] v[j] for GN heads (p at p + g * ps), D = 16 * ND.
 template <typename T, int ND, int GN>
@@ -151,6 +151,10 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
   const T* vr[B];
   __m512 dots[B];
   __m512 quads[4 * kMaxG];  // per head, its four sum4of16 of a block
+  float corr[kMaxG];         // per head, the block's rescale of its running output
+  // The head-dim-specialized paths (K/V rows widened once for all heads) hold per-head state in the
+  // two arrays above; past kMaxG heads, or for other head dims, one head at a time.
+  const bool grouped = ND != 0 && G <= kMaxG;
   for (long t0 = 0; t0 < n; t0 += B) {
     const int nb = static_cast<int>(n - t0 < B ? n - t0 : B);
     for (int j = 0; j < B; ++j) {  // past the end: repeat the last row (its scores are masked off)
@@ -158,7 +162,7 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
       kr[j] = k + loc * D;
       vr[j] = v + loc * D;
     }
-    if (ND == 4 && G <= kMaxG) {
+    if (ND == 4 && grouped) {
       // Head dim 64: four K rows widened once for every head (16 registers), each head's four dot
       // products reduced at once; the same sums in the same order as sum16x16 below.
       for (int j0 = 0; j0 < B; j0 += 4) {
@@ -188,7 +192,6 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
       }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
-    float corr[kMaxG];
     for (int g = 0; g < G; ++g) {
       __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, &sc[g * B]);
       const float mn = std::max(m[g], _mm512_reduce_max_ps(s));
@@ -197,8 +200,9 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
       l[g] = l[g] * cg + _mm512_reduce_add_ps(p);
       m[g] = mn;
       _mm512_storeu_ps(&sc[g * B], p);
-      if (g < kMaxG) corr[g] = cg;
-      if (ND == 0 || G > kMaxG) {  // any head dim: one head at a time, V rows read per head
+      if (grouped) {
+        corr[g] = cg;
+      } else {  // V rows read per head
         float* ag = acc + g * D;
         const __m512 c = _mm512_set1_ps(cg);
         for (int d = 0; d < D; d += 16) {
@@ -208,18 +212,20 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
         }
       }
     }
-    if constexpr (ND != 0) {
-      if (G > kMaxG) continue;
-      // The output rows of up to 16 / ND heads in registers over the block, each V row widened once
-      // for all of them (not once a head: the widening was a third of the block's instructions).
-      // Each lane sees the same operations in the same order as above: the same bits.
-      constexpr int GB = ND ? 16 / ND : 1;
-      for (int g0 = 0; g0 < G; g0 += GB) {
-        switch (G - g0 >= GB ? GB : G - g0) {
-          case 1: pv_heads<T, ND, 1>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb); break;
-          case 2: pv_heads<T, ND, 2>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb); break;
-          case 3: pv_heads<T, ND, (GB >= 3 ? 3 : 1)>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb); break;
-          default: pv_heads<T, ND, (GB >= 4 ? 4 : 1)>(acc + g0 * D, D, corr + g0, &sc[g0 * B], B, vr, nb);
+    if constexpr (ND != 0) {  // (pv_heads needs a head dim known at compile time)
+      if (grouped) {
+        // The output rows of up to 16 / ND heads in registers over the block, each V row widened once
+        // for all of them. Each lane sees the same operations in the same order as the loop above.
+        constexpr int GB = 16 / ND;
+        for (int g0 = 0; g0 < G; g0 += GB) {
+          const float* c = corr + g0;
+          const float* p = &sc[g0 * B];
+          switch (G - g0 >= GB ? GB : G - g0) {
+            case 1: pv_heads<T, ND, 1>(acc + g0 * D, D, c, p, B, vr, nb); break;
+            case 2: pv_heads<T, ND, 2>(acc + g0 * D, D, c, p, B, vr, nb); break;
+            case 3: pv_heads<T, ND, (GB >= 3 ? 3 : 1)>(acc + g0 * D, D, c, p, B, vr, nb); break;
+            default: pv_heads<T, ND, (GB >= 4 ? 4 : 1)>(acc + g0 * D, D, c, p, B, vr, nb);  // GB is 4 or 2
+          }
         }
       }
     }
