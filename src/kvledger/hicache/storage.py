@@ -26,7 +26,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
-import msgpack
+import msgspec
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class FileStorage:
     def set(self, key: bytes, payload: memoryview | bytes) -> bool:
         """Write one page (``payload``: exactly ``page_bytes``); False on an I/O error (logged)."""
         path = self.path(key)
-        header = msgpack.packb(
+        header = msgspec.msgpack.encode(
             {"key": key, "ns": self.namespace, "len": len(payload), "crc": zlib.crc32(payload)}
         )
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -207,7 +207,7 @@ class FileStorage:
         if len(data) < _PREFIX.size + hlen:
             return "truncated"
         try:
-            h = msgpack.unpackb(data[_PREFIX.size : _PREFIX.size + hlen])
+            h = msgspec.msgpack.decode(data[_PREFIX.size : _PREFIX.size + hlen])
         except Exception:
             return "corrupt header"
         if not isinstance(h, dict) or h.get("ns") != self.namespace or h.get("key") != key:
