@@ -1,7 +1,7 @@
 """SGLang's frontend language against the real server: ``sgl.RuntimeEndpoint``, ``sgl.gen`` with a
 regex, ``sgl.select`` (which scores each choice with prompt logprobs). The ``sglang`` package is
-installed without its GPU stack (``pip install --no-deps sglang pybase64``, as .ci/run does); its
-frontend needs nothing more."""
+installed without its GPU stack (``pip install --no-deps sglang==0.5.23 pybase64``, then ``ipython``,
+which ``import sglang`` needs: ``sglang/utils.py`` imports ``IPython.display``), as .ci/run does."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ import re
 
 import pytest
 
-sgl = pytest.importorskip("sglang", reason="install with: pip install --no-deps sglang==0.5.23 pybase64")
+try:
+    import sglang as sgl
+except ImportError as e:  # the reason names what is missing (IPython, once): skipped, or failed in CI
+    pytest.skip(
+        f"SGLang's frontend does not import ({e}); install: pip install --no-deps sglang==0.5.23 "
+        "pybase64 && pip install ipython",
+        allow_module_level=True,
+    )
 
 
 def test_gen_regex_and_select(srv):
