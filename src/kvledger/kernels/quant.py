@@ -42,6 +42,29 @@ class PackedWeight:
             x, self.w, self.scales, self.wsum128, self.bits, self.out_features
         )
 
+    def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``index`` (all rows when None) of the weights this stands for, in float32: ``d * q
+        (+ m)`` per block of 32, computed as ``gguf.quants.dequantize`` does (so a Q8_0 embedding
+        looked up here equals the file's, bit for bit)."""
+        n, k, g = self.out_features, self.in_features, self.in_features // GROUP
+        nb = n // ROWS
+        if index is None:
+            index = torch.arange(n)
+        blk, lane = index // ROWS, index % ROWS
+        if self.bits == 4:
+            # [NB, K/8, 16 rows, 4] bytes; byte j of a chunk: element j (low), j + 4 (high)
+            b = self.w.view(nb, k // 8, ROWS, 4)[blk, :, lane]  # [T, K/8, 4]
+            q = torch.stack([b & 0x0F, b >> 4], dim=-2).view(-1, k)
+            sc = self.scales.view(nb, g, 2, ROWS)
+            d, m = sc[blk, :, 0, lane], sc[blk, :, 1, lane]  # [T, G]
+        else:
+            q = self.w.view(nb, k // 4, ROWS, 4)[blk, :, lane].reshape(-1, k)
+            d, m = self.scales.view(nb, g, ROWS)[blk, :, lane], None
+        w = q.view(-1, g, GROUP).float() * d.float()[..., None]
+        if m is not None:
+            w = w + m.float()[..., None]
+        return w.view(-1, k)
+
 
 def packable(w: torch.Tensor) -> bool:
     """The kernel takes whole blocks: out_features a multiple of 16, in_features of 32."""
@@ -85,10 +108,24 @@ def pack(w: torch.Tensor, bits: int) -> PackedWeight | None:
     """Quantize and pack ``w [N, K]``; None when the shape or the scales' range does not fit."""
     if not packable(w):
         return None
-    n, k = w.shape
+    if bits == 4:
+        return pack_blocks(*q4_1(w), bits=4)
+    if bits == 8:
+        return pack_blocks(*q8_0(w), None, bits=8)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def pack_blocks(
+    q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int
+) -> PackedWeight | None:
+    """Pack blocks as they are: ``q [N, K]`` codes (0..15 for 4 bits, -127..127 for 8), ``d`` (and 4
+    bits' ``m``) ``[N, K/32]``, exactly representable in fp16 (a GGUF file's own fields are). None when
+    the shape is not whole blocks of 16 rows x 32 or a scale is out of fp16's range."""
+    n, k = q.shape
+    if n % ROWS or k % GROUP or q.device.type != "cpu":
+        return None
     nb = n // ROWS
     if bits == 4:
-        q, d, m = q4_1(w)
         if max(d.abs().max().item(), m.abs().max().item()) > FP16_MAX:
             return None
         # [NB, 16 rows, K/8 chunks, 2 halves, 4] -> [NB, K/8, 16, 4, 2]: low nibble = first half
@@ -97,9 +134,9 @@ def pack(w: torch.Tensor, bits: int) -> PackedWeight | None:
         scales = torch.stack([_blocks(d), _blocks(m)], dim=2).half().contiguous().view(-1)
         return PackedWeight(4, n, k, packed, scales, None)
     if bits == 8:
-        q, d = q8_0(w)
-        if d.max().item() > FP16_MAX:
+        if d.float().abs().max().item() > FP16_MAX:
             return None
+        q = q.to(torch.int8)
         packed = q.view(nb, ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
         wsum = q.view(n, k // GROUP, GROUP).sum(-1, dtype=torch.int32) * 128
         return PackedWeight(

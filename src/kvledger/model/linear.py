@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..kernels.quant import GROUP, Int8Weight, PackedWeight, int8_linear, pack, q4_1
+from ..kernels.quant import GROUP, Int8Weight, PackedWeight, int8_linear, pack, pack_blocks, q4_1
+from .quantized import BlockWeight, Weight, dense
 
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP = GROUP  # GGUF Q4_1 blocks: the same groups on both int4 paths
@@ -63,68 +64,84 @@ class Linear(nn.Module):
     at most ``small_rows`` rows; with ``int8_batch`` calls of at least ``INT8_BATCH_ROWS`` rows use
     oneDNN's int8 linear instead (per-token int8 activations).
 
-    ``source`` is the full-precision weight to quantize from (``w`` may already be rounded to bf16,
-    which would blur int4 codes recovered from a Q4_1 checkpoint).
+    ``w`` is the weight as loaded: a float tensor, or a GGUF file's blocks (``BlockWeight``), which
+    the kernel packs as they are when their format is the mode's (Q4_1 for int4, Q8_0 for int8).
+    A dense copy in ``dtype`` on ``device`` (default: ``w``'s own; float32 for blocks) is kept only
+    where a call can read it: not when kvledger's kernel serves every call (``unpack`` makes one
+    for ``torch.compile``).
     """
 
     def __init__(
         self,
-        w: torch.Tensor,
+        w: Weight,
         b: torch.Tensor | None = None,
         quantization: str | None = None,
         small_rows: int = 4,
-        source: torch.Tensor | None = None,
         prepack: bool = True,
         int8_batch: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-        self.w = nn.Parameter(w, requires_grad=False)
+        blocks = isinstance(w, BlockWeight)
+        self.dtype = dtype or (torch.float32 if blocks else w.dtype)
+        self.device = torch.device(device or ("cpu" if blocks else w.device))
+        self.out_features, self.in_features = w.shape
+        if quantization is not None and self.dtype != torch.bfloat16:
+            raise ValueError(f"{quantization} weights need bfloat16 activations (dtype bfloat16)")
+        if quantization == "int4" and self.device.type != "cpu":
+            raise ValueError("int4 weights use torch's CPU kernel; on other devices use int8")
         self.b = None if b is None else nn.Parameter(b, requires_grad=False)
         self.register_buffer("q", None, persistent=False)
         self.register_buffer("q_scale", None, persistent=False)
         self.small_rows = small_rows
         self.int8_batch_rows = INT8_BATCH_ROWS  # read here, so a test may lower it for the layers it builds
         self.mode = quantization
-        src = w if source is None else source
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
         self.qw: PackedWeight | None = None
         self.w8: Int8Weight | None = None  # int8_batch_rows rows and more: oneDNN's int8 linear
-        if quantization is not None and w.device.type == "cpu" and kernels.load():
-            self.qw = pack(src, 4 if quantization == "int4" else 8)
-            self.w8 = int8_linear(src) if self.qw is not None and int8_batch else None
-        if quantization is not None and w.dtype != torch.bfloat16:
-            raise ValueError(f"{quantization} weights need bfloat16 activations (dtype bfloat16)")
-        if quantization == "int4" and w.device.type != "cpu":
-            raise ValueError("int4 weights use torch's CPU kernel; on other devices use int8")
-        if quantization == "int4" and src.shape[1] % INT4_GROUP:
+        if quantization is not None and self.device.type == "cpu" and kernels.load():
+            self.qw = _pack(w, 4 if quantization == "int4" else 8)
+            self.w8 = int8_linear(dense(w)) if self.qw is not None and int8_batch else None
+        if quantization == "int4" and self.in_features % INT4_GROUP:
             self.mode = "int8"  # int4 needs whole groups along K; int8 has no such constraint
+        # The dense weight: every call of a layer without the kernel's copy may need it.
+        self.w = None
+        if self.qw is None:
+            self.w = nn.Parameter(self._cast(dense(w)), requires_grad=False)
         if self.qw is not None:
             self.mode = quantization
         elif self.mode == "int8":
-            q, scale = quantize_int8(src)
-            self.q = q.to(w.device)
-            self.q_scale = scale.to(device=w.device, dtype=w.dtype)
+            q, scale = quantize_int8(dense(w))
+            self.q = q.to(self.device)
+            self.q_scale = scale.to(device=self.device, dtype=self.dtype)
         elif self.mode == "int4":
-            q, scale, zero = quantize_int4(src)
-            self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(w.device), 1)
+            q, scale, zero = quantize_int4(dense(w))
+            self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(self.device), 1)
             # [K/group, N, 2]: the layout the int4 kernel reads
             self.q_scale = (
-                torch.stack([scale.t(), zero.t()], dim=-1).to(device=w.device, dtype=w.dtype).contiguous()
+                torch.stack([scale.t(), zero.t()], dim=-1).to(device=self.device, dtype=self.dtype).contiguous()
             )
         # An opaque oneDNN tensor; a plain attribute (not a parameter: module utilities that walk
         # parameters, such as weight_bytes or state_dict, cannot read its storage).
         self.packed: torch.Tensor | None = None
-        if prepack and can_prepack(w):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+        if prepack and self.w is not None and can_prepack(self.w):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, PACK_ROWS_HINT)
             self.w = None
 
+    def _cast(self, w: torch.Tensor) -> torch.Tensor:
+        return w.to(device=self.device, dtype=self.dtype).contiguous()
+
     def unpack(self) -> None:
-        """Bring back the dense weight (for ``torch.compile``, whose freezing pass packs it again)."""
+        """Bring back the dense weight (for ``torch.compile``, whose freezing pass packs it again); a
+        layer the kernel serves alone gets its weights dequantized from the kernel's copy."""
         if self.packed is not None:
             self.w = nn.Parameter(self.packed.to_dense(), requires_grad=False)
             self.packed = None
+        elif self.w is None and self.qw is not None:
+            self.w = nn.Parameter(self._cast(self.qw.rows()), requires_grad=False)
 
     def packed_bytes(self) -> int:
         """Bytes held outside parameters and buffers: the oneDNN weight and the kernel's quantized one."""
@@ -160,3 +177,11 @@ class Linear(nn.Module):
         else:
             y = torch._weight_int8pack_mm(x, self.q, self.q_scale)
         return y if self.b is None else y + self.b
+
+
+def _pack(w: Weight, bits: int) -> PackedWeight | None:
+    """The kernel's copy of ``w``: a file's blocks of the same format packed as they are (its own codes
+    and scales), anything else quantized first."""
+    if isinstance(w, BlockWeight) and w.bits == bits:
+        return pack_blocks(*w.codes(), bits=bits)
+    return pack(dense(w), bits)

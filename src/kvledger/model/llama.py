@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelLoadError
+from ..kernels.quant import PackedWeight
 from ..parallel.comm import Comm
 from .attention import (
     AttentionBackend,
@@ -29,6 +30,7 @@ from .attention_cpu import resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .linear import Linear
+from .quantized import BlockWeight, Weight, cat_rows, dense
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -106,8 +108,10 @@ class _Net(nn.Module):
         self.cfg = cfg
         self.fused = fused
         self.comm = comm or Comm()  # tensor parallel: the O/down all-reduces, vocab-parallel ends
-        self.vocab_start = self.comm.rank * embed.shape[0]
-        self.embed = _param(embed)
+        # The embedding: a dense table, or the tied LM head's int8 blocks (looked up row by row).
+        self.embed: torch.Tensor | PackedWeight = embed if isinstance(embed, PackedWeight) else _param(embed)
+        self.vocab_rows = embed.out_features if isinstance(embed, PackedWeight) else embed.shape[0]
+        self.vocab_start = self.comm.rank * self.vocab_rows
         self.norm = _param(norm)
         self.lm_head = lm_head
         self.layers = nn.ModuleList(layers)
@@ -168,14 +172,25 @@ class _Net(nn.Module):
         )  # fmt: skip
         return self._logits(h, logit_index)
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, PackedWeight):
+            return self.embed.rows(ids).to(self.norm.dtype)
+        return F.embedding(ids, self.embed)
+
+    def dense_embedding(self) -> None:
+        """Make the embedding a dense table (``torch.compile`` traces ``F.embedding``, not the lookup
+        in packed blocks)."""
+        if isinstance(self.embed, PackedWeight):
+            self.embed = _param(self.embed.rows().to(device=self.norm.device, dtype=self.norm.dtype))
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         comm = self.comm
         if comm.size == 1:
-            return F.embedding(input_ids, self.embed)
+            return self._lookup(input_ids)
         # This rank holds rows [vocab_start, +len) of the embedding.
         local = input_ids - self.vocab_start
-        inside = (local >= 0) & (local < self.embed.shape[0])
-        h = F.embedding(local.clamp(0, self.embed.shape[0] - 1), self.embed) * inside.unsqueeze(-1)
+        inside = (local >= 0) & (local < self.vocab_rows)
+        h = self._lookup(local.clamp(0, self.vocab_rows - 1)) * inside.unsqueeze(-1)
         return comm.all_reduce(h)
 
     def _logits(self, h: torch.Tensor, logit_index: torch.Tensor) -> torch.Tensor:
@@ -293,24 +308,25 @@ class LlamaModel:
             except KeyError:
                 raise ModelLoadError(f"checkpoint lacks tensor {name}") from None
 
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=self.device, dtype=dtype).contiguous()
+        def cast(t: Weight) -> torch.Tensor:
+            return dense(t).to(device=self.device, dtype=dtype).contiguous()
 
-        def lin(w: torch.Tensor, b: torch.Tensor | None = None, mode: str | None = quantization) -> Linear:
-            return Linear(cast(w), None if b is None else cast(b), mode, source=w, int8_batch=int8_batch)
+        def lin(w: Weight, b: Weight | None = None, mode: str | None = quantization) -> Linear:
+            bias = None if b is None else cast(b)
+            return Linear(w, bias, mode, int8_batch=int8_batch, dtype=dtype, device=self.device)
 
         raw_embed = take("model.embed_tokens.weight")
-        embed = cast(raw_embed)
         lm_head = weights.pop("lm_head.weight", None)
         tied = lm_head is None or cfg.tie_word_embeddings
         # The LM head is int8 even in int4 mode: it is usually kept at 8 bits in quantized checkpoints
         # (Q8_0 in SmolLM2's GGUF), and its logits are what sampling sees.
         lm_mode = "int8" if quantization == "int4" else quantization
-        lm = (
-            Linear(embed, None, lm_mode, source=raw_embed, int8_batch=int8_batch)
-            if tied
-            else lin(lm_head, mode=lm_mode)
-        )
+        lm = lin(raw_embed if tied else lm_head, mode=lm_mode)
+        # A tied Q8_0 embedding is looked up in the LM head's copy of the file's blocks (the same
+        # values, no second copy of the largest matrix); otherwise it is a dense table.
+        shared = tied and isinstance(raw_embed, BlockWeight) and raw_embed.kind == "Q8_0" and lm.qw is not None
+        embed = lm.qw if shared else cast(raw_embed)
+        del raw_embed, lm_head
         norm = cast(take("model.norm.weight"))
         layers = []
         for i in range(cfg.num_layers):
@@ -318,13 +334,13 @@ class LlamaModel:
             q, k, v = (take(p + f"self_attn.{n}_proj.weight") for n in "qkv")
             qkv_b = None
             if cfg.attention_bias:
-                qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                qkv_b = torch.cat([dense(take(p + f"self_attn.{n}_proj.bias")) for n in "qkv"])
             gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
             layers.append(
                 _Layer(
-                    qkv=lin(torch.cat([q, k, v]), qkv_b),
+                    qkv=lin(cat_rows([q, k, v]), qkv_b),
                     o=lin(take(p + "self_attn.o_proj.weight")),
-                    gate_up=lin(torch.cat([gate, up])),
+                    gate_up=lin(cat_rows([gate, up])),
                     down=lin(take(p + "mlp.down_proj.weight")),
                     in_norm=cast(take(p + "input_layernorm.weight")),
                     post_norm=cast(take(p + "post_attention_layernorm.weight")),
@@ -358,6 +374,7 @@ class LlamaModel:
         for m in self.net.modules():
             if isinstance(m, Linear):
                 m.unpack()
+        self.net.dense_embedding()
         self.compiled = torch.compile(self.net, dynamic=True, options={"freezing": True})
 
     def weight_bytes(self) -> int:

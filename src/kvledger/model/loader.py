@@ -1,16 +1,25 @@
 """Load weights, config and tokenizer from a GGUF file or a Hugging Face directory.
 
-Weights come out in Hugging Face naming (``model.layers.0.self_attn.q_proj.weight`` ...) as float32
-tensors; the model class fuses and casts them. Every failure is a ``ModelLoadError`` with one line.
+Weights come out in Hugging Face naming (``model.layers.0.self_attn.q_proj.weight`` ...): float32
+tensors, except a GGUF's Q4_1 and Q8_0 matrices, which stay the file's blocks (``quantized.BlockWeight``,
+views of the memory map) for the model to pack as they are or dequantize. The model class fuses and
+casts them. Every failure is a ``ModelLoadError`` with one line.
+
+A GGUF's tokenizer is converted by transformers once and kept in kvledger's cache directory
+(``tokenizer_cache_dir``), keyed by the file and the library versions: converting it costs seconds
+at every start (both processes of the server load it), loading the saved one a fraction of one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
 from .config import SUPPORTED_ARCHS, ModelConfig
+from .quantized import BLOCK_KINDS, BlockWeight, Weight
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +42,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     tokenizer: Any | None
     path: str
     stored_quantization: str | None = None
@@ -108,6 +118,63 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
     ):
         tokenizer = _hf_tokenizer(path)
     return LoadedModel(config, weights, tokenizer, path)
+
+
+def tokenizer_cache_dir() -> Path:
+    """Where converted tokenizers are kept: ``$KVLEDGER_CACHE_DIR/tokenizers``, else
+    ``$XDG_CACHE_HOME/kvledger/tokenizers`` (``~/.cache/kvledger/tokenizers``)."""
+    base = os.environ.get("KVLEDGER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvledger"
+    )
+    return Path(base) / "tokenizers"
+
+
+def _tokenizer_cache_key(path: str) -> str:
+    """The file (path, size, modification time) and the libraries that convert and load it."""
+    import tokenizers
+    import transformers
+
+    st = os.stat(path)
+    ident = f"{TOKENIZER_CACHE_FORMAT}|{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|"
+    ident += f"{transformers.__version__}|{tokenizers.__version__}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:32]
+
+
+TOKENIZER_CACHE_FORMAT = 1
+
+
+def _cached_gguf_tokenizer(path: str) -> Any | None:
+    """The GGUF's tokenizer from the cache, or None on a miss (a broken entry is a miss, logged)."""
+    entry = tokenizer_cache_dir() / _tokenizer_cache_key(path)
+    if not (entry / "tokenizer_config.json").is_file():
+        return None
+    try:
+        return _hf_tokenizer(str(entry))
+    except ModelLoadError as e:
+        log.warning("dropping the cached tokenizer %s (%s); converting the GGUF's again", entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+
+def _gguf_tokenizer(path: str) -> Any:
+    """Convert the GGUF's tokenizer (transformers) and keep the result in the cache for next time."""
+    tok = _cached_gguf_tokenizer(path)
+    if tok is not None:
+        return tok
+    tok = _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    root, tmp = tokenizer_cache_dir(), None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
+        tok.save_pretrained(tmp)
+        os.rename(tmp, root / _tokenizer_cache_key(path))  # atomic; loses to a concurrent writer
+        tmp = None
+    except OSError as e:  # a read-only or full cache costs the next start the conversion, no more
+        log.debug("tokenizer cache not written (%s)", e)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def _hf_tokenizer(path: str, **kwargs) -> Any:
@@ -233,17 +300,26 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
     weights: dict[str, torch.Tensor] = {}
     permute = config.arch in ("llama", "mistral")  # llama.cpp permutes q/k only for these
     try:
-        for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", leave=False):
+        for t in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", leave=False):
             hf = _gguf_name(t.name)
             if hf is None:
                 log.debug("skipping GGUF tensor %s", t.name)
                 continue
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+            heads = None
             if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                w = unpermute_qk(w, config.num_heads)
+                heads = config.num_heads
             elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                w = unpermute_qk(w, config.num_kv_heads)
+                heads = config.num_kv_heads
+            w: Weight
+            if t.tensor_type.name in BLOCK_KINDS and t.data.ndim == 2:
+                w = BlockWeight.from_gguf(t.tensor_type.name, t.data)  # the file's blocks, not copied
+                if heads is not None:
+                    w = w.rows(unpermute_qk(torch.arange(w.shape[0]), heads))
+            else:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+                w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+                if heads is not None:
+                    w = unpermute_qk(w, heads)
             weights[hf] = w
     except NotImplementedError as e:
         raise ModelLoadError(f"{path}: unsupported GGUF tensor type ({_one_line(e)})") from None
@@ -251,7 +327,7 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF tensor data ({_one_line(e)})") from None
     tokenizer = None
     if load_tokenizer and "tokenizer.ggml.tokens" in reader.fields:
-        tokenizer = _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        tokenizer = _gguf_tokenizer(path)
     return LoadedModel(config, weights, tokenizer, path, gguf_stored_quantization(reader))
 
 
@@ -275,6 +351,9 @@ def load_tokenizer(path: str) -> Any | None:
         return _hf_tokenizer(path) if any(os.path.isfile(os.path.join(path, n)) for n in names) else None
     if not os.path.isfile(path):
         raise ModelLoadError(f"model not found: {path}")
+    tok = _cached_gguf_tokenizer(path)  # no need to parse the file at all
+    if tok is not None:
+        return tok
     import gguf
 
     try:
@@ -283,7 +362,8 @@ def load_tokenizer(path: str) -> Any | None:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({_one_line(e)})") from None
     if "tokenizer.ggml.tokens" not in reader.fields:
         return None
-    return _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    del reader
+    return _gguf_tokenizer(path)
 
 
 def _one_line(e: BaseException) -> str:

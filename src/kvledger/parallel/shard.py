@@ -15,6 +15,7 @@ import torch
 
 from ..errors import ModelLoadError
 from ..model.config import ModelConfig
+from ..model.quantized import BlockWeight, Weight
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
@@ -47,9 +48,7 @@ def vocab_slice(vocab: int, rank: int, tp: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def shard_weights(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor], rank: int, tp: int
-) -> dict[str, torch.Tensor]:
+def shard_weights(cfg: ModelConfig, weights: dict[str, Weight], rank: int, tp: int) -> dict[str, Weight]:
     """This rank's slices of ``weights`` (HF naming), in place of the full tensors."""
     if tp == 1:
         return weights
@@ -66,7 +65,9 @@ def shard_weights(
     ff_rows = slice(rank * ff, (rank + 1) * ff)
     a, b = vocab_slice(cfg.vocab_size, rank, tp)
 
-    def vocab_rows(t: torch.Tensor) -> torch.Tensor:
+    def vocab_rows(t: Weight) -> Weight:
+        if isinstance(t, BlockWeight):
+            return t.pad_rows(b).rows(slice(a, b))
         pad = b - t.shape[0]
         if pad > 0:
             t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
@@ -75,16 +76,28 @@ def shard_weights(
     out = {}
     for name, t in weights.items():
         if name.endswith(("q_proj.weight", "q_proj.bias")):
-            t = t[q_rows]
+            t = _rows(t, q_rows)
         elif name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-            t = t[kv_rows]
+            t = _rows(t, kv_rows)
         elif name.endswith("o_proj.weight"):
-            t = t[:, q_rows]
+            t = _cols(t, q_rows)
         elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-            t = t[ff_rows]
+            t = _rows(t, ff_rows)
         elif name.endswith("down_proj.weight"):
-            t = t[:, ff_rows]
+            t = _cols(t, ff_rows)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             t = vocab_rows(t)
-        out[name] = t.contiguous()
+        out[name] = t if isinstance(t, BlockWeight) else t.contiguous()
     return out
+
+
+def _rows(t: Weight, rows: slice) -> Weight:
+    return t.rows(rows) if isinstance(t, BlockWeight) else t[rows]
+
+
+def _cols(t: Weight, cols: slice) -> Weight:
+    """Columns of a row-parallel weight; blocks stay blocks where the split falls on whole blocks."""
+    if isinstance(t, BlockWeight):
+        kept = t.cols(cols)
+        return kept if kept is not None else t.dequantize()[:, cols]
+    return t[:, cols]

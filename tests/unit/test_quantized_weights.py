@@ -1,0 +1,139 @@
+"""A GGUF's Q4_1 / Q8_0 matrices stay the file's blocks from the loader to the kernel: the packed
+layers equal those packed from the dequantized weights (the old path), the embedding is looked up in
+the tied LM head's blocks, no dense copy is kept where the kernel serves every call, and the default
+model's weights stay within 1.3x its file (issue 29)."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvledger import Engine, kernels
+from kvledger.kernels.quant import PackedWeight, pack, pack_blocks
+from kvledger.model import LlamaModel, load_model
+from kvledger.model.linear import Linear
+from kvledger.model.quantized import BlockWeight, cat_rows, dense
+from kvledger.parallel.shard import shard_weights
+from tests.helpers import assert_idle_clean, build_tiny_model
+from tests.unit.test_loader import write_gguf
+
+needs_kernels = pytest.mark.skipif(not kernels.load(), reason="kvledger's C++ kernels did not build here")
+
+
+def _blocks(kind: str, rows: int, cols: int, seed: int = 0) -> BlockWeight:
+    arr = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    data = gguf.quants.quantize(arr, gguf.GGMLQuantizationType[kind])
+    return BlockWeight.from_gguf(kind, data)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_block_selections_equal_the_same_selections_of_the_dense_weight(kind):
+    bw = _blocks(kind, 48, 128)
+    w = bw.dequantize()
+    raw = bw.raw.reshape(48, -1)
+    assert torch.equal(w, torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])))
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(bw.rows(perm).dequantize(), w[perm])
+    assert torch.equal(bw.rows(slice(16, 40)).dequantize(), w[16:40])
+    assert torch.equal(bw.cols(slice(32, 96)).dequantize(), w[:, 32:96])
+    assert bw.cols(slice(16, 96)) is None  # not on block boundaries: the caller dequantizes
+    other = _blocks(kind, 16, 128, seed=2)
+    assert torch.equal(cat_rows([bw, other]).dequantize(), torch.cat([w, other.dequantize()]))
+    assert torch.equal(cat_rows([bw, w[:8]]), torch.cat([w, w[:8]]))  # mixed: dense
+    padded = bw.pad_rows(64).dequantize()
+    assert torch.equal(padded[:48], w) and not padded[48:].any()
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_blocks_pack_exactly_as_their_dequantized_weights_would(kind):
+    bw = _blocks(kind, 64, 96)
+    bits = bw.bits
+    direct = pack_blocks(*bw.codes(), bits=bits)
+    via_float = pack(bw.dequantize(), bits)  # the path before issue 29: dequantize, quantize again
+    assert torch.equal(direct.w, via_float.w) and torch.equal(direct.scales, via_float.scales)
+    if bits == 8:
+        assert torch.equal(direct.wsum128, via_float.wsum128)
+    ids = torch.tensor([0, 63, 17, 17, 5])
+    assert torch.equal(direct.rows(ids), bw.dequantize()[ids])
+    assert torch.equal(direct.rows(), bw.dequantize())
+
+
+@needs_kernels
+def test_a_layer_the_kernel_serves_keeps_no_dense_copy_until_compile_asks():
+    bw = _blocks("Q4_1", 64, 96)
+    lin = Linear(bw, None, "int4", dtype=torch.bfloat16)
+    assert lin.qw is not None and lin.w is None and lin.packed is None
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    assert torch.equal(lin(x), lin.qw(x))
+    lin.unpack()  # torch.compile's graph runs the bf16 GEMM on the dequantized weights
+    assert torch.equal(lin.w, bw.dequantize().to(torch.bfloat16))
+    dense_lin = Linear(bw, None, None, dtype=torch.float32)  # no quantization: a dense float weight
+    assert dense_lin.qw is None and torch.equal(dense_lin.w, bw.dequantize())
+
+
+@needs_kernels
+def test_a_q4_1_gguf_serves_from_its_blocks_token_for_token_as_from_dense_weights(tmp_path):
+    src = build_tiny_model(str(tmp_path / "hf"), "llama", hidden_size=64, intermediate_size=128)
+    path = str(tmp_path / "tiny-Q4_1.gguf")
+    write_gguf(src, path, "Q4_1")
+    loaded = load_model(path)
+    assert isinstance(loaded.weights["model.layers.0.self_attn.q_proj.weight"], BlockWeight)
+    densified = loaded.__class__(
+        loaded.config, {k: dense(v) for k, v in loaded.weights.items()}, None, path, loaded.stored_quantization
+    )
+    outs = []
+    for lm in (loaded, densified):
+        eng = Engine(loaded_model=lm, dtype="bfloat16", page_size=16, max_total_tokens=1024, strict_memory=True)
+        assert eng.core.cfg.quantization == "int4"
+        lins = [m for m in eng.core.model.net.modules() if isinstance(m, Linear)]
+        assert all(m.qw is not None and m.w is None for m in lins)
+        out = eng.generate(
+            input_ids=[[5, 9, 33, 7], [100, 3]],
+            sampling_params={"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        )
+        outs.append([o["output_ids"] for o in out])
+        assert_idle_clean(eng)
+        eng.shutdown()
+    assert outs[0] == outs[1]
+
+
+def test_tensor_parallel_shards_of_blocks_are_the_shards_of_the_dense_weights(tmp_path):
+    src = build_tiny_model(str(tmp_path / "hf"), "llama", hidden_size=64, intermediate_size=128)
+    path = str(tmp_path / "tiny-Q8_0.gguf")
+    write_gguf(src, path, "Q8_0")
+    loaded = load_model(path)
+    dense_w = {k: dense(v) for k, v in loaded.weights.items()}
+    for rank in range(2):
+        blocks = shard_weights(loaded.config, dict(loaded.weights), rank, 2)
+        ref = shard_weights(loaded.config, dict(dense_w), rank, 2)
+        assert set(blocks) == set(ref)
+        for name, t in blocks.items():
+            assert torch.equal(dense(t), ref[name]), name
+        assert isinstance(blocks["model.layers.0.self_attn.o_proj.weight"], BlockWeight)  # cut on blocks
+
+
+@pytest.mark.smollm2
+@needs_kernels
+def test_the_default_model_keeps_its_files_blocks_within_1_3x_the_file():
+    loaded = load_model(None, load_tokenizer=False)
+    file_bytes = os.path.getsize(loaded.path)
+    embed_blocks = loaded.weights["model.embed_tokens.weight"]
+    assert isinstance(embed_blocks, BlockWeight) and embed_blocks.kind == "Q8_0"
+    ids = torch.tensor([0, 1, 2, 504, 49151, 12345])
+    ref_embed = embed_blocks.dequantize()[ids].to(torch.bfloat16)
+    sample = {n: loaded.weights[n] for n in ("model.layers.7.mlp.down_proj.weight",)}
+    model = LlamaModel(loaded.config, dict(loaded.weights), dtype=torch.bfloat16, quantization="int4")
+    assert model.weight_bytes() <= 1.3 * file_bytes, (model.weight_bytes(), file_bytes)
+    net = model.net
+    assert isinstance(net.embed, PackedWeight) and net.embed is net.lm_head.qw  # one copy, tied
+    assert torch.equal(net._embed(ids), ref_embed)  # the file's values, as a dense table would give
+    lins = [m for m in net.modules() if isinstance(m, Linear)]
+    assert all(m.qw is not None and m.w is None and m.packed is None for m in lins)
+    down = net.layers[7].down.qw
+    via_float = pack(sample["model.layers.7.mlp.down_proj.weight"].dequantize(), 4)
+    assert torch.equal(down.w, via_float.w) and torch.equal(down.scales, via_float.scales)
