@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# kvledger's model cache (converted tokenizers, GGUF indexes) of this run only: the tests write many
+# GGUF files, whose entries must not pile up in the user's ~/.cache (servers started here inherit it).
+os.environ.setdefault("KVLEDGER_CACHE_DIR", tempfile.mkdtemp(prefix="kvledger-test-cache-"))
 
 from tests.helpers import build_tiny_chat_model, build_tiny_model, hf_model
 

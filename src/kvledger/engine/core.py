@@ -199,10 +199,12 @@ class EngineCore:
             comm, workers = start_group(cfg)
         try:
             loaded = loaded or load_model(cfg.model)
+            t_read = time.monotonic() - t0
             mc = loaded.config
             check_tp(mc, cfg.tp_size)
             self.dtype = resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization))
             self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
+            t_model = time.monotonic() - t0 - t_read
             # From here on the settings name what runs (the L3 cache keys, /get_server_info).
             cfg = cfg.replace(
                 device=device,
@@ -300,9 +302,10 @@ class EngineCore:
             cfg.disaggregation_mode,
         )
         log.info(
-            "engine ready in %.1fs on %s: %s (%s, %s), KV %d tokens in pages of %d (%.0f MiB), context %d",
-            time.monotonic() - t0, device, mc.name, mc.arch, dtype_name, total, ps, total * per_token / 2**20,
-            context,
+            "engine ready in %.1fs (model read %.1fs, built %.1fs) on %s: %s (%s, %s), weights %.0f MiB, "
+            "KV %d tokens in pages of %d (%.0f MiB), context %d",
+            time.monotonic() - t0, t_read, t_model, device, mc.name, mc.arch, dtype_name,
+            self.info.weight_bytes / 2**20, total, ps, total * per_token / 2**20, context,
         )  # fmt: skip
 
     def _warm_up_compile(self) -> None:

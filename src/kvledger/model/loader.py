@@ -5,22 +5,19 @@ tensors, except a GGUF's Q4_1 and Q8_0 matrices, which stay the file's blocks (`
 views of the memory map) for the model to pack as they are or dequantize. The model class fuses and
 casts them. Every failure is a ``ModelLoadError`` with one line.
 
-A GGUF's tokenizer is converted by transformers once and kept in kvledger's cache directory
-(``tokenizer_cache_dir``), keyed by the file and the library versions: converting it costs seconds
-at every start (both processes of the server load it), loading the saved one a fraction of one.
+A GGUF's tokenizer and index are derived once and kept in kvledger's cache (``model_cache.py``):
+converting the tokenizer and parsing every metadata field cost seconds at every start (both
+processes of the server load the tokenizer), loading what was kept a fraction of one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import re
-import shutil
-import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
+from . import model_cache
 from .config import SUPPORTED_ARCHS, ModelConfig
 from .quantized import BLOCK_KINDS, BlockWeight, Weight
 
@@ -120,60 +118,12 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, path)
 
 
-def tokenizer_cache_dir() -> Path:
-    """Where converted tokenizers are kept: ``$KVLEDGER_CACHE_DIR/tokenizers``, else
-    ``$XDG_CACHE_HOME/kvledger/tokenizers`` (``~/.cache/kvledger/tokenizers``)."""
-    base = os.environ.get("KVLEDGER_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvledger"
-    )
-    return Path(base) / "tokenizers"
-
-
-def _tokenizer_cache_key(path: str) -> str:
-    """The file (path, size, modification time) and the libraries that convert and load it."""
-    import tokenizers
-    import transformers
-
-    st = os.stat(path)
-    ident = f"{TOKENIZER_CACHE_FORMAT}|{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|"
-    ident += f"{transformers.__version__}|{tokenizers.__version__}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:32]
-
-
-TOKENIZER_CACHE_FORMAT = 1
-
-
-def _cached_gguf_tokenizer(path: str) -> Any | None:
-    """The GGUF's tokenizer from the cache, or None on a miss (a broken entry is a miss, logged)."""
-    entry = tokenizer_cache_dir() / _tokenizer_cache_key(path)
-    if not (entry / "tokenizer_config.json").is_file():
-        return None
-    try:
-        return _hf_tokenizer(str(entry))
-    except ModelLoadError as e:
-        log.warning("dropping the cached tokenizer %s (%s); converting the GGUF's again", entry, e)
-        shutil.rmtree(entry, ignore_errors=True)
-        return None
-
-
 def _gguf_tokenizer(path: str) -> Any:
-    """Convert the GGUF's tokenizer (transformers) and keep the result in the cache for next time."""
-    tok = _cached_gguf_tokenizer(path)
-    if tok is not None:
-        return tok
-    tok = _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
-    root, tmp = tokenizer_cache_dir(), None
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=root)
-        tok.save_pretrained(tmp)
-        os.rename(tmp, root / _tokenizer_cache_key(path))  # atomic; loses to a concurrent writer
-        tmp = None
-    except OSError as e:  # a read-only or full cache costs the next start the conversion, no more
-        log.debug("tokenizer cache not written (%s)", e)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    """The GGUF's tokenizer: from kvledger's cache, else converted by transformers and kept there."""
+    tok = model_cache.load_tokenizer_entry(path, _hf_tokenizer)
+    if tok is None:
+        tok = _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        model_cache.store_tokenizer(path, tok)
     return tok
 
 
@@ -289,34 +239,87 @@ def _gguf_name(name: str) -> str | None:
     return None if top is None else f"{top}.{kind}"
 
 
-def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
+@dataclass
+class _GGUFFile:
+    """What the loader reads of a GGUF: its config, tensors and whether it carries a tokenizer."""
+
+    config: ModelConfig
+    stored_quantization: str | None
+    has_tokenizer: bool
+    tensors: list[tuple[str, str, np.ndarray]]  # (name, GGML type name, the reader's view of its data)
+
+
+def _read_gguf(path: str) -> _GGUFFile:
+    """From the cached index where there is one (the tensors memory-mapped at their offsets), else
+    parsed by ``gguf.GGUFReader`` and indexed for next time."""
+    index = model_cache.load_index(path)
+    if index is not None:
+        try:
+            buf = np.memmap(path, dtype=np.uint8, mode="r")
+            tensors = [(t["name"], t["type"], _view(buf, t)) for t in index["tensors"]]
+            return _GGUFFile(ModelConfig(**index["config"]), index["stored"], index["has_tokenizer"], tensors)
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            log.warning("GGUF index of %s does not fit the file (%s); parsing it", path, e)
     import gguf
 
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # numpy memmap / struct errors on a short or garbled file
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({_one_line(e)})") from None
-    config = _gguf_config(reader, path)
-    weights: dict[str, torch.Tensor] = {}
+    f = _GGUFFile(
+        _gguf_config(reader, path),
+        stored_quantization([(t.name, t.tensor_type.name, len(t.shape)) for t in reader.tensors]),
+        "tokenizer.ggml.tokens" in reader.fields,
+        [(t.name, t.tensor_type.name, t.data) for t in reader.tensors],
+    )
+    tensors = [
+        {"name": t.name, "type": t.tensor_type.name, "offset": int(t.data_offset), "dtype": t.data.dtype.str,
+         "shape": list(t.data.shape)}
+        for t in reader.tensors
+    ]  # fmt: skip
+    model_cache.store_index(
+        path,
+        {"config": asdict(f.config), "stored": f.stored_quantization, "has_tokenizer": f.has_tokenizer,
+         "tensors": tensors},
+    )  # fmt: skip
+    return f
+
+
+def _view(buf: np.ndarray, t: dict) -> np.ndarray:
+    """Tensor ``t`` of the index as a view of the file's memory map."""
+    dtype = np.dtype(t["dtype"])
+    start = int(t["offset"])
+    end = start + int(np.prod(t["shape"])) * dtype.itemsize
+    if start < 0 or end > buf.shape[0]:
+        raise ValueError(f"tensor {t['name']} lies past the end of the file")
+    return buf[start:end].view(dtype).reshape(t["shape"])
+
+
+def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
+    import gguf
+
+    f = _read_gguf(path)
+    config = f.config
+    weights: dict[str, Weight] = {}
     permute = config.arch in ("llama", "mistral")  # llama.cpp permutes q/k only for these
     try:
-        for t in tqdm(reader.tensors, desc="Reading GGUF", unit="tensor", leave=False):
-            hf = _gguf_name(t.name)
+        for name, kind, data in tqdm(f.tensors, desc="Reading GGUF", unit="tensor", leave=False):
+            hf = _gguf_name(name)
             if hf is None:
-                log.debug("skipping GGUF tensor %s", t.name)
+                log.debug("skipping GGUF tensor %s", name)
                 continue
             heads = None
-            if permute and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            if permute and name.endswith(("attn_q.weight", "attn_q.bias")):
                 heads = config.num_heads
-            elif permute and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            elif permute and name.endswith(("attn_k.weight", "attn_k.bias")):
                 heads = config.num_kv_heads
             w: Weight
-            if t.tensor_type.name in BLOCK_KINDS and t.data.ndim == 2:
-                w = BlockWeight.from_gguf(t.tensor_type.name, t.data)  # the file's blocks, not copied
+            if kind in BLOCK_KINDS and data.ndim == 2:
+                w = BlockWeight.from_gguf(kind, data)  # the file's blocks, not copied
                 if heads is not None:
                     w = w.rows(unpermute_qk(torch.arange(w.shape[0]), heads))
             else:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+                arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
                 w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
                 if heads is not None:
                     w = unpermute_qk(w, heads)
@@ -325,19 +328,18 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
         raise ModelLoadError(f"{path}: unsupported GGUF tensor type ({_one_line(e)})") from None
     except Exception as e:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF tensor data ({_one_line(e)})") from None
-    tokenizer = None
-    if load_tokenizer and "tokenizer.ggml.tokens" in reader.fields:
-        tokenizer = _gguf_tokenizer(path)
-    return LoadedModel(config, weights, tokenizer, path, gguf_stored_quantization(reader))
+    tokenizer = _gguf_tokenizer(path) if load_tokenizer and f.has_tokenizer else None
+    return LoadedModel(config, weights, tokenizer, path, f.stored_quantization)
 
 
 _GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
 _GGUF_INT8 = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K")
 
 
-def gguf_stored_quantization(reader) -> str | None:
-    """The precision most of the file's layer matrices are stored in (``blk.*`` 2-D tensors)."""
-    kinds = [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+def stored_quantization(tensors: list[tuple[str, str, int]]) -> str | None:
+    """The precision most of the file's layer matrices are stored in (``blk.*`` 2-D tensors), from
+    ``(name, GGML type name, dimensions)`` of each tensor."""
+    kinds = [kind for name, kind, ndim in tensors if name.startswith("blk.") and ndim == 2]
     if not kinds:
         return None
     top = max(set(kinds), key=kinds.count)
@@ -351,19 +353,10 @@ def load_tokenizer(path: str) -> Any | None:
         return _hf_tokenizer(path) if any(os.path.isfile(os.path.join(path, n)) for n in names) else None
     if not os.path.isfile(path):
         raise ModelLoadError(f"model not found: {path}")
-    tok = _cached_gguf_tokenizer(path)  # no need to parse the file at all
+    tok = model_cache.load_tokenizer_entry(path, _hf_tokenizer)  # no need to read the file at all
     if tok is not None:
         return tok
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:
-        raise ModelLoadError(f"{path}: truncated or corrupt GGUF file ({_one_line(e)})") from None
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        return None
-    del reader
-    return _gguf_tokenizer(path)
+    return _gguf_tokenizer(path) if _read_gguf(path).has_tokenizer else None
 
 
 def _one_line(e: BaseException) -> str:
