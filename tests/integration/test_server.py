@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
+import time
 
 import httpx
 
@@ -38,7 +40,18 @@ def test_chat_and_completions_streamed_equals_unstreamed(srv, client):
         if c.choices
     )
     assert streamed == comp.choices[0].text
-    assert "\ufffd" not in streamed or "\ufffd" in comp.choices[0].text
+
+
+def test_streamed_chunks_never_split_a_character(srv, client):
+    """The tiny model's tokens are single bytes, so every character below is two to four tokens: each
+    streamed chunk must end on a character boundary (the detokenizer holds the rest back)."""
+    regex = "(é|ü|中|🤖){5}"
+    kw = dict(model="default", prompt="Say it:", max_tokens=40, temperature=1.0, seed=3, extra_body={"regex": regex})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = [c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert re.fullmatch(regex, full), full
+    assert "".join(chunks) == full
+    assert len([c for c in chunks if c]) > 1 and all("\ufffd" not in c for c in chunks), chunks
 
 
 def test_greedy_matches_offline_engine(srv, client, chat_model):
@@ -151,8 +164,20 @@ def test_what_the_router_calls(srv):
         mi = httpx.get(srv.url + path).json()
         assert mi["is_generation"] is True and mi["model_type"] == "llama"
         assert mi["architectures"] == ["LlamaForCausalLM"] and mi["model_path"]
-    load = httpx.get(srv.url + "/get_load").json()
-    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] >= 0 and load[0]["num_tokens"] >= 0
+    idle = httpx.get(srv.url + "/get_load").json()
+    assert [{k: v for k, v in r.items() if k != "ts_tic"} for r in idle] == [
+        {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+    ]
+    # While a request runs, the router sees it and its tokens (the figures are at most 0.1 s old).
+    body = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "stream": True}
+    with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as resp:
+        for ln in resp.iter_lines():
+            if ln.startswith("data: {"):
+                break  # running now
+        deadline = time.monotonic() + 5
+        while (load := httpx.get(srv.url + "/get_load").json())[0]["num_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 1 and load[0]["num_tokens"] >= 5, load
     body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 12345}  # fmt: skip
     assert gen(srv, body).status_code == 200

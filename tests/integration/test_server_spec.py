@@ -72,3 +72,5 @@ def test_dropped_stream_mid_speculation_leaks_nothing(srv):
         for ln in resp.iter_lines():
             if ln.startswith("data: {") and len(json.loads(ln[6:])["output_ids"]) > 20:
                 break  # the client goes away in the middle of verify steps
+        else:
+            pytest.fail("the stream ended before 20 tokens: the disconnect never happened mid-speculation")
