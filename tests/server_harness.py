@@ -72,7 +72,8 @@ class Server:
         raise TimeoutError(f"server not healthy in {timeout}s:\n{self.logs()[-3000:]}")
 
     def logs(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # (still readable after stop())
+            self.log.flush()
         with open(self.log_path) as f:
             return f.read()
 

@@ -190,8 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         return run_node(engine)
     names = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine"}
-    serve(ServerConfig(**{k: v for k, v in vars(args).items() if k in names}, engine=engine))
-    return 0
+    return serve(ServerConfig(**{k: v for k, v in vars(args).items() if k in names}, engine=engine))
 
 
 def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:

@@ -4,12 +4,15 @@ and /metrics, and bad flags refused before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import subprocess
 import sys
 
 import httpx
 import openai
+import pytest
 
 from tests.integration.conftest import ENGINE_ARGS
 from tests.server_harness import Server
@@ -64,9 +67,9 @@ def test_restart_on_the_same_storage_dir_starts_warm(chat_model, tmp_path):
         assert srv.stop() == 0, srv.logs()[-3000:]
 
 
-def _refused(*flags: str) -> str:
+def _refused(*flags: str, timeout: float = 120) -> str:
     r = subprocess.run(
-        [sys.executable, "-m", "kvledger", "serve", *flags], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvledger", "serve", *flags], capture_output=True, text=True, timeout=timeout
     )
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     return r.stderr
@@ -79,3 +82,52 @@ def test_bad_hierarchical_cache_flags_are_one_line_of_error():
     )
     assert "hicache_ratio" in _refused("--enable-hierarchical-cache", "--hicache-ratio", "-1")
     assert "invalid choice" in _refused("--enable-hierarchical-cache", "--hicache-write-policy", "later")
+
+
+@contextlib.contextmanager
+def _read_only_mount(path: str, mode: str):
+    """An empty tmpfs mounted read-only at ``path``: what a read-only volume is. Needs root (CI and
+    the dev machines run as root, which a chmod alone would not stop from writing)."""
+    os.makedirs(path)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"ro,size=1m,mode={mode}", "tmpfs", path], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", path], check=True)
+
+
+@pytest.mark.parametrize(
+    "how, why",
+    [
+        ("read-only mount, 0500", "cannot be made private (0700) (Read-only file system)"),
+        ("read-only mount, 0700, no salt", "does not take a new file (Read-only file system)"),
+        ("under a read-only mount", "cannot be created (Read-only file system)"),
+        ("a file in its place", "cannot be created"),
+        ("its salt unreadable", "salt file cannot be read or created"),
+    ],
+)
+def test_an_unusable_storage_dir_is_one_line_of_error_before_anything_starts(tmp_path, how, why):
+    """Refused (exit 2), not served without the file tier: a deployment that asked for persistence
+    would lose it silently. Before the fix the engine died on it and the front restarted it forever."""
+    with contextlib.ExitStack() as stack:
+        if how.startswith("read-only mount"):
+            mode = "0500" if "0500" in how else "0700"
+            d = stack.enter_context(_read_only_mount(str(tmp_path / "ro"), mode))
+        elif how == "under a read-only mount":
+            d = os.path.join(stack.enter_context(_read_only_mount(str(tmp_path / "ro"), "0700")), "l3")
+        elif how == "a file in its place":
+            d = str(tmp_path / "l3")
+            open(d, "w").close()
+        else:
+            d = str(tmp_path / "l3")
+            os.makedirs(d, mode=0o700)
+            os.mkdir(os.path.join(d, "salt"))  # a directory where the salt file goes
+        err = _refused(*HIER, "--hicache-storage-dir", d, timeout=60)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"kvledger: error: --hicache-storage-dir {d} cannot be used: "), err
+    assert why in lines[0], err

@@ -20,7 +20,7 @@ from ..errors import ValidationError
 from .books import TierBooks
 from .connector import HiCacheConnector
 from .host_pool import HostPool
-from .storage import FileStorage, PageHasher, load_or_create_salt, make_private_dir
+from .storage import FileStorage, PageHasher, check_storage_dir, load_or_create_salt
 from .tiers import WRITE_POLICIES, Tiers
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,9 @@ __all__ = ["HiCacheConnector", "TierBooks", "Tiers", "build_tiers", "check_hicac
 
 
 def check_hicache_config(cfg) -> None:
-    """Settings checks that need no model (the CLI runs them before anything starts)."""
+    """Settings checks that need no model (the CLI runs them before anything starts, the engine again
+    at its start). With the file backend that includes trying the storage directory: one that cannot
+    be used is refused here (exit 2), never found out by an engine that dies loading."""
     hier = cfg.enable_hierarchical_cache
     if not hier:
         if cfg.hicache_storage_backend is not None:
@@ -67,6 +69,8 @@ def check_hicache_config(cfg) -> None:
             )
     if cfg.hicache_load_back_threshold < 0 or cfg.hicache_prefetch_threshold < 0:
         raise ValidationError("hicache thresholds must be >= 0", param="hicache_load_back_threshold")
+    if cfg.hicache_storage_backend == "file":  # last: the only check that touches the disk
+        check_storage_dir(cfg.hicache_storage_dir, salt_kept=not cfg.hicache_salt)
 
 
 def model_fingerprint(path: str) -> str:
@@ -111,7 +115,6 @@ def build_tiers(cfg, model_path: str, model_cfg, local_cfg, dtype, num_l1_pages:
     )
     storage = None
     if cfg.hicache_storage_backend == "file":
-        make_private_dir(cfg.hicache_storage_dir)
         storage = FileStorage(cfg.hicache_storage_dir, namespace, page_bytes)
     if cfg.hicache_salt:
         salt = cfg.hicache_salt.encode()

@@ -10,7 +10,8 @@ another's prompt is cached (vLLM GHSA-rm76-4mrf-v9r8).
 One file per page: ``DIR/ab/<key>.kv``, a header (magic, version, msgpack fields: key, namespace,
 payload length, crc32) then the page's bytes. Files are written to a temporary name and renamed, so a
 reader never sees half a file; a corrupt, truncated or foreign file is a miss (logged, counted,
-removed), never loaded. The directory is created 0700 and files 0600.
+removed), never loaded. The directory is created 0700 and files 0600; one that cannot be used (not
+creatable, read-only, an unreadable salt) is refused before anything starts (``check_storage_dir``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ import logging
 import os
 import secrets
 import struct
+import tempfile
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import msgspec
+
+from ..errors import ValidationError
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +66,61 @@ def load_or_create_salt(directory: str) -> bytes:
     the same directory computes the same keys and nobody without the directory can."""
     path = os.path.join(directory, "salt")
     try:
-        with open(path, "rb") as f:
-            salt = f.read()
-        if len(salt) >= 16:
-            return salt
-    except FileNotFoundError:
-        pass
-    salt = secrets.token_bytes(32)
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(salt)
-    os.replace(path + ".tmp", path)
+        try:
+            with open(path, "rb") as f:
+                salt = f.read()
+            if len(salt) >= 16:
+                return salt
+        except FileNotFoundError:
+            pass
+        salt = secrets.token_bytes(32)
+        fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(salt)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        raise _unusable(directory, f"its salt file cannot be read or created ({e.strerror})") from None
     return salt
 
 
 def make_private_dir(directory: str) -> None:
     """Create ``directory`` 0700 (and tighten it if it exists looser: KV is prompt content)."""
-    os.makedirs(directory, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise _unusable(directory, f"it cannot be created ({e.strerror})") from None
     mode = os.stat(directory).st_mode & 0o777
     if mode != 0o700:
-        log.warning("hicache: storage dir %s had mode %o; setting 0700", directory, mode)
-        os.chmod(directory, 0o700)
+        try:
+            os.chmod(directory, 0o700)
+        except OSError as e:
+            raise _unusable(directory, f"it cannot be made private (0700) ({e.strerror})") from None
+        log.warning("hicache: storage dir %s had mode %o; set it to 0700", directory, mode)
+
+
+def check_storage_dir(directory: str, salt_kept: bool) -> None:
+    """What the file tier will do at start, tried before anything starts (the CLI, then the engine):
+    the directory exists or can be created, is private (0700), takes a new file, and (``salt_kept``:
+    no ``--hicache-salt``) its salt file can be read or created. A directory that fails is refused
+    with a ``ValidationError`` naming it and why, rather than served without the tier: a deployment
+    that asked for persistence would otherwise lose it silently."""
+    make_private_dir(directory)
+    try:
+        # A probe, not os.access: a read-only mount or a full disk answer only to a real write (and
+        # root passes every permission check).
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise _unusable(directory, f"it does not take a new file ({e.strerror})") from None
+    if salt_kept:
+        load_or_create_salt(directory)
+
+
+def _unusable(directory: str, why: str) -> ValidationError:
+    return ValidationError(
+        f"--hicache-storage-dir {directory} cannot be used: {why}", param="hicache_storage_dir"
+    )
 
 
 @dataclass

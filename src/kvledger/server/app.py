@@ -1,5 +1,6 @@
 """The HTTP front: a FastAPI app wiring the routers (``routes/``), middleware, error handlers and
-the engine process's lifecycle.
+the engine process's lifecycle (``app.state.start`` / ``stop`` / ``drain``, driven by ``run.py``: a
+start-up that fails or is interrupted must bind nothing, which an ASGI lifespan cannot express).
 
 The engine core runs in its own process (``EngineClient``); this process validates, tokenizes,
 detokenizes and streams. Every error, on every endpoint, is ``{"error": {message, type, param,
@@ -9,16 +10,18 @@ code}}`` with a 4xx/5xx status.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from fastapi import FastAPI
 
 from .. import __version__
 from ..common import Limits
 from ..config import ServerConfig
+from ..errors import KVLedgerError
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from . import handlers
 from .auth import AuthMiddleware
@@ -38,20 +41,15 @@ log = logging.getLogger("kvledger.server")
 def create_app(cfg: ServerConfig) -> FastAPI:
     srv = ServerState(cfg, Metrics())
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        client = EngineClient(cfg.engine, log_level=cfg.log_level, watchdog_timeout_s=cfg.watchdog_timeout_s)
-        client.on_stats = srv.metrics.update_engine
-        client.on_stall = srv.metrics.watchdog_stalls.inc
-        client.on_death = srv.metrics.engine_died
-        client.start()  # the engine loads the model while this process loads the tokenizer
+    async def set_up(client: EngineClient) -> None:
+        """Load the tokenizer while the engine loads the model; set the services up once it is ready."""
         path = cfg.engine.model or default_model_path()
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
         await client.wait_ready()
         name = cfg.served_model_name or (
             DEFAULT_MODEL_NAME if cfg.engine.model is None else client.info["model_name"]
         )
-        srv.client, srv.tokenizer, srv.name, srv.started = client, tokenizer, name, time.time()
+        srv.tokenizer, srv.name, srv.started = tokenizer, name, time.time()
         srv.limits = Limits(**client.limits)
         srv.sessions = SessionStore(
             client.engine_config["max_sessions"], client.engine_config["session_timeout_s"]
@@ -74,11 +72,39 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             cfg.max_n,
             make_parser(cfg.tool_call_parser),
         )
+        srv.client = client  # last: the routes take a server with a client as started
         log.info("serving %s on http://%s:%d", name, cfg.host, cfg.port)
-        yield
-        await client.close()
 
-    app = FastAPI(title="kvledger", version=__version__, lifespan=lifespan)
+    def engine_lost(reason: str) -> None:
+        srv.exit_code = 1  # the server (run.py) stops serving and exits 1; the client logged why
+
+    async def start() -> bool:
+        """Start the engine and the services; False (the engine already stopped) when it cannot
+        start (``srv.exit_code`` 1, the reason logged once) or a signal came first."""
+        client = EngineClient(cfg.engine, log_level=cfg.log_level, watchdog_timeout_s=cfg.watchdog_timeout_s)
+        client.on_stats = srv.metrics.update_engine
+        client.on_stall = srv.metrics.watchdog_stalls.inc
+        client.on_death = srv.metrics.engine_died
+        client.on_fatal = engine_lost
+        client.start()  # the engine loads the model while this process loads the tokenizer
+        try:
+            if not await _unless(srv.stop_requested, set_up(client)):
+                log.warning("start-up interrupted by a signal: stopping the engine")
+        except KVLedgerError as e:  # the engine cannot start (the client said why), or not in time
+            if client.fatal is None:
+                log.error("the server cannot start: %s", e.message)
+            srv.exit_code = 1
+        finally:
+            if srv.client is None:
+                await client.close()
+        return srv.client is not None
+
+    async def stop() -> None:
+        """Stop the engine (after the HTTP server stopped listening and its connections ended)."""
+        if srv.client is not None:
+            await srv.client.close()
+
+    app = FastAPI(title="kvledger", version=__version__)
     app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
     if cfg.api_key or cfg.admin_api_key:
         app.add_middleware(AuthMiddleware, user_key=cfg.api_key, admin_key=cfg.admin_api_key)
@@ -90,6 +116,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         """Graceful shutdown: refuse new work (503), give running requests ``grace_period_s`` to
         finish, then abort the rest (they end with finish_reason abort and a clear message)."""
         srv.draining = True
+        srv.stop_requested.set()
         client = srv.client
         if client is None:
             return
@@ -105,6 +132,22 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         while client.streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    app.state.drain = drain
+    app.state.start, app.state.stop, app.state.drain = start, stop, drain
     app.state.server = srv
     return app
+
+
+async def _unless(stop: asyncio.Event, work: Coroutine[Any, Any, None]) -> bool:
+    """Run ``work`` unless ``stop`` is set first (then cancel it): True when it ran to the end."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        return False
+    task.result()  # its error, if it failed
+    return True

@@ -28,10 +28,18 @@ from ..errors import ConflictError, ModelLoadError, ServiceUnavailable, error_fo
 
 log = logging.getLogger("kvledger.server")
 
+# An engine that dies before it is ready (a load that crashes, an OOM kill while loading) is tried
+# this many times in a row, pausing START_BACKOFF_S[i] before try i + 2, then given up: restarting
+# a start that keeps failing only reloads the model forever. One that dies after serving restarts at once.
+START_ATTEMPTS = 3
+START_BACKOFF_S = (1.0, 2.0)
+
 
 class EngineClient:
     """Owns the engine process. Each request gets an asyncio.Queue of ``RequestOutput``s from the
-    engine; a final one has ``finished`` set. If the engine dies, every open queue gets a 503 final."""
+    engine; a final one has ``finished`` set. If the engine dies, every open queue gets a 503 final
+    and a new engine starts; if it cannot be started (it reports why, or dies ``START_ATTEMPTS``
+    times in a row before it is ready), ``fatal`` says why and ``on_fatal`` is called, once."""
 
     def __init__(
         self,
@@ -65,9 +73,14 @@ class EngineClient:
         self._ready_event = asyncio.Event()
         self._closing = False
         self.restarts = 0
+        self.start_failures = 0  # engines in a row that died before they were ready
+        self._gen_ready = False  # the current engine has been ready (sent Ready)
+        self._closed = False
         self.fatal: str | None = None
         self.on_stats: Callable[[dict], None] | None = None
         self.on_death: Callable[[], None] | None = None
+        # Called once when the engine cannot be (re)started: the server stops (exit non-zero).
+        self.on_fatal: Callable[[str], None] | None = None
         # Awaited when a restarted engine is up, before it takes requests (sessions are re-opened).
         self.on_restart: Callable[[], Awaitable[None]] | None = None
 
@@ -87,6 +100,7 @@ class EngineClient:
 
     def _spawn(self) -> None:
         self.generation += 1
+        self._gen_ready = False
         to_engine, from_engine = ipc_paths(self.ipc_dir, self.generation)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
@@ -151,15 +165,24 @@ class EngineClient:
                 else:
                     fut.set_result(msg.result)
         elif isinstance(msg, m.Ready):
+            self._gen_ready, self.start_failures = True, 0
             self.info, self.limits, self.engine_config = msg.info, msg.limits, msg.config
             if self.generation > 1 and self.on_restart is not None:
                 self._tasks.append(asyncio.create_task(self._restarted(msg.pid)))
             else:
                 self._set_ready(msg.pid)
-        elif isinstance(msg, m.Fatal):
-            self.fatal = msg.message
-            log.error("engine failed to start: %s", self.fatal)
-            self._ready_event.set()
+        elif isinstance(msg, m.Fatal):  # it cannot load: restarting would only loop
+            self._give_up(msg.message)
+
+    def _give_up(self, reason: str) -> None:
+        """The engine cannot be started: say why once, wake ``wait_ready``, tell the server."""
+        if self.fatal is not None:
+            return
+        self.fatal = reason
+        log.error("the engine cannot be started: %s", reason)
+        self._ready_event.set()
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _set_ready(self, pid: int) -> None:
         self.ready = True
@@ -174,8 +197,9 @@ class EngineClient:
         self._set_ready(pid)
 
     async def _monitor(self) -> None:
-        """Notice an engine death within ~0.1 s: fail in-flight requests with 503, start a new engine."""
-        while not self._closing:
+        """Notice an engine death within ~0.1 s: fail in-flight requests with 503, start a new engine.
+        Ends when the client closes or the engine cannot be started (``fatal``)."""
+        while not self._closing and self.fatal is None:
             await asyncio.sleep(0.1)
             wd = self.watchdog_timeout_s
             if (
@@ -194,25 +218,43 @@ class EngineClient:
                 self.proc.kill()
                 self.proc.join(timeout=5)
             if self.proc is not None and not self.proc.is_alive() and not self._closing:
-                code = self.proc.exitcode
-                self.ready = False
-                self._ready_event.clear()
-                log.error(
-                    "engine process died (exit code %s); failing %d in-flight requests and restarting",
-                    code,
-                    len(self.streams),
-                )
-                self._fail_all("the engine process died; retry the request")
-                if self.on_death:
-                    self.on_death()
-                if self.fatal:
-                    return  # it cannot load the model: restarting would only loop
-                for s in (self.push, self.pull):
-                    if s is not None:
-                        s.close(linger=0)
-                self.restarts += 1
-                self.last_msg = time.monotonic()
-                self._spawn()
+                await self._on_engine_death(self.proc.exitcode)
+
+    async def _on_engine_death(self, code: int | None) -> None:
+        """Fail what was in flight; start a new engine, at once if this one had been ready, after a
+        pause if it died starting, or give up after ``START_ATTEMPTS`` such deaths in a row."""
+        self.ready = False
+        self._ready_event.clear()
+        starting = not self._gen_ready
+        if starting:
+            self.start_failures += 1
+        log.error(
+            "engine process died%s (exit code %s); failing %d in-flight requests",
+            " while starting" if starting else "",
+            code,
+            len(self.streams),
+        )
+        self._fail_all("the engine process died; retry the request")
+        if self.on_death:
+            self.on_death()
+        if self.start_failures >= START_ATTEMPTS:
+            self._give_up(
+                f"the engine process died {self.start_failures} times in a row before it was ready "
+                f"(last exit code {code}); the log above says why"
+            )
+            return
+        for s in (self.push, self.pull):
+            if s is not None:
+                s.close(linger=0)
+        if self.start_failures:
+            pause = START_BACKOFF_S[min(self.start_failures, len(START_BACKOFF_S)) - 1]
+            log.warning(
+                "starting the engine again in %.0f s (try %d of %d)", pause, self.start_failures + 1, START_ATTEMPTS
+            )
+            await asyncio.sleep(pause)
+        self.restarts += 1
+        self.last_msg = time.monotonic()
+        self._spawn()
 
     def _fail_all(self, message: str) -> None:
         streams, self.streams = self.streams, {}
@@ -226,18 +268,24 @@ class EngineClient:
         self._replies.clear()
 
     async def close(self) -> None:
-        self._closing = True
+        """Stop the engine: a ready one is asked to shut down (its sessions close), one that is still
+        starting is terminated at once (it reads no message until it is ready). Idempotent."""
+        if self._closed:
+            return
+        self._closed = self._closing = True
         for t in self._tasks:
             t.cancel()
         if self.proc is not None and self.proc.is_alive():
-            with contextlib.suppress(Exception):
-                await self.push.send(m.encode(m.Shutdown()))
-            self.proc.join(timeout=3)
+            if self._gen_ready:
+                with contextlib.suppress(Exception):
+                    await self.push.send(m.encode(m.Shutdown()))
+                self.proc.join(timeout=3)
             if self.proc.is_alive():
                 self.proc.terminate()
                 self.proc.join(timeout=3)
             if self.proc.is_alive():
                 self.proc.kill()
+                self.proc.join(timeout=3)
         for s in (self.push, self.pull):
             if s is not None:
                 s.close(linger=0)

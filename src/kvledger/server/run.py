@@ -12,12 +12,14 @@ from .app import create_app
 
 class GracefulServer(uvicorn.Server):
     """First SIGTERM/SIGINT: drain (503 for new work, ``grace_period_s`` for running requests, then
-    abort the rest with a clear message), then stop; the lifespan then shuts the engine process down.
-    A second signal stops at once."""
+    abort the rest with a clear message), then stop listening and shut the engine process down.
+    A signal during start-up stops it at once (the engine is terminated, nothing is served, exit 0).
+    A second signal stops at once. An engine that cannot be (re)started stops the server (exit 1)."""
 
     def __init__(self, config: uvicorn.Config, app) -> None:
         super().__init__(config)
         self.kv_app = app
+        self.kv_state = app.state.server
         self._draining = False
 
     def handle_exit(self, sig, frame) -> None:
@@ -34,14 +36,34 @@ class GracefulServer(uvicorn.Server):
 
         loop.call_soon_threadsafe(lambda: loop.create_task(drain_then_exit()))
 
+    async def startup(self, sockets=None) -> None:
+        """The engine first: a start-up that fails or a signal interrupts binds nothing."""
+        if not await self.kv_app.state.start():
+            self.should_exit = True
+            return
+        await super().startup(sockets)
 
-def serve(cfg: ServerConfig) -> None:
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)  # stop listening; running requests have ended (drain)
+        await self.kv_app.state.stop()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.kv_state.exit_code is not None:  # the engine is gone for good
+            return True
+        return await super().on_tick(counter)
+
+
+def serve(cfg: ServerConfig) -> int:
+    """Serve until a signal (exit status 0) or an engine that cannot be started (1)."""
     app = create_app(cfg)
     config = uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
+        lifespan="off",  # the engine's start and stop are this server's (startup, shutdown)
         timeout_graceful_shutdown=int(cfg.grace_period_s) + 10,
     )
-    GracefulServer(config, app).run()
+    server = GracefulServer(config, app)
+    server.run()
+    return server.kv_state.exit_code or 0

@@ -1,9 +1,10 @@
 """What the front's handlers share: the engine client, tokenizer, limits and services, set up by
-the app's lifespan once the engine is ready."""
+the app's start (``create_app``) once the engine is ready."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -31,6 +32,10 @@ class ServerState:
     openai: OpenAIServing | None = None
     sessions: SessionStore | None = None
     draining: bool = False
+    # Set by the first SIGTERM/SIGINT: a start-up in progress stops waiting for the engine.
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    # Not None once the server must stop serving and exit with it (1: the engine cannot be started).
+    exit_code: int | None = None
 
     def live_client(self) -> EngineClient:
         """The engine client, or 503 while shutting down / (re)starting."""
