@@ -7,7 +7,18 @@ import dataclasses
 import logging
 import sys
 
-from .config import EngineConfig, ServerConfig
+from .config import (
+    ATTENTION_BACKENDS,
+    DISAGGREGATION_MODES,
+    DTYPES,
+    QUANTIZATIONS,
+    SPECULATIVE_ALGORITHMS,
+    STORAGE_BACKENDS,
+    TRANSFER_BACKENDS,
+    WRITE_POLICIES,
+    EngineConfig,
+    ServerConfig,
+)
 from .errors import KVLedgerError, ValidationError
 from .server.tools import PARSERS
 
@@ -21,8 +32,9 @@ def _bool_pair(p: argparse.ArgumentParser, name: str, default: bool, help: str) 
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, SGLang's names (--page-size, --max-total-tokens, ...)."""
-    d = EngineConfig()
+    """One flag per EngineConfig setting, SGLang's names (--page-size, --max-total-tokens, ...); the
+    defaults are the settings' own."""
+    d = argparse.Namespace(**EngineConfig().flat())
     p.add_argument(
         "--model",
         "--model-path",
@@ -32,11 +44,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default=d.device,
                    help="cpu (default) | cuda | cuda:N | auto (a CUDA device where torch sees one, else cpu)")  # fmt: skip
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     p.add_argument(
         "--quantization",
-        default=d.quantization,
-        choices=["auto", "none", "int8", "int4"],
+        default=d.quantization or "none",
+        choices=QUANTIZATIONS,
         help="weight-only int8 / int4 linear layers in GGUF's blocks of 32 (Q8_0 / Q4_1-exact; CPU only, "
         "needs bfloat16). auto (default): a quantized GGUF in its own precision (Q4 -> int4, Q5-Q8 -> "
         "int8) when the dtype is bfloat16",
@@ -44,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         default=d.attention_backend,
-        choices=["auto", "torch", "cpu"],
+        choices=ATTENTION_BACKENDS,
         help="cpu: kvledger's C++ kernels (paged decode attention in place, fused norm/rotary/SiLU; built "
         "on first use, ~1 min, cached); auto (default): cpu for bfloat16 on a CPU where they build",
     )
@@ -83,7 +95,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=d.session_timeout_s,
         help="idle sessions are closed after this many seconds",
     )
-    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, choices=["NGRAM", "STANDALONE"],
+    p.add_argument("--speculative-algorithm", default=d.speculative_algorithm, type=str.upper,
+                   choices=SPECULATIVE_ALGORITHMS,
                    help="speculative decoding: NGRAM (the request's own text) or STANDALONE (a draft model)")  # fmt: skip
     p.add_argument("--speculative-draft-model-path", default=d.speculative_draft_model_path)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens)
@@ -98,14 +111,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
     p.add_argument("--node-rank", type=int, default=d.node_rank, help="this machine's index (0 serves HTTP)")
     p.add_argument("--dist-init-addr", default=d.dist_init_addr, help="host:port of node 0's rendezvous")
-    p.add_argument("--disaggregation-mode", default=None, choices=["null", "prefill", "decode"],
+    p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=d.dist_timeout_s,
+                   help="seconds a collective may wait (idle ranks wait in one for the next step)")  # fmt: skip
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help="most stop strings a request may give")  # fmt: skip
+    p.add_argument("--max-stop-string-len", type=int, default=d.max_stop_string_len,
+                   help="longest stop string, in characters")  # fmt: skip
+    p.add_argument("--max-top-logprobs", type=int, default=d.max_top_logprobs,
+                   help="most alternatives a request may ask per token (top_logprobs)")  # fmt: skip
+    p.add_argument("--disaggregation-mode", default=None, choices=["null", *DISAGGREGATION_MODES],
                    help="this server's part behind sglang-router --pd-disaggregation (default: null, neither)")  # fmt: skip
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,
                    help="prefill: where decode servers fetch KV; decode: the port assumed if the router gives none")  # fmt: skip
     p.add_argument("--disaggregation-bind-host", default=d.disaggregation_bind_host,
                    help="prefill: the address the bootstrap port binds (default: --host)")  # fmt: skip
     p.add_argument("--disaggregation-transfer-backend", default=d.disaggregation_transfer_backend,
-                   choices=["tcp", "mooncake"],
+                   choices=TRANSFER_BACKENDS,
                    help="tcp: the built-in KV transport (ZMQ over TCP); mooncake: Mooncake's transfer engine (TCP)")  # fmt: skip
     for flag, dest, what in (
         ("--disaggregation-bootstrap-timeout", "disaggregation_bootstrap_timeout_s",
@@ -122,9 +143,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--hicache-size", type=float, default=d.hicache_size, help="L2 size in GB (0: use the ratio)"
     )
     p.add_argument("--hicache-write-policy", default=d.hicache_write_policy,
-                   choices=["write_through", "write_through_selective", "write_back"],
+                   choices=WRITE_POLICIES,
                    help="when a prefix is copied to L2: when cached, on its second hit, or when evicted")  # fmt: skip
-    p.add_argument("--hicache-storage-backend", default=d.hicache_storage_backend, choices=["file"],
+    p.add_argument("--hicache-storage-backend", default=d.hicache_storage_backend, choices=STORAGE_BACKENDS,
                    help="an L3 tier: one file per KV page under --hicache-storage-dir (survives restarts)")  # fmt: skip
     p.add_argument(
         "--hicache-storage-dir", default=d.hicache_storage_dir, help="where L3 files live (made 0700)"
@@ -142,18 +163,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings from the flags, checked before anything starts (a bad one: exit 2)."""
-    from .engine.core import check_config
-
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    names = EngineConfig.section_of()
     values = {k: v for k, v in vars(args).items() if k in names}
     if values.get("page_size") is None:
-        values["page_size"] = 16 if values.get("enable_hierarchical_cache") else EngineConfig().page_size
-    if values.get("disaggregation_mode") == "null":  # SGLang's spelling of "off"
-        values["disaggregation_mode"] = None
+        values["page_size"] = 16 if values.get("enable_hierarchical_cache") else EngineConfig().cache.page_size
     if values.get("disaggregation_bind_host") is None and getattr(args, "host", None):
         values["disaggregation_bind_host"] = args.host  # bootstrap where the HTTP server listens
-    cfg = EngineConfig(**values)
-    check_config(cfg)
+    cfg = EngineConfig.from_flat(**values)
+    cfg.check()
     return cfg
 
 
@@ -161,7 +178,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine
 
     cfg = engine_config(args)
-    eng = Engine(**dataclasses.asdict(cfg))
+    eng = Engine(**cfg.flat())
     prompt = args.prompt
     if eng.tokenizer is not None and getattr(eng.tokenizer, "chat_template", None) and not args.raw:
         prompt = eng.tokenizer.apply_chat_template(
@@ -185,7 +202,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine = engine_config(args)
     if args.dp_size > 1:
         return _serve_dp(args, engine)
-    if engine.node_rank > 0:  # another machine of a multi-node group: its TP ranks, no HTTP
+    if engine.parallel.node_rank > 0:  # another machine of a multi-node group: its TP ranks, no HTTP
         from .parallel.node import run_node
 
         return run_node(engine)
@@ -197,7 +214,7 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
     """``--dp-size N``: N replicas of this command behind SGLang's router (server/dp_launcher.py)."""
     from .server.dp_launcher import serve_dp
 
-    if engine.disaggregation_mode is not None or engine.nnodes > 1:
+    if engine.disagg.enabled or engine.parallel.nnodes > 1:
         raise ValidationError(
             "--dp-size starts regular replicas on this machine (no PD, one node)", param="dp_size"
         )

@@ -1,24 +1,75 @@
-"""One dataclass tree for every setting. CLI flags map 1:1 onto these fields (SGLang's names)."""
+"""The settings: ``EngineConfig`` in sections (as vLLM splits its config), and ``ServerConfig``.
+
+Each section is a dataclass with its own ``check()`` (the values a section can judge alone) and
+normalises its enum-like values once, where they enter (``__post_init__``): ``"standalone"`` and
+``"STANDALONE"`` are one algorithm from then on, and nothing outside this module compares raw
+spellings. Which features combine is not a section's business: ``compat.py`` owns that table, and
+``EngineConfig.check`` runs the sections' checks, then the table.
+
+Field names are the CLI flags' (``--page-size`` <-> ``cache.page_size``), so the flat view
+(``EngineConfig.from_flat`` / ``flat``) that the CLI, the offline ``Engine(**kwargs)``, the engine
+process and ``/get_server_info`` speak maps 1:1 onto the sections.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from .errors import ValidationError
+
+# The allowed values of the enum-like settings (their subsystems import them from here).
+DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+DISAGGREGATION_MODES = ("prefill", "decode")
+TRANSFER_BACKENDS = ("tcp", "mooncake")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+STORAGE_BACKENDS = ("file",)
+_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _norm(value: str | None, *, upper: bool = False, null: tuple[str, ...] = ()) -> str | None:
+    """One spelling of an enum-like value: stripped, one case, aliases resolved; ``null`` spellings
+    (SGLang's ``null`` for "off") become None."""
+    if value is None:
+        return None
+    v = str(value).strip()
+    v = v.upper() if upper else v.lower()
+    if v in null:
+        return None
+    return _ALIASES.get(v, v)
+
+
+def _one_of(value, allowed: tuple, param: str, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value not in allowed:
+        extra = " or unset" if optional else ""
+        raise ValidationError(f"{param} must be one of {', '.join(allowed)}{extra}, got {value!r}", param=param)
+
+
+def _positive(section, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        v = getattr(section, name)
+        if v is None:
+            continue
+        if v < 0 or (v == 0 and not allow_zero):
+            raise ValidationError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {v}", param=name)
 
 
 @dataclass
-class EngineConfig:
-    """Settings of the engine core: model, memory pools, scheduler.
-
-    ``None`` means "derive a sensible value from the model and the machine" (see ``resolve``).
-    """
+class ModelSettings:
+    """What runs, where, in which precision."""
 
     model: str | None = None
     """Path to a GGUF file or a Hugging Face model directory; None = the default SmolLM2 model."""
     device: str = "cpu"
     """cpu | cuda | cuda:N | auto (the first CUDA device where torch sees one, else the CPU). On CUDA
     the model runs in torch (SDPA attention, bf16 GEMMs; weights served unquantized) and sampling
-    stays on the host; tensor parallelism and disaggregation are CPU-only so far. The default stays
-    cpu until the CUDA path has run on a GPU (tests/engine/test_device.py): a GPU is opt-in."""
+    stays on the host. The default stays cpu: a GPU is opt-in."""
     dtype: str = "auto"
     """auto | float32 | bfloat16. auto picks the faster one on this machine."""
     quantization: str | None = "auto"
@@ -30,33 +81,33 @@ class EngineConfig:
     auto: the checkpoint's own precision where the dtype is bfloat16 (a Q4 GGUF -> int4, Q5/Q6/Q8 ->
     int8, float checkpoints none); none with float32. Output within the tolerance in
     docs/architecture.md, not token-exact. None = none."""
-    attention_backend: str = "auto"
-    """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
-    fused norm/rotary/SiLU); auto picks it for bfloat16 on a CPU where they build, torch otherwise."""
-    enable_int8_batch: bool = False
-    """In a quantized mode, run forwards of 128 rows and more (prefill chunks) through oneDNN's int8
-    linear (weights int8 per output channel, activations int8 per token) instead: faster for long
-    prefills, but further from the file's weights (bench/quant_agreement.py), so off by default.
-    Batched decodes stay on kvledger's kernel, the faster one below ~100 rows."""
-    enable_torch_compile: bool = False
-    """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
-    fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""
-    page_size: int = 1
-    """Tokens per KV page (1 and 16 are both tested)."""
-    max_total_tokens: int | None = None
-    """KV capacity in tokens (rounded down to whole pages). None: sized from the model (see resolve)."""
     context_length: int | None = None
     """Longest sequence (prompt + output). None: the model's own limit."""
-    chunked_prefill_size: int = 512
-    """Most prompt tokens one forward pass takes (all requests together); longer prompts are chunked."""
-    max_running_requests: int = 64
-    """Most requests decoding at once; also the number of request slots."""
-    max_queued_requests: int = 256
-    """Most requests waiting for admission; past it new requests are refused (429)."""
-    enable_mixed_chunk: bool = False
-    """Run a prefill chunk and the running decodes in one forward pass. Off by default, as in SGLang:
-    on a burst of new requests it halves TTFT p50 but multiplies the running requests' ITL p99 by ~6
-    and costs ~4% throughput (bench/mixed_chunk.py, bench/RESULTS.md)."""
+
+    def __post_init__(self) -> None:
+        self.device = _norm(self.device) or "cpu"
+        self.dtype = _norm(self.dtype) or "auto"
+        self.quantization = _norm(self.quantization, null=("none",))
+
+    @property
+    def explicit_quantization(self) -> str | None:
+        """The quantization asked for by name (int8/int4), before ``auto`` is resolved against a model."""
+        return self.quantization if self.quantization in ("int8", "int4") else None
+
+    def check(self) -> None:
+        _one_of(self.dtype, DTYPES, "dtype")
+        _one_of(self.quantization, QUANTIZATIONS, "quantization", optional=True)
+        _positive(self, "context_length")
+
+
+@dataclass
+class CacheSettings:
+    """The KV pool, its pages, the prefix cache and the books."""
+
+    page_size: int = 1
+    """Tokens per KV page (1 and 16 are both tested; 16 by default with the hierarchical cache)."""
+    max_total_tokens: int | None = None
+    """KV capacity in tokens (rounded down to whole pages). None: sized from the model and the machine."""
     enable_prefix_cache: bool = True
     """Keep finished requests' KV in the radix tree for reuse by later requests."""
     strict_memory: bool = False
@@ -64,58 +115,19 @@ class EngineConfig:
     audit_interval_s: float = 10.0
     """A full audit at a safe point at least this often while the engine is busy (0: only when it
     goes idle); an engine that goes idle is audited then, every time."""
-    max_sessions: int = 64
-    """Most open streaming sessions; opening another is refused (429)."""
-    session_timeout_s: float | None = 600.0
-    """Idle sessions are closed after this many seconds (a session's own timeout wins)."""
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 256
-    max_top_logprobs: int = 20
-    speculative_algorithm: str | None = None
-    """None | NGRAM | STANDALONE. NGRAM drafts from the request's own prompt and output
-    (spec/ngram.py), STANDALONE with a small draft model (spec/draft_model.py); the drafts are verified
-    in the same forward as everything else, output distribution unchanged."""
-    speculative_draft_model_path: str | None = None
-    """STANDALONE: the draft model (GGUF or HF directory) of the same tokenizer."""
-    speculative_num_draft_tokens: int = 4
-    """Most drafts one request verifies per step."""
-    speculative_ngram_min_match_window_size: int = 1
-    speculative_ngram_max_match_window_size: int = 12
-    """NGRAM: the suffix that must have occurred before, in tokens (longest first)."""
-    seed: int = 0
-    """Seed of the engine's generator for requests that bring no seed of their own."""
-    num_threads: int | None = None
-    """torch intra-op threads; None leaves torch's default."""
-    tp_size: int = 1
-    """Tensor parallel ranks (processes, over torch.distributed: gloo on CPUs)."""
-    nnodes: int = 1
-    """Machines the TP ranks span (tp_size / nnodes ranks on each); node 0 serves HTTP."""
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    """host:port of rank 0's rendezvous (multi-node); None picks a free port on 127.0.0.1."""
-    dist_timeout_s: float = 24 * 3600.0
-    """How long a collective may wait. Idle workers wait in one for the next step, so this is long; a
-    rank that dies breaks its connections at once, and a hung one is the front's watchdog's to catch."""
 
-    disaggregation_mode: str | None = None
-    """None | prefill | decode: this server's part in prefill/decode disaggregation behind SGLang's
-    router (``disagg/``). Requests without a bootstrap room are served whole either way."""
-    disaggregation_bootstrap_port: int = 8998
-    """prefill: the port decode servers fetch KV from; decode: the port assumed when the router
-    passes none."""
-    disaggregation_bind_host: str | None = None
-    """prefill: the address the bootstrap port binds (None: the HTTP server's --host)."""
-    disaggregation_transfer_backend: str = "tcp"
-    """tcp: the built-in transport (ZMQ over TCP, ``disagg/wire.py``)."""
-    disaggregation_bootstrap_timeout_s: float = 300.0
-    """prefill: how long a finished request's KV waits for its decode server to claim and
-    acknowledge it before it is released."""
-    disaggregation_waiting_timeout_s: float = 300.0
-    """decode: how long an admitted request waits for its KV before it fails (502) and is released."""
+    def check(self) -> None:
+        _positive(self, "page_size", "max_total_tokens")
+        _positive(self, "audit_interval_s", allow_zero=True)
+
+
+@dataclass
+class HiCacheSettings:
+    """The hierarchical cache (SGLang's HiCache): host memory (L2) and files (L3) under the radix cache."""
 
     enable_hierarchical_cache: bool = False
     """Back the radix cache with a host-memory tier (L2) and optionally files (L3): a prefix evicted
-    from the KV pool is loaded back instead of recomputed (``hicache/``, SGLang's HiCache)."""
+    from the KV pool is loaded back instead of recomputed (``hicache/``)."""
     hicache_ratio: float = 2.0
     """L2 size as a multiple of the KV pool (used when hicache_size is 0)."""
     hicache_size: float = 0.0
@@ -135,14 +147,272 @@ class EngineConfig:
     hicache_prefetch_timeout_s: float = 2.0
     """How long a queued request waits for its L3 prefetch before it is computed without it."""
 
-    def replace(self, **changes) -> EngineConfig:
-        known = {f.name for f in fields(self)}
-        unknown = set(changes) - known
+    def __post_init__(self) -> None:
+        self.hicache_write_policy = _norm(self.hicache_write_policy) or "write_through"
+        self.hicache_storage_backend = _norm(self.hicache_storage_backend, null=("none", "null"))
+
+    def check(self) -> None:
+        if not self.enable_hierarchical_cache:
+            if self.hicache_storage_backend is not None:
+                raise ValidationError(
+                    "--hicache-storage-backend needs --enable-hierarchical-cache", param="hicache_storage_backend"
+                )
+            return
+        _one_of(self.hicache_write_policy, WRITE_POLICIES, "hicache_write_policy")
+        _one_of(self.hicache_storage_backend, STORAGE_BACKENDS, "hicache_storage_backend", optional=True)
+        if not self.hicache_ratio > 0 or self.hicache_size < 0:
+            raise ValidationError("hicache_ratio must be > 0 and hicache_size >= 0", param="hicache_ratio")
+        _positive(self, "hicache_load_back_threshold", "hicache_prefetch_threshold", allow_zero=True)
+        _positive(self, "hicache_prefetch_timeout_s")
+        if self.hicache_storage_backend == "file":
+            if not self.hicache_storage_dir:
+                raise ValidationError(
+                    "the file storage backend needs --hicache-storage-dir", param="hicache_storage_dir"
+                )
+            from .hicache.storage import check_storage_dir  # the one check that touches the disk
+
+            check_storage_dir(self.hicache_storage_dir, salt_kept=not self.hicache_salt)
+
+
+@dataclass
+class SchedulerSettings:
+    """Admission, batching, sessions and per-request limits."""
+
+    chunked_prefill_size: int = 512
+    """Most prompt tokens one forward pass takes (all requests together); longer prompts are chunked."""
+    max_running_requests: int = 64
+    """Most requests decoding at once; also the number of request slots."""
+    max_queued_requests: int = 256
+    """Most requests waiting for admission; past it new requests are refused (429)."""
+    enable_mixed_chunk: bool = False
+    """Run a prefill chunk and the running decodes in one forward pass. Off by default, as in SGLang:
+    on a burst of new requests it halves TTFT p50 but multiplies the running requests' ITL p99 by ~6
+    and costs ~4% throughput (bench/mixed_chunk.py, bench/RESULTS.md)."""
+    max_sessions: int = 64
+    """Most open streaming sessions; opening another is refused (429)."""
+    session_timeout_s: float | None = 600.0
+    """Idle sessions are closed after this many seconds (a session's own timeout wins)."""
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    max_top_logprobs: int = 20
+    seed: int = 0
+    """Seed of the engine's generator for requests that bring no seed of their own."""
+
+    def check(self) -> None:
+        _positive(self, "chunked_prefill_size", "max_running_requests", "max_queued_requests", "session_timeout_s")
+        _positive(self, "max_sessions", "max_stop_strings", "max_stop_string_len", "max_top_logprobs", allow_zero=True)
+
+
+@dataclass
+class ParallelSettings:
+    """Tensor parallelism over processes and machines, and the cores each rank uses."""
+
+    tp_size: int = 1
+    """Tensor parallel ranks (processes, over torch.distributed: gloo on CPUs)."""
+    nnodes: int = 1
+    """Machines the TP ranks span (tp_size / nnodes ranks on each); node 0 serves HTTP."""
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    """host:port of rank 0's rendezvous (multi-node); None picks a free port on 127.0.0.1."""
+    dist_timeout_s: float = 24 * 3600.0
+    """How long a collective may wait. Idle workers wait in one for the next step, so this is long; a
+    rank that dies breaks its connections at once, and a hung one is the front's watchdog's to catch."""
+    num_threads: int | None = None
+    """torch intra-op threads; None leaves torch's default (shared out between ranks)."""
+
+    def check(self) -> None:
+        if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValidationError("tp_size must be a positive multiple of nnodes", param="tp_size")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValidationError(f"node_rank must be in [0, {self.nnodes})", param="node_rank")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValidationError("several nodes need --dist-init-addr host:port (node 0's)", param="dist_init_addr")
+        _positive(self, "dist_timeout_s", "num_threads")
+
+
+@dataclass
+class SpeculativeSettings:
+    """Speculative decoding: who drafts, how many tokens."""
+
+    speculative_algorithm: str | None = None
+    """None | NGRAM | STANDALONE (any case). NGRAM drafts from the request's own prompt and output
+    (spec/ngram.py), STANDALONE with a small draft model (spec/draft_model.py); the drafts are verified
+    in the same forward as everything else, output distribution unchanged."""
+    speculative_draft_model_path: str | None = None
+    """STANDALONE: the draft model (GGUF or HF directory) of the same tokenizer."""
+    speculative_num_draft_tokens: int = 4
+    """Most drafts one request verifies per step."""
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    """NGRAM: the suffix that must have occurred before, in tokens (longest first)."""
+
+    def __post_init__(self) -> None:
+        self.speculative_algorithm = _norm(self.speculative_algorithm, upper=True, null=("NONE", "NULL", ""))
+
+    @property
+    def draft_model(self) -> bool:
+        """A draft model (STANDALONE): its own weights and K/V."""
+        return self.speculative_algorithm == "STANDALONE"
+
+    def check(self) -> None:
+        algo = self.speculative_algorithm
+        _one_of(algo, SPECULATIVE_ALGORITHMS, "speculative_algorithm", optional=True)
+        if algo is None:
+            return
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise ValidationError(
+                "speculative_num_draft_tokens must be in [1, 16]", param="speculative_num_draft_tokens"
+            )
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValidationError(
+                f"need 1 <= speculative_ngram_min_match_window_size ({lo}) <= ..._max_match_window_size ({hi})",
+                param="speculative_ngram_min_match_window_size",
+            )
+        path = self.speculative_draft_model_path
+        if self.draft_model and (not path or not os.path.exists(path)):
+            raise ValidationError(
+                f"STANDALONE needs --speculative-draft-model-path to an existing model (got {path!r})",
+                param="speculative_draft_model_path",
+            )
+
+
+@dataclass
+class DisaggregationSettings:
+    """Prefill/decode disaggregation behind SGLang's router (``disagg/``)."""
+
+    disaggregation_mode: str | None = None
+    """None | prefill | decode: this server's part. Requests without a bootstrap room are served whole
+    either way."""
+    disaggregation_bootstrap_port: int = 8998
+    """prefill: the port decode servers fetch KV from; decode: the port assumed when the router
+    passes none."""
+    disaggregation_bind_host: str | None = None
+    """prefill: the address the bootstrap port binds (None: the HTTP server's --host)."""
+    disaggregation_transfer_backend: str = "tcp"
+    """tcp: the built-in transport (ZMQ over TCP, ``disagg/wire.py``); mooncake: Mooncake's transfer engine."""
+    disaggregation_bootstrap_timeout_s: float = 300.0
+    """prefill: how long a finished request's KV waits for its decode server to claim and
+    acknowledge it before it is released."""
+    disaggregation_waiting_timeout_s: float = 300.0
+    """decode: how long an admitted request waits for its KV before it fails (502) and is released."""
+
+    def __post_init__(self) -> None:
+        self.disaggregation_mode = _norm(self.disaggregation_mode, null=("null", "none", ""))
+        self.disaggregation_transfer_backend = _norm(self.disaggregation_transfer_backend) or "tcp"
+
+    @property
+    def enabled(self) -> bool:
+        return self.disaggregation_mode is not None
+
+    def check(self) -> None:
+        if not self.enabled:
+            return
+        _one_of(self.disaggregation_mode, DISAGGREGATION_MODES, "disaggregation_mode", optional=True)
+        _one_of(self.disaggregation_transfer_backend, TRANSFER_BACKENDS, "disaggregation_transfer_backend")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValidationError(
+                "disaggregation_bootstrap_port must be a port number", param="disaggregation_bootstrap_port"
+            )
+        _positive(self, "disaggregation_bootstrap_timeout_s", "disaggregation_waiting_timeout_s")
+        if self.disaggregation_transfer_backend == "mooncake":
+            from .disagg.mooncake import available
+
+            why = available()
+            if why is not None:
+                raise ValidationError(
+                    f"the mooncake transfer backend is not installed: {why}", param="disaggregation_transfer_backend"
+                )
+
+
+@dataclass
+class KernelSettings:
+    """How the forward runs: attention backend, int8 batches, torch.compile."""
+
+    attention_backend: str = "auto"
+    """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
+    fused norm/rotary/SiLU); auto picks it for bfloat16 on a CPU where they build, torch otherwise."""
+    enable_int8_batch: bool = False
+    """In a quantized mode, run forwards of 128 rows and more (prefill chunks) through oneDNN's int8
+    linear (weights int8 per output channel, activations int8 per token) instead: faster for long
+    prefills, but further from the file's weights (bench/quant_agreement.py), so off by default.
+    Batched decodes stay on kvledger's kernel, the faster one below ~100 rows."""
+    enable_torch_compile: bool = False
+    """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
+    fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""
+
+    def __post_init__(self) -> None:
+        self.attention_backend = _norm(self.attention_backend) or "auto"
+
+    def check(self) -> None:
+        _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the engine core, in sections. ``None`` values mean "derive a sensible value from
+    the model and the machine"."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    hicache: HiCacheSettings = field(default_factory=HiCacheSettings)
+    scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
+    parallel: ParallelSettings = field(default_factory=ParallelSettings)
+    spec: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    disagg: DisaggregationSettings = field(default_factory=DisaggregationSettings)
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+
+    SECTIONS: ClassVar[tuple[str, ...]] = (
+        "model", "cache", "hicache", "scheduler", "parallel", "spec", "disagg", "kernels",
+    )  # fmt: skip
+
+    # -- the flat view: one name per flag ----------------------------------------------------------------
+    @classmethod
+    def section_of(cls) -> dict[str, str]:
+        """Flat setting name -> the section that holds it."""
+        return _SECTION_OF
+
+    @classmethod
+    def from_flat(cls, **values: Any) -> EngineConfig:
+        """Build from flat names (the CLI's, the offline ``Engine``'s keyword arguments, the engine
+        process's payload); an unknown name is a ``TypeError`` naming it."""
+        unknown = set(values) - set(_SECTION_OF)
         if unknown:
             raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values.update(changes)
-        return EngineConfig(**values)
+        parts: dict[str, dict] = {s: {} for s in cls.SECTIONS}
+        for name, v in values.items():
+            parts[_SECTION_OF[name]][name] = v
+        return cls(**{s: _SECTION_TYPES[s](**kw) for s, kw in parts.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name (JSON-ready: what crosses processes and /get_server_info shows)."""
+        return {f.name: getattr(getattr(self, s), f.name) for s in self.SECTIONS for f in fields(getattr(self, s))}
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` (flat names), normalised like any new value."""
+        return EngineConfig.from_flat(**{**self.flat(), **changes})
+
+    # -- checks ------------------------------------------------------------------------------------------
+    def check(self) -> str:
+        """Every check that needs no model: each section's own, then which features combine
+        (``compat.check_combinations``). Returns the device the engine runs on. The CLI runs it before
+        starting anything (a bad flag is one line of error, exit 2); the engine runs it again."""
+        from .compat import check_combinations
+        from .engine.resources import resolve_device
+
+        for s in self.SECTIONS:
+            getattr(self, s).check()
+        device = resolve_device(self.model.device)
+        check_combinations(self, device)
+        return device
+
+
+_SECTION_TYPES = {f.name: f.default_factory for f in fields(EngineConfig)}
+_SECTION_OF: dict[str, str] = {}
+for _section, _cls in _SECTION_TYPES.items():
+    for _f in fields(_cls):
+        assert _f.name not in _SECTION_OF, f"setting {_f.name} is in two sections"
+        _SECTION_OF[_f.name] = _section
 
 
 @dataclass
@@ -153,9 +423,9 @@ class ServerConfig:
     port: int = 30000
     api_key: str | None = None
     admin_api_key: str | None = None
+    """Guards the page map, the dashboard, /flush_cache and aborting other callers' requests."""
     tool_call_parser: str = "hermes"
     """How tool calls are written and parsed: hermes (= qwen), llama3 or mistral."""
-    """Guards the page map, the dashboard, /flush_cache and aborting other callers' requests."""
     served_model_name: str | None = None
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
@@ -165,3 +435,4 @@ class ServerConfig:
     grace_period_s: float = 10.0
     """On SIGTERM/SIGINT running requests get this long to finish before they are aborted."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+

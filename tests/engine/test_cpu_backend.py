@@ -107,9 +107,9 @@ def test_the_shipped_gguf_reads_as_int4_and_a_float_checkpoint_as_none(tiny_load
 def test_default_engine_on_a_float_checkpoint_is_bf16_without_quantization(make_engine):
     eng = make_engine(dtype="auto", quantization="auto")
     if torch.float32 == eng.core.dtype:  # a CPU without native bf16: auto is float32
-        assert eng.core.cfg.quantization is None
+        assert eng.core.cfg.model.quantization is None
         return
-    assert eng.core.cfg.quantization is None and eng.core.info.dtype == "bfloat16"
+    assert eng.core.cfg.model.quantization is None and eng.core.info.dtype == "bfloat16"
     eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
 
 
@@ -121,9 +121,9 @@ def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mod
     before anything starts."""
     from kvledger.errors import ValidationError
 
-    with pytest.raises(ValidationError, match="needs a quantized mode"):
+    with pytest.raises(ValidationError, match="need a quantized mode"):
         make_engine(dtype="bfloat16", quantization="none", enable_int8_batch=True)
-    with pytest.raises(ValidationError, match="needs a quantized mode"):
+    with pytest.raises(ValidationError, match="need a quantized mode"):
         make_engine(dtype="float32", quantization="int8", enable_int8_batch=True)
     ref = make_engine(dtype="float32")
     eng = make_engine(dtype="bfloat16", quantization="int8", enable_int8_batch=True)

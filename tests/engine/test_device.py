@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvledger.config import EngineConfig
-from kvledger.engine import core
+from kvledger.engine import core, resources
 from kvledger.engine.page_table import PageTable
 from kvledger.engine.resources import resolve_device
 from kvledger.engine.runner import ModelRunner
@@ -56,19 +56,20 @@ def test_cuda_without_a_device_is_refused_in_one_line():
 @pytest.mark.parametrize(
     "opts, what",
     [
-        ({"tp_size": 2}, "tp_size > 1"),
-        ({"disaggregation_mode": "prefill"}, "disaggregation"),
-        ({"attention_backend": "cpu"}, "attention_backend cpu"),
-        ({"quantization": "int8", "dtype": "bfloat16"}, "run in CPU kernels"),
-        ({"quantization": "int4"}, "run in CPU kernels"),
+        ({"tp_size": 2}, "tensor parallel"),
+        ({"disaggregation_mode": "prefill"}, "PD disaggregation"),
+        ({"attention_backend": "cpu"}, "cpu attention backend"),
+        ({"quantization": "int8", "dtype": "bfloat16"}, "int8/int4 weights"),
+        ({"quantization": "int4"}, "int8/int4 weights"),
+        ({"enable_int8_batch": True, "quantization": "int4"}, "int8 batches"),
     ],
 )
 def test_what_cuda_does_not_run_yet_is_refused_before_start(monkeypatch, opts, what):
-    monkeypatch.setattr(core, "resolve_device", lambda name: "cuda")
-    with pytest.raises(ValidationError, match=what):
-        core.check_config(EngineConfig(device="cuda", **opts))
+    monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda")
+    with pytest.raises(ValidationError, match=f"CUDA device .* does not work with {what}|{what} .* does not work with CUDA"):
+        core.check_config(EngineConfig.from_flat(device="cuda", **opts))
     # auto settings resolve to what CUDA runs: quantization auto, attention auto, dtype auto
-    assert core.check_config(EngineConfig(device="cuda")) == "cuda"
+    assert core.check_config(EngineConfig.from_flat(device="cuda")) == "cuda"
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -118,7 +119,7 @@ def test_cuda_greedy_equals_transformers_on_the_same_device(
 
     prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(5 + 11 * i)] for i in range(6)]
     eng = make_engine(device="cuda", page_size=page_size, chunked_prefill_size=24)
-    assert eng.core.cfg.device == "cuda" and eng.core.model.device.type == "cuda"
+    assert eng.core.cfg.model.device == "cuda" and eng.core.model.device.type == "cuda"
     outs = eng.generate(
         input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     )
@@ -143,7 +144,7 @@ def test_cuda_bf16_serves_sampling_and_the_prefix_cache(make_engine):
     continuations parted at token 8 of 8); exactness is the fp32 test's. Seeded sampling on the
     same path is reproducible."""
     eng = make_engine(device="cuda", dtype="bfloat16")
-    assert eng.core.cfg.quantization is None and eng.core.cfg.attention_backend == "torch"
+    assert eng.core.cfg.model.quantization is None and eng.core.cfg.kernels.attention_backend == "torch"
     prompt = list(range(3, 60))
     greedy = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
     a = eng.generate(input_ids=prompt, sampling_params=greedy)

@@ -89,7 +89,7 @@ def test_a_q4_1_gguf_serves_from_its_blocks_token_for_token_as_from_dense_weight
     outs = []
     for lm in (loaded, densified):
         eng = Engine(loaded_model=lm, dtype="bfloat16", page_size=16, max_total_tokens=1024, strict_memory=True)
-        assert eng.core.cfg.quantization == "int4"
+        assert eng.core.cfg.model.quantization == "int4"
         lins = [m for m in eng.core.model.net.modules() if isinstance(m, Linear)]
         assert all(m.qw is not None and m.w is None for m in lins)
         out = eng.generate(

@@ -12,30 +12,27 @@ from dataclasses import dataclass
 import torch
 
 from ..common import FinishReason, Limits, RequestOutput, validate_request
+from ..compat import check_request
 from ..config import EngineConfig
 from ..connector import KVConnector
 from ..constrained import GrammarBackend, grammar_spec
-from ..disagg import check_disagg_config, make_connector
+from ..disagg import make_connector
 from ..errors import ValidationError
-from ..hicache import HiCacheConnector, TierBooks, build_tiers, check_hicache_config
+from ..hicache import HiCacheConnector, TierBooks, build_tiers
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
-from ..model.attention import ATTENTION_BACKENDS
 from ..model.loader import LoadedModel
 from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
 from ..parallel.shard import check_tp, local_config, shard_weights
 from ..scheduler import ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
-from ..spec.setup import check_spec_config, make_proposer
+from ..spec.setup import make_proposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
 from .malloc import keep_heap_memory
 from .page_table import PageTable
 from .resources import (
-    QUANTIZATION_CHOICES,
     default_kv_tokens,
-    explicit_quantization,
-    resolve_device,
     resolve_dtype,
     resolve_quantization,
 )
@@ -61,83 +58,17 @@ class EngineInfo:
     disaggregation_mode: str | None = None  # prefill | decode | None
 
 
-def _check_quantization(cfg: EngineConfig, dtype: torch.dtype, device: str) -> None:
-    if cfg.quantization is not None and cfg.quantization not in QUANTIZATION_CHOICES:
-        raise ValidationError(
-            f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {cfg.quantization!r}",
-            param="quantization",
-        )
-    if cfg.attention_backend not in ATTENTION_BACKENDS:
-        raise ValidationError(
-            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {cfg.attention_backend!r}",
-            param="attention_backend",
-        )
-    if cfg.enable_int8_batch and (cfg.quantization in (None, "none") or cfg.dtype in ("float32", "fp32")):
-        raise ValidationError(
-            "enable_int8_batch needs a quantized mode (quantization auto, int8 or int4) in bfloat16",
-            param="enable_int8_batch",
-        )
-    if explicit_quantization(cfg.quantization) is None:
-        return
-    if dtype != torch.bfloat16:
-        raise ValidationError(f"{cfg.quantization} weights need dtype bfloat16", param="quantization")
-    if device != "cpu":
-        raise ValidationError(
-            f"{cfg.quantization} weights run in CPU kernels; on {device} use quantization none "
-            "(auto serves a quantized file's weights in bfloat16 there)",
-            param="quantization",
-        )
-
-
-def _check_device(cfg: EngineConfig, device: str) -> None:
-    """What runs on a CUDA device so far: one process, the torch attention backend."""
-    if device == "cpu":
-        return
-    for bad, what in (
-        (cfg.tp_size > 1, "tp_size > 1 (its collectives are CPU shared memory / gloo)"),
-        (cfg.disaggregation_mode is not None, "disaggregation (its KV transfer reads host memory)"),
-        (cfg.attention_backend == "cpu", "attention_backend cpu (CPU kernels)"),
-        (cfg.enable_int8_batch, "enable_int8_batch (oneDNN's CPU int8 linear)"),
-    ):
-        if bad:
-            raise ValidationError(f"{what} is not supported on {device}; use --device cpu", param="device")
-
-
 def check_config(cfg: EngineConfig) -> str:
-    """The settings checks that need no model: the CLI runs them before starting anything, so a bad
-    flag is one line of error, not a failed start-up. Returns the device the engine runs on."""
-    device = resolve_device(cfg.device)
-    if cfg.page_size < 1:
-        raise ValidationError("page_size must be >= 1", param="page_size")
-    _check_device(cfg, device)
-    _check_quantization(
-        cfg, resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization)), device
-    )
-    check_spec_config(cfg)
-    check_disagg_config(cfg)
-    check_hicache_config(cfg)
-    if cfg.tp_size < 1 or cfg.nnodes < 1 or cfg.tp_size % cfg.nnodes:
-        raise ValidationError("tp_size must be a positive multiple of nnodes", param="tp_size")
-    if not 0 <= cfg.node_rank < cfg.nnodes:
-        raise ValidationError(f"node_rank must be in [0, {cfg.nnodes})", param="node_rank")
-    if cfg.nnodes > 1 and not cfg.dist_init_addr:
-        raise ValidationError(
-            "several nodes need --dist-init-addr host:port (node 0's)", param="dist_init_addr"
-        )
-    if cfg.tp_size > 1:
-        for bad, what in (
-            (cfg.enable_torch_compile, "enable_torch_compile"),
-            (cfg.speculative_algorithm == "STANDALONE", "speculative_algorithm"),
-        ):
-            if bad:
-                raise ValidationError(f"{what} is not supported with tensor parallelism yet", param=what)
-    return device
+    """The settings checks that need no model (``EngineConfig.check``: each section's, then the
+    compatibility table): the CLI runs them before starting anything, so a bad flag is one line of
+    error, not a failed start-up. Returns the device the engine runs on."""
+    return cfg.check()
 
 
 def model_quantization(cfg: EngineConfig, loaded: LoadedModel, dtype, device: str) -> str | None:
     """The weight-only quantization this model runs with (``auto`` resolved against the file); every
     rank resolves it from the same settings and file."""
-    return resolve_quantization(cfg.quantization, dtype, device, loaded.stored_quantization)
+    return resolve_quantization(cfg.model.quantization, dtype, device, loaded.stored_quantization)
 
 
 def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, device: str) -> LlamaModel:
@@ -149,29 +80,29 @@ def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, de
         weights,
         dtype=dtype,
         device=device,
-        attention=cfg.attention_backend,
+        attention=cfg.kernels.attention_backend,
         quantization=model_quantization(cfg, loaded, dtype, device),
-        int8_batch=cfg.enable_int8_batch,
+        int8_batch=cfg.kernels.enable_int8_batch,
         comm=comm,
     )
 
 
 def _runner(cfg: EngineConfig, model: LlamaModel, device: str) -> ModelRunner:
-    """The model runner over a KV buffer of ``cfg.max_total_tokens`` (this rank's KV heads)."""
+    """The model runner over a KV buffer of ``cfg.cache.max_total_tokens`` (this rank's KV heads)."""
     lc = model.cfg
     kv_buffer = KVBuffer(
-        lc.num_layers, cfg.max_total_tokens, lc.num_kv_heads, lc.head_dim, model.dtype, device
+        lc.num_layers, cfg.cache.max_total_tokens, lc.num_kv_heads, lc.head_dim, model.dtype, device
     )
-    table = PageTable(cfg.max_running_requests, cfg.context_length, cfg.page_size, device)
-    return ModelRunner(model, kv_buffer, table, cfg.seed)
+    table = PageTable(cfg.scheduler.max_running_requests, cfg.model.context_length, cfg.cache.page_size, device)
+    return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed)
 
 
 def build_runner(
     cfg: EngineConfig, comm: Comm, num_tokens: int, context: int, device: str = "cpu"
 ) -> ModelRunner:
     """A worker rank's runner: its shards of the model over the pool rank 0 decided on."""
-    dtype = resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization))
-    model = _sharded_model(cfg, load_model(cfg.model, load_tokenizer=False), comm, dtype, device)
+    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
+    model = _sharded_model(cfg, load_model(cfg.model.model, load_tokenizer=False), comm, dtype, device)
     return _runner(cfg.replace(max_total_tokens=num_tokens, context_length=context), model, device)
 
 
@@ -193,16 +124,16 @@ class EngineCore:
             keep_heap_memory()
         t0 = time.monotonic()
         comm, workers = Comm(), []
-        if cfg.tp_size > 1:  # the other ranks start loading while this one does
+        if cfg.parallel.tp_size > 1:  # the other ranks start loading while this one does
             from ..parallel.executor import start_group
 
             comm, workers = start_group(cfg)
         try:
-            loaded = loaded or load_model(cfg.model)
+            loaded = loaded or load_model(cfg.model.model)
             t_read = time.monotonic() - t0
             mc = loaded.config
-            check_tp(mc, cfg.tp_size)
-            self.dtype = resolve_dtype(cfg.dtype, device, explicit_quantization(cfg.quantization))
+            check_tp(mc, cfg.parallel.tp_size)
+            self.dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
             self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
             t_model = time.monotonic() - t0 - t_read
             # From here on the settings name what runs (the L3 cache keys, /get_server_info).
@@ -220,22 +151,22 @@ class EngineCore:
                 dist.destroy_process_group()
             raise
         self.tokenizer = loaded.tokenizer
-        ps = cfg.page_size
+        ps = cfg.cache.page_size
         lc = self.model.cfg  # this rank's shapes (all of them on one rank)
         per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, self.dtype)
-        num_pages = max(1, (cfg.max_total_tokens or default_kv_tokens(per_token, device)) // ps)
+        num_pages = max(1, (cfg.cache.max_total_tokens or default_kv_tokens(per_token, device)) // ps)
         total = num_pages * ps
-        context = min(cfg.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total)
+        context = min(cfg.model.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total)
         self.cfg = cfg.replace(max_total_tokens=total, context_length=context)
         tiers = None
-        if cfg.enable_hierarchical_cache:
+        if cfg.hicache.enable_hierarchical_cache:
             tiers = build_tiers(cfg, loaded.path, mc, lc, self.dtype, num_pages, device)
         self.kv_manager = KVManager(
             num_pages=num_pages,
             page_size=ps,
-            num_slots=cfg.max_running_requests,
-            enable_prefix_cache=cfg.enable_prefix_cache,
-            strict=cfg.strict_memory,
+            num_slots=cfg.scheduler.max_running_requests,
+            enable_prefix_cache=cfg.cache.enable_prefix_cache,
+            strict=cfg.cache.strict_memory,
             holdings=lambda: self.scheduler.holdings(),
             tiers=tiers,
         )
@@ -248,13 +179,13 @@ class EngineCore:
             tiers.bind(runner.kv_buffer)
             connector = HiCacheConnector(tiers)
             self.kv_manager.ledger.tiers = TierBooks(tiers, connector)
-        if connector is None and cfg.disaggregation_mode is not None:
+        if connector is None and cfg.disagg.disaggregation_mode is not None:
             # The connector reaches the scheduler (built below) only through its thread-safe abort.
             connector = make_connector(cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a))
         self.connector = connector
         self.last_step_ran = False
         self.executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
-        if cfg.tp_size > 1:
+        if cfg.parallel.tp_size > 1:
             from ..parallel.executor import TPExecutor, share_setup
 
             # The workers build the same pool; on one machine the collectives move to shared memory.
@@ -272,19 +203,19 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
         )
-        self.sessions = SessionManager(self.kv_manager.sessions, cfg.max_sessions, cfg.session_timeout_s, ps)
+        self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
         self.limits = Limits(
             vocab_size=mc.vocab_size,
             context_length=context,
-            max_stop_strings=cfg.max_stop_strings,
-            max_stop_string_len=cfg.max_stop_string_len,
-            max_top_logprobs=cfg.max_top_logprobs,
+            max_stop_strings=cfg.scheduler.max_stop_strings,
+            max_stop_string_len=cfg.scheduler.max_stop_string_len,
+            max_top_logprobs=cfg.scheduler.max_top_logprobs,
         )
-        if cfg.enable_torch_compile:
+        if cfg.kernels.enable_torch_compile:
             self.model.enable_compile()
             self._warm_up_compile()
         dtype_name = str(self.dtype).replace("torch.", "") + (
-            f"+{cfg.quantization}" if cfg.quantization else ""
+            f"+{cfg.model.quantization}" if cfg.model.quantization else ""
         )
         self.info = EngineInfo(
             mc.name,
@@ -297,9 +228,9 @@ class EngineCore:
             per_token,
             self.model.weight_bytes(),
             mc.arch,
-            cfg.tp_size,
+            cfg.parallel.tp_size,
             [p.pid for p in workers],
-            cfg.disaggregation_mode,
+            cfg.disagg.disaggregation_mode,
         )
         log.info(
             "engine ready in %.1fs (model read %.1fs, built %.1fs) on %s: %s (%s, %s), weights %.0f MiB, "
@@ -405,12 +336,12 @@ class EngineCore:
         """A request with a bootstrap room on a PD server: prefill computes the prompt and one token;
         decode takes the prompt's KV and that token, so it computes no prompt logprobs (the router
         prepends prefill's). On a server that is neither, the room is ignored."""
-        mode = self.cfg.disaggregation_mode
+        mode = self.cfg.disagg.disaggregation_mode
         if mode is None:
             req.disagg = None
             return
         if session_params is not None:
-            raise ValidationError("a session turn cannot be disaggregated", param="session_params")
+            check_request(self.cfg, "sessions")  # PD x session turns: the compatibility table's refusal
         if mode == "prefill":
             req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
         else:
@@ -439,7 +370,7 @@ class EngineCore:
     def connector_stats(self) -> dict | None:
         """The PD transport's counters (None without one)."""
         stats = getattr(self.connector, "stats", None)
-        return None if stats is None else {"mode": self.cfg.disaggregation_mode, **stats.as_dict()}
+        return None if stats is None else {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
 
     def shutdown(self) -> int:
         """Everything still running ends through the release path, then sessions close; returns

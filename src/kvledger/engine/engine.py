@@ -60,7 +60,7 @@ class Engine:
     def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs):
         loaded = kwargs.pop("loaded_model", None)
         connector = kwargs.pop("kv_connector", None)  # a KVConnector (connector/base.py); None: no-op
-        cfg = EngineConfig(model=model, dtype=dtype).replace(**kwargs)
+        cfg = EngineConfig.from_flat(model=model, dtype=dtype, **kwargs)
         self.core = EngineCore(cfg, loaded=loaded, connector=connector)
         self._lock = threading.RLock()
         self._tracks: dict[str, _Track] = {}

@@ -121,13 +121,13 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
     try:
         from .core import EngineCore
 
-        core = EngineCore(EngineConfig(**cfg_dict))
+        core = EngineCore(EngineConfig.from_flat(**cfg_dict))
     except KVLedgerError as e:
         push.send(m.encode(m.Fatal(e.message)))
         time.sleep(0.2)
         return
     ready = m.Ready(
-        os.getpid(), core.info_dict(), dataclasses.asdict(core.limits), dataclasses.asdict(core.cfg)
+        os.getpid(), core.info_dict(), dataclasses.asdict(core.limits), core.cfg.flat()
     )
     push.send(m.encode(ready))
     _Loop(core, pull, push).run()

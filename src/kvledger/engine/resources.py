@@ -34,14 +34,6 @@ def resolve_dtype(name: str, device: str, quantization: str | None = None) -> to
     return torch.bfloat16 if quantization or device != "cpu" or cpu_has_bf16() else torch.float32
 
 
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
-
-
-def explicit_quantization(name: str | None) -> str | None:
-    """The quantization asked for by name (int8/int4), before ``auto`` is resolved against a model."""
-    return name if name in ("int8", "int4") else None
-
-
 def resolve_quantization(name: str | None, dtype: torch.dtype, device: str, stored: str | None) -> str | None:
     """``auto``: serve a quantized checkpoint in its own precision (``stored``: the loader's reading
     of the file) when the dtype is bfloat16; float32 is the unquantized reference path. The weight-only

@@ -16,61 +16,15 @@ import secrets
 
 import torch
 
-from ..errors import ValidationError
 from .books import TierBooks
 from .connector import HiCacheConnector
 from .host_pool import HostPool
-from .storage import FileStorage, PageHasher, check_storage_dir, load_or_create_salt
-from .tiers import WRITE_POLICIES, Tiers
+from .storage import FileStorage, PageHasher, load_or_create_salt
+from .tiers import Tiers
 
 log = logging.getLogger(__name__)
 
-STORAGE_BACKENDS = ("file",)
-
-__all__ = ["HiCacheConnector", "TierBooks", "Tiers", "build_tiers", "check_hicache_config"]
-
-
-def check_hicache_config(cfg) -> None:
-    """Settings checks that need no model (the CLI runs them before anything starts, the engine again
-    at its start). With the file backend that includes trying the storage directory: one that cannot
-    be used is refused here (exit 2), never found out by an engine that dies loading."""
-    hier = cfg.enable_hierarchical_cache
-    if not hier:
-        if cfg.hicache_storage_backend is not None:
-            raise ValidationError(
-                "--hicache-storage-backend needs --enable-hierarchical-cache", param="hicache_storage_backend"
-            )
-        return
-    if cfg.hicache_write_policy not in WRITE_POLICIES:
-        raise ValidationError(
-            f"hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}", param="hicache_write_policy"
-        )
-    if not cfg.hicache_ratio > 0 or cfg.hicache_size < 0:
-        raise ValidationError("hicache_ratio must be > 0 and hicache_size >= 0", param="hicache_ratio")
-    if cfg.hicache_storage_backend not in (None, *STORAGE_BACKENDS):
-        raise ValidationError(
-            f"hicache_storage_backend must be one of {', '.join(STORAGE_BACKENDS)}",
-            param="hicache_storage_backend",
-        )
-    if cfg.hicache_storage_backend == "file" and not cfg.hicache_storage_dir:
-        raise ValidationError(
-            "the file storage backend needs --hicache-storage-dir", param="hicache_storage_dir"
-        )
-    for bad, what in (
-        (not cfg.enable_prefix_cache, "a disabled prefix cache"),
-        (cfg.tp_size > 1, "tensor parallelism"),
-        (cfg.disaggregation_mode is not None, "prefill/decode disaggregation"),
-        # The draft model's K/V lives beside L1's in the same locations; L2 does not carry it.
-        (cfg.speculative_algorithm == "STANDALONE", "a draft model (STANDALONE)"),
-    ):
-        if bad:
-            raise ValidationError(
-                f"the hierarchical cache does not work with {what} (yet)", param="enable_hierarchical_cache"
-            )
-    if cfg.hicache_load_back_threshold < 0 or cfg.hicache_prefetch_threshold < 0:
-        raise ValidationError("hicache thresholds must be >= 0", param="hicache_load_back_threshold")
-    if cfg.hicache_storage_backend == "file":  # last: the only check that touches the disk
-        check_storage_dir(cfg.hicache_storage_dir, salt_kept=not cfg.hicache_salt)
+__all__ = ["HiCacheConnector", "TierBooks", "Tiers", "build_tiers"]
 
 
 def model_fingerprint(path: str) -> str:
@@ -93,33 +47,33 @@ def model_fingerprint(path: str) -> str:
 
 def build_tiers(cfg, model_path: str, model_cfg, local_cfg, dtype, num_l1_pages: int, device: str) -> Tiers:
     """The L2 pool (``hicache_size`` GB, else ``hicache_ratio`` x L1) and, with a storage backend, L3."""
-    ps = cfg.page_size
+    ps = cfg.cache.page_size
     layers, heads, dim = local_cfg.num_layers, local_cfg.num_kv_heads, local_cfg.head_dim
     page_bytes = 2 * layers * heads * ps * dim * torch.empty((), dtype=dtype).element_size()
-    if cfg.hicache_size > 0:
-        num = int(cfg.hicache_size * 1e9 // page_bytes)
+    if cfg.hicache.hicache_size > 0:
+        num = int(cfg.hicache.hicache_size * 1e9 // page_bytes)
     else:
-        num = int(num_l1_pages * cfg.hicache_ratio)
+        num = int(num_l1_pages * cfg.hicache.hicache_ratio)
     num = max(num, 1)
     host = HostPool(num, ps, layers, heads, dim, dtype, pin_memory=device.startswith("cuda"))
     namespace = "|".join(
         (
             model_fingerprint(model_path),
             f"{dtype}".removeprefix("torch."),
-            cfg.quantization or "dense",
+            cfg.model.quantization or "dense",
             f"{layers}x{heads}x{dim}",
             f"page{ps}",
-            f"tp{0}/{cfg.tp_size}",
+            f"tp{0}/{cfg.parallel.tp_size}",
             "page_first",
         )
     )
     storage = None
-    if cfg.hicache_storage_backend == "file":
-        storage = FileStorage(cfg.hicache_storage_dir, namespace, page_bytes)
-    if cfg.hicache_salt:
-        salt = cfg.hicache_salt.encode()
+    if cfg.hicache.hicache_storage_backend == "file":
+        storage = FileStorage(cfg.hicache.hicache_storage_dir, namespace, page_bytes)
+    if cfg.hicache.hicache_salt:
+        salt = cfg.hicache.hicache_salt.encode()
     elif storage is not None:
-        salt = load_or_create_salt(cfg.hicache_storage_dir)
+        salt = load_or_create_salt(cfg.hicache.hicache_storage_dir)
     else:
         salt = secrets.token_bytes(32)  # no persistence: keys need not outlive this process
     if storage is not None and ps < 16:
@@ -128,15 +82,15 @@ def build_tiers(cfg, model_path: str, model_cfg, local_cfg, dtype, num_l1_pages:
         )
     log.info(
         "hicache: L2 %d pages (%d tokens, %.0f MiB, %s)%s",
-        num, num * ps, num * page_bytes / 2**20, cfg.hicache_write_policy,
-        f", L3 files in {cfg.hicache_storage_dir} ({storage.files} pages there)" if storage else "",
+        num, num * ps, num * page_bytes / 2**20, cfg.hicache.hicache_write_policy,
+        f", L3 files in {cfg.hicache.hicache_storage_dir} ({storage.files} pages there)" if storage else "",
     )  # fmt: skip
     return Tiers(
         host,
-        cfg.hicache_write_policy,
+        cfg.hicache.hicache_write_policy,
         PageHasher(salt, namespace, ps),
         storage,
-        load_back_threshold=cfg.hicache_load_back_threshold,
-        prefetch_threshold=cfg.hicache_prefetch_threshold,
-        prefetch_timeout_s=cfg.hicache_prefetch_timeout_s,
+        load_back_threshold=cfg.hicache.hicache_load_back_threshold,
+        prefetch_threshold=cfg.hicache.hicache_prefetch_threshold,
+        prefetch_timeout_s=cfg.hicache.hicache_prefetch_timeout_s,
     )

@@ -20,7 +20,6 @@ from .storage import FileStorage, PageHasher
 
 log = logging.getLogger(__name__)
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass

@@ -273,9 +273,6 @@ def _(q, k, v, layer, handle):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
-
-
 def make_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
 ) -> AttentionBackend:

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..config import ATTENTION_BACKENDS
 from ..errors import ModelLoadError
-from .attention import ATTENTION_BACKENDS, TorchAttention
+from .attention import TorchAttention
 from .batch import ForwardBatch
 
 

@@ -12,9 +12,9 @@ import torch
 def rank_threads(cfg) -> int | None:
     """torch threads for one rank: the flag if given; with several ranks on this machine, its cores
     shared out between them (oversubscribed ranks wait on each other in every collective)."""
-    if cfg.num_threads:
-        return cfg.num_threads
-    local = cfg.tp_size // cfg.nnodes
+    if cfg.parallel.num_threads:
+        return cfg.parallel.num_threads
+    local = cfg.parallel.tp_size // cfg.parallel.nnodes
     return max(1, (os.cpu_count() or 1) // local) if local > 1 else None
 
 

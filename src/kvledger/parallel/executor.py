@@ -13,7 +13,6 @@ that hangs stalls the step, which the front's watchdog kills. Workers die with t
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -33,13 +32,13 @@ log = logging.getLogger("kvledger.engine")
 
 
 def ranks_of_node(cfg: EngineConfig, node: int) -> range:
-    per = cfg.tp_size // cfg.nnodes
+    per = cfg.parallel.tp_size // cfg.parallel.nnodes
     return range(node * per, (node + 1) * per)
 
 
 def init_addr(cfg: EngineConfig) -> str:
-    if cfg.dist_init_addr:
-        return cfg.dist_init_addr
+    if cfg.parallel.dist_init_addr:
+        return cfg.parallel.dist_init_addr
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"127.0.0.1:{s.getsockname()[1]}"
@@ -49,7 +48,7 @@ def launch_workers(
     cfg: EngineConfig, addr: str, ranks: range, log_level: str = "WARNING"
 ) -> list[subprocess.Popen]:
     """Start the worker ranks of one node as processes (``python -m kvledger.parallel.worker``)."""
-    payload = json.dumps(dataclasses.asdict(cfg))
+    payload = json.dumps(cfg.flat())
     procs = []
     for r in ranks:
         if r == 0:
@@ -66,17 +65,17 @@ def join_group(cfg: EngineConfig, rank: int, addr: str) -> TPComm:
         "gloo",
         init_method=f"tcp://{addr}",
         rank=rank,
-        world_size=cfg.tp_size,
-        timeout=datetime.timedelta(seconds=cfg.dist_timeout_s),
+        world_size=cfg.parallel.tp_size,
+        timeout=datetime.timedelta(seconds=cfg.parallel.dist_timeout_s),
     )
-    return TPComm(rank, cfg.tp_size)
+    return TPComm(rank, cfg.parallel.tp_size)
 
 
 def start_group(cfg: EngineConfig) -> tuple[TPComm, list[subprocess.Popen]]:
     """Rank 0's side: launch this node's other ranks and join the group with them."""
     addr = init_addr(cfg)
     workers = launch_workers(cfg, addr, ranks_of_node(cfg, 0), logging.getLevelName(log.getEffectiveLevel()))
-    log.info("tensor parallel: %d ranks over %d node(s), rendezvous at %s", cfg.tp_size, cfg.nnodes, addr)
+    log.info("tensor parallel: %d ranks over %d node(s), rendezvous at %s", cfg.parallel.tp_size, cfg.parallel.nnodes, addr)
     try:
         return join_group(cfg, 0, addr), workers
     except Exception:
@@ -90,10 +89,10 @@ SHM_MAX_FLOATS = 16 * 2**20  # a slot of 64 MiB; larger collectives (huge logit 
 
 def shm_capacity(cfg: EngineConfig, mc) -> int:
     """Floats one rank's slot holds: a step's hidden states, or its logit rows' vocabulary slice."""
-    tokens = (cfg.chunked_prefill_size or 512) + cfg.max_running_requests * (
-        cfg.speculative_num_draft_tokens + 1
+    tokens = (cfg.scheduler.chunked_prefill_size or 512) + cfg.scheduler.max_running_requests * (
+        cfg.spec.speculative_num_draft_tokens + 1
     )
-    per_vocab = -(-mc.vocab_size // cfg.tp_size)
+    per_vocab = -(-mc.vocab_size // cfg.parallel.tp_size)
     return min(SHM_MAX_FLOATS, tokens * max(mc.hidden_size, per_vocab))
 
 
@@ -105,11 +104,11 @@ def share_setup(cfg: EngineConfig, mc, num_tokens: int, context: int, workers) -
     from .comm import ShmComm
 
     setup = {"num_tokens": num_tokens, "context": context, "shm": None, "shm_capacity": 0}
-    comm = TPComm(0, cfg.tp_size)
-    if cfg.nnodes == 1:
+    comm = TPComm(0, cfg.parallel.tp_size)
+    if cfg.parallel.nnodes == 1:
         setup["shm"] = f"/dev/shm/kvledger-tp-{uuid.uuid4().hex}"
         setup["shm_capacity"] = shm_capacity(cfg, mc)
-        comm = ShmComm(0, cfg.tp_size, setup["shm"], setup["shm_capacity"], create=True,
+        comm = ShmComm(0, cfg.parallel.tp_size, setup["shm"], setup["shm_capacity"], create=True,
                        peers_alive=lambda: all(p.poll() is None for p in workers))  # fmt: skip
     broadcast(setup)
     if setup["shm"]:

@@ -24,12 +24,12 @@ def run_node(cfg: EngineConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    ranks = ranks_of_node(cfg, cfg.node_rank)
+    ranks = ranks_of_node(cfg, cfg.parallel.node_rank)
     log.info(
-        "node %d: ranks %s of %d, joining %s", cfg.node_rank, list(ranks), cfg.tp_size, cfg.dist_init_addr
+        "node %d: ranks %s of %d, joining %s", cfg.parallel.node_rank, list(ranks), cfg.parallel.tp_size, cfg.parallel.dist_init_addr
     )
     while not stop:
-        procs = launch_workers(cfg, cfg.dist_init_addr, ranks, "INFO")
+        procs = launch_workers(cfg, cfg.parallel.dist_init_addr, ranks, "INFO")
         while not stop and any(p.poll() is None for p in procs):
             time.sleep(0.2)
         for p in procs:
@@ -37,6 +37,6 @@ def run_node(cfg: EngineConfig) -> int:
                 p.kill()
             p.wait()
         if not stop:
-            log.warning("node %d: the group ended; rejoining", cfg.node_rank)
+            log.warning("node %d: the group ended; rejoining", cfg.parallel.node_rank)
             time.sleep(1.0)
     return 0

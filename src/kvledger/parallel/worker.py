@@ -36,7 +36,7 @@ def run(cfg: EngineConfig, rank: int, addr: str) -> None:
     if threads := rank_threads(cfg):
         torch.set_num_threads(threads)
     join_group(cfg, rank, addr)
-    setup, comm = join_setup(rank, cfg.tp_size)  # the pool's shape, decided by rank 0 once loaded
+    setup, comm = join_setup(rank, cfg.parallel.tp_size)  # the pool's shape, decided by rank 0 once loaded
     runner = build_runner(cfg, comm, setup["num_tokens"], setup["context"])
     log.info("rank %d ready", rank)
     while True:
@@ -51,7 +51,7 @@ def main() -> int:
     level = sys.argv[3] if len(sys.argv) > 3 else "WARNING"
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s rank {rank}: %(message)s")
     die_with_parent()
-    cfg = EngineConfig(**json.loads(os.environ["KVLEDGER_TP_CONFIG"]))
+    cfg = EngineConfig.from_flat(**json.loads(os.environ["KVLEDGER_TP_CONFIG"]))
     try:
         run(cfg, rank, addr)
     except Exception as e:  # the group broke (rank 0 gone): exit, a new group will be started

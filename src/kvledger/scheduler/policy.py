@@ -83,7 +83,7 @@ class BatchPolicy:
         s = self.s
         scheduled: list[Chunk] = []
         # Drafts share the step's token budget: verifying never makes a step bigger than a prefill one.
-        budget = s.cfg.chunked_prefill_size - len(decodes)
+        budget = s.cfg.scheduler.chunked_prefill_size - len(decodes)
         for req in sorted(decodes, key=lambda r: r.admitted_seq):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
@@ -154,7 +154,7 @@ class BatchPolicy:
                 out.append(Chunk(req, n))
                 budget -= n
         for req in list(s.waiting):
-            if budget <= 0 or len(s.running) + len(s.waiting_for_kv) >= s.cfg.max_running_requests:
+            if budget <= 0 or len(s.running) + len(s.waiting_for_kv) >= s.cfg.scheduler.max_running_requests:
                 return out
             if req.to_finish is not None:
                 return out
@@ -172,8 +172,8 @@ class BatchPolicy:
     def _schedule_once(self) -> list[Chunk]:
         s = self.s
         decodes = [r for r in s.running if r.kv_len == r.seq_len - 1 and r.to_finish is None]
-        budget = s.cfg.chunked_prefill_size
-        if s.cfg.enable_mixed_chunk:
+        budget = s.cfg.scheduler.chunked_prefill_size
+        if s.cfg.scheduler.enable_mixed_chunk:
             batch = self.schedule_decodes(decodes) if decodes else []
             return batch + self.schedule_prefills(max(budget - len(batch), 1), len(s.running))
         batch = self.schedule_prefills(budget, len(decodes))

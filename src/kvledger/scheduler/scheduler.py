@@ -91,9 +91,9 @@ class Scheduler:
             raise ConflictError(
                 f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid"
             )
-        if len(self.waiting) >= self.cfg.max_queued_requests:
+        if len(self.waiting) >= self.cfg.scheduler.max_queued_requests:
             raise OverloadedError(
-                f"the waiting queue is full ({self.cfg.max_queued_requests} requests); retry later",
+                f"the waiting queue is full ({self.cfg.scheduler.max_queued_requests} requests); retry later",
                 code="queue_full",
             )
 
@@ -365,7 +365,7 @@ class Scheduler:
                 self._was_busy = False
                 self._last_audit = now
                 ledger.audit()
-        elif 0 < self.cfg.audit_interval_s <= now - self._last_audit:
+        elif 0 < self.cfg.cache.audit_interval_s <= now - self._last_audit:
             self._last_audit = now
             ledger.audit()
 

@@ -43,11 +43,11 @@ def create_app(cfg: ServerConfig) -> FastAPI:
 
     async def set_up(client: EngineClient) -> None:
         """Load the tokenizer while the engine loads the model; set the services up once it is ready."""
-        path = cfg.engine.model or default_model_path()
+        path = cfg.engine.model.model or default_model_path()
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
         await client.wait_ready()
         name = cfg.served_model_name or (
-            DEFAULT_MODEL_NAME if cfg.engine.model is None else client.info["model_name"]
+            DEFAULT_MODEL_NAME if cfg.engine.model.model is None else client.info["model_name"]
         )
         srv.tokenizer, srv.name, srv.started = tokenizer, name, time.time()
         srv.limits = Limits(**client.limits)

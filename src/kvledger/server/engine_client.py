@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -109,7 +108,7 @@ class EngineClient:
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(from_engine)
         mp = multiprocessing.get_context("spawn")
-        cfg = dataclasses.asdict(self.cfg)
+        cfg = self.cfg.flat()
         self.proc = mp.Process(
             target=engine_main,
             args=(cfg, self.ipc_dir, self.generation, self.log_level),

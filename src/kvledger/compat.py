@@ -1,0 +1,188 @@
+"""Which features combine: the one compatibility table, and the one cross-check that enforces it.
+
+A feature is something a setting turns on (``FEATURES``: its name, the flag, and when a configuration
+has it). ``REFUSED`` lists every pair that does not work, with the reason a user is told; every other
+pair of features works, and the combination fuzz (tests/fuzz/test_combinations.py) runs them. A
+refusal is either *not yet* (the pair has a meaning; the reason says what stands in the way) or *no
+meaning* (one feature contradicts the other). ``check_combinations`` refuses a configuration at start
+(the CLI: one line, exit 2); a request-level feature (a session turn) is refused when it arrives, with
+the same reason (``refusal``). The README's matrix is ``markdown_matrix()`` (a test keeps them equal).
+
+Adding a feature: one ``Feature`` row, its refusals here with their reasons, and the fuzz's knob for
+it (tests/fuzz/combinations.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import combinations
+
+from .config import EngineConfig
+from .errors import ValidationError
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    title: str  # how errors and the README's matrix name it
+    flag: str  # the flag that turns it on
+    param: str  # the setting behind the flag (the ``param`` of a refusal)
+    active: Callable[[EngineConfig, str], bool]  # (settings, resolved device) -> on?
+    request_level: bool = False  # on per request (never at start): checked when a request asks for it
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("cuda", "CUDA device", "--device cuda", "device", lambda c, d: d.startswith("cuda")),
+    Feature("tp", "tensor parallel", "--tp-size N", "tp_size", lambda c, d: c.parallel.tp_size > 1),
+    Feature("compile", "torch.compile", "--enable-torch-compile", "enable_torch_compile",
+            lambda c, d: c.kernels.enable_torch_compile),
+    Feature("draft", "draft model", "--speculative-algorithm STANDALONE", "speculative_algorithm",
+            lambda c, d: c.spec.draft_model),
+    Feature("ngram", "NGRAM drafts", "--speculative-algorithm NGRAM", "speculative_algorithm",
+            lambda c, d: c.spec.speculative_algorithm == "NGRAM"),
+    Feature("pd", "PD disaggregation", "--disaggregation-mode prefill/decode", "disaggregation_mode",
+            lambda c, d: c.disagg.enabled),
+    Feature("hicache", "hierarchical cache", "--enable-hierarchical-cache", "enable_hierarchical_cache",
+            lambda c, d: c.hicache.enable_hierarchical_cache),
+    Feature("no_prefix_cache", "prefix cache off", "--disable-prefix-cache", "enable_prefix_cache",
+            lambda c, d: not c.cache.enable_prefix_cache),
+    Feature("mixed_chunk", "mixed chunks", "--enable-mixed-chunk", "enable_mixed_chunk",
+            lambda c, d: c.scheduler.enable_mixed_chunk),
+    Feature("cpu_attention", "cpu attention backend", "--attention-backend cpu", "attention_backend",
+            lambda c, d: c.kernels.attention_backend == "cpu"),
+    Feature("int8_batch", "int8 batches", "--enable-int8-batch", "enable_int8_batch",
+            lambda c, d: c.kernels.enable_int8_batch),
+    Feature("quantized", "int8/int4 weights", "--quantization int8/int4", "quantization",
+            lambda c, d: c.model.explicit_quantization is not None),
+    Feature("unquantized", "unquantized weights", "--quantization none", "quantization",
+            lambda c, d: c.model.quantization is None),
+    Feature("fp32", "float32", "--dtype float32", "dtype", lambda c, d: c.model.dtype == "float32"),
+    Feature("sessions", "session turns", "session_params.id", "session_params", lambda c, d: False,
+            request_level=True),
+)  # fmt: skip
+BY_NAME = {f.name: f for f in FEATURES}
+
+NOT_YET = "not yet"
+NO_MEANING = "no meaning"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    kind: str  # NOT_YET | NO_MEANING
+    reason: str
+
+
+REFUSED: dict[frozenset[str], Refusal] = {
+    # A CUDA device: the CPU-only pieces.
+    frozenset({"cuda", "tp"}): Refusal(NOT_YET, "tensor parallel's collectives are CPU shared memory and gloo"),
+    frozenset({"cuda", "pd"}): Refusal(NOT_YET, "the KV transfer reads and writes host memory"),
+    frozenset({"cuda", "cpu_attention"}): Refusal(NO_MEANING, "the cpu attention backend is C++ CPU kernels"),
+    frozenset({"cuda", "int8_batch"}): Refusal(NO_MEANING, "int8 batches are oneDNN's CPU int8 linear"),
+    frozenset({"cuda", "quantized"}): Refusal(
+        NOT_YET, "the weight-only int8/int4 kernels are CPU kernels (quantization auto serves a quantized "
+        "file's weights in bfloat16 there)"
+    ),
+    # Prefill/decode disaggregation moves one engine's pages: the rest is the PD issue's.
+    frozenset({"pd", "tp"}): Refusal(NOT_YET, "a transfer moves one rank's KV; ranks hold their own heads"),
+    frozenset({"pd", "draft"}): Refusal(NOT_YET, "the draft model's K/V would have to move too"),
+    frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
+    frozenset({"pd", "sessions"}): Refusal(NOT_YET, "a session turn cannot be disaggregated"),
+    # Single-server pairs still to lift (issue 30).
+    frozenset({"tp", "compile"}): Refusal(NOT_YET, "the worker ranks do not compile their graph"),
+    frozenset({"tp", "draft"}): Refusal(NOT_YET, "the draft model runs beside rank 0 only"),
+    frozenset({"tp", "hicache"}): Refusal(NOT_YET, "the host tiers hold one rank's heads"),
+    frozenset({"hicache", "draft"}): Refusal(NOT_YET, "the draft model's K/V does not move between tiers"),
+    # Settings that contradict each other.
+    frozenset({"hicache", "no_prefix_cache"}): Refusal(
+        NO_MEANING, "the hierarchical cache is the prefix cache's lower tiers"
+    ),
+    frozenset({"int8_batch", "unquantized"}): Refusal(NO_MEANING, "int8 batches need a quantized mode"),
+    frozenset({"int8_batch", "fp32"}): Refusal(NO_MEANING, "int8 batches need a quantized mode, in bfloat16"),
+    frozenset({"quantized", "fp32"}): Refusal(NO_MEANING, "the weight-only kernels take bfloat16 activations"),
+}
+
+# Pairs that cannot be both on by construction (one setting, two values): neither works nor refused.
+EXCLUSIVE: frozenset[frozenset[str]] = frozenset(
+    {frozenset({"draft", "ngram"}), frozenset({"quantized", "unquantized"})}
+)
+
+assert all(len(p) == 2 and p <= set(BY_NAME) for p in [*REFUSED, *EXCLUSIVE]), "the table names a pair wrongly"
+
+
+def refusal(a: str, b: str) -> Refusal | None:
+    """Why features ``a`` and ``b`` do not combine; None when they do."""
+    return REFUSED.get(frozenset({a, b}))
+
+
+def allowed_pairs() -> list[tuple[str, str]]:
+    """Every pair of features that works (what the combination fuzz must cover)."""
+    return [
+        (a.name, b.name)
+        for a, b in combinations(FEATURES, 2)
+        if frozenset({a.name, b.name}) not in REFUSED and frozenset({a.name, b.name}) not in EXCLUSIVE
+    ]
+
+
+def active_features(cfg: EngineConfig, device: str) -> list[str]:
+    return [f.name for f in FEATURES if not f.request_level and f.active(cfg, device)]
+
+
+def check_combinations(cfg: EngineConfig, device: str) -> None:
+    """Refuse ``cfg`` when two of its features do not combine: one error naming both and the reason."""
+    on = active_features(cfg, device)
+    for a, b in combinations(on, 2):
+        r = refusal(a, b)
+        if r is not None:
+            fa, fb = BY_NAME[a], BY_NAME[b]
+            raise ValidationError(
+                f"{fa.title} ({fa.flag}) does not work with {fb.title} ({fb.flag}): {r.reason}"
+                + (" (yet)" if r.kind == NOT_YET else ""),
+                param=fb.param,
+            )
+
+
+def check_request(cfg: EngineConfig, feature: str) -> None:
+    """Refuse a request-level ``feature`` (400) where the engine's features do not combine with it
+    (``cfg``: the engine's settings, its device resolved)."""
+    for other in active_features(cfg, cfg.model.device):
+        r = refusal(feature, other)
+        if r is not None:
+            f, o = BY_NAME[feature], BY_NAME[other]
+            raise ValidationError(
+                f"{f.title} do not work with {o.title} ({o.flag}): {r.reason}"
+                + (" (yet)" if r.kind == NOT_YET else ""),
+                param=f.param,
+            )
+
+
+def markdown_matrix() -> str:
+    """The README's compatibility matrix: every pair, works or refused with its reason."""
+    names = [f.name for f in FEATURES]
+    head = "| | " + " | ".join(f"{i + 1}" for i in range(len(names))) + " |"
+    rows = [head, "|---" * (len(names) + 1) + "|"]
+    notes: list[str] = []
+    keys: dict[frozenset[str], str] = {}
+    for i, a in enumerate(FEATURES):
+        cells = []
+        for j, b in enumerate(FEATURES):
+            pair = frozenset({a.name, b.name})
+            if i == j:
+                cells.append("")
+            elif pair in EXCLUSIVE:
+                cells.append("–")
+            elif pair in REFUSED:
+                if pair not in keys:
+                    keys[pair] = chr(ord("a") + len(keys))
+                    r = REFUSED[pair]
+                    notes.append(f"{keys[pair]}. {a.title} x {b.title}: {r.kind}: {r.reason}.")
+                cells.append(f"✗{keys[pair]}")
+            else:
+                cells.append("✓")
+        rows.append(f"| {i + 1}. {a.title} (`{a.flag}`) | " + " | ".join(cells) + " |")
+    legend = "✓ works (the combination fuzz runs it), ✗ refused (below), – one setting, two values."
+    return "\n".join([*rows, "", legend, "", *notes])
+
+
+if __name__ == "__main__":  # python -m kvledger.compat: the README's matrix
+    print(markdown_matrix())

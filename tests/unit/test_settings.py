@@ -1,0 +1,123 @@
+"""The settings model (issue 30): sections with their own checks, enum-like values normalised once,
+one compatibility table that every start-up check and the README's matrix come from."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from kvledger import Engine, compat
+from kvledger.cli import add_engine_args
+from kvledger.config import EngineConfig
+from kvledger.engine import resources
+from kvledger.errors import ValidationError
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def knobs(tmp_path: Path) -> dict[str, dict]:
+    """Settings that turn each start-up feature on (and nothing else that the table refuses)."""
+    draft = tmp_path / "draft"
+    draft.mkdir(exist_ok=True)
+    return {
+        "cuda": {"device": "cuda"},
+        "tp": {"tp_size": 2},
+        "compile": {"enable_torch_compile": True},
+        "draft": {"speculative_algorithm": "standalone", "speculative_draft_model_path": str(draft)},
+        "ngram": {"speculative_algorithm": "ngram"},
+        "pd": {"disaggregation_mode": "PREFILL"},
+        "hicache": {"enable_hierarchical_cache": True},
+        "no_prefix_cache": {"enable_prefix_cache": False},
+        "mixed_chunk": {"enable_mixed_chunk": True},
+        "cpu_attention": {"attention_backend": "CPU"},
+        "int8_batch": {"enable_int8_batch": True},
+        "quantized": {"quantization": "INT4"},
+        "unquantized": {"quantization": "none"},
+        "fp32": {"dtype": "fp32"},
+    }
+
+
+def test_every_pair_is_refused_exactly_where_the_table_says(tmp_path, monkeypatch):
+    """For every pair of start-up features: a configuration with both either passes every check or is
+    refused with one error naming both and the table's reason — never refused by another rule."""
+    monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda" if "cuda" in name else "cpu")
+    k = knobs(tmp_path)
+    assert set(k) == {f.name for f in compat.FEATURES if not f.request_level}  # a knob per feature
+    for a, b in itertools.combinations(k, 2):
+        pair = frozenset({a, b})
+        if pair in compat.EXCLUSIVE:
+            continue
+        cfg = EngineConfig.from_flat(**{**k[a], **k[b]})
+        assert set(compat.active_features(cfg, cfg.model.device if "cuda" in (a, b) else "cpu")) >= {a, b}
+        refusal = compat.refusal(a, b)
+        if refusal is None:
+            cfg.check()
+            continue
+        with pytest.raises(ValidationError) as e:
+            cfg.check()
+        msg = str(e.value)
+        assert compat.BY_NAME[a].title in msg and compat.BY_NAME[b].title in msg and refusal.reason in msg, msg
+
+
+def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
+    """``standalone`` and ``STANDALONE`` are one algorithm: before, only upper case met the refusals."""
+    k = knobs(tmp_path)
+    cfg = EngineConfig.from_flat(**k["draft"], disaggregation_mode="Decode")
+    assert cfg.spec.speculative_algorithm == "STANDALONE" and cfg.disagg.disaggregation_mode == "decode"
+    with pytest.raises(ValidationError, match=r"draft model .* does not work with PD disaggregation"):
+        cfg.check()
+    with pytest.raises(ValidationError, match="does not work with"):
+        Engine(**k["draft"], disaggregation_mode="prefill")  # the offline API goes through the same check
+    cfg = EngineConfig.from_flat(dtype="BF16", quantization="None", attention_backend=" Torch ",
+                                 disaggregation_mode="null", hicache_write_policy="WRITE_BACK")  # fmt: skip
+    assert (cfg.model.dtype, cfg.model.quantization, cfg.kernels.attention_backend) == ("bfloat16", None, "torch")
+    assert cfg.disagg.disaggregation_mode is None and cfg.hicache.hicache_write_policy == "write_back"
+    for bad, param in (
+        ({"speculative_algorithm": "eagle"}, "speculative_algorithm"),
+        ({"dtype": "float16"}, "dtype"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+        ({"page_size": 0}, "page_size"),
+        ({"tp_size": 3, "nnodes": 2}, "tp_size"),
+        ({"disaggregation_mode": "both"}, "disaggregation_mode"),
+        ({"enable_hierarchical_cache": True, "hicache_write_policy": "sometimes"}, "hicache_write_policy"),
+    ):
+        with pytest.raises(ValidationError) as e:
+            EngineConfig.from_flat(**bad).check()
+        assert e.value.param == param, (bad, e.value.param)
+
+
+def test_the_flat_view_round_trips_and_every_setting_is_a_flag():
+    cfg = EngineConfig.from_flat(page_size=16, tp_size=2, speculative_algorithm="ngram", hicache_ratio=3.0)
+    assert EngineConfig.from_flat(**cfg.flat()) == cfg
+    assert cfg.cache.page_size == 16 and cfg.parallel.tp_size == 2 and cfg.hicache.hicache_ratio == 3.0
+    assert cfg.replace(page_size=4).cache.page_size == 4 and cfg.cache.page_size == 16
+    with pytest.raises(TypeError, match=r"unknown engine option.*pagesize"):
+        EngineConfig.from_flat(pagesize=16)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    dests = {a.dest for a in p._actions}
+    assert set(EngineConfig.section_of()) <= dests, set(EngineConfig.section_of()) - dests
+    defaults = vars(p.parse_args([]))
+    flat = EngineConfig().flat()
+    for name, value in flat.items():  # the flags' defaults are the settings' own
+        if name not in ("page_size", "quantization"):  # page size: derived; quantization: "none" spelled out
+            assert defaults[name] == value, name
+
+
+def test_the_readme_matrix_is_the_table():
+    text = README.read_text()
+    m = re.search(r"<!-- compat-matrix:[^\n]*-->\n(.*?)\n<!-- /compat-matrix -->", text, re.S)
+    assert m, "README.md lacks the compat-matrix markers"
+    assert m.group(1).strip() == compat.markdown_matrix().strip(), "regenerate: python -m kvledger.compat"
+
+
+def test_a_session_turn_is_refused_with_the_tables_reason_under_pd():
+    cfg = EngineConfig.from_flat(disaggregation_mode="decode")
+    with pytest.raises(ValidationError, match="session turns do not work with PD disaggregation") as e:
+        compat.check_request(cfg, "sessions")
+    assert e.value.param == "session_params"
+    compat.check_request(EngineConfig(), "sessions")  # no PD: fine
