@@ -145,7 +145,7 @@ def main() -> int:
     ):
         eng = Engine(loaded_model=load_model(args.model), max_total_tokens=16384, **kw)
         label = f"{name}: {eng.core.info.dtype}, attention {eng.core.model.attention}"
-        label += ", int8 batch" if eng.core.cfg.enable_int8_batch else ""
+        label += ", int8 batch" if eng.core.cfg.kernels.enable_int8_batch else ""
         print(label)
         ids = ids or chat_ids(eng, texts)
         outs[name] = (label, run(eng, ids, args.max_new_tokens))
