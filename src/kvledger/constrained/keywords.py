@@ -177,7 +177,7 @@ class _Check:
     # -- each type's keywords --------------------------------------------------------------------
     def _string(self, s: dict, path: str) -> None:
         fmt, pattern = s.get("format"), s.get("pattern")
-        if fmt is not None and fmt not in FORMATS:
+        if isinstance(fmt, str) and fmt not in FORMATS:
             self.bad(path, "format", f"{fmt!r} is not checked (xgrammar checks {', '.join(sorted(FORMATS))})")
         if fmt is not None and pattern is not None:
             self.bad(path, "pattern", "beside format, xgrammar follows only the format")
@@ -282,7 +282,7 @@ class _Check:
         if any(k in s for k in ("$ref", *COMBINATORS)):
             return None
         t = s.get("type")
-        types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+        types = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else None
         if not types:
             return None
         return ("types", types, s)
@@ -304,14 +304,15 @@ def _discriminated(a: dict, b: dict) -> bool:
     """Two object schemas that require one property with const/enum values that differ."""
 
     def finite(s: dict, name: str) -> list | None:
-        p = (s.get("properties") or {}).get(name)
-        if not isinstance(p, dict) or name not in (s.get("required") or []):
+        props, required = s.get("properties"), s.get("required")
+        p = props.get(name) if isinstance(props, dict) else None
+        if not isinstance(p, dict) or not isinstance(required, list) or name not in required:
             return None
         if "const" in p:
             return [p["const"]]
         return p.get("enum") if isinstance(p.get("enum"), list) else None
 
-    for name in a.get("properties") or {}:
+    for name in a["properties"] if isinstance(a.get("properties"), dict) else ():
         va, vb = finite(a, name), finite(b, name)
         if va is not None and vb is not None and not {_value_key(v) for v in va} & {_value_key(v) for v in vb}:
             return True
