@@ -75,11 +75,6 @@ class ToolParser:
         last of them ends; ``([], 0)`` while the first is incomplete or if it is not a call."""
         raise NotImplementedError
 
-    def parse_calls(self, text: str) -> list[ToolCall] | None:
-        """All of ``text`` (from ``start``) as calls; None if any of it is not (yet) a call."""
-        calls, end = self.scan(text)
-        return calls if calls and not text[end:].strip() else None
-
     def system_prompt(self, tools: list[dict]) -> str:
         specs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
         example = self.format_call("<function-name>", {"<arg>": "<value>"})
@@ -111,8 +106,8 @@ class ToolParser:
         calls, end = self.scan(text[at:])
         if not calls:
             return (text, None) if final else (text[:at].rstrip(), None)
-        content, rest = text[:at].rstrip(), text[at + end :].strip() if final else ""
-        return "\n".join(x for x in (content, rest) if x), calls
+        rest = text[at + end :].strip() if final else ""
+        return "\n".join(x for x in (text[:at].rstrip(), rest) if x), calls
 
 
 def _skip(text: str, i: int, chars: str) -> int:
