@@ -238,3 +238,31 @@ def test_bad_grammars_are_400_and_allocate_nothing(smol_server, extra, param):
         assert err["param"] == param and err["type"] == "invalid_request_error", err
     assert smol_server.info()["memory"]["kv_free"] == before["kv_free"]
     assert httpx.get(smol_server.url + "/health_generate", timeout=60).status_code == 200
+
+
+ISSUE_37 = [  # accepted before, and the output broke them
+    ({"allOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "integer", "minimum": 5}]}, "allOf"),
+    ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "contains": {"const": 7},
+      "maxItems": 4}, "contains"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zzz"]}, "zzz"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema, named", ISSUE_37)
+def test_keywords_that_are_not_enforced_are_400_wherever_a_schema_enters(srv, schema, named):
+    """response_format (streamed or not) and native sampling_params.json_schema; tool parameters are
+    in test_tools_server.py. Each names the keyword, holds nothing and leaves the server healthy."""
+    before = srv.info()["memory"]
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        for stream in (False, True):
+            r = c.post("/v1/chat/completions", json={**chat_body("x", 1.0, response_format=rf), "stream": stream})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "unsupported_schema" and err["param"] == "json_schema", err
+            assert named in err["message"], err
+        for js in (schema, json.dumps(schema)):
+            r = c.post("/generate", json={"text": "x", "sampling_params": {"json_schema": js, "max_new_tokens": 8}})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_schema", r.text
+            assert named in r.json()["error"]["message"]
+    assert srv.info()["memory"]["kv_free"] == before["kv_free"]

@@ -1,13 +1,19 @@
-"""Tool calling through the real server on SmolLM2 with openai-python: a call -> tool result ->
-answer round trip, streamed and not; forced choices; bad tool specs as 400s."""
+"""Tool calling through the real server with openai-python: a call -> tool result -> answer round
+trip on SmolLM2, streamed and not; forced choices; pydantic tools (their $defs); parallel calls
+(OpenAI's parallel_tool_calls) whole and streamed, on the tiny random model, whose noisy calls
+exercise the grammar; bad tool specs and schemas as 400s that keep the connection."""
 
 from __future__ import annotations
 
+import enum
+import http.client
 import json
+import urllib.parse
 
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 pytestmark = pytest.mark.smollm2
@@ -62,33 +68,41 @@ def test_tool_call_round_trip_streamed_and_not(smol_server):
         tools=[WEATHER, TIME],
         tool_choice="required",
         temperature=0,
-        max_tokens=80,
+        max_tokens=160,
     )
     done = c.chat.completions.create(**kw)
     choice = done.choices[0]
     assert choice.finish_reason == "tool_calls", choice
-    [call] = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name in ("get_weather", "get_time")
-    params = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
-    jsonschema.validate(json.loads(call.function.arguments), params)
-    # The same request streamed gives the same call (greedy), as argument deltas.
-    content, calls, finish = streamed(c, **kw)
+    calls = choice.message.tool_calls  # required: one or more (SmolLM2 asks for both units)
+    assert calls and len({call.id for call in calls}) == len(calls)
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("get_weather", "get_time")
+        params = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), params)
+    # The same request streamed gives the same calls (greedy), as argument deltas.
+    content, streamed_calls, finish = streamed(c, **kw)
     assert finish == "tool_calls" and not content.strip()
-    assert [(x["name"], json.loads(x["arguments"])) for x in calls] == [
-        (call.function.name, json.loads(call.function.arguments))
+    assert [(x["name"], json.loads(x["arguments"])) for x in streamed_calls] == [
+        (call.function.name, json.loads(call.function.arguments)) for call in calls
     ]
-    # The tool's result goes back in a role "tool" message; the model answers in text.
+    # With parallel_tool_calls false, exactly one: the first of them.
+    [one] = c.chat.completions.create(parallel_tool_calls=False, **kw).choices[0].message.tool_calls
+    assert (one.function.name, one.function.arguments) == (calls[0].function.name, calls[0].function.arguments)
+    # Each tool's result goes back in a role "tool" message; the model answers in text.
     history = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 21, "sky": "sunny"})},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump() for call in calls]},
+        *(
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"celsius": 21, "sky": "sunny"})}
+            for call in calls
+        ),
     ]
     answer = c.chat.completions.create(
         model="default", messages=history, tools=[WEATHER, TIME], temperature=0, max_tokens=40
     )
     assert answer.choices[0].message.content
-    assert answer.usage.prompt_tokens > done.usage.prompt_tokens  # the call and its result are in the prompt
+    assert answer.usage.prompt_tokens > done.usage.prompt_tokens  # the calls and results are in the prompt
     text, _, fin = streamed(
         c, model="default", messages=history, tools=[WEATHER, TIME], temperature=0, max_tokens=40
     )
@@ -138,3 +152,123 @@ def test_bad_tools_are_400(smol_server, extra, param):
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+class Unit(str, enum.Enum):
+    celsius = "celsius"
+    fahrenheit = "fahrenheit"
+
+
+class Place(pydantic.BaseModel):
+    city: str
+    country: str
+
+
+class GetForecast(pydantic.BaseModel):
+    """The weather forecast for a place."""
+
+    place: Place
+    unit: Unit
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_pydantic_tool_with_defs_under_required_and_named(smol_server):
+    """openai.pydantic_function_tool's parameters use $defs/$ref, as response_format's do."""
+    c = client(smol_server)
+    tool = openai.pydantic_function_tool(GetForecast)
+    assert "$defs" in tool["function"]["parameters"]
+    ask = [{"role": "user", "content": "What will the weather be in Oslo, Norway for 3 days, in celsius?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "GetForecast"}}):
+        kw = dict(model="default", messages=ask, tools=[tool], tool_choice=choice, temperature=0, max_tokens=150)
+        done = c.chat.completions.parse(**kw)
+        choice_ = done.choices[0]
+        assert choice_.finish_reason == "tool_calls", choice_
+        calls = choice_.message.tool_calls
+        assert calls and all(isinstance(x.function.parsed_arguments, GetForecast) for x in calls)
+        _, streamed_calls, finish = streamed(c, **kw)
+        assert finish == "tool_calls"
+        assert [(x["name"], json.loads(x["arguments"])) for x in streamed_calls] == [
+            (x.function.name, json.loads(x.function.arguments)) for x in calls
+        ]
+    smol_server.wait_idle_clean()
+
+
+PICK = {
+    "type": "function",
+    "function": {"name": "pick", "description": "Pick a digit",
+                 "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                                "required": ["n"]}},
+}  # fmt: skip
+FLIP = {
+    "type": "function",
+    "function": {"name": "flip", "description": "Flip a coin",
+                 "parameters": {"type": "object", "properties": {"side": {"enum": ["heads", "tails"]}},
+                                "required": ["side"]}},
+}  # fmt: skip
+
+
+def test_parallel_tool_calls_whole_and_streamed(client):
+    """required: one or more calls (several on some seeds), each with its own id; with
+    parallel_tool_calls false exactly one. Streamed, each call has its own index, and its first delta
+    carries its id and name, the next ones its arguments; the calls are those of the whole answer."""
+    params = {"pick": PICK["function"]["parameters"], "flip": FLIP["function"]["parameters"]}
+    kw = dict(model="default", messages=[{"role": "user", "content": "Pick a digit and flip a coin."}],
+              tools=[PICK, FLIP], tool_choice="required", temperature=1.0, max_tokens=400)  # fmt: skip
+    counts = []
+    for seed in range(8):
+        for parallel in (True, False):
+            done = client.chat.completions.create(seed=seed, parallel_tool_calls=parallel, **kw)
+            choice = done.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            calls = choice.message.tool_calls
+            assert calls and (parallel or len(calls) == 1), calls
+            assert len({x.id for x in calls}) == len(calls)
+            for x in calls:
+                jsonschema.validate(json.loads(x.function.arguments), params[x.function.name])
+            counts.append(len(calls))
+            deltas, finish = [], None
+            for ch in client.chat.completions.create(stream=True, seed=seed, parallel_tool_calls=parallel, **kw):
+                if ch.choices:
+                    deltas += ch.choices[0].delta.tool_calls or []
+                    finish = ch.choices[0].finish_reason or finish
+            assert finish == "tool_calls"
+            whole = [(x.function.name, x.function.arguments) for x in calls]
+            assert [d.index for d in deltas] == [i for i in range(len(whole)) for _ in (0, 1)]
+            for i, (name, args) in enumerate(whole):
+                head, body = deltas[2 * i], deltas[2 * i + 1]
+                assert head.id.startswith("call_") and head.type == "function"
+                assert head.function.name == name and head.function.arguments == ""
+                assert body.id is None and body.function.name is None and body.function.arguments == args
+            assert len({deltas[2 * i].id for i in range(len(whole))}) == len(whole)
+    assert max(counts) >= 2, counts  # parallel calls do happen
+
+
+@pytest.mark.parametrize(
+    "schema, code, named",
+    [
+        ({"type": "object", "properties": {"a": {"type": "wat"}}}, "invalid_grammar", "wat"),
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "[unclosed"}}}, "invalid_grammar", "["),
+        ({"type": "object", "properties": {"a": {"type": "array", "contains": {"const": 1}}}}, "unsupported_schema", "contains"),
+        ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zzz"]}, "unsupported_schema", "zzz"),
+    ],
+)  # fmt: skip
+def test_tool_schemas_that_cannot_be_enforced_are_400_and_keep_the_connection(srv, schema, code, named):
+    url = urllib.parse.urlsplit(srv.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    bad = {"type": "function", "function": {"name": "broken", "parameters": schema}}
+    local = None
+    for choice in ("required", {"type": "function", "function": {"name": "broken"}}):
+        for stream in (False, True):
+            body = {"model": "default", "messages": ASK, "tools": [bad, PICK], "tool_choice": choice,
+                    "stream": stream, "max_tokens": 8}  # fmt: skip
+            conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+            r = conn.getresponse()
+            err = json.loads(r.read())["error"]
+            assert r.status == 400 and (r.getheader("connection") or "").lower() != "close", err
+            assert err["code"] == code and err["param"] == "tools.0.function.parameters", err
+            assert "broken" in err["message"] and named in err["message"], err
+            local = local or conn.sock.getsockname()
+            assert conn.sock.getsockname() == local  # the same keep-alive connection throughout
+    conn.request("GET", "/v1/models")
+    assert conn.getresponse().status == 200 and conn.sock.getsockname() == local
+    conn.close()

@@ -21,6 +21,7 @@ import torch
 from ..common.sampling import GRAMMAR_KINDS, SamplingParams
 from ..errors import ValidationError
 from .bitmask import bitmask_width
+from .keywords import unsupported_keywords
 
 log = logging.getLogger(__name__)
 
@@ -114,26 +115,20 @@ class GrammarBackend:
         return xgr
 
     def new_state(self, spec: GrammarSpec) -> GrammarState:
-        """Compile (or take from the cache) and start a matcher; ValidationError if it does not compile."""
+        """Compile (or take from the cache) and start a matcher; ValidationError if it does not compile
+        or uses a keyword that is not enforced."""
         if spec.kind == "json_schema" and spec.source != ANY_JSON:
-            bad = unenforced_keywords(json.loads(spec.source))
-            if bad:
-                raise ValidationError(
-                    f"json_schema uses {', '.join(bad)}, which structured outputs cannot enforce here; "
-                    "remove it or check the output yourself",
-                    param="json_schema",
-                    code="unsupported_schema",
-                )
+            grammar = json_schema_grammar(json.loads(spec.source), "json_schema", "json_schema")
+        else:
+            grammar = None
         xgr = self._xgr()
         try:
-            if spec.kind == "json_schema" and spec.source == ANY_JSON:
+            if grammar is not None:
+                compiled = self._compiler.compile_grammar(grammar)
+            elif spec.kind == "json_schema":
                 # Any JSON object (OpenAI's json_object), compact like the rest.
                 compiled = self._compiler.compile_json_schema(
                     '{"type": "object"}', any_whitespace=False, strict_mode=False
-                )
-            elif spec.kind == "json_schema":
-                compiled = self._compiler.compile_json_schema(
-                    spec.source, any_whitespace=False, strict_mode=True
                 )
             elif spec.kind == "regex":
                 compiled = self._compiler.compile_regex(spec.source)
@@ -147,31 +142,34 @@ class GrammarBackend:
         return GrammarState(matcher, self.vocab_size)
 
 
-# Keywords xgrammar 0.2 accepts but does not enforce (found by test: a violating instance passes). A
-# schema with one is refused rather than answered with output that breaks it.
-_UNENFORCED = ("uniqueItems", "not", "if", "then", "else", "dependentSchemas")
+# xgrammar 0.2.9 writes a string with minLength/maxLength as characters of [^"\\\r\n], which lets a
+# raw control character (a tab) through: invalid JSON. Its other strings exclude them; so do these.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
-def unenforced_keywords(schema) -> list[str]:
-    found: set[str] = set()
+def json_schema_grammar(schema, param: str, what: str):
+    """The grammar of a JSON schema (an ``xgrammar.Grammar``), compact and in strict mode, wherever a
+    schema enters (``response_format``, ``json_schema``, a tool's ``parameters``). A keyword that is
+    not enforced is a ValidationError ``unsupported_schema``, a schema that does not compile one
+    ``invalid_grammar``; ``what`` names the schema in the message, ``param`` the field."""
+    import xgrammar as xgr  # lazy: ~2 s, only for servers that see a constrained request
 
-    def walk(node) -> None:
-        if isinstance(node, dict):
-            found.update(k for k in _UNENFORCED if k in node and node[k] is not False)
-            if "pattern" in node and ("minLength" in node or "maxLength" in node):
-                found.add("pattern with minLength/maxLength")
-            for k, v in node.items():
-                if k in ("properties", "$defs", "definitions", "patternProperties") and isinstance(v, dict):
-                    for sub in v.values():  # keys here are names, not keywords
-                        walk(sub)
-                elif k not in ("enum", "const", "default", "examples"):
-                    walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(schema)
-    return sorted(found)
+    bad = unsupported_keywords(schema)
+    if bad:
+        raise ValidationError(
+            f"{what} uses keywords structured outputs cannot enforce: {'; '.join(bad)}. Remove them "
+            "or check the output yourself",
+            param=param,
+            code="unsupported_schema",
+        )
+    try:
+        text = str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True))
+        return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValidationError(
+            f"{what} does not compile: {_reason(e)}", param=param, code="invalid_grammar"
+        ) from None
 
 
 def _reason(e: Exception) -> str:

@@ -17,7 +17,8 @@ from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
 from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
-from .tools import ToolParser, check_tools, forced_grammar, make_parser, render_messages
+from .tool_grammar import tool_call_grammar
+from .tools import ToolParser, check_tools, make_parser, render_messages
 
 
 def sse(obj: Any) -> str:
@@ -169,13 +170,15 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = sampling_dict(body, max_tokens, body.logprobs, top)
         tools, forced = check_tools(body.tools, body.tool_choice)
-        if forced is not None:
-            if any(k in sp for k in GRAMMAR_KINDS):
-                raise ValidationError(
-                    "tool_choice required or a named function cannot be combined with another grammar",
-                    param="tool_choice",
-                )
-            sp["ebnf"] = forced_grammar(self.tool_parser, tools, forced)
+        if forced is not None and any(k in sp for k in GRAMMAR_KINDS):
+            raise ValidationError(
+                "tool_choice required or a named function cannot be combined with another grammar",
+                param="tool_choice",
+            )
+        if not any(k in sp for k in GRAMMAR_KINDS):  # auto beside a grammar of its own: that one decides
+            calls = tool_call_grammar(self.tool_parser, tools, forced, body.parallel_tool_calls is not False)
+            if calls is not None:
+                sp["ebnf"] = calls
         ids, params = validate_request(self.chat_input(body, tools=tools), sp, self.limits)
         base = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
         parser = self.tool_parser if tools else None

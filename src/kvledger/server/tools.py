@@ -1,6 +1,7 @@
 """Tool calling: the tool-call formats models are trained on (``--tool-call-parser``), how a
-conversation with tools is rendered, the grammar that enforces ``tool_choice`` ``required`` or a
-named function, and parsing a completion (whole, or as it streams) into OpenAI ``tool_calls``.
+conversation with tools is rendered, and parsing a completion (whole, or as it streams) into OpenAI
+``tool_calls``. The grammar that enforces ``tool_choice`` and ``parallel_tool_calls`` is built from
+each format's pieces in ``tool_grammar``.
 
 Formats:
 - ``hermes`` / ``qwen``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (one
@@ -45,28 +46,34 @@ def _loads_object(text: str) -> dict | None:
 
 
 class ToolParser:
-    """One tool-call format. ``start`` marks where calls begin in a completion."""
+    """One tool-call format. ``start`` marks where calls begin in a completion. A call is written
+    ``call_open(name) + arguments + call_close``; several are joined by ``separator`` inside
+    ``list_open ... list_close`` (what the tool-call grammar builds on)."""
 
     name = ""
     start = ""
     args_key = "arguments"
+    separator = "\n"
+    list_open = ""
+    list_close = ""
+    call_close = "}"
+
+    def call_open(self, name: str) -> str:
+        return f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{self.args_key}": '
 
     def format_call(self, name: str, arguments: dict) -> str:
-        raise NotImplementedError
+        return self.format_calls([(name, arguments)])
 
     def format_calls(self, calls: list[tuple[str, dict]]) -> str:
-        return "\n".join(self.format_call(n, a) for n, a in calls)
+        body = self.separator.join(
+            self.call_open(n) + json.dumps(a, ensure_ascii=False) + self.call_close for n, a in calls
+        )
+        return self.list_open + body + self.list_close
 
-    def parse_calls(self, text: str) -> list[ToolCall] | None:
-        """The calls in ``text`` (which starts at ``start``); None if it is not (yet) complete."""
+    def scan(self, text: str) -> tuple[list[ToolCall], int]:
+        """The complete calls at the beginning of ``text`` (which starts at ``start``) and where the
+        last of them ends; ``([], 0)`` while the first is incomplete or if it is not a call."""
         raise NotImplementedError
-
-    def call_body_schema(self, name: str, parameters: dict) -> dict:
-        return {
-            "type": "object",
-            "properties": {"name": {"const": name}, self.args_key: parameters or {"type": "object"}},
-            "required": ["name", self.args_key],
-        }
 
     def system_prompt(self, tools: list[dict]) -> str:
         specs = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
@@ -85,8 +92,10 @@ class ToolParser:
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall] | None]:
-        """``(content, calls)``: the text before the calls (minus a partial ``start`` still being
-        written, unless ``final``) and the calls once complete (None while none or incomplete)."""
+        """``(content, calls)``: the text before the calls and the complete calls so far (None while
+        there is none). While streaming (not ``final``), a partial ``start`` and what follows the last
+        complete call are held back; at the end, text that is not a complete call is content, so
+        nothing is lost (an unfinished call is shown as text) and a streamed call is never taken back."""
         at = text.find(self.start)
         if at < 0:
             if not final:  # hold back what may be the beginning of ``start``
@@ -94,33 +103,40 @@ class ToolParser:
                     if self.start.startswith(text[-k:]):
                         return text[:-k], None
             return text, None
-        calls = self.parse_calls(text[at:])
-        if calls is None and final:
-            return text, None  # an unfinished call is shown as text: nothing is lost
-        return text[:at].rstrip(), calls
+        calls, end = self.scan(text[at:])
+        if not calls:
+            return (text, None) if final else (text[:at].rstrip(), None)
+        rest = text[at + end :].strip() if final else ""
+        return "\n".join(x for x in (text[:at].rstrip(), rest) if x), calls
+
+
+def _skip(text: str, i: int, chars: str) -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
 
 
 class HermesParser(ToolParser):
     name = "hermes"
     start = "<tool_call>"
     end = "</tool_call>"
+    call_close = "}\n</tool_call>"
 
-    def format_call(self, name: str, arguments: dict) -> str:
-        body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-        return f"{self.start}\n{body}\n{self.end}"
+    def call_open(self, name: str) -> str:
+        return f"{self.start}\n" + super().call_open(name)
 
-    def parse_calls(self, text: str) -> list[ToolCall] | None:
-        calls, rest = [], text
-        while rest.strip():
-            rest = rest.strip()
-            if not rest.startswith(self.start) or self.end not in rest:
-                return None
-            body, rest = rest[len(self.start) :].split(self.end, 1)
-            call = self._call(_loads_object(body.strip()))
+    def scan(self, text: str) -> tuple[list[ToolCall], int]:
+        calls, done = [], 0
+        while True:
+            i = _skip(text, done, " \n\t")
+            j = text.find(self.end, i)
+            if not text.startswith(self.start, i) or j < 0:
+                return calls, done
+            call = self._call(_loads_object(text[i + len(self.start) : j].strip()))
             if call is None:
-                return None
+                return calls, done
             calls.append(call)
-        return calls or None
+            done = j + len(self.end)
 
 
 PYTHON_TAG = "<|python_tag|>"
@@ -130,60 +146,65 @@ class Llama3Parser(ToolParser):
     name = "llama3"
     start = '{"name"'
     args_key = "parameters"
-
-    def format_call(self, name: str, arguments: dict) -> str:
-        return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
-
-    def format_calls(self, calls: list[tuple[str, dict]]) -> str:
-        return "; ".join(self.format_call(n, a) for n, a in calls)
+    separator = "; "
 
     def split(self, text: str, final: bool) -> tuple[str, list[ToolCall] | None]:
-        content, calls = super().split(text, final)
         # Llama 3.1 may open its calls with <|python_tag|>: a marker, not content.
-        return (content.replace(PYTHON_TAG, "").rstrip() if calls else content), calls
+        content, calls = super().split(text.replace(PYTHON_TAG, ""), final)
+        return (content, calls) if calls else super().split(text, final)
 
-    def parse_calls(self, text: str) -> list[ToolCall] | None:
+    def scan(self, text: str) -> tuple[list[ToolCall], int]:
         dec = json.JSONDecoder()
-        calls, i = [], 0
-        text = text.replace(PYTHON_TAG, "")
-        while i < len(text):
-            while i < len(text) and text[i] in " \n\t;":
-                i += 1
-            if i >= len(text):
-                break
+        calls, done = [], 0
+        while True:
+            i = _skip(text, done, " \n\t;")
             try:
-                obj, i = dec.raw_decode(text, i)
+                obj, j = dec.raw_decode(text, i)
             except json.JSONDecodeError:
-                return None
+                return calls, done
             call = self._call(obj if isinstance(obj, dict) else None)
             if call is None:
-                return None
+                return calls, done
             calls.append(call)
-        return calls or None
+            done = j
 
 
 class MistralParser(ToolParser):
     name = "mistral"
     start = "[TOOL_CALLS]"
+    separator = ", "
+    list_open = "[TOOL_CALLS] ["
+    list_close = "]"
 
-    def format_call(self, name: str, arguments: dict) -> str:
-        return self.format_calls([(name, arguments)])
-
-    def format_calls(self, calls: list[tuple[str, dict]]) -> str:
-        body = [{"name": n, "arguments": a} for n, a in calls]
-        return f"{self.start} {json.dumps(body, ensure_ascii=False)}"
-
-    def parse_calls(self, text: str) -> list[ToolCall] | None:
-        try:
-            items = json.loads(text[len(self.start) :])
-        except json.JSONDecodeError:
-            return None
-        if isinstance(items, dict):
-            items = [items]
-        if not isinstance(items, list):
-            return None
-        calls = [self._call(x if isinstance(x, dict) else None) for x in items]
-        return None if not calls or None in calls else calls
+    def scan(self, text: str) -> tuple[list[ToolCall], int]:
+        dec = json.JSONDecoder()
+        i = _skip(text, len(self.start), " \n\t")
+        if text.startswith("{", i):  # one call without the list
+            try:
+                obj, j = dec.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return [], 0
+            call = self._call(obj if isinstance(obj, dict) else None)
+            return ([call], j) if call else ([], 0)
+        if not text.startswith("[", i):
+            return [], 0
+        calls, done, i = [], 0, i + 1
+        while True:
+            i = _skip(text, i, " \n\t")
+            try:
+                obj, i = dec.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return calls, done
+            call = self._call(obj if isinstance(obj, dict) else None)
+            if call is None:
+                return calls, done
+            calls.append(call)
+            done = i = _skip(text, i, " \n\t")
+            if text.startswith("]", i):
+                return calls, i + 1
+            if not text.startswith(",", i):
+                return calls, done
+            i += 1
 
 
 PARSERS: dict[str, type[ToolParser]] = {
@@ -245,37 +266,6 @@ def check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
     if name not in names:
         raise ValidationError(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
     return tools, name
-
-
-def forced_grammar(parser: ToolParser, tools: list[dict], forced: str) -> str:
-    """EBNF that admits exactly one call of the forced function (or of any tool for ``*``), in the
-    parser's format. Built with xgrammar's grammar algebra and handed to the engine as ``ebnf``."""
-    import xgrammar as xgr
-
-    def one(fn: dict) -> object:
-        body = xgr.Grammar.from_json_schema(
-            json.dumps(parser.call_body_schema(fn["name"], fn.get("parameters") or {"type": "object"})),
-            any_whitespace=False,
-        )
-        before, after = _wrappers(parser)
-        parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(before)}")] if before else []
-        parts.append(body)
-        if after:
-            parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(after)}"))
-        return xgr.Grammar.concat(*parts) if len(parts) > 1 else body
-
-    fns = [t["function"] for t in tools if forced in ("*", t["function"]["name"])]
-    grammars = [one(fn) for fn in fns]
-    g = xgr.Grammar.union(*grammars) if len(grammars) > 1 else grammars[0]
-    return str(g)
-
-
-def _wrappers(parser: ToolParser) -> tuple[str, str]:
-    if isinstance(parser, HermesParser):
-        return parser.start + "\n", "\n" + parser.end
-    if isinstance(parser, MistralParser):
-        return parser.start + " [", "]"
-    return "", ""
 
 
 def render_messages(
