@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import json
 import re
@@ -168,16 +169,16 @@ def test_what_the_router_calls(srv):
     assert [{k: v for k, v in r.items() if k != "ts_tic"} for r in idle] == [
         {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
     ]
-    # While a request runs, the router sees it and its tokens (the figures are at most 0.1 s old).
-    body = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}, "stream": True}
-    with httpx.stream("POST", srv.url + "/generate", json=body, timeout=60) as resp:
-        for ln in resp.iter_lines():
-            if ln.startswith("data: {"):
-                break  # running now
-        deadline = time.monotonic() + 5
+    # While requests run, the router sees them and their tokens (the figures are at most 0.1 s old;
+    # eight long requests keep the tiny model busy for a second or so).
+    body = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(gen, srv, body) for _ in range(8)]
+        deadline = time.monotonic() + 10
         while (load := httpx.get(srv.url + "/get_load").json())[0]["num_reqs"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 1 and load[0]["num_tokens"] >= 5, load
+            time.sleep(0.01)
+        assert all(f.result().status_code == 200 for f in futures)
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] >= 1 and load[0]["num_tokens"] >= 5, load
     body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 12345}  # fmt: skip
     assert gen(srv, body).status_code == 200
