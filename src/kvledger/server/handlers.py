@@ -13,6 +13,7 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import KVLedgerError, ValidationError, error_body
+from .fields import check_fields
 
 log = logging.getLogger("kvledger.server")
 
@@ -31,9 +32,11 @@ async def parse_body(request: Request, model: type[BaseModel]):
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValidationError(f"malformed JSON body: {e}", code="invalid_json") from None
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except PydanticValidationError as e:
         raise RequestValidationError(e.errors()) from None
+    check_fields(body)  # peer fields not implemented: 400; unknown ones: a warning
+    return body
 
 
 def install(app: FastAPI) -> None:
