@@ -29,8 +29,10 @@ async def parse_body(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValidationError(f"malformed JSON body: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError: not JSON, not UTF-8, or an integer too long to convert; RecursionError:
+        # nesting deeper than the parser goes. All the client's body, none a fault of ours.
+        raise ValidationError(f"malformed JSON body: {str(e)[:200]}", code="invalid_json") from None
     try:
         body = model.model_validate(data)
     except PydanticValidationError as e:
