@@ -38,7 +38,10 @@ KNOWN_OPENAI = frozenset(
         "no_logs", "conversation_id", "routing_key",  # SGLang: logging, tracking, routing hints
     }
 )  # fmt: skip
-KNOWN_GENERATE = KNOWN_OPENAI | {"log_metrics", "bootstrap_pair_key", "decode_tp_size", "received_time"}
+KNOWN_GENERATE = KNOWN_OPENAI | {
+    "log_metrics", "bootstrap_pair_key", "decode_tp_size", "received_time",
+    "model",  # SGLang's router adds it to what it forwards to /generate
+}  # fmt: skip
 
 _OPENAI_REFUSED: Refused = {
     # OpenAI

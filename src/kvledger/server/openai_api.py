@@ -25,10 +25,10 @@ def sse(obj: Any) -> str:
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, which SGLang and vLLM keep
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # "max": SGLang's
 # apply_chat_template's own arguments: chat_template_kwargs may not reach them (a client's template).
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
      "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
      "return_assistant_tokens_mask", "tokenizer_kwargs"}
 )  # fmt: skip
