@@ -208,6 +208,12 @@ def test_peer_fields_are_implemented_or_refused_and_unknown_ones_logged(srv):
         # Sent with its default it asks for nothing, and is accepted.
     for name, value in (("logit_bias", None), ("use_beam_search", False), ("echo", False), ("priority", 0)):
         assert _post(srv, "/v1/chat/completions", {**body, name: value}).status_code == 200, name
+    # The same inside messages: OpenAI's deprecated function_call is refused, reasoning is rendered.
+    said = {"role": "assistant", "content": "ok", "function_call": {"name": "f", "arguments": "{}"}}
+    r = _post(srv, "/v1/chat/completions", {**body, "messages": [*HI, said, *HI]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "function_call", r.text
+    said = {"role": "assistant", "content": "ok", "reasoning_content": "hm", "refusal": None}
+    assert _post(srv, "/v1/chat/completions", {**body, "messages": [*HI, said, *HI]}).status_code == 200
     r = _post(srv, "/generate", {"text": "x", "return_hidden_states": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_hidden_states"
     r = _post(srv, "/v1/chat/completions", {**body, "zzz_unknown_field": 1, "min_tokens": 2,

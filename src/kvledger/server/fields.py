@@ -103,7 +103,13 @@ def _asks_nothing(value: Any, neutral: tuple[Any, ...]) -> bool:
 
 
 def check_fields(body: BaseModel) -> None:
-    """Refuse the peer fields ``body``'s type does not implement; log the unknown ones."""
+    """Refuse the peer fields ``body``'s type does not implement; log the unknown ones. The models
+    inside it (messages, stream options) are checked the same way."""
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        for item in value if isinstance(value, list) else (value,):
+            if isinstance(item, BaseModel):
+                check_fields(item)
     extra = body.model_extra or {}
     if not extra:
         return

@@ -189,7 +189,7 @@ class OpenAIServing:
             if isinstance(content, list):
                 content = "".join(text_parts(content))
             msg: dict[str, Any] = {"role": m.role, "content": content or ""}
-            for k in ("tool_calls", "tool_call_id", "name"):
+            for k in ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning"):
                 if getattr(m, k) is not None:
                     msg[k] = getattr(m, k)
             msgs.append(msg)

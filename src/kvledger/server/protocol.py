@@ -38,6 +38,8 @@ class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM/SGLang: usage in every chunk
 
+    known_fields: ClassVar[frozenset[str]] = frozenset({"include_obfuscation"})  # OpenAI's padding: none here
+
 
 class _OpenAICommon(_Strict):
     model: str | None = None
@@ -91,6 +93,12 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant turn's reasoning, given back to templates that render it (SGLang's and vLLM's names).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    refused_fields: ClassVar[fields.Refused] = {"audio": (None,), "function_call": (None,)}
+    known_fields: ClassVar[frozenset[str]] = frozenset({"refusal"})  # OpenAI's answer echoed back
 
 
 class ChatRequest(_OpenAICommon):
