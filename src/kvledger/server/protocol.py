@@ -145,6 +145,8 @@ class DetokenizeRequest(_Strict):
 class RidBody(_Strict):
     rid: str
 
+    refused_fields: ClassVar[fields.Refused] = {"abort_all": (None, False)}  # SGLang's
+
 
 class OpenSessionBody(_Strict):
     session_id: str | None = None
