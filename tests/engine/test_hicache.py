@@ -363,6 +363,24 @@ def test_storage_dir_is_private_and_keys_are_salted(make_engine, tmp_path):
     assert same.generate(input_ids=prompt, sampling_params=G)["meta_info"]["cached_tokens"] > 0
 
 
+def test_a_request_cache_salt_separates_the_files_too(make_engine, tmp_path):
+    """A request's cache_salt is in its page keys: another salt (or none) never reads its files."""
+    prompt = _workload(families=1, repeats=1)[0]
+    d = str(tmp_path / "l3")
+    first = _hier(make_engine, hicache_storage_backend="file", hicache_storage_dir=d)
+    want = first.generate(input_ids=prompt, sampling_params={**G, "cache_salt": "a"})["output_ids"]
+    assert_idle_clean(first)
+    assert _hc(first)["l3_files"] > 0
+    first.shutdown()
+    for salt, hit in ((None, False), ("b", False), ("a", True)):
+        eng = _hier(make_engine, hicache_storage_backend="file", hicache_storage_dir=d)
+        out = eng.generate(input_ids=prompt, sampling_params={**G, "cache_salt": salt})
+        assert (out["meta_info"]["cached_tokens"] > 0, _hc(eng)["l3_hit_tokens"] > 0) == (hit, hit), salt
+        assert out["output_ids"] == want
+        assert_idle_clean(eng)
+        eng.shutdown()
+
+
 def test_without_a_salt_one_is_kept_in_the_dir(make_engine, tmp_path):
     prompt = _workload(families=1, repeats=1)[0]
     d, _ = _written(make_engine, tmp_path, prompt)

@@ -58,9 +58,15 @@ def test_over_long_input_rejected_while_others_run(make_engine):
     assert len(eng.result(runner)["output_ids"]) == 40
 
 
-def test_prompt_plus_max_tokens_over_context_is_clamped(make_engine):
+def test_prompt_plus_max_tokens_over_context(make_engine):
+    """An explicit max_new_tokens that does not fit is refused (as SGLang); the default is clamped."""
     eng = make_engine(max_total_tokens=256)
-    out = eng.generate(input_ids=[9] * 250, sampling_params={**GREEDY, "max_new_tokens": 100})
+    before = eng.memory()
+    with pytest.raises(ValidationError) as e:
+        eng.generate(input_ids=[9] * 250, sampling_params={**GREEDY, "max_new_tokens": 100})
+    assert e.value.code == "context_length_exceeded" and "250 in the prompt, 100 in the completion" in str(e.value)
+    assert eng.memory() == before
+    out = eng.generate(input_ids=[9] * 250, sampling_params={**GREEDY, "ignore_eos": True})
     assert len(out["output_ids"]) == 6 and out["meta_info"]["finish_reason"]["type"] == "length"
 
 

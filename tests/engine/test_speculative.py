@@ -115,8 +115,10 @@ def test_context_length_cuts_speculation(make_engine):
     """Drafts never run past the context; the request ends at it exactly as without speculation."""
     plain, spec = _pair(make_engine, context_length=48)
     p = _prompts(3)[2]  # 19 tokens
-    a = plain.generate(input_ids=p, sampling_params={**G, "max_new_tokens": 100})
-    b = spec.generate(input_ids=p, sampling_params={**G, "max_new_tokens": 100})
+    # No max_new_tokens: the default (128) is cut to what the context leaves (an explicit 100: a 400).
+    sp = {"temperature": 0, "ignore_eos": True}
+    a = plain.generate(input_ids=p, sampling_params=sp)
+    b = spec.generate(input_ids=p, sampling_params=sp)
     assert a["output_ids"] == b["output_ids"] and len(b["output_ids"]) == 48 - len(p)
     assert b["meta_info"]["finish_reason"]["type"] == "length" and b["meta_info"]["spec_verify_ct"] > 0
     assert_idle_clean(spec)

@@ -54,8 +54,27 @@ def test_context_length_code_and_clamp():
     with pytest.raises(ValidationError) as e:
         validate_request([1] * 100, {}, LIMITS)
     assert e.value.code == "context_length_exceeded"
-    _, p = validate_request([1] * 90, {"max_new_tokens": 50}, LIMITS)
+    # A default is cut to what the context leaves; None: all of it.
+    _, p = validate_request([1] * 90, {}, LIMITS)
     assert p.max_new_tokens == 10
+    _, p = validate_request([1] * 30, {}, LIMITS, default_max_new_tokens=None)
+    assert p.max_new_tokens == 70
+    _, p = validate_request([1] * 30, {}, LIMITS, default_max_new_tokens=16)
+    assert p.max_new_tokens == 16
+    _, p = validate_request([1] * 90, {"max_new_tokens": 10}, LIMITS)
+    assert p.max_new_tokens == 10
+
+
+def test_max_new_tokens_beyond_the_context_is_refused_with_the_numbers():
+    """As OpenAI, vLLM and SGLang: a length the client asked for that does not fit is a 400."""
+    with pytest.raises(ValidationError) as e:
+        validate_request([1] * 90, {"max_new_tokens": 11}, LIMITS, max_param="max_tokens", prompt_name="messages")
+    err = e.value
+    assert err.code == "context_length_exceeded" and err.param == "max_tokens" and err.status == 400
+    assert err.message == (
+        "This model's maximum context length is 100 tokens. However, you requested 101 tokens "
+        "(90 in the messages, 11 in the completion). Please reduce the length of the messages or completion."
+    )
 
 
 def test_good_request_normalised():

@@ -4,13 +4,14 @@ the one validation, prompt parsing, and the messages between the two processes."
 from .outputs import FinishReason, RequestOutput, meta_info
 from .prompts import parse_prompts
 from .sampling import SamplingParams
-from .validation import Limits, validate_request, validate_sampling
+from .validation import Limits, cache_salt_of, validate_request, validate_sampling
 
 __all__ = [
     "FinishReason",
     "Limits",
     "RequestOutput",
     "SamplingParams",
+    "cache_salt_of",
     "meta_info",
     "parse_prompts",
     "validate_request",

@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # SGLang: keep the matched stop string in the text (vLLM's include_stop_str_in_output)
     # Prompt logprobs (scoring): the logprob of every prompt token from this index on (the first
     # token's is None); -1: none. Positions asked for are computed, never taken from a cache.
     logprob_start_len: int = -1
@@ -35,6 +36,9 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Not a sampling choice but it travels with them: requests with different salts never share
+    # prefix-cache KV (vLLM's ``cache_salt``, SGLang's ``extra_key``); None shares with every unsalted one.
+    cache_salt: str | None = None
 
     @property
     def wants_logprobs(self) -> bool:

@@ -16,6 +16,8 @@ from ..errors import ValidationError
 from .sampling import GRAMMAR_KINDS, SamplingParams
 
 MAX_SEED = 2**63 - 1
+MAX_CACHE_SALT_LEN = 1024  # vLLM's bound, for each of cache_salt and extra_key
+DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens  # /generate's and the offline Engine's (SGLang: 128)
 
 
 @dataclass
@@ -145,7 +147,13 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
             if not _is_int(t) or not 0 <= t < limits.vocab_size:
                 raise _bad("stop_token_ids", f"stop token id {t!r} is not in [0, {limits.vocab_size})")
         p.stop_token_ids = list(ids)
-    for flag in ("ignore_eos", "logprobs", "skip_special_tokens"):
+    salt = d.get("cache_salt")
+    if salt is not None:
+        # Up to cache_salt_of's pair of a cache_salt and an extra_key.
+        if not isinstance(salt, str) or not 1 <= len(salt) <= 2 * MAX_CACHE_SALT_LEN + 8:
+            raise _bad("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_LEN} characters")
+        p.cache_salt = salt
+    for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim"):
         if d.get(flag) is not None:
             if not isinstance(d[flag], bool):
                 raise _bad(flag, f"{flag} must be a boolean")
@@ -183,23 +191,56 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
     return p
 
 
+def cache_salt_of(cache_salt: Any, extra_key: Any = None) -> str | None:
+    """The request-level ``cache_salt`` (vLLM) and ``extra_key`` (SGLang) as one salt: requests share
+    prefix-cache KV only when both are equal."""
+    for name, v in (("cache_salt", cache_salt), ("extra_key", extra_key)):
+        if v is not None and (not isinstance(v, str) or not 1 <= len(v) <= MAX_CACHE_SALT_LEN):
+            raise _bad(name, f"{name} must be a string of 1 to {MAX_CACHE_SALT_LEN} characters")
+    if cache_salt is None and extra_key is None:
+        return None
+    ek = extra_key or ""
+    return f"{len(ek)}:{ek}{cache_salt or ''}"  # the length prefix keeps the pair unambiguous
+
+
 def validate_request(
-    input_ids: Any, sampling: dict | None, limits: Limits
+    input_ids: Any,
+    sampling: dict | None,
+    limits: Limits,
+    *,
+    default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
+    max_param: str = "max_new_tokens",
+    prompt_name: str = "prompt",
 ) -> tuple[list[int], SamplingParams]:
     """The one validation: token ids, sampling parameters and context length.
 
-    A prompt of ``context_length`` tokens or more is refused (code ``context_length_exceeded``);
-    a prompt that fits but whose ``max_new_tokens`` would overflow the context has
-    ``max_new_tokens`` clamped to what is left (as SGLang does).
+    A prompt of ``context_length`` tokens or more is refused (code ``context_length_exceeded``). So
+    is a ``max_new_tokens`` the client gave that does not fit in what the context leaves, with the
+    numbers (as OpenAI, vLLM and SGLang answer; ``max_param`` and ``prompt_name`` are the client's
+    names for the two). Without one, the request gets ``default_max_new_tokens`` (None: all the
+    context leaves) cut to what the context leaves.
     """
     ids = validate_input_ids(input_ids, limits)
     params = validate_sampling(sampling, limits)
-    if len(ids) >= limits.context_length:
+    ctx, n = limits.context_length, len(ids)
+    if n >= ctx:
         raise ValidationError(
-            f"the prompt has {len(ids)} tokens; this model's context is {limits.context_length} tokens "
+            f"the prompt has {n} tokens; this model's context is {ctx} tokens "
             f"(prompt and output together), so the prompt must be shorter",
             param="input_ids",
             code="context_length_exceeded",
         )
-    params.max_new_tokens = min(params.max_new_tokens, limits.context_length - len(ids))
+    if sampling is not None and sampling.get("max_new_tokens") is not None:
+        m = params.max_new_tokens
+        if n + m > ctx:
+            raise ValidationError(
+                f"This model's maximum context length is {ctx} tokens. However, you requested {n + m} "
+                f"tokens ({n} in the {prompt_name}, {m} in the completion). Please reduce the length "
+                f"of the {prompt_name} or completion.",
+                param=max_param,
+                code="context_length_exceeded",
+            )
+    else:
+        default = ctx - n if default_max_new_tokens is None else default_max_new_tokens
+        params.max_new_tokens = min(default, ctx - n)
     return ids, params

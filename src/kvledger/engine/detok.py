@@ -21,6 +21,7 @@ class TextState:
     tokenizer: Any
     skip_special_tokens: bool = True
     stop: list[str] = field(default_factory=list)
+    trim_stop: bool = True  # False: the final text keeps the stop string or token (``no_stop_trim``)
     text: str = ""  # the text that is safe to show so far
 
     def update(self, output_ids: list[int], finish: FinishReason | None) -> str:
@@ -28,11 +29,12 @@ class TextState:
         if self.tokenizer is None:
             return ""
         ids = output_ids
-        if finish is not None and finish.type == "stop" and isinstance(finish.matched, int) and ids:
+        trim = finish is not None and finish.type == "stop" and self.trim_stop
+        if trim and isinstance(finish.matched, int) and ids:
             ids = ids[:-1]  # the stop token itself is not text
         full = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         if finish is not None:
-            if finish.type == "stop" and isinstance(finish.matched, str):
+            if trim and isinstance(finish.matched, str):
                 i = full.find(finish.matched)
                 full = full if i == -1 else full[:i]
             self.text = full

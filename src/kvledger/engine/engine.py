@@ -92,7 +92,7 @@ class Engine:
                 p = r.params
                 self._tracks[r.rid] = _Track(
                     r,
-                    TextState(self.core.tokenizer, p.skip_special_tokens, p.stop),
+                    TextState(self.core.tokenizer, p.skip_special_tokens, p.stop, not p.no_stop_trim),
                     prompt=PromptLogprobs(r.input_ids, p.logprob_start_len, p.top_logprobs)
                     if p.logprob_start_len >= 0
                     else None,

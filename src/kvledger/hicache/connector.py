@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..connector import KVConnector
+from ..memory.cache_key import cache_key
 from .tiers import Tiers
 
 
@@ -51,7 +52,8 @@ class HiCacheConnector(KVConnector):
         if self.tiers.prefetch_pending(req):
             return None, False
         t = self.tiers
-        host, _ = t.tree.match_host(req.prefix_node, req.fill_ids[: req.reuse_limit], num_computed_tokens)
+        tokens = cache_key(req.fill_ids, req.params.cache_salt, t.page_size)[: req.reuse_limit]
+        host, _ = t.tree.match_host(req.prefix_node, tokens, num_computed_tokens)
         n = len(host) * t.page_size
         if n < max(t.load_back_threshold, 1):
             t.stats.loads_skipped_small += bool(n)

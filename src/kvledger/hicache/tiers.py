@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass
 
+from ..memory.cache_key import cache_key
 from ..memory.pools import KVBuffer
 from .host_pool import HostPool
 from .io import PrefetchOp, StorageIO, StoreOp
@@ -113,7 +114,7 @@ class Tiers:
         if self.io is None or req.session is not None:
             return
         ps = self.page_size
-        tokens = req.fill_ids[: req.reuse_limit]
+        tokens = cache_key(req.fill_ids, req.params.cache_salt, ps)[: req.reuse_limit]
         npages = len(tokens) // ps
         have = self.tree.covered(tokens) // ps
         if (npages - have) * ps < self.prefetch_threshold:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import MemoryLedgerError
+from .cache_key import cache_key
 from .ledger import Holding, Ledger
 from .pools import PagePool, ReqSlotPool
 from .radix import RadixCache
@@ -119,18 +120,21 @@ class KVManager:
             self.sessions.evict_idle(n - self.pages.num_free)
         return self.pages.alloc(n, owner)
 
+    def cache_key(self, req) -> list[int]:
+        """``req``'s tokens as the prefix cache keys them (salted by its ``cache_salt``)."""
+        return cache_key(req.fill_ids, req.params.cache_salt, self.page_size)
+
     def admit(self, req) -> bool:
         """Give ``req`` a request slot and its cached prefix (locked). False: no slot free."""
         assert req.slot is None and not req.pages
         slot = self.slots.alloc(f"req {req.rid}")
         if slot is None:
             return False
-        fill = req.fill_ids
         if req.session is not None:
             pages, node = self.sessions.borrow(req), None
         else:
             # At least one token is always computed, so there are logits (see Req.reuse_limit).
-            pages, node = self.tree.match_prefix(fill[: req.reuse_limit])
+            pages, node = self.tree.match_prefix(self.cache_key(req)[: req.reuse_limit])
             self.tree.inc_lock(node)
         req.slot = slot
         req.pages = list(pages)
@@ -185,7 +189,7 @@ class KVManager:
         if commit and self.tree.enabled:
             aligned = req.kv_len // ps
             self.free(req.pages[aligned:], owner)  # partial page and over-allocation
-            present = self.tree.insert(req.fill_ids[: aligned * ps], req.pages[:aligned]) // ps
+            present = self.tree.insert(self.cache_key(req)[: aligned * ps], req.pages[:aligned]) // ps
             # [num_tree_pages, present): someone else cached the same tokens meanwhile -> duplicates.
             self.free(req.pages[first_private:present], owner)
             self.pages.set_owner(req.pages[max(present, first_private) : aligned], "radix")

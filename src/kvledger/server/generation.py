@@ -111,9 +111,8 @@ class GenerationService:
         ``owner`` is who may abort it besides the admin (default: the calling principal);
         ``disagg`` its bootstrap room in PD mode."""
         rid = rid or uuid.uuid4().hex
-        st = GenState(
-            rid, params, TextState(self.tokenizer, params.skip_special_tokens, params.stop), len(input_ids)
-        )
+        text = TextState(self.tokenizer, params.skip_special_tokens, params.stop, not params.no_stop_trim)
+        st = GenState(rid, params, text, len(input_ids))
         if params.logprob_start_len >= 0:
             st.prompt = PromptLogprobs(input_ids, params.logprob_start_len, params.top_logprobs)
         t0 = time.monotonic()

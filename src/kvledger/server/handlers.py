@@ -13,6 +13,7 @@ from pydantic import ValidationError as PydanticValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import KVLedgerError, ValidationError, error_body
+from .fields import check_fields
 
 log = logging.getLogger("kvledger.server")
 
@@ -28,12 +29,16 @@ async def parse_body(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValidationError(f"malformed JSON body: {e}", code="invalid_json") from None
+    except (ValueError, RecursionError) as e:
+        # ValueError: not JSON, not UTF-8, or an integer too long to convert; RecursionError:
+        # nesting deeper than the parser goes. All the client's body, none a fault of ours.
+        raise ValidationError(f"malformed JSON body: {str(e)[:200]}", code="invalid_json") from None
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except PydanticValidationError as e:
         raise RequestValidationError(e.errors()) from None
+    check_fields(body)  # peer fields not implemented: 400; unknown ones: a warning
+    return body
 
 
 def install(app: FastAPI) -> None:

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..common import SamplingParams, parse_prompts, validate_request
+from ..common import SamplingParams, cache_salt_of, parse_prompts, validate_request
 from ..common.disagg import parse_disagg
 from ..common.prompts import split_openai_prompt
 from ..common.sampling import GRAMMAR_KINDS
@@ -25,10 +25,25 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, which SGLang and vLLM keep
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # "max": SGLang's
+# apply_chat_template's own arguments: chat_template_kwargs may not reach them (a client's template).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+     "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
-    """OpenAI fields -> SGLang sampling params (range checks happen in the one validation)."""
+    """OpenAI fields -> SGLang sampling params (range checks happen in the one validation). Without
+    ``max_tokens`` there is no ``max_new_tokens``: the endpoint's default applies (``validate_request``)."""
+    rf = response_format_grammar(body.response_format)
+    if rf and body.json_schema is not None:
+        raise ValidationError("give json_schema or response_format, not both", param="json_schema")
+    trims = [v for v in (body.no_stop_trim, body.include_stop_str_in_output) if v is not None]
     d: dict[str, Any] = {
-        "max_new_tokens": 16 if max_tokens is None else max_tokens,
+        "max_new_tokens": max_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,
@@ -44,7 +59,14 @@ def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, t
         "top_logprobs": top_logprobs,
         "regex": body.regex,
         "ebnf": body.ebnf,
-        **response_format_grammar(body.response_format),
+        "json_schema": body.json_schema,
+        **rf,
+        "stop_regex": body.stop_regex,
+        "min_new_tokens": body.min_tokens,
+        "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
+        "no_stop_trim": any(trims) if trims else None,
+        "cache_salt": cache_salt_of(body.cache_salt, body.extra_key),
     }
     return {k: v for k, v in d.items() if v is not None}
 
@@ -73,8 +95,27 @@ def response_format_grammar(rf: dict | None) -> dict:
     )
 
 
+def text_parts(content: list[dict]) -> list[str]:
+    """The text of a message's content parts (``[{"type": "text", "text": ...}]``): this server reads
+    text only, so another kind of part is refused rather than dropped."""
+    out = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValidationError(
+                f"message content parts must be {{\"type\": \"text\", \"text\": string}}; got {str(part)[:80]}",
+                param="messages",
+            )
+        out.append(part["text"])
+    return out
+
+
 def finish_reason(st: GenState) -> str | None:
     return None if st.finish is None else st.finish.type
+
+
+def matched_stop(st: GenState) -> int | str | None:
+    """SGLang's ``matched_stop``: the stop token id or stop string that ended the choice."""
+    return st.finish.matched if st.finish is not None and st.finish.type == "stop" else None
 
 
 class OpenAIServing:
@@ -129,26 +170,27 @@ class OpenAIServing:
         prompts = self.completion_inputs(body)
         jobs = []
         for ids in prompts:
-            ids, params = validate_request(ids, sp, self.limits)
+            ids, params = validate_request(
+                ids, sp, self.limits, default_max_new_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS, max_param="max_tokens"
+            )
             jobs.extend((ids, params) for _ in range(body.n))
-        base = body.rid or f"cmpl-{uuid.uuid4().hex}"
+        base = body.rid or body.request_id or f"cmpl-{uuid.uuid4().hex}"
         return await self._run(base, jobs, body, disconnected, chat=False)
 
     # -- chat ----------------------------------------------------------------------------------------------
-    def chat_input(
-        self, body: ChatRequest, add_generation_prompt: bool = True, tools: list[dict] | None = None
-    ) -> list[int]:
+    def chat_input(self, body: ChatRequest, tools: list[dict] | None = None) -> list[int]:
         if not body.messages:
             raise ValidationError("messages must not be empty", param="messages", code="empty_prompt")
+        add_generation_prompt, kwargs = self._template_options(body)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("this model has no chat template; use /v1/completions", param="messages")
         msgs = []
         for m in body.messages:
             content = m.content
             if isinstance(content, list):
-                content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+                content = "".join(text_parts(content))
             msg: dict[str, Any] = {"role": m.role, "content": content or ""}
-            for k in ("tool_calls", "tool_call_id", "name"):
+            for k in ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning"):
                 if getattr(m, k) is not None:
                     msg[k] = getattr(m, k)
             msgs.append(msg)
@@ -156,17 +198,57 @@ class OpenAIServing:
         extra = {"tools": tools} if tools and self.template_has_tools else {}
         try:
             ids = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, return_dict=False, **extra
+                msgs, add_generation_prompt=add_generation_prompt, return_dict=False, **extra, **kwargs
             )
         except Exception as e:  # a template error is the client's messages' fault
             raise ValidationError(f"cannot apply the chat template: {e}", param="messages") from None
         return list(ids)
+
+    @staticmethod
+    def _template_options(body) -> tuple[bool, dict[str, Any]]:
+        """``add_generation_prompt`` and the rest of the template's arguments from ``body``:
+        ``continue_final_message`` (vLLM: the last message is the assistant's, continued as is, with
+        no generation prompt), ``documents``, ``reasoning_effort`` and ``chat_template_kwargs``."""
+        kwargs: dict[str, Any] = dict(getattr(body, "chat_template_kwargs", None) or {})
+        bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise ValidationError(
+                f"chat_template_kwargs may not set {', '.join(bad)}", param=f"chat_template_kwargs.{bad[0]}"
+            )
+        agp = body.add_generation_prompt
+        if body.continue_final_message:
+            if agp:
+                raise ValidationError(
+                    "continue_final_message continues the last message, so it cannot be combined with "
+                    "add_generation_prompt: true",
+                    param="continue_final_message",
+                )
+            if body.messages[-1].role != "assistant":
+                raise ValidationError(
+                    "continue_final_message needs the last message to be the assistant's",
+                    param="continue_final_message",
+                )
+            kwargs["continue_final_message"] = True
+        effort = getattr(body, "reasoning_effort", None)
+        if effort is not None:
+            if effort not in REASONING_EFFORTS:
+                raise ValidationError(
+                    f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning_effort"
+                )
+            # As SGLang: templates read one of these (Qwen3: enable_thinking; DeepSeek: thinking).
+            kwargs.setdefault("reasoning_effort", effort)
+            kwargs.setdefault("enable_thinking", effort != "none")
+            kwargs.setdefault("thinking", effort != "none")
+        if getattr(body, "documents", None) is not None:
+            kwargs["documents"] = body.documents
+        return (not body.continue_final_message) if agp is None else agp, kwargs
 
     async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
         self._check_common(body)
         top = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
             raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = sampling_dict(body, max_tokens, body.logprobs, top)
         tools, forced = check_tools(body.tools, body.tool_choice)
@@ -179,8 +261,16 @@ class OpenAIServing:
             calls = tool_call_grammar(self.tool_parser, tools, forced, body.parallel_tool_calls is not False)
             if calls is not None:
                 sp["ebnf"] = calls
-        ids, params = validate_request(self.chat_input(body, tools=tools), sp, self.limits)
-        base = body.rid or f"chatcmpl-{uuid.uuid4().hex}"
+        # Without max_tokens a chat answer may use all the context leaves (OpenAI, SGLang, vLLM).
+        ids, params = validate_request(
+            self.chat_input(body, tools=tools),
+            sp,
+            self.limits,
+            default_max_new_tokens=None,
+            max_param=max_param,
+            prompt_name="messages",
+        )
+        base = body.rid or body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         parser = self.tool_parser if tools else None
         return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True, tools=parser)
 
@@ -255,6 +345,7 @@ class OpenAIServing:
                     "index": i,
                     "logprobs": self._logprobs(st, chat, echo=echo),
                     "finish_reason": finish_reason(st),
+                    "matched_stop": matched_stop(st),
                 }
                 if chat:
                     content, calls = tools.split(st.visible, final=True) if tools else (st.visible, None)
@@ -275,9 +366,10 @@ class OpenAIServing:
                 "created": created,
                 "model": model,
                 "choices": choices,
-                "usage": self._usage(states, jobs),
+                "usage": self._usage(states, jobs, body.n),
             }
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        opts = body.stream_options
+        usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), body.n)
         queue, tasks = self._pump(jobs, rids, rooms)
         # Wait for each choice's first event: a request the engine refuses (a grammar that does not
         # compile, a full queue) is answered with its status code, not a 200 stream with an error.
@@ -296,9 +388,7 @@ class OpenAIServing:
                     t.cancel()
                 raise refused
         echo_texts = [self._echo_text(j, ids, body) for j, (ids, _) in enumerate(jobs)] if echo else None
-        return self._stream(
-            base, jobs, model, created, chat, include_usage, queue, tasks, early, tools, echo_texts
-        )
+        return self._stream(base, jobs, model, created, chat, usage, queue, tasks, early, tools, echo_texts)
 
     def _pump(self, jobs, rids, rooms) -> tuple[asyncio.Queue, list[asyncio.Task]]:
         """One task per choice, putting ``(choice, state, error)`` on one queue; a final
@@ -329,25 +419,32 @@ class OpenAIServing:
             return text[j // body.n]
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
-    def _usage(self, states: list[GenState], jobs) -> dict:
-        p = sum(len(ids) for ids, _ in jobs)
-        c = sum(len(s.output_ids) for s in states)
+    @staticmethod
+    def _usage(states: list[GenState | None], jobs, n: int) -> dict:
+        """Usage of a request's choices (``n`` per prompt, in order; None: a choice that failed). A
+        prompt and its cached tokens count once, from its first choice, whatever ``n`` (SGLang's rule)."""
+        firsts = range(0, len(jobs), n)
+        p = sum(len(jobs[i][0]) for i in firsts)
+        c = sum(len(s.output_ids) for s in states if s is not None)
+        cached = sum(states[i].cached_tokens for i in firsts if states[i] is not None)
         return {
             "prompt_tokens": p,
             "completion_tokens": c,
             "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in states)},
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     async def _stream(
-        self, base, jobs, model, created, chat, include_usage, queue, tasks, early, tools=None, echo=None
+        self, base, jobs, model, created, chat, usage, queue, tasks, early, tools=None, echo=None
     ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage, continuous_usage, n = usage
 
         def chunk(
-            i: int, delta_text: str | None, fr: str | None, lp=None, role: bool = False, calls=None
+            i: int, delta_text: str | None, st: GenState | None, fr=None, lp=None, role=False, calls=None
         ) -> dict:
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": fr}
+            c["matched_stop"] = matched_stop(st) if fr is not None and st is not None else None
             if chat:
                 delta: dict[str, Any] = {}
                 if role:
@@ -359,7 +456,11 @@ class OpenAIServing:
                 c["delta"] = delta
             else:
                 c["text"] = delta_text or ""
-            return {"id": base, "object": obj, "created": created, "model": model, "choices": [c]}
+            out = {"id": base, "object": obj, "created": created, "model": model, "choices": [c]}
+            if continuous_usage:  # vLLM's and SGLang's: this choice's usage so far, in every chunk
+                p, k = len(jobs[i][0]), len(st.output_ids) if st is not None else 0
+                out["usage"] = {"prompt_tokens": p, "completion_tokens": k, "total_tokens": p + k}
+            return out
 
         shown = [0] * len(jobs)
         calls_sent = [0] * len(jobs)
@@ -372,6 +473,9 @@ class OpenAIServing:
                     yield sse(chunk(i, "", None, role=True))
             echoed = [echo is None] * len(jobs)
             while live:
+                # An item says that choice i changed. Its state is the live one, which its pump may
+                # have advanced further before this loop got here, so one item may find several
+                # steps' tokens and a later item of the same choice nothing new (skipped below).
                 i, st, err = early.pop(0) if early else await queue.get()
                 if isinstance(err, StopAsyncIteration):
                     live -= 1
@@ -379,6 +483,8 @@ class OpenAIServing:
                 if err is not None:
                     yield sse(error_body(str(err), getattr(err, "type", "internal_error")))
                     continue
+                if final[i] is not None:
+                    continue  # the choice has ended: a late item
                 e = st.error()
                 if e is not None and not st.output_ids:
                     yield sse(e.to_dict())
@@ -389,6 +495,7 @@ class OpenAIServing:
                 text, calls = tools.split(st.visible, st.finished) if tools else (st.visible, None)
                 new_text = text[shown[i] :]
                 shown[i] = max(shown[i], len(text))
+                new_tokens = len(st.output_ids) - tok_shown[i]
                 lp = self._logprobs(st, chat, tok_shown[i], echo=not echoed[i])
                 if not echoed[i]:  # the first chunk of an echoed completion begins with the prompt
                     new_text, echoed[i] = echo[i] + new_text, True
@@ -398,17 +505,18 @@ class OpenAIServing:
                     # As OpenAI streams a call: its id and name first, then the arguments.
                     d = call.to_openai(index=j)
                     args, d["function"] = d["function"]["arguments"], {"name": call.name, "arguments": ""}
-                    yield sse(chunk(i, None, None, calls=[d]))
-                    yield sse(chunk(i, None, None, calls=[{"index": j, "function": {"arguments": args}}]))
+                    yield sse(chunk(i, None, st, calls=[d]))
+                    yield sse(chunk(i, None, st, calls=[{"index": j, "function": {"arguments": args}}]))
                     calls_sent[i] = j + 1
                 if calls_sent[i] and fr is not None:
                     fr = "tool_calls"
-                if new_text or st.finished or lp:
-                    yield sse(chunk(i, new_text, fr, lp))
+                # A chunk before the last carries text or, with logprobs, the tokens whose text is
+                # still held back (an incomplete character, a possible stop string or tool call).
+                if new_text or (lp is not None and new_tokens) or st.finished:
+                    yield sse(chunk(i, new_text, st, fr, lp))
                 if st.finished:
                     final[i] = st
             if include_usage:
-                states = [s for s in final if s is not None]
                 yield sse(
                     {
                         "id": base,
@@ -416,7 +524,7 @@ class OpenAIServing:
                         "created": created,
                         "model": model,
                         "choices": [],
-                        "usage": self._usage(states, jobs),
+                        "usage": self._usage(final, jobs, n),
                     }
                 )
             yield "data: [DONE]\n\n"

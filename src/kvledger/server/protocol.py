@@ -1,11 +1,15 @@
 """Request bodies (pydantic). Types are strict — "10" is not an int — and ranges are left to the one
-validation function (``scheduler.validation``) so that the front and the engine agree."""
+validation function (``scheduler.validation``) so that the front and the engine agree. The fields
+declared here are the implemented ones; peer fields that are not (``refused_fields``) and those read
+elsewhere or without effect (``known_fields``) are sorted by ``fields.check_fields``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from . import fields
 
 
 class _Strict(BaseModel):
@@ -23,10 +27,18 @@ class GenerateRequest(_Strict):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     session_params: dict[str, Any] | None = None
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM); SGLang's extra_key is the same idea
+    extra_key: str | None = None
+
+    refused_fields: ClassVar[fields.Refused] = fields.GENERATE_REFUSED
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_GENERATE
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM/SGLang: usage in every chunk
+
+    known_fields: ClassVar[frozenset[str]] = frozenset({"include_obfuscation"})  # OpenAI's padding: none here
 
 
 class _OpenAICommon(_Strict):
@@ -40,17 +52,27 @@ class _OpenAICommon(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[Any] | None = None
+    stop_regex: str | list[Any] | None = None  # SGLang
     stop_token_ids: list[Any] | None = None
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    user: str | None = None
+    user: str | None = None  # a tag: no effect (as in vLLM)
     rid: str | None = None
+    request_id: str | None = None  # vLLM's name for rid
     response_format: dict[str, Any] | None = None
     regex: str | None = None  # SGLang's and vLLM's extra structured-output fields
     ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None  # SGLang
+    min_tokens: int | None = None  # vLLM/SGLang: min_new_tokens
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None  # SGLang; vLLM's include_stop_str_in_output
+    include_stop_str_in_output: bool | None = None
+    cache_salt: str | None = None
+    extra_key: str | None = None  # SGLang: isolates the prefix cache like cache_salt
 
 
 class CompletionRequest(_OpenAICommon):
@@ -60,6 +82,9 @@ class CompletionRequest(_OpenAICommon):
     suffix: str | None = None
     best_of: int | None = None
 
+    refused_fields: ClassVar[fields.Refused] = fields.COMPLETIONS_REFUSED
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
@@ -68,6 +93,12 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An assistant turn's reasoning, given back to templates that render it (SGLang's and vLLM's names).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    refused_fields: ClassVar[fields.Refused] = {"audio": (None,), "function_call": (None,)}
+    known_fields: ClassVar[frozenset[str]] = frozenset({"refusal"})  # OpenAI's answer echoed back
 
 
 class ChatRequest(_OpenAICommon):
@@ -78,6 +109,15 @@ class ChatRequest(_OpenAICommon):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # The prompt: vLLM's template controls (SGLang has the first and the kwargs too).
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # default: True, unless continue_final_message
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None  # passed to the template (enable_thinking: not "none")
+
+    refused_fields: ClassVar[fields.Refused] = fields.CHAT_REFUSED
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
 
 
 class TokenizeRequest(_Strict):
@@ -87,7 +127,14 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    refused_fields: ClassVar[fields.Refused] = {
+        "return_token_strs": (None, False), "tools": (None, []), "chat_template": (None,),
+        "mm_processor_kwargs": (None, {}),
+    }  # fmt: skip
 
 
 class DetokenizeRequest(_Strict):
@@ -97,6 +144,8 @@ class DetokenizeRequest(_Strict):
 
 class RidBody(_Strict):
     rid: str
+
+    refused_fields: ClassVar[fields.Refused] = {"abort_all": (None, False)}  # SGLang's
 
 
 class OpenSessionBody(_Strict):

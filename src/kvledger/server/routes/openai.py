@@ -32,10 +32,10 @@ async def chat(request: Request):
     return await _serve(request, ChatRequest, "chat")
 
 
-@router.get("/v1/models")
-async def models(request: Request):
+def model_card(request: Request) -> dict:
+    """The served model as OpenAI's model object, with vLLM's extra fields."""
     srv = state(request)
-    card = {
+    return {
         "id": srv.name,
         "object": "model",
         "created": int(srv.started),
@@ -45,4 +45,15 @@ async def models(request: Request):
         "root": srv.client.info.get("model_path") if srv.client else None,
         "parent": None,
     }
-    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    return {"object": "list", "data": [model_card(request)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str):
+    """OpenAI's retrieve: the served model by its name or an alias; 404 otherwise."""
+    state(request).openai.check_model(model)
+    return model_card(request)

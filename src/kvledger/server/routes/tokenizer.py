@@ -30,8 +30,13 @@ async def tokenize(request: Request):
     if (body.prompt is None) == (body.messages is None):
         raise ValidationError("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        chat = ChatRequest(messages=body.messages)
-        ids = srv.openai.chat_input(chat, add_generation_prompt=body.add_generation_prompt)
+        chat = ChatRequest(
+            messages=body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+        ids = srv.openai.chat_input(chat)
     else:
         ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     return {"count": len(ids), "max_model_len": srv.limits.context_length, "tokens": ids}

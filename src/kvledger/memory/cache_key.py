@@ -1,0 +1,31 @@
+"""A request's key in the prefix cache: its tokens, with the first page salted when it carries a cache
+salt (vLLM's ``cache_salt``), so that requests with different salts never share cached KV and
+requests with the same salt do.
+
+Every lookup and insertion starts at the root with the first page, so salting that page alone puts
+each salt's KV in a subtree of its own: the radix tree (L1 and L2) and the file tier's keys (chained
+from the first page) need no other change. A salted page's ids are negative 62-bit keyed hashes of
+(salt, position, token): they never equal a real token id (>= 0), still fit an int64 (the file
+tier packs keys as int64), and two salts collide on a page only with probability 2**-62 per id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def _salt_key(salt: str) -> bytes:
+    return hashlib.blake2b(salt.encode(), digest_size=32, person=b"kvledger-salt").digest()
+
+
+def cache_key(tokens: list[int], salt: str | None, page_size: int) -> list[int]:
+    """``tokens`` as the prefix cache sees them (unchanged without a salt, or shorter than a page:
+    nothing shorter than a page is ever matched or cached)."""
+    if salt is None or len(tokens) < page_size:
+        return tokens
+    key = _salt_key(salt)
+    first = []
+    for i, t in enumerate(tokens[:page_size]):
+        h = hashlib.blake2b(i.to_bytes(4, "little") + t.to_bytes(8, "little"), digest_size=8, key=key)
+        first.append(-1 - (int.from_bytes(h.digest(), "little") >> 2))
+    return first + tokens[page_size:]

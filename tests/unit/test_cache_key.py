@@ -1,0 +1,23 @@
+"""The prefix cache's key of a salted request (``memory/cache_key.py``)."""
+
+from __future__ import annotations
+
+from kvledger.memory.cache_key import cache_key
+
+TOKENS = list(range(40))
+
+
+def test_unsalted_and_short_keys_are_the_tokens():
+    assert cache_key(TOKENS, None, 16) is TOKENS
+    assert cache_key(TOKENS[:15], "s", 16) == TOKENS[:15]  # under a page: never matched nor cached
+
+
+def test_a_salt_replaces_the_first_page_only():
+    for ps in (1, 4, 16):
+        key = cache_key(TOKENS, "tenant-a", ps)
+        assert len(key) == len(TOKENS) and key[ps:] == TOKENS[ps:]
+        # Never a real token id, always an int64 (the file tier packs keys as int64).
+        assert all(-(2**62) <= k < 0 for k in key[:ps])
+        assert key == cache_key(TOKENS, "tenant-a", ps)  # the same salt shares
+        assert key[:ps] != cache_key(TOKENS, "tenant-b", ps)[:ps]
+        assert key[:ps] != cache_key([1, *TOKENS[1:]], "tenant-a", ps)[:ps]  # the tokens still count
