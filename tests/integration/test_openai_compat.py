@@ -69,10 +69,11 @@ def test_prompt_tokens_count_once_per_prompt_whatever_n(srv, client):
     assert again.usage.prompt_tokens == r.usage.prompt_tokens
     assert 0 < again.usage.prompt_tokens_details.cached_tokens <= again.usage.prompt_tokens, again.usage
     m = len(_tokens(srv, messages=HI))
-    chat = client.chat.completions.create(model="default", messages=HI, max_tokens=2, n=2)
+    chat = client.chat.completions.create(model="default", messages=HI, max_tokens=2, n=2,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
     assert chat.usage.prompt_tokens == m and chat.usage.completion_tokens == 4
     # Streamed, the same counts.
-    last = _events(srv, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2,
+    last = _events(srv, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "n": 2, "ignore_eos": True,
                                                   "stream_options": {"include_usage": True}})[-1]  # fmt: skip
     assert last["choices"] == [] and last["usage"]["prompt_tokens"] == m
     assert last["usage"]["completion_tokens"] == 4
