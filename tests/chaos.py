@@ -137,7 +137,9 @@ async def blow(
     loaders = [asyncio.create_task(load(c, rng, stop, stats, vocab)) for _ in range(4)]
     victim = sessions[0]
     before = list(victim.history)
-    inflight = asyncio.create_task(turn(c, victim, [rng.randrange(3, vocab) for _ in range(6)], n=2000))  # noqa: RUF006 - awaited below
+    # A long turn (max_new_tokens within the smallest context chaos runs with, 1,024 tokens; the engine
+    # cuts it to what the conversation leaves), still running when the engine is killed.
+    inflight = asyncio.create_task(turn(c, victim, [rng.randrange(3, vocab) for _ in range(6)], n=1000))  # noqa: RUF006 - awaited below
     await asyncio.sleep(0.5)
     pid = await engine_pid(c)
     t0 = time.monotonic()
