@@ -89,8 +89,6 @@ REFUSED: dict[frozenset[str], Refusal] = {
     frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
     frozenset({"pd", "sessions"}): Refusal(NOT_YET, "a session turn cannot be disaggregated"),
     # Single-server pairs still to lift (issue 30).
-    frozenset({"tp", "compile"}): Refusal(NOT_YET, "the worker ranks do not compile their graph"),
-    frozenset({"tp", "draft"}): Refusal(NOT_YET, "the draft model runs beside rank 0 only"),
     frozenset({"tp", "hicache"}): Refusal(NOT_YET, "the host tiers hold one rank's heads"),
     frozenset({"hicache", "draft"}): Refusal(NOT_YET, "the draft model's K/V does not move between tiers"),
     # Settings that contradict each other.

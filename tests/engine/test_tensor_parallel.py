@@ -1,8 +1,12 @@
 """Tensor parallel over torch.distributed (gloo, worker processes): fp32 greedy output of TP=2 equals
 TP=1 token for token over chunked prefill, prefix cache, retraction and sessions, on a model whose
-heads divide by 2 and on one whose single KV head is replicated; books clean; no process left."""
+heads divide by 2 and on one whose single KV head is replicated; with a draft model (on rank 0) and
+with torch.compile (a graph per rank, no recompiles) too; strict books every step, clean after; no
+process left."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -13,6 +17,7 @@ from tests.helpers import assert_idle_clean, build_tiny_model
 from tests.server_harness import process_alive
 
 G = {"temperature": 0, "ignore_eos": True}
+OPTS = dict(dtype="float32", page_size=16, max_total_tokens=400, chunked_prefill_size=32, strict_memory=True)
 
 
 @pytest.fixture(scope="module", params=["kv_sharded", "kv_replicated"])
@@ -44,11 +49,8 @@ def _workload(eng: Engine) -> list[list[int]]:
 
 
 def test_tp2_equals_tp1(tp_model):
-    opts = dict(
-        dtype="float32", page_size=16, max_total_tokens=400, chunked_prefill_size=32, strict_memory=True
-    )
-    one = Engine(model=tp_model, **opts)
-    two = Engine(model=tp_model, tp_size=2, **opts)
+    one = Engine(model=tp_model, **OPTS)
+    two = Engine(model=tp_model, tp_size=2, **OPTS)
     try:
         assert two.core.info.tp_size == 2 and len(two.core.info.tp_worker_pids) == 1
         assert isinstance(two.core.model.net.comm, ShmComm)  # one machine: shared-memory collectives
@@ -66,7 +68,100 @@ def test_tp2_equals_tp1(tp_model):
 def test_tp_sizes_that_do_not_fit_are_refused(tp_model):
     with pytest.raises(ValidationError):
         Engine(model=tp_model, tp_size=3, nnodes=2)
-    with pytest.raises(ValidationError):
-        Engine(model=tp_model, tp_size=2, enable_torch_compile=True)
     with pytest.raises(ModelLoadError, match="does not divide the 4 attention heads"):
         Engine(model=tp_model, tp_size=3)
+
+
+def _turns(engines: list[Engine], sids: list[str]) -> None:
+    """Session turns cut inside a run of accepted drafts (max_new_tokens lands mid-run): the lookahead
+    pages of the drafts past the cut must not reach the session (seed 004). The first turn's verify
+    step (12 + 1 tokens and 4 drafts) takes a second page that the cut (kv 14) leaves unused. Same
+    output on all engines."""
+    for turn, n in (([5, 6, 7] * 4, 3), ([9] * 5, 9), ([3], 7), ([4, 4], 2)):
+        r = [e.generate(input_ids=turn, sampling_params={**G, "max_new_tokens": n}, session_params={"id": s})
+             for e, s in zip(engines, sids)]  # fmt: skip
+        assert all(o["output_ids"] == r[0]["output_ids"] for o in r), r
+        assert r[-1]["meta_info"]["spec_verify_ct"] > 0
+        s = engines[-1].core.sessions.sessions[sids[-1]]
+        assert s.kv_len == len(s.tokens) - 1 and len(s.pages) == -(-s.kv_len // OPTS["page_size"]), s
+
+
+# The new pairs run on one of the two models: what they add does not depend on how KV heads split.
+@pytest.mark.parametrize("tp_model", ["kv_sharded"], indirect=True)
+def test_tp_with_a_draft_model_equals_plain(tp_model):
+    """TP x draft model: the draft runs on rank 0 (its K/V a buffer over rank 0's page ids), its drafts
+    reach the workers inside the step and are verified by the sharded target. The target is its own
+    draft, so nearly every draft is accepted (the draft K/V tracks the pages across retraction and
+    session turns); seeded sampling rejects many (the truncate path). Output = the plain engine's."""
+    plain = Engine(model=tp_model, **OPTS)
+    spec = Engine(model=tp_model, tp_size=2, speculative_algorithm="standalone",
+                  speculative_draft_model_path=tp_model, **OPTS)  # fmt: skip
+    pids = spec.core.info.tp_worker_pids
+    try:
+        assert len(pids) == 1 and spec.core.scheduler.proposer.writes_kv
+        assert _workload(spec) == _workload(plain)
+        t = spec.core.scheduler.spec_totals
+        assert t.verify_ct > 0 and t.accepted > 0.9 * t.drafted
+        assert spec.core.scheduler.total_retractions > 0
+        sps = [{"temperature": 0.8, "max_new_tokens": 16, "ignore_eos": True, "seed": s} for s in range(6)]
+        prompt = [[7, 8, 9, 10] * 4]
+        a, b = (e.generate(input_ids=prompt * 6, sampling_params=sps) for e in (plain, spec))
+        assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+        assert t.drafted - t.accepted > 0  # some drafts were rejected and given back
+        sids = [e.open_session() for e in (plain, spec)]
+        _turns([plain, spec], sids)
+        assert_idle_clean(spec)  # the session holds its KV, nothing more
+        spec.close_session(sids[1])
+        assert_idle_clean(spec)
+    finally:
+        spec.shutdown()
+        plain.shutdown()
+    assert not any(process_alive(p) for p in pids)
+
+
+def _waves(eng: Engine, seed: int = 0) -> None:
+    """Waves of 1-8 requests of 1-100 tokens stepped unevenly: decodes only, prefills only, chunks of
+    several prompts, different sample-row counts (test_compile.py's bounded-compilation workload)."""
+    rng = random.Random(seed)
+    n = 0
+    for _ in range(6):
+        for _ in range(rng.choice([1, 2, 3, 5, 8])):
+            prompt = [rng.randrange(5, 200) for _ in range(rng.choice([1, 3, 7, 20, 64, 100]))]
+            eng.add_request(prompt, {"max_new_tokens": rng.choice([1, 2, 6, 20]), "ignore_eos": True}, rid=f"w{n}")
+            n += 1
+        for _ in range(rng.choice([1, 3, 8])):
+            eng.step()
+    eng.run_until_idle()
+
+
+@pytest.mark.parametrize("tp_model", ["kv_sharded"], indirect=True)
+def test_tp_with_torch_compile_equals_plain_and_never_recompiles(tp_model):
+    """TP x torch.compile: every rank compiles its graph during rank 0's warm-up (which reaches the
+    workers as ordinary steps); the collectives are opaque ops inside it, so each rank has one graph,
+    and varied batches afterwards add no graph and no recompile on any rank. Output = the plain
+    engine's (eager, one process)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    plain = Engine(model=tp_model, **OPTS)
+    comp = Engine(model=tp_model, tp_size=2, enable_torch_compile=True, **OPTS)
+    pids = comp.core.info.tp_worker_pids
+    try:
+        warm = comp.core.rank_stats()
+        assert [r["rank"] for r in warm] == [0, 1]
+        assert all(r["compiled_forwards"] > 0 for r in warm), warm  # every rank ran its graph
+        assert [r["graphs"] for r in warm] == [1, 1], warm  # the collectives inside the one graph
+        assert _workload(comp) == _workload(plain)
+        _waves(comp)
+        after = comp.core.rank_stats()
+        for w, a in zip(warm, after):
+            assert (a["graphs"], a["frames"]) == (w["graphs"], w["frames"]), (warm, after)
+            assert a["compiled_forwards"] > w["compiled_forwards"] + 10, (warm, after)
+        assert comp.core.scheduler.total_retractions > 0
+        assert_idle_clean(comp)
+    finally:
+        comp.shutdown()
+        plain.shutdown()
+    assert not any(process_alive(p) for p in pids)

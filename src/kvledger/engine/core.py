@@ -100,9 +100,13 @@ def _runner(cfg: EngineConfig, model: LlamaModel, device: str) -> ModelRunner:
 def build_runner(
     cfg: EngineConfig, comm: Comm, num_tokens: int, context: int, device: str = "cpu"
 ) -> ModelRunner:
-    """A worker rank's runner: its shards of the model over the pool rank 0 decided on."""
+    """A worker rank's runner: its shards of the model over the pool rank 0 decided on. With
+    ``--enable-torch-compile`` it compiles its own graph, on the first forward of rank 0's warm-up
+    (which reaches it as ordinary steps)."""
     dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
     model = _sharded_model(cfg, load_model(cfg.model.model, load_tokenizer=False), comm, dtype, device)
+    if cfg.kernels.enable_torch_compile:
+        model.enable_compile()
     return _runner(cfg.replace(max_total_tokens=num_tokens, context_length=context), model, device)
 
 
@@ -438,6 +442,10 @@ class EngineCore:
             },
             "last_audit": None if report is None else {"ok": report.ok, "result": report.describe(limit=5)},
         }
+
+    def rank_stats(self) -> list[dict]:
+        """Every rank's ``LlamaModel.compile_stats``, rank 0 first (one entry without TP)."""
+        return [{"rank": 0, **self.model.compile_stats()}, *self.executor.worker_stats()]
 
     def info_dict(self) -> dict:
         return dataclasses.asdict(self.info)

@@ -25,6 +25,10 @@ class Executor(ABC):
     def shutdown(self) -> None:  # noqa: B027 - optional hook; nothing to release in-process
         """Release worker resources (processes, process groups)."""
 
+    def worker_stats(self) -> list[dict]:
+        """Each worker process's ``LlamaModel.compile_stats`` (none in-process)."""
+        return []
+
 
 class InProcessExecutor(Executor):
     def __init__(self, runner: ModelRunner, connector: KVConnector | None = None):

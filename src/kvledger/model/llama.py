@@ -377,6 +377,17 @@ class LlamaModel:
         self.net.dense_embedding()
         self.compiled = torch.compile(self.net, dynamic=True, options={"freezing": True})
 
+    def compile_stats(self) -> dict:
+        """This model's forwards through the compiled graph, and this process's dynamo counts (graphs
+        compiled, frames traced): after the warm-up, neither count should move."""
+        from torch._dynamo.utils import counters
+
+        return {
+            "compiled_forwards": self.compiled_forwards,
+            "graphs": counters["stats"]["unique_graphs"],
+            "frames": counters["frames"]["total"],
+        }
+
     def weight_bytes(self) -> int:
         """Bytes of all weights held (int8 copies included; a tied LM head counted once)."""
         seen: set[int] = set()

@@ -1,10 +1,18 @@
 """The collectives the forward calls. ``Comm`` (one rank) does nothing; ``TPComm`` wraps a
-torch.distributed group (gloo on CPUs, NCCL on GPUs)."""
+torch.distributed group (gloo on CPUs, NCCL on GPUs); ``ShmComm`` does them through shared memory.
+
+Inside a ``torch.compile`` graph a collective is a custom op (``kvledger::all_reduce``,
+``kvledger::gather_vocab``), opaque to the compiler as attention is: dynamo cannot trace a wait on
+another process's flag (the shared-memory loop graph-broke the forward into 19 graphs), and the op
+keeps the graph one graph on every rank. The op finds its communicator by handle (the compiled
+forward cannot take a Python object)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+import weakref
 
 import torch
 
@@ -31,23 +39,66 @@ class Comm:
         return x
 
 
+# Live communicators by handle, for the custom ops below (weak: an engine's ends with it).
+_COMMS: weakref.WeakValueDictionary[int, TPComm] = weakref.WeakValueDictionary()
+_next_handle = itertools.count(1)
+
+
 class TPComm(Comm):
+    """Collectives over the torch.distributed group. ``all_reduce`` and ``gather_vocab`` are what the
+    forward calls; subclasses implement ``_all_reduce`` and ``_gather_vocab``."""
+
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
+        self.handle = next(_next_handle)
+        _COMMS[self.handle] = self
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (``x`` may be summed in place; use the result)."""
+        if torch.compiler.is_compiling():
+            return _all_reduce_op(x, self.handle)
+        return self._all_reduce(x)
+
+    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+        """Each rank's logits for its slice of the vocabulary -> the whole vocabulary, on every rank."""
+        if torch.compiler.is_compiling():
+            return _gather_vocab_op(x, self.handle, self.size)
+        return self._gather_vocab(x)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         dist.all_reduce(x)
         return x
 
-    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
-        """Each rank's logits for its slice of the vocabulary -> the whole vocabulary, on every rank."""
+    def _gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
+
+
+@torch.library.custom_op("kvledger::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """``TPComm.all_reduce`` inside compiled graphs (on a copy: a custom op returns a new tensor)."""
+    return _COMMS[handle]._all_reduce(x.clone())
+
+
+@_all_reduce_op.register_fake
+def _(x, handle):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kvledger::gather_vocab", mutates_args=())
+def _gather_vocab_op(x: torch.Tensor, handle: int, size: int) -> torch.Tensor:
+    """``TPComm.gather_vocab`` inside compiled graphs."""
+    return _COMMS[handle]._gather_vocab(x)
+
+
+@_gather_vocab_op.register_fake
+def _(x, handle, size):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] * size)
 
 
 class ShmComm(TPComm):
@@ -98,18 +149,18 @@ class ShmComm(TPComm):
                     deadline = time.monotonic() + 0.5
         return self.data[parity, :, :n]
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         parts = self._publish(x)
         if parts is None:
-            return super().all_reduce(x)
+            return super()._all_reduce(x)
         total = parts[0].clone()
         for j in range(1, self.size):
             total += parts[j]
         x.copy_(total.view(x.shape))
         return x
 
-    def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
+    def _gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
         parts = self._publish(x)
         if parts is None:
-            return super().gather_vocab(x)
+            return super()._gather_vocab(x)
         return torch.cat([parts[j].view(x.shape).to(x.dtype) for j in range(self.size)], dim=-1)

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..engine.executor import Executor
@@ -139,6 +140,20 @@ def broadcast(obj) -> object:
     return box[0]
 
 
+@dataclass(frozen=True)
+class StatsQuery:
+    """Broadcast instead of a step: every worker answers with its ``compile_stats`` (``gather``)."""
+
+
+def gather(obj) -> list | None:
+    """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 class TPExecutor(Executor):
     """Rank 0: broadcast the step, run rank 0's shard through ``inner``, return its output."""
 
@@ -146,16 +161,25 @@ class TPExecutor(Executor):
         self.inner = inner
         self.workers = workers
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _check_alive(self) -> None:
         dead = [p.pid for p in self.workers if p.poll() is not None]
         if dead:
             raise TPGroupBroken(f"tensor-parallel worker(s) {dead} exited")
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._check_alive()
         try:
             broadcast(sched)
             return self.inner.execute_model(sched)
         except Exception as e:
             # The ranks may now disagree on where they are: no step can be trusted after this one.
             raise TPGroupBroken(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+
+    def worker_stats(self) -> list[dict]:
+        """Ranks 1..N-1's compile counts, between steps (rank 0's are in this process)."""
+        self._check_alive()
+        broadcast(StatsQuery())
+        return gather(None)[1:]
 
     def shutdown(self) -> None:
         import torch.distributed as dist

@@ -1,5 +1,6 @@
-"""A tensor-parallel worker rank: join the group, load this rank's shards, then run every step
-rank 0 broadcasts until it broadcasts None.
+"""A tensor-parallel worker rank: join the group, load this rank's shards (compiled too with
+``--enable-torch-compile``), then run every step rank 0 broadcasts until it broadcasts None (a
+``StatsQuery`` in between is answered with this rank's compile counts).
 
     python -m kvledger.parallel.worker RANK HOST:PORT [LOG_LEVEL]   (config in KVLEDGER_TP_CONFIG)
 """
@@ -31,7 +32,7 @@ def run(cfg: EngineConfig, rank: int, addr: str) -> None:
 
     from ..engine.core import build_runner
     from .comm import rank_threads
-    from .executor import broadcast, join_group, join_setup
+    from .executor import StatsQuery, broadcast, gather, join_group, join_setup
 
     if threads := rank_threads(cfg):
         torch.set_num_threads(threads)
@@ -40,10 +41,13 @@ def run(cfg: EngineConfig, rank: int, addr: str) -> None:
     runner = build_runner(cfg, comm, setup["num_tokens"], setup["context"])
     log.info("rank %d ready", rank)
     while True:
-        sched = broadcast(None)
-        if sched is None:
+        msg = broadcast(None)
+        if msg is None:
             return
-        runner.execute(sched, sample=False)
+        if isinstance(msg, StatsQuery):
+            gather({"rank": rank, **runner.model.compile_stats()})
+            continue
+        runner.execute(msg, sample=False)
 
 
 def main() -> int:
