@@ -88,9 +88,6 @@ REFUSED: dict[frozenset[str], Refusal] = {
     frozenset({"pd", "draft"}): Refusal(NOT_YET, "the draft model's K/V would have to move too"),
     frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
     frozenset({"pd", "sessions"}): Refusal(NOT_YET, "a session turn cannot be disaggregated"),
-    # Single-server pairs still to lift (issue 30).
-    frozenset({"tp", "hicache"}): Refusal(NOT_YET, "the host tiers hold one rank's heads"),
-    frozenset({"hicache", "draft"}): Refusal(NOT_YET, "the draft model's K/V does not move between tiers"),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
         NO_MEANING, "the hierarchical cache is the prefix cache's lower tiers"

@@ -1,5 +1,7 @@
 """The hierarchical cache (L2 host pages, L3 files) on the tiny Llama: exact output over a working set
-larger than L1, restart warm from files, every named HiCache failure, the L2 books, and safety.
+larger than L1, restart warm from files, every named HiCache failure, the L2 books, and safety; the
+same under tensor parallelism (every rank moves its heads; a load is all ranks or none) and with a
+draft model (its K/V recomputed after a load, never stale).
 
 Every engine is strict (a ledger violation raises at the step it happens) and is audited clean at
 teardown (``make_engine``); the tests that hold file I/O in flight close the I/O thread's gate."""
@@ -14,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvledger import ValidationError
+from kvledger import Engine, ValidationError
 from kvledger.errors import OverloadedError
-from kvledger.hicache.storage import FileStorage
+from kvledger.hicache.storage import FileStorage, PageHasher, load_or_create_salt
 from tests.helpers import assert_idle_clean
+from tests.server_harness import process_alive
 
 G = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 PS = 4
@@ -340,7 +343,7 @@ def test_a_bad_l3_file_is_a_miss_never_loaded(make_engine, tmp_path, how):
     assert h["rejected"] == {how: 1}, h
     assert_idle_clean(eng)
     # The bad file was removed; the request's own backup wrote the page again, and it reads back.
-    assert t.storage.get(keys[bad], t.host.page_view(0).clone()) and h["rejected"] == {how: 1}
+    assert t.storage.get(keys[bad], t.mover.host.page_view(0).clone()) and h["rejected"] == {how: 1}
 
 
 def test_storage_dir_is_private_and_keys_are_salted(make_engine, tmp_path):
@@ -451,6 +454,157 @@ def test_server_info_memory_has_the_tiers(make_engine, tmp_path):
         assert k in h
     assert h["l2_free"] + h["l2_cached"] + h["l2_prefetching"] + h["l2_session"] == h["l2_total"]
     assert h["l3_files"] == h["pages_written"] > 0
+
+
+# -- tensor parallel: every rank moves its heads of the same pages --------------------------------
+def _tp(model: str, d: str, **kw) -> Engine:
+    """TP=2 over the tiny Llama's 2 KV heads (one per rank), L2 of 2 x L1 (so L2 evicts and L3
+    serves), strict books (conservation of L1 and L2 checked at every step, on rank 0)."""
+    opts = dict(
+        model=model, tp_size=2, dtype="float32", page_size=PS, max_total_tokens=L1, strict_memory=True,
+        enable_hierarchical_cache=True, hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=d,
+    )  # fmt: skip
+    opts.update(kw)
+    return Engine(**opts)
+
+
+def _shut(eng: Engine) -> None:
+    pids = eng.core.info.tp_worker_pids
+    assert pids
+    eng.shutdown()
+    assert not any(process_alive(p) for p in pids), "a tensor-parallel rank was left behind"
+
+
+def _rank_keys(eng: Engine, d: str, rank: int, prompt: list[int]) -> tuple[list[bytes], FileStorage]:
+    """Rank ``rank``'s L3 keys of ``prompt``'s pages and its view of the files (its namespace)."""
+    t = eng.core.kv_manager.tiers
+    ns = t.hasher.namespace.replace("|tp0/2|", f"|tp{rank}/2|")
+    assert ns != t.hasher.namespace or rank == 0
+    hasher = PageHasher(load_or_create_salt(d), ns, PS)
+    return hasher.chain(prompt[: len(prompt) - 1]), FileStorage(d, ns, t.storage.page_bytes)
+
+
+def _session_refs(make_engine, turns: list[list[int]]) -> list[list[int]]:
+    ref = make_engine(page_size=PS, enable_prefix_cache=False)
+    history, refs = [], []
+    for t in turns:
+        refs.append(ref.generate(input_ids=history + t, sampling_params=G)["output_ids"])
+        history += t + refs[-1]
+    return refs
+
+
+def test_tp2_hierarchy_equals_the_plain_engine(make_engine, baseline, tiny_llama, tmp_path):
+    """Load-backs from L2, prefetches from L3, a session demoted to L2 and promoted, and a restart
+    warm from the files, all under TP=2: every rank must have saved, stored, read and loaded its own
+    heads for the output to equal the plain engine's. The full audit runs after every step of the
+    first round; no rank is left behind."""
+    prompts = _workload()
+    want = baseline(prompts)
+    rng = random.Random(7)
+    turns = [[rng.randrange(3, 250) for _ in range(60)] for _ in range(2)]
+    refs = _session_refs(make_engine, turns)
+    d = str(tmp_path / "l3")
+    eng = _tp(tiny_llama, d)
+    out = []
+    for p in prompts:  # round one, audited at every step
+        rid = eng.add_request(p, G)
+        while (r := eng.result(rid)) is None:
+            eng.step()
+            report = eng.audit()
+            assert report.ok, report.describe()
+        out.append(r["output_ids"])
+    out += [eng.generate(input_ids=p, sampling_params=G)["output_ids"] for p in prompts]
+    assert out == want
+    sid = eng.open_session()
+    for i, t in enumerate(turns):
+        got = eng.generate(input_ids=t, sampling_params=G, session_params={"id": sid})
+        assert got["output_ids"] == refs[i], i
+        eng.generate(input_ids=[rng.randrange(3, 250) for _ in range(L1 - 24)], sampling_params=G)
+    eng.close_session(sid)
+    h = _hc(eng)
+    assert h["l2_hit_tokens"] > 0 and h["l3_hit_tokens"] > 0 and h["l2_evicted_pages"] > 0, h
+    assert h["session_demotions"] == 2 and h["session_promotions"] == 1, h
+    assert h["prefetch_pages_short"] == 0 and h["rejected"] == {}, h
+    assert_idle_clean(eng)
+    keys1, files1 = _rank_keys(eng, d, 1, prompts[0])
+    assert files1.batch_exists(keys1) == len(keys1)  # rank 1 wrote its own files of the prompt
+    _shut(eng)
+    again = _tp(tiny_llama, d)
+    got = again.generate(input_ids=prompts[0], sampling_params=G)
+    assert got["output_ids"] == want[0]
+    assert got["meta_info"]["cached_tokens"] >= 96 and _hc(again)["l3_hit_tokens"] >= 96, got["meta_info"]
+    assert again.flush_cache()  # waits for every rank's file ops, then drops L1 and L2
+    assert _hc(again)["l2_free"] == _hc(again)["l2_total"]
+    assert_idle_clean(again)
+    _shut(again)
+
+
+def test_tp2_a_bad_file_on_one_rank_is_a_miss_on_every_rank(baseline, tiny_llama, tmp_path):
+    """Rank 1's file of page 10 is corrupt; rank 0's files are whole: the prefetch takes the pages
+    every rank read (10), not rank 0's 25, and the output is still the plain engine's."""
+    prompt = _workload(families=1, repeats=1)[0]
+    want = baseline([prompt])[0]
+    d = str(tmp_path / "l3")
+    first = _tp(tiny_llama, d)
+    assert first.generate(input_ids=prompt, sampling_params=G)["output_ids"] == want
+    assert_idle_clean(first)
+    keys, files1 = _rank_keys(first, d, 1, prompt)
+    keys0, files0 = _rank_keys(first, d, 0, prompt)
+    assert files0.batch_exists(keys0) == files1.batch_exists(keys) == len(keys) == 25
+    _shut(first)
+    bad = 10
+    _tamper(files1.path(keys[bad]), "corrupt")
+    eng = _tp(tiny_llama, d)
+    out = eng.generate(input_ids=prompt, sampling_params=G)
+    assert out["output_ids"] == want
+    assert out["meta_info"]["cached_tokens"] == bad * PS, out["meta_info"]
+    h = _hc(eng)
+    assert h["l3_hit_tokens"] == bad * PS and h["prefetch_pages_short"] == 25 - bad, h
+    assert h["rejected"] == {}, h  # rank 0's own files were whole
+    assert_idle_clean(eng)
+    # Rank 1 removed the bad file; the request's backup stored the page again, and it reads back.
+    assert files1.get(keys[bad], eng.core.kv_manager.tiers.mover.host.page_view(0).clone())
+    _shut(eng)
+
+
+# -- a draft model: its K/V is recomputed, never moved ----------------------------------------------
+def _record_drafts(eng) -> list[list[int]]:
+    proposer = eng.core.scheduler.proposer
+    seen: list[list[int]] = []
+    orig = proposer.propose
+
+    def propose(req, k):
+        drafts = orig(req, k)
+        seen.append(drafts)
+        return drafts
+
+    proposer.propose = propose
+    return seen
+
+
+def test_draft_model_with_the_hierarchy(make_engine, baseline, tiny_llama, tmp_path):
+    """Pages loaded back from L2 and L3 carry no draft K/V (they are fresh L1 pages); the draft
+    recomputes a request's sequence from position 0 after its admission, so its drafts equal those
+    of a draft engine that caches nothing, draft for draft, and the output is the plain engine's."""
+    prompts = _workload()
+    draft = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama)
+    ref = make_engine(page_size=PS, max_total_tokens=L1, enable_prefix_cache=False, **draft)
+    d = str(tmp_path / "l3")
+    eng = _hier(make_engine, hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=d, **draft)
+    ref_drafts, drafts = _record_drafts(ref), _record_drafts(eng)
+    assert _run(eng, prompts) == baseline(prompts) == _run(ref, prompts)
+    assert drafts == ref_drafts and len(drafts) >= 2 * len(prompts)  # every request drafted
+    h = _hc(eng)
+    assert h["l2_hit_tokens"] > 0 and h["l3_hit_tokens"] > 0, h
+    t = eng.core.scheduler.spec_totals
+    assert t.accepted > 0.9 * t.drafted  # the target is its own draft: right draft K/V agrees
+    assert_idle_clean(eng)
+    eng.shutdown()
+    again = _hier(make_engine, hicache_storage_backend="file", hicache_storage_dir=d, **draft)
+    again_drafts = _record_drafts(again)
+    got = again.generate(input_ids=prompts[0], sampling_params=G)
+    assert got["output_ids"] == baseline(prompts)[0] and got["meta_info"]["cached_tokens"] >= 96
+    assert again_drafts == ref_drafts[: len(again_drafts)]
 
 
 # -- settings -----------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ from ..connector import KVConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..disagg import make_connector
 from ..errors import ValidationError
-from ..hicache import HiCacheConnector, TierBooks, build_tiers
+from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, default_model_path
 from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
 from ..parallel.shard import check_tp, local_config, shard_weights
@@ -110,6 +110,28 @@ def build_runner(
     return _runner(cfg.replace(max_total_tokens=num_tokens, context_length=context), model, device)
 
 
+def _tp_gather(cfg: EngineConfig):
+    """The gather (to rank 0) the hierarchical cache's ranks report their file ops with (None on
+    one rank)."""
+    if cfg.parallel.tp_size == 1:
+        return None
+    from ..parallel.executor import gather
+
+    return gather
+
+
+def build_worker_connector(cfg: EngineConfig, rank: int, runner: ModelRunner) -> KVConnector | None:
+    """A worker rank's side of the KV connector: the hierarchical cache's data movement for its heads
+    (None without the hierarchy). Its L3 keys are its own (``tp{rank}/{size}`` in their namespace)."""
+    if not cfg.hicache.enable_hierarchical_cache:
+        return None
+    model = runner.model
+    path = cfg.model.model or default_model_path()  # what ``build_runner`` loaded
+    return build_worker_side(
+        cfg, path, model.quantization, model.cfg, model.dtype, runner.kv_buffer, rank, _tp_gather(cfg)
+    )
+
+
 class EngineCore:
     """Owns one model and one set of pools. No global state: several may live in one process."""
 
@@ -164,7 +186,7 @@ class EngineCore:
         self.cfg = cfg.replace(max_total_tokens=total, context_length=context)
         tiers = None
         if cfg.hicache.enable_hierarchical_cache:
-            tiers = build_tiers(cfg, loaded.path, mc, lc, self.dtype, num_pages, device)
+            tiers = build_tiers(cfg, loaded.path, lc, self.dtype, num_pages, device)
         self.kv_manager = KVManager(
             num_pages=num_pages,
             page_size=ps,
@@ -181,7 +203,7 @@ class EngineCore:
                     "the hierarchical cache is a KV connector itself; pass one or the other"
                 )
             tiers.bind(runner.kv_buffer)
-            connector = HiCacheConnector(tiers)
+            connector = HiCacheConnector(tiers, _tp_gather(cfg))
             self.kv_manager.ledger.tiers = TierBooks(tiers, connector)
         if connector is None and cfg.disagg.disaggregation_mode is not None:
             # The connector reaches the scheduler (built below) only through its thread-safe abort.
@@ -399,10 +421,23 @@ class EngineCore:
         their pages are locked. File I/O still in flight is waited for first."""
         if self.scheduler.has_requests:
             return False
-        if self.connector is not None and not self.connector.drain():
+        if self.connector is not None and not self._finish_connector_io():
             return False
         self.kv_manager.tree.flush()
         return True
+
+    def _finish_connector_io(self, timeout_s: float = 60.0) -> bool:
+        """Step (no requests: only the connector's async work) until the connector has none in
+        flight: under tensor parallelism a file op is done when every rank has reported it, and
+        ranks report in steps. Then its own drain. False if that takes longer than ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while self.connector.has_pending:
+            if time.monotonic() > end:
+                return False
+            self.step()
+            if not self.last_step_ran:
+                time.sleep(0.001)  # only file I/O left: let its thread have the GIL
+        return self.connector.drain()
 
     def memory(self) -> dict:
         m = self.kv_manager.ledger.figures()

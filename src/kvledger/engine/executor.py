@@ -31,18 +31,24 @@ class Executor(ABC):
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, runner: ModelRunner, connector: KVConnector | None = None):
+    """The runner in this process, with the connector's worker side around its forward. A
+    tensor-parallel worker rank runs one with ``sample=False`` (no output: rank 0 samples)."""
+
+    def __init__(self, runner: ModelRunner, connector: KVConnector | None = None, sample: bool = True):
         self.runner = runner
         self.connector = (
             connector if connector is not None and not isinstance(connector, NoOpConnector) else None
         )
+        self.sample = sample
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         c = self.connector
         if c is not None:
             c.start_load_kv(sched.connector_meta, self.runner.kv_buffer)
-        out = self.runner.execute(sched, c)
+        out = self.runner.execute(sched, c, self.sample)
         if c is not None:
             c.wait_for_save()
-            out.finished_sending, out.finished_recving = c.get_finished()
+            finished = c.get_finished()
+            if out is not None:
+                out.finished_sending, out.finished_recving = finished
         return out

@@ -4,8 +4,10 @@ L3), the target of one prefetch in flight (``prefetch for req X``), or the KV of
 (``session S``). Conservation is checked every step in strict mode; the audit walks every owner.
 
 L3 is content-addressed files: nothing in it can leak (a file is a key's value, not a holding). A file
-op in flight holds its L2 pages under its own name (above), and the engine is not idle until every op
-has reported, so the idle audit sees none.
+op in flight holds its L2 pages under its own name (above) until every tensor-parallel rank has
+reported it, and the engine is not idle until then (nor while ops wait to be shipped to the other
+ranks), so the idle audit sees none. The books are rank 0's alone: an L2 page id means the same page
+on every rank, and the other ranks only move the data rank 0's policy decided (``ops.py``).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class TierBooks:
         classify(owners, host.last_owner, report.leaked_host_pages, report.double_host_pages)
         # Pins: exactly the loads pinned now; stores: exactly the store ops in flight.
         want = Counter(p for load in self.connector.live_loads() for p in load.host_pages)
-        storing = {p for op in t.stores.values() for p in op.host_pages}
+        storing = {p for pages in t.stores.values() for p in pages}
         for p in range(host.num_pages):
             if host.pins[p] != want.get(p, 0):
                 report.problems.append(f"L2 page {p} pinned {host.pins[p]} times by {want.get(p, 0)} loads")

@@ -1,4 +1,5 @@
-"""The L2 tier: a pool of host-memory KV pages, page-first, and the copies between it and L1.
+"""The L2 tier: host-memory KV pages, page-first, as ids (``HostPool``, rank 0, with the books) and
+as data (``HostKV``, one per tensor-parallel rank: that rank's heads of every L2 page).
 
 Page-first layout: ``data[p]`` is one contiguous ``[2, layers, kv_heads, page_size, head_dim]`` block,
 so a page is one memcpy to or from a file (L3) and one block for a transfer engine. L1 (the engine's
@@ -6,8 +7,9 @@ so a page is one memcpy to or from a file (L3) and one block for a transfer engi
 
 The pool only hands out ids and remembers each id's last owner; who owns an L2 page (a radix node, a
 prefetch in flight, an idle session) is in the books (``hicache/books.py``). ``pins`` counts the loads
-reading a page this step and ``storing`` marks a page being written to L3: a pinned page is never
-evicted or freed.
+reading a page this step and ``storing`` marks a page being written to L3 (on every rank): a pinned
+page is never evicted or freed. Under tensor parallelism an L2 page id means the same page on every
+rank, as an L1 page id does: rank 0 decides, every rank's ``HostKV`` holds its heads of it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,20 @@ from ..memory.pools import KVBuffer, PagePool
 
 
 class HostPool(PagePool):
+    """L2 page ids, pins and store flags (rank 0: the policy's and the books' view)."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        super().__init__(num_pages, page_size)  # ids, free list and last owners as L1's pool
+        self.pins = [0] * num_pages
+        self.storing = bytearray(num_pages)
+
+    def pinned(self, pages: list[int]) -> bool:
+        return any(self.pins[p] or self.storing[p] for p in pages)
+
+
+class HostKV:
+    """One rank's heads of every L2 page, and the copies between them and that rank's L1."""
+
     def __init__(
         self,
         num_pages: int,
@@ -28,23 +44,22 @@ class HostPool(PagePool):
         dtype: torch.dtype,
         pin_memory: bool = False,
     ):
-        super().__init__(num_pages, page_size)  # ids, free list and last owners as L1's pool
+        self.num_pages = num_pages
+        self.page_size = page_size
         # empty, not zeros: the OS maps host pages in as they are first written, so an unused L2
         # costs no resident memory.
         self.data = torch.empty(
             num_pages, 2, num_layers, kv_heads, page_size, head_dim, dtype=dtype, pin_memory=pin_memory
         )
-        self.pins = [0] * num_pages
-        self.storing = bytearray(num_pages)
+
+    @staticmethod
+    def page_bytes_of(page_size: int, num_layers: int, kv_heads: int, head_dim: int, dtype) -> int:
+        return 2 * num_layers * kv_heads * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def page_bytes(self) -> int:
         return self.data[0].numel() * self.data.element_size()
 
-    def pinned(self, pages: list[int]) -> bool:
-        return any(self.pins[p] or self.storing[p] for p in pages)
-
-    # -- copies ---------------------------------------------------------------------------------------
     def _locs(self, l1_pages: list[int], device) -> torch.Tensor:
         ps = self.page_size
         base = torch.tensor(l1_pages, dtype=torch.long, device=device) * ps

@@ -1,63 +1,53 @@
-"""The L3 I/O thread: writes L2 pages to files (stores) and reads files into L2 pages (prefetches).
+"""The L3 I/O thread of one rank: writes L2 pages to files (stores) and reads files into L2 pages
+(reads, for prefetches).
 
-The scheduler hands it ops and polls ``take_done()`` each step; the op's pages stay in the books
-under their owner the whole time (a store pins its pages as ``storing``; a prefetch's pages belong to
-the prefetch). Prefetches go first: a request may be waiting for one. File I/O releases the GIL, so
-the thread overlaps the engine's forwards.
+The rank's ``TierMover`` hands it ops and takes the finished ones each step; the ops' pages stay in
+rank 0's books under their owner the whole time (a store pins its pages as ``storing``; a prefetch's
+pages belong to the prefetch) until every rank has reported the op. Reads go first: a request may be
+waiting for one. File I/O releases the GIL, so the thread overlaps the engine's forwards.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .host_pool import HostPool
+from .host_pool import HostKV
 from .storage import FileStorage
 
 log = logging.getLogger(__name__)
-_op_ids = itertools.count(1)
 
 
 @dataclass(eq=False)
 class StoreOp:
     """Write ``host_pages[i]`` under ``keys[i]`` (skipped where the key already exists)."""
 
+    id: int
     keys: list[bytes]
     host_pages: list[int]
-    id: int = field(default_factory=lambda: next(_op_ids))
 
 
 @dataclass(eq=False)
-class PrefetchOp:
-    """Read ``keys`` into ``host_pages`` for request ``rid``: the prompt's pages ``[start_page, ...)``
-    (``tokens`` is the prompt prefix they complete). ``good``: pages read and verified, from the
-    first; the read stops at the first miss."""
+class ReadOp:
+    """Read ``keys`` into ``host_pages``; ``good``: pages read and verified, from the first (the read
+    stops at the first miss, or when ``cancelled``)."""
 
-    rid: str
-    tokens: list[int]
-    start_page: int
+    id: int
     keys: list[bytes]
     host_pages: list[int]
-    deadline: float
-    id: int = field(default_factory=lambda: next(_op_ids))
-    cancelled: bool = False  # the request ended: stop reading (the pages are freed when it reports)
+    cancelled: bool = False
     good: int = 0
     done: bool = False
 
-    @property
-    def owner(self) -> str:
-        return f"prefetch for req {self.rid}" + (" [cancelled]" if self.cancelled else " [loading from L3]")
-
 
 class StorageIO:
-    def __init__(self, storage: FileStorage, host: HostPool):
+    def __init__(self, storage: FileStorage, host: HostKV):
         self.storage = storage
         self.host = host
-        self._prefetches: deque[PrefetchOp] = deque()
+        self._reads: deque[ReadOp] = deque()
         self._stores: deque[StoreOp] = deque()
         self._cv = threading.Condition()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
@@ -68,12 +58,12 @@ class StorageIO:
         self._thread = threading.Thread(target=self._run, name="kvledger-hicache-io", daemon=True)
         self._thread.start()
 
-    def submit(self, op: StoreOp | PrefetchOp) -> None:
+    def submit(self, op: StoreOp | ReadOp) -> None:
         with self._cv:
-            (self._prefetches if isinstance(op, PrefetchOp) else self._stores).append(op)
+            (self._reads if isinstance(op, ReadOp) else self._stores).append(op)
             self._cv.notify()
 
-    def take_done(self) -> list[StoreOp | PrefetchOp]:
+    def take_done(self) -> list[StoreOp | ReadOp]:
         out = []
         while True:
             try:
@@ -91,15 +81,15 @@ class StorageIO:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._prefetches or self._stores or self._stop):
+                while not (self._reads or self._stores or self._stop):
                     self._cv.wait()
                 if self._stop:
                     return
-                op = self._prefetches.popleft() if self._prefetches else self._stores.popleft()
+                op = self._reads.popleft() if self._reads else self._stores.popleft()
             self.gate.wait()
             try:
-                if isinstance(op, PrefetchOp):
-                    self._prefetch(op)
+                if isinstance(op, ReadOp):
+                    self._read(op)
                 else:
                     self._store(op)
             except Exception:  # a failed op is reported done with what it did; never kills the thread
@@ -111,7 +101,7 @@ class StorageIO:
             if not self.storage.exists(key):
                 self.storage.set(key, self.host.page_view(p).numpy().data)
 
-    def _prefetch(self, op: PrefetchOp) -> None:
+    def _read(self, op: ReadOp) -> None:
         for key, p in zip(op.keys, op.host_pages):
             if op.cancelled or not self.storage.get(key, self.host.page_view(p)):
                 break

@@ -1,26 +1,29 @@
-"""The tiers' policy on the scheduler's side: L2 allocation (evicting L2 nodes for room), backups
-(L1 -> L2 under the write policy, then L2 -> L3), L3 prefetches for queued requests, load-backs for
-admitted ones, and idle sessions' demotion. Every page movement between tiers is here; the books
-(``books.py``) check the result.
+"""The tiers' policy on the scheduler's side (rank 0, with the books): L2 allocation (evicting L2
+nodes for room), backups (L1 -> L2 under the write policy, then L2 -> L3), L3 prefetches for queued
+requests, load-backs for admitted ones, and idle sessions' demotion. Every page movement between
+tiers is decided here; the books (``books.py``) check the result.
 
-Copies between L1 and L2 are memcpys made here, on the engine's thread (the load-back's per-layer
-copies run in the forward, ``connector.py``). File I/O runs on the I/O thread (``io.py``).
+The data moves on every rank (``mover.py``): each decision is an op (``ops.py``) that rank 0's mover
+applies at once (the L1 <-> L2 copies are memcpys on the engine's thread; file I/O goes to its I/O
+thread) and, under tensor parallelism, the other ranks apply at the start of their next step. A file
+op is done when every rank has reported it (``report``): its L2 pages stay pinned (a store) or the
+prefetch's (a read) until then, and a read counts the pages every rank read.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..memory.cache_key import cache_key
 from ..memory.pools import KVBuffer
 from .host_pool import HostPool
-from .io import PrefetchOp, StorageIO, StoreOp
-from .storage import FileStorage, PageHasher
+from .mover import TierMover
+from .ops import Cancel, Read, Restore, Save, Store, TierOp, TierReport
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -36,45 +39,87 @@ class TierStats:
     prefetches_cancelled: int = 0  # their request ended first (pages freed when the read stopped)
     prefetches_late: int = 0  # admitted past the deadline without waiting
     prefetch_no_room: int = 0
+    prefetch_pages_short: int = 0  # pages some rank read and another did not (a miss on all ranks)
     stores: int = 0
     session_demotions: int = 0
     session_promotions: int = 0
     session_drops: int = 0  # demoted sessions whose KV could not come back (recomputed)
 
 
+@dataclass(eq=False)
+class Prefetch:
+    """An L3 read for a queued request: the prompt's pages ``[start_page, ...)`` (``tokens`` is the
+    prompt prefix they complete) into ``host_pages``, owned by the prefetch until every rank has
+    reported; ``good``: the pages every rank read, from the first."""
+
+    id: int
+    rid: str
+    tokens: list[int]
+    start_page: int
+    host_pages: list[int]
+    deadline: float
+    cancelled: bool = False  # the request ended: stop reading (the pages are freed when it reports)
+    good: int = 0
+    reports: list[int] = field(default_factory=list)  # pages read, one entry per rank reported
+
+    @property
+    def owner(self) -> str:
+        return f"prefetch for req {self.rid}" + (" [cancelled]" if self.cancelled else " [loading from L3]")
+
+
 class Tiers:
     def __init__(
         self,
         host: HostPool,
+        mover: TierMover,
         write_policy: str,
-        hasher: PageHasher,
-        storage: FileStorage | None = None,
+        tp_size: int = 1,
         load_back_threshold: int = 16,
         prefetch_threshold: int = 64,
         prefetch_timeout_s: float = 2.0,
     ):
         self.host = host
+        self.mover = mover  # rank 0's data: its heads of the L2 pages, its files
+        self.tp_size = tp_size
         self.page_size = host.page_size
         self.write_policy = write_policy
         self.write_back = write_policy == "write_back"
         # Hits before a node is copied to L2 (write_back copies on eviction instead).
         self.backup_threshold = {"write_through": 1, "write_through_selective": 2}.get(write_policy, 1 << 30)
-        self.hasher = hasher
-        self.storage = storage
-        self.io = StorageIO(storage, host) if storage is not None else None
+        self.storage = mover.storage  # rank 0's files: what exists (``batch_exists``), figures
         self.load_back_threshold = load_back_threshold
         self.prefetch_threshold = prefetch_threshold
         self.prefetch_timeout_s = prefetch_timeout_s
         self.stats = TierStats()
         self.tree = None  # HiRadixCache, set by KVManager
         self.kv_manager = None
-        self.kv: KVBuffer | None = None  # L1's tensors, bound once the runner exists
-        self.prefetches: dict[str, PrefetchOp] = {}  # rid -> its prefetch in flight
-        self.stores: dict[int, StoreOp] = {}  # op id -> store in flight
-        self._orphans: dict[int, PrefetchOp] = {}  # prefetches whose request ended or moved on
+        self.prefetches: dict[str, Prefetch] = {}  # rid -> the prefetch its request waits for
+        self.reads: dict[int, Prefetch] = {}  # op id -> every prefetch in flight (waited for or not)
+        self.stores: dict[int, list[int]] = {}  # op id -> the L2 pages of a store in flight
+        self._store_reports: dict[int, int] = {}  # op id -> ranks that have reported the store
+        self.outbox: list[TierOp] = []  # ops for the other ranks, until the next step ships them
+        self._ids = itertools.count(1)
+
+    @property
+    def hasher(self):
+        return self.mover.hasher
+
+    @property
+    def io(self):
+        return self.mover.io
 
     def bind(self, kv: KVBuffer) -> None:
-        self.kv = kv
+        self.mover.bind(kv)
+
+    def _do(self, op: TierOp) -> None:
+        """Apply ``op`` here now, and on every other rank at its next step."""
+        self.mover.apply(op)
+        if self.tp_size > 1:
+            self.outbox.append(op)
+
+    def take_outbox(self) -> list[TierOp]:
+        out, self.outbox = self.outbox, []
+        return out
 
     # -- L2 pages -------------------------------------------------------------------------------------
     def host_alloc(self, n: int, owner: str) -> list[int] | None:
@@ -94,24 +139,24 @@ class Tiers:
         if host is None:
             self.stats.backup_no_room += 1
             return False
-        self.host.save(self.kv, node.pages, host)
+        self._do(Save(list(node.pages), host))
         self.tree.attach_host(node, host)
         self.stats.backed_up_pages += len(host)
-        if self.io is not None:
-            keys = self.hasher.chain(self.tree.path_tokens(node))[-len(host) :]
-            op = StoreOp(keys, list(host))
+        if self.storage is not None:
+            op = Store(next(self._ids), self.tree.path_tokens(node), list(host))
             for p in host:
                 self.host.storing[p] = 1
-            self.stores[op.id] = op
+            self.stores[op.id] = op.host_pages
             self.stats.stores += 1
-            self.io.submit(op)
+            self._do(op)
         return True
 
     # -- L3 prefetch (a request was queued) ----------------------------------------------------------
     def start_prefetch(self, req) -> None:
         """Read the files of the prompt's pages that no tier holds, while the request waits in the
-        queue: they go to L2 pages owned by the prefetch, and into the tree when read."""
-        if self.io is None or req.session is not None:
+        queue: they go to L2 pages owned by the prefetch, and into the tree when every rank has read
+        them. Which pages exist is asked of rank 0's files; a rank that lacks one reads fewer."""
+        if self.storage is None or req.session is not None:
             return
         ps = self.page_size
         tokens = cache_key(req.fill_ids, req.params.cache_salt, ps)[: req.reuse_limit]
@@ -127,17 +172,17 @@ class Tiers:
         if host is None:
             self.stats.prefetch_no_room += 1
             return
-        op = PrefetchOp(
+        op = Prefetch(
+            next(self._ids),
             req.rid,
             tokens[: (have + k) * ps],
             have,
-            keys[have : have + k],
             host,
             time.monotonic() + self.prefetch_timeout_s,
         )
-        self.prefetches[req.rid] = op
+        self.prefetches[req.rid] = self.reads[op.id] = op
         self.stats.prefetches += 1
-        self.io.submit(op)
+        self._do(Read(op.id, op.tokens, op.start_page, list(host)))
 
     def prefetch_pending(self, req) -> bool:
         """Whether ``req`` should wait for its prefetch (in flight and within its deadline)."""
@@ -147,7 +192,7 @@ class Tiers:
         if time.monotonic() < op.deadline:
             return True
         # Late: the request goes on without it; the read still lands in the tree for later requests.
-        self._orphans[op.id] = self.prefetches.pop(req.rid)
+        del self.prefetches[req.rid]
         self.stats.prefetches_late += 1
         return False
 
@@ -155,14 +200,16 @@ class Tiers:
         op = self.prefetches.pop(rid, None)
         if op is not None:
             op.cancelled = True
-            self._orphans[op.id] = op
             self.stats.prefetches_cancelled += 1
+            self._do(Cancel(op.id))
 
-    def _prefetch_done(self, op: PrefetchOp) -> None:
+    def _prefetch_done(self, op: Prefetch) -> None:
+        del self.reads[op.id]
         if self.prefetches.get(op.rid) is op:
             del self.prefetches[op.rid]
-        self._orphans.pop(op.id, None)
         ps = self.page_size
+        op.good = min(op.reports)  # all ranks or none, page by page
+        self.stats.prefetch_pages_short += max(op.reports) - op.good
         good = op.host_pages[: op.good]
         unused = op.host_pages[op.good :]
         if good:
@@ -173,34 +220,52 @@ class Tiers:
             unused = back + unused
         self.host_free(unused, op.owner)
 
-    def prefetch_ops(self) -> list[PrefetchOp]:
+    def prefetch_ops(self) -> list[Prefetch]:
         """Every prefetch in flight (the books: their L2 pages are theirs)."""
-        return list(self.prefetches.values()) + list(self._orphans.values())
+        return list(self.reads.values())
 
     # -- completions -----------------------------------------------------------------------------------
+    def report(self, reports: list[TierReport]) -> None:
+        """Take in finished file ops, one report per rank: an op is done when every rank has
+        reported it."""
+        for rank_report in reports:
+            for op_id, good in rank_report:
+                if op_id in self.stores:
+                    n = self._store_reports[op_id] = self._store_reports.get(op_id, 0) + 1
+                    if n == self.tp_size:
+                        del self._store_reports[op_id]
+                        for p in self.stores.pop(op_id):
+                            self.host.storing[p] = 0
+                elif op_id in self.reads:
+                    op = self.reads[op_id]
+                    op.reports.append(good)
+                    if len(op.reports) == self.tp_size:
+                        self._prefetch_done(op)
+                else:
+                    log.error("hicache: a rank reported file op %d, which is not in flight", op_id)
+
     def poll(self) -> None:
-        """Take in the I/O thread's finished ops (each step, and while draining)."""
-        if self.io is None:
-            return
-        for op in self.io.take_done():
-            if isinstance(op, StoreOp):
-                self.stores.pop(op.id, None)
-                for p in op.host_pages:
-                    self.host.storing[p] = 0
-            else:
-                self._prefetch_done(op)
+        """Take in this rank's finished file ops (each step, and while draining); under tensor
+        parallelism every rank's reports come with the step instead (``HiCacheConnector``)."""
+        if self.tp_size == 1:
+            self.report([self.mover.take_done()])
+
+    @property
+    def file_ops_in_flight(self) -> bool:
+        return bool(self.reads or self.stores)
 
     @property
     def pending(self) -> bool:
-        return bool(self.prefetches or self._orphans or self.stores)
+        return self.file_ops_in_flight or bool(self.outbox)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
-        """Wait for every file op in flight (flush_cache, shutdown). False if some are still running."""
+        """Wait for every file op in flight (shutdown). False if some are still running. Under tensor
+        parallelism the other ranks report only in steps, which the engine runs until idle first."""
         end = time.monotonic() + timeout_s
         while True:
             self.poll()
-            if not self.pending:
-                return True
+            if not self.pending or self.tp_size > 1:
+                return not self.pending
             if time.monotonic() > end:
                 return False
             time.sleep(0.002)
@@ -211,7 +276,7 @@ class Tiers:
         host = self.host_alloc(len(s.pages), s.owner)
         if host is None:
             return False
-        self.host.save(self.kv, s.pages, host)
+        self._do(Save(list(s.pages), host))
         self.kv_manager.free(s.pages, s.owner)
         s.pages, s.host = [], host
         self.stats.session_demotions += 1
@@ -222,7 +287,7 @@ class Tiers:
         is dropped and recomputed from its tokens)."""
         pages = self.kv_manager._alloc_pages(len(s.host), s.owner)
         if pages is not None:
-            self.host.load(self.kv, s.host, pages)
+            self._do(Restore(list(s.host), pages))
             self.stats.session_promotions += 1
         else:
             self.stats.session_drops += 1
@@ -252,7 +317,6 @@ class Tiers:
         return out
 
     def close(self) -> None:
-        if self.io is not None:
-            if not self.drain(timeout_s=30):
-                log.warning("hicache: L3 writes still running at shutdown; some pages were not stored")
-            self.io.close()
+        if self.storage is not None and not self.drain(timeout_s=30):
+            log.warning("hicache: L3 writes still running at shutdown; some pages were not stored")
+        self.mover.close()

@@ -298,6 +298,7 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.attention = resolve_backend(attention, self.device, dtype)
+        self.quantization = quantization  # the weight-only mode its linears run in (None: dense)
         self.attn: AttentionBackend = make_backend(
             self.attention, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype
         )

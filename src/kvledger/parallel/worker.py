@@ -30,7 +30,8 @@ def die_with_parent() -> None:
 def run(cfg: EngineConfig, rank: int, addr: str) -> None:
     import torch
 
-    from ..engine.core import build_runner
+    from ..engine.core import build_runner, build_worker_connector
+    from ..engine.executor import InProcessExecutor
     from .comm import rank_threads
     from .executor import StatsQuery, broadcast, gather, join_group, join_setup
 
@@ -39,15 +40,21 @@ def run(cfg: EngineConfig, rank: int, addr: str) -> None:
     join_group(cfg, rank, addr)
     setup, comm = join_setup(rank, cfg.parallel.tp_size)  # the pool's shape, decided by rank 0 once loaded
     runner = build_runner(cfg, comm, setup["num_tokens"], setup["context"])
+    connector = build_worker_connector(cfg, rank, runner)  # the hierarchical cache's data side, or None
+    executor = InProcessExecutor(runner, connector, sample=False)
     log.info("rank %d ready", rank)
-    while True:
-        msg = broadcast(None)
-        if msg is None:
-            return
-        if isinstance(msg, StatsQuery):
-            gather({"rank": rank, **runner.model.compile_stats()})
-            continue
-        runner.execute(msg, sample=False)
+    try:
+        while True:
+            msg = broadcast(None)
+            if msg is None:
+                return
+            if isinstance(msg, StatsQuery):
+                gather({"rank": rank, **runner.model.compile_stats()})
+                continue
+            executor.execute_model(msg)
+    finally:
+        if connector is not None:
+            connector.close()
 
 
 def main() -> int:
