@@ -8,6 +8,7 @@ teardown (``make_engine``); the tests that hold file I/O in flight close the I/O
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import stat
@@ -457,22 +458,40 @@ def test_server_info_memory_has_the_tiers(make_engine, tmp_path):
 
 
 # -- tensor parallel: every rank moves its heads of the same pages --------------------------------
-def _tp(model: str, d: str, **kw) -> Engine:
-    """TP=2 over the tiny Llama's 2 KV heads (one per rank), L2 of 2 x L1 (so L2 evicts and L3
-    serves), strict books (conservation of L1 and L2 checked at every step, on rank 0)."""
-    opts = dict(
-        model=model, tp_size=2, dtype="float32", page_size=PS, max_total_tokens=L1, strict_memory=True,
-        enable_hierarchical_cache=True, hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=d,
-    )  # fmt: skip
-    opts.update(kw)
-    return Engine(**opts)
+class _TPEngines:
+    """TP=2 engines over the tiny Llama's 2 KV heads (one per rank), L2 of 2 x L1 (so L2 evicts and
+    L3 serves), strict books (conservation of L1 and L2 checked at every step, on rank 0). Each is
+    shut down at teardown even after a failure: the next one needs the process group."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.live: list[Engine] = []
+
+    def start(self, d: str, **kw) -> Engine:
+        opts = dict(
+            model=self.model, tp_size=2, dtype="float32", page_size=PS, max_total_tokens=L1, strict_memory=True,
+            enable_hierarchical_cache=True, hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=d,
+        )  # fmt: skip
+        opts.update(kw)
+        self.live.append(Engine(**opts))
+        return self.live[-1]
+
+    def shut(self, eng: Engine) -> None:
+        """Shut ``eng`` down; no rank may be left behind."""
+        pids = eng.core.info.tp_worker_pids
+        assert pids
+        self.live.remove(eng)
+        eng.shutdown()
+        assert not any(process_alive(p) for p in pids), "a tensor-parallel rank was left behind"
 
 
-def _shut(eng: Engine) -> None:
-    pids = eng.core.info.tp_worker_pids
-    assert pids
-    eng.shutdown()
-    assert not any(process_alive(p) for p in pids), "a tensor-parallel rank was left behind"
+@pytest.fixture
+def tp_engines(tiny_llama):
+    engines = _TPEngines(tiny_llama)
+    yield engines
+    for eng in engines.live:  # the test has failed: free the process group for the next one
+        with contextlib.suppress(Exception):
+            eng.shutdown()
 
 
 def _rank_keys(eng: Engine, d: str, rank: int, prompt: list[int]) -> tuple[list[bytes], FileStorage]:
@@ -493,7 +512,7 @@ def _session_refs(make_engine, turns: list[list[int]]) -> list[list[int]]:
     return refs
 
 
-def test_tp2_hierarchy_equals_the_plain_engine(make_engine, baseline, tiny_llama, tmp_path):
+def test_tp2_hierarchy_equals_the_plain_engine(make_engine, baseline, tp_engines, tmp_path):
     """Load-backs from L2, prefetches from L3, a session demoted to L2 and promoted, and a restart
     warm from the files, all under TP=2: every rank must have saved, stored, read and loaded its own
     heads for the output to equal the plain engine's. The full audit runs after every step of the
@@ -504,7 +523,7 @@ def test_tp2_hierarchy_equals_the_plain_engine(make_engine, baseline, tiny_llama
     turns = [[rng.randrange(3, 250) for _ in range(60)] for _ in range(2)]
     refs = _session_refs(make_engine, turns)
     d = str(tmp_path / "l3")
-    eng = _tp(tiny_llama, d)
+    eng = tp_engines.start(d)
     out = []
     for p in prompts:  # round one, audited at every step
         rid = eng.add_request(p, G)
@@ -528,33 +547,33 @@ def test_tp2_hierarchy_equals_the_plain_engine(make_engine, baseline, tiny_llama
     assert_idle_clean(eng)
     keys1, files1 = _rank_keys(eng, d, 1, prompts[0])
     assert files1.batch_exists(keys1) == len(keys1)  # rank 1 wrote its own files of the prompt
-    _shut(eng)
-    again = _tp(tiny_llama, d)
+    tp_engines.shut(eng)
+    again = tp_engines.start(d)
     got = again.generate(input_ids=prompts[0], sampling_params=G)
     assert got["output_ids"] == want[0]
     assert got["meta_info"]["cached_tokens"] >= 96 and _hc(again)["l3_hit_tokens"] >= 96, got["meta_info"]
     assert again.flush_cache()  # waits for every rank's file ops, then drops L1 and L2
     assert _hc(again)["l2_free"] == _hc(again)["l2_total"]
     assert_idle_clean(again)
-    _shut(again)
+    tp_engines.shut(again)
 
 
-def test_tp2_a_bad_file_on_one_rank_is_a_miss_on_every_rank(baseline, tiny_llama, tmp_path):
+def test_tp2_a_bad_file_on_one_rank_is_a_miss_on_every_rank(baseline, tp_engines, tmp_path):
     """Rank 1's file of page 10 is corrupt; rank 0's files are whole: the prefetch takes the pages
     every rank read (10), not rank 0's 25, and the output is still the plain engine's."""
     prompt = _workload(families=1, repeats=1)[0]
     want = baseline([prompt])[0]
     d = str(tmp_path / "l3")
-    first = _tp(tiny_llama, d)
+    first = tp_engines.start(d)
     assert first.generate(input_ids=prompt, sampling_params=G)["output_ids"] == want
     assert_idle_clean(first)
     keys, files1 = _rank_keys(first, d, 1, prompt)
     keys0, files0 = _rank_keys(first, d, 0, prompt)
     assert files0.batch_exists(keys0) == files1.batch_exists(keys) == len(keys) == 25
-    _shut(first)
+    tp_engines.shut(first)
     bad = 10
     _tamper(files1.path(keys[bad]), "corrupt")
-    eng = _tp(tiny_llama, d)
+    eng = tp_engines.start(d)
     out = eng.generate(input_ids=prompt, sampling_params=G)
     assert out["output_ids"] == want
     assert out["meta_info"]["cached_tokens"] == bad * PS, out["meta_info"]
@@ -564,7 +583,7 @@ def test_tp2_a_bad_file_on_one_rank_is_a_miss_on_every_rank(baseline, tiny_llama
     assert_idle_clean(eng)
     # Rank 1 removed the bad file; the request's backup stored the page again, and it reads back.
     assert files1.get(keys[bad], eng.core.kv_manager.tiers.mover.host.page_view(0).clone())
-    _shut(eng)
+    tp_engines.shut(eng)
 
 
 # -- a draft model: its K/V is recomputed, never moved ----------------------------------------------
