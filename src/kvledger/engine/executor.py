@@ -45,7 +45,7 @@ class InProcessExecutor(Executor):
         c = self.connector
         if c is not None:
             c.start_load_kv(sched.connector_meta, self.runner.kv_buffer)
-        out = self.runner.execute(sched, c, self.sample)
+        out = self.runner.execute(sched, c) if self.sample else self.runner.execute(sched, c, sample=False)
         if c is not None:
             c.wait_for_save()
             finished = c.get_finished()
