@@ -248,7 +248,9 @@ def test_prefill_never_sends_decode_times_out_and_frees(pd):
 def test_an_unmatched_claim_outlives_the_decode_sides_own_wait(pd):
     """Equal timeouts: the decode side owns the wait, so its own timeout answers the client, however
     late its I/O thread ticks; prefill's claim backstop must not beat it (it did on CI by ms)."""
-    t = 1.0  # the backstop comes 1 s after decode's own timeout: room for a slow CI box
+    # The claim must reach prefill before decode's own deadline: CI (2 busy cores) once took over
+    # 1 s from add_request to the claim, so decode timed out first and the claim never came.
+    t = 3.0
     pre, dec, port = pd(
         prefill_kw={"disaggregation_bootstrap_timeout_s": t},
         decode_kw={"disaggregation_waiting_timeout_s": t},
@@ -257,6 +259,8 @@ def test_an_unmatched_claim_outlives_the_decode_sides_own_wait(pd):
     dec.add_request(list(range(5, 25)), {"max_new_tokens": 4}, rid="d", disagg=room(port, 3))
     deadline = time.monotonic() + 10
     while 3 not in conn._claims:
+        timed_out = stats(dec)["transfers_timed_out"]
+        assert not timed_out, "decode timed out before its claim reached prefill (machine too slow?)"
         assert time.monotonic() < deadline, "the claim never reached prefill"
         dec.step()
         time.sleep(0.005)
