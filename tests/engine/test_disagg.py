@@ -449,3 +449,29 @@ def test_mooncake_drain_ends_when_prefill_confirms(pd):
     assert dec.result("d")["meta_info"]["finish_reason"]["type"] == "abort"
     assert_idle_clean(dec)
     assert_idle_clean(pre)
+
+
+def test_a_request_waits_while_the_pool_is_held_by_kv_being_sent(pd, make_engine):
+    """Found by the combination fuzz: on a small prefill pool full of finished requests whose KV waits
+    for its decode server (kv sending), the next request was aborted as "too big for the KV cache" --
+    yet those pages come back when decode acknowledges (or at the bootstrap timeout). It waits, then
+    runs, and both answers equal a single engine's."""
+    p1, p2 = list(range(10, 50)), list(range(60, 100))
+    sp = {**GREEDY, "max_new_tokens": 3}
+    ref = make_engine().generate(input_ids=[p1, p2], sampling_params=sp)
+    pre, dec, port = pd(prefill_kw={"max_total_tokens": 64})  # 4 pages of 16: one 40-token prompt
+    pre.add_request(p1, sp, rid="p1", disagg=room(port, 31))
+    drive([pre], {id(pre): ["p1"]})
+    assert owners(pre) == {"req p1 [kv sending]": 3}
+    pre.add_request(p2, sp, rid="p2", disagg=room(port, 32))
+    for _ in range(20):
+        pre.step()
+    assert pre.result("p2", pop=False) is None, pre.result("p2", pop=False)  # waits: not aborted
+    dec.add_request(p1, sp, rid="d1", disagg=room(port, 31))
+    dec.add_request(p2, sp, rid="d2", disagg=room(port, 32))
+    res = drive([pre, dec], {id(pre): ["p2"], id(dec): ["d1", "d2"]})
+    assert [res["d1"]["output_ids"], res["d2"]["output_ids"]] == [o["output_ids"] for o in ref]
+    assert res["p2"]["output_ids"] == ref[1]["output_ids"][:1]
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)

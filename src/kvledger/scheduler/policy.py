@@ -196,10 +196,12 @@ class BatchPolicy:
             not batch
             and not s.running
             and not s.waiting_for_kv
+            and not s.sending
             and s.waiting
             and s.waiting[0].to_finish is None
             and s.waiting[0].rid not in self.deferred
         ):
-            # Nothing runs and the first waiting request still cannot be admitted: it never will be.
+            # Nothing runs, no connector holds pages it will give back (KV being sent, a save), and
+            # the first waiting request still cannot be admitted: it never will be.
             self.mark_too_big(s.waiting[0])
         return batch
