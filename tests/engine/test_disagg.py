@@ -475,3 +475,21 @@ def test_a_request_waits_while_the_pool_is_held_by_kv_being_sent(pd, make_engine
     until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)
+
+
+def test_a_claim_after_the_prefill_request_ended_without_kv_fails_at_once(pd):
+    """Found by the combination fuzz: a prefill request that ended without KV to send (aborted, or
+    queued out) before its decode side claimed the room was forgotten, so the late claim got no
+    answer and the decode request held its pages for the whole waiting timeout (300 s by default).
+    The claim is answered at once."""
+    pre, dec, port = pd(decode_kw={"disaggregation_waiting_timeout_s": 60.0})
+    p = list(range(30, 70))
+    pre.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="p", disagg=room(port, 41))
+    pre.abort("p")
+    assert drive([pre], {id(pre): ["p"]})["p"]["meta_info"]["finish_reason"]["type"] == "abort"
+    dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 41))
+    fr = drive([dec], {id(dec): ["d"]}, timeout=10)["d"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "prefill request ended" in fr["message"], fr
+    assert stats(dec)["transfers_timed_out"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
