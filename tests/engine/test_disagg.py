@@ -493,3 +493,28 @@ def test_a_claim_after_the_prefill_request_ended_without_kv_fails_at_once(pd):
     assert stats(dec)["transfers_timed_out"] == 0
     assert_idle_clean(pre)
     assert_idle_clean(dec)
+
+
+def test_a_running_request_waits_while_the_pool_is_held_by_kv_on_its_way(pd, make_engine):
+    """The same rule for a running request (found by the combination fuzz): a decode whose next page
+    could only come from pages held for KV still arriving (waiting for kv) was aborted as too big for
+    the KV cache. It waits for that KV; then the newest request is retracted as usual, and both
+    answers equal a single engine's."""
+    pa, pb = list(range(3, 11)), list(range(40, 76))
+    sa, sb = {**GREEDY, "max_new_tokens": 30}, {**GREEDY, "max_new_tokens": 4}
+    want = make_engine().generate(input_ids=[pa, pb], sampling_params=[sa, sb])
+    pre, dec, port = pd(decode_kw={"max_total_tokens": 48})  # 12 pages of 4
+    dec.add_request(pb, sb, rid="db", disagg=room(port, 51))
+    for _ in range(3):
+        dec.step()
+    assert owners(dec) == {"req db [waiting for kv]": 9}  # 9 of 12 pages wait for prefill's KV
+    a = dec.add_request(pa, sa)  # no room: served whole by the decode engine, in the other 3 pages
+    for _ in range(40):
+        dec.step()
+    assert dec.result(a, pop=False) is None, dec.result(a, pop=False)  # waits: not aborted
+    pre.add_request(pb, sb, rid="pb", disagg=room(port, 51))
+    res = drive([pre, dec], {id(pre): ["pb"], id(dec): [a, "db"]})
+    assert [res[a]["output_ids"], res["db"]["output_ids"]] == [o["output_ids"] for o in want]
+    assert dec.core.scheduler.total_retractions > 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
