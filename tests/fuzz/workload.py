@@ -183,6 +183,10 @@ class Workload:
             self._after_step()
         for eng in self.t.engines:
             assert_idle_clean(eng)
+            if self.rng.random() < 0.3:  # the prefix cache (and its host tier) dropped: nothing else
+                assert eng.flush_cache()
+                assert_idle_clean(eng)
+                self.stats["flushes"] += 1
         self.stats["idle_audits"] += 1
 
     # -- arrivals ------------------------------------------------------------------------------------
