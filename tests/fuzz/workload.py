@@ -281,7 +281,7 @@ class Workload:
         base = c.tokens[:offset] if offset is not None else c.tokens
         session = {"id": c.sid} if offset is None else {"id": c.sid, "offset": offset}
         if self.rng.random() < 0.08:  # a turn that makes the conversation longer than the context
-            new = self._tokens(self.ctx - len(base) + self.rng.randrange(3))
+            new = self._tokens(max(1, self.ctx - len(base) + self.rng.randrange(3)))
             before = self.t.eng.sessions()
             try:
                 self.t.eng.add_request(new, {"max_new_tokens": 1}, session_params=session)
