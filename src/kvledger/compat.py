@@ -9,7 +9,7 @@ meaning* (one feature contradicts the other). ``check_combinations`` refuses a c
 the same reason (``refusal``). The README's matrix is ``markdown_matrix()`` (a test keeps them equal).
 
 Adding a feature: one ``Feature`` row, its refusals here with their reasons, and the fuzz's knob for
-it (tests/fuzz/combinations.py).
+it (``knobs`` in tests/combos.py, which makes the table's configurations for the fuzz).
 """
 
 from __future__ import annotations

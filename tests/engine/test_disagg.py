@@ -453,3 +453,72 @@ def test_mooncake_drain_ends_when_prefill_confirms(pd):
     assert dec.result("d")["meta_info"]["finish_reason"]["type"] == "abort"
     assert_idle_clean(dec)
     assert_idle_clean(pre)
+
+
+def test_a_request_waits_while_the_pool_is_held_by_kv_being_sent(pd, make_engine):
+    """Found by the combination fuzz: on a small prefill pool full of finished requests whose KV waits
+    for its decode server (kv sending), the next request was aborted as "too big for the KV cache" --
+    yet those pages come back when decode acknowledges (or at the bootstrap timeout). It waits, then
+    runs, and both answers equal a single engine's."""
+    p1, p2 = list(range(10, 50)), list(range(60, 100))
+    sp = {**GREEDY, "max_new_tokens": 3}
+    ref = make_engine().generate(input_ids=[p1, p2], sampling_params=sp)
+    pre, dec, port = pd(prefill_kw={"max_total_tokens": 64})  # 4 pages of 16: one 40-token prompt
+    pre.add_request(p1, sp, rid="p1", disagg=room(port, 31))
+    drive([pre], {id(pre): ["p1"]})
+    assert owners(pre) == {"req p1 [kv sending]": 3}
+    pre.add_request(p2, sp, rid="p2", disagg=room(port, 32))
+    for _ in range(20):
+        pre.step()
+    assert pre.result("p2", pop=False) is None, pre.result("p2", pop=False)  # waits: not aborted
+    dec.add_request(p1, sp, rid="d1", disagg=room(port, 31))
+    dec.add_request(p2, sp, rid="d2", disagg=room(port, 32))
+    res = drive([pre, dec], {id(pre): ["p2"], id(dec): ["d1", "d2"]})
+    assert [res["d1"]["output_ids"], res["d2"]["output_ids"]] == [o["output_ids"] for o in ref]
+    assert res["p2"]["output_ids"] == ref[1]["output_ids"][:1]
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_claim_after_the_prefill_request_ended_without_kv_fails_at_once(pd):
+    """Found by the combination fuzz: a prefill request that ended without KV to send (aborted, or
+    queued out) before its decode side claimed the room was forgotten, so the late claim got no
+    answer and the decode request held its pages for the whole waiting timeout (300 s by default).
+    The claim is answered at once."""
+    pre, dec, port = pd(decode_kw={"disaggregation_waiting_timeout_s": 60.0})
+    p = list(range(30, 70))
+    pre.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="p", disagg=room(port, 41))
+    pre.abort("p")
+    assert drive([pre], {id(pre): ["p"]})["p"]["meta_info"]["finish_reason"]["type"] == "abort"
+    dec.add_request(p, {**GREEDY, "max_new_tokens": 4}, rid="d", disagg=room(port, 41))
+    fr = drive([dec], {id(dec): ["d"]}, timeout=10)["d"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "prefill request ended" in fr["message"], fr
+    assert stats(dec)["transfers_timed_out"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_running_request_waits_while_the_pool_is_held_by_kv_on_its_way(pd, make_engine):
+    """The same rule for a running request (found by the combination fuzz): a decode whose next page
+    could only come from pages held for KV still arriving (waiting for kv) was aborted as too big for
+    the KV cache. It waits for that KV; then the newest request is retracted as usual, and both
+    answers equal a single engine's."""
+    pa, pb = list(range(3, 11)), list(range(40, 76))
+    sa, sb = {**GREEDY, "max_new_tokens": 30}, {**GREEDY, "max_new_tokens": 4}
+    want = make_engine().generate(input_ids=[pa, pb], sampling_params=[sa, sb])
+    pre, dec, port = pd(decode_kw={"max_total_tokens": 48})  # 12 pages of 4
+    dec.add_request(pb, sb, rid="db", disagg=room(port, 51))
+    for _ in range(3):
+        dec.step()
+    assert owners(dec) == {"req db [waiting for kv]": 9}  # 9 of 12 pages wait for prefill's KV
+    a = dec.add_request(pa, sa)  # no room: served whole by the decode engine, in the other 3 pages
+    for _ in range(40):
+        dec.step()
+    assert dec.result(a, pop=False) is None, dec.result(a, pop=False)  # waits: not aborted
+    pre.add_request(pb, sb, rid="pb", disagg=room(port, 51))
+    res = drive([pre, dec], {id(pre): ["pb"], id(dec): [a, "db"]})
+    assert [res[a]["output_ids"], res["db"]["output_ids"]] == [o["output_ids"] for o in want]
+    assert dec.core.scheduler.total_retractions > 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)

@@ -646,3 +646,24 @@ def test_bad_settings_are_refused(make_engine, kw, match):
 def test_storage_needs_the_hierarchy(make_engine, tmp_path):
     with pytest.raises(ValidationError, match="enable-hierarchical-cache"):
         make_engine(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+
+
+def test_a_matched_l2_copy_survives_the_eviction_its_own_admission_causes(make_engine):
+    """Found by the combination fuzz: under write_back with L1 and L2 full, admitting a request that
+    loads its prefix back from L2 allocates its L1 pages, which evicts an L1-only node, whose backup
+    needs L2 room, which evicted the very L2 copy just matched for the load (not pinned until the
+    allocation was done): the load then read another prefix's KV and the output was wrong. The match
+    is pinned from the moment it is made."""
+    kw = dict(page_size=4, max_total_tokens=64, hicache_ratio=1.0, hicache_write_policy="write_back",
+              hicache_load_back_threshold=0)  # fmt: skip
+    eng = _hier(make_engine, **kw)
+    ref = make_engine(page_size=4, max_total_tokens=256, enable_prefix_cache=False)
+    a, b = list(range(10, 50)), list(range(100, 140))  # 10 pages each; L1 and L2 hold 16
+    sp = {**G, "max_new_tokens": 1}
+    want = ref.generate(input_ids=a, sampling_params=sp)["output_ids"]
+    assert eng.generate(input_ids=a, sampling_params=sp)["output_ids"] == want
+    eng.generate(input_ids=b, sampling_params=sp)  # evicts a's node from L1: its copy goes to L2
+    loads = _hc(eng)["l2_hit_tokens"]
+    # a again: its L2 copy is matched; its pages evict b's node, whose copy needs L2 room.
+    assert eng.generate(input_ids=a, sampling_params=sp)["output_ids"] == want
+    assert _hc(eng)["l2_hit_tokens"] > loads  # it was loaded back, not recomputed

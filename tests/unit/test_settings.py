@@ -15,30 +15,16 @@ from kvledger.cli import add_engine_args
 from kvledger.config import EngineConfig
 from kvledger.engine import resources
 from kvledger.errors import ValidationError
+from tests import combos
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def knobs(tmp_path: Path) -> dict[str, dict]:
-    """Settings that turn each start-up feature on (and nothing else that the table refuses)."""
+    """Each start-up feature's settings (``tests/combos.py``), the draft model an existing directory."""
     draft = tmp_path / "draft"
     draft.mkdir(exist_ok=True)
-    return {
-        "cuda": {"device": "cuda"},
-        "tp": {"tp_size": 2},
-        "compile": {"enable_torch_compile": True},
-        "draft": {"speculative_algorithm": "standalone", "speculative_draft_model_path": str(draft)},
-        "ngram": {"speculative_algorithm": "ngram"},
-        "pd": {"disaggregation_mode": "PREFILL"},
-        "hicache": {"enable_hierarchical_cache": True},
-        "no_prefix_cache": {"enable_prefix_cache": False},
-        "mixed_chunk": {"enable_mixed_chunk": True},
-        "cpu_attention": {"attention_backend": "CPU"},
-        "int8_batch": {"enable_int8_batch": True},
-        "quantized": {"quantization": "INT4"},
-        "unquantized": {"quantization": "none"},
-        "fp32": {"dtype": "fp32"},
-    }
+    return combos.knobs(str(draft))
 
 
 def test_every_pair_is_refused_exactly_where_the_table_says(tmp_path, monkeypatch):

@@ -65,6 +65,9 @@ class PrefillConnector(KVConnector):
         # Rooms the decode side gave up on before their request finished here (or arrived): kept for
         # one timeout, so the request does not hold its KV for nobody.
         self._gone: dict[int, float] = {}
+        # Rooms whose request ended here without KV to send before any claim came (aborted, timed
+        # out): a late claim is answered at once with why, instead of waiting out its timeout.
+        self._ended: dict[int, tuple[str, float]] = {}
         self._done: set[str] = set()
         self.io = Endpoint("kvledger-pd-prefill")
         self.sock = self.io.ctx.socket(zmq.ROUTER)
@@ -92,6 +95,7 @@ class PrefillConnector(KVConnector):
             if d.room in self._live or d.room in self._jobs:
                 raise ConflictError(f"bootstrap_room {d.room} is already in use", param="bootstrap_room")
             self._live[d.room] = req.rid
+            self._ended.pop(d.room, None)  # the room is live again
 
     def request_finished(self, req) -> bool:
         d = req.disagg
@@ -190,6 +194,10 @@ class PrefillConnector(KVConnector):
     def _on_claim(self, peer: bytes, claim: wire.Claim) -> None:
         with self._lock:
             job = self._jobs.get(claim.room)
+            ended = self._ended.pop(claim.room, None) if job is None else None
+            if ended is not None:
+                self._send(peer, wire.Fail(claim.room, ended[0]))
+                return
             if job is None:
                 prev = self._claims.get(claim.room)
                 if prev is not None and prev.peer != peer:
@@ -257,6 +265,8 @@ class PrefillConnector(KVConnector):
             job = self._jobs.get(room)
             pending = self._claims.pop(room, None)
             if pending is None:
+                if job is None:  # ended without KV before any claim: answer the claim when it comes
+                    self._ended[room] = (why or "the prefill request ended", time.monotonic())
                 return
             if job is not None:
                 self._start(job, pending.peer, pending.claim)
@@ -274,6 +284,8 @@ class PrefillConnector(KVConnector):
                     log.warning("PD prefill: room %d waited %.0fs for %s: released", room, t, what)
                     if job.peer is not None:
                         self._send(job.peer, wire.Fail(room, "prefill timed out"))
+                    else:
+                        self._ended[room] = ("the prefill request ended (its KV waited too long for a claim)", now)
             for room, c in list(self._claims.items()):
                 # The decode side owns this wait: it times out at its own deadline, counts it and
                 # tells us. This is only the backstop for a claimant that went away, so it waits
@@ -285,6 +297,9 @@ class PrefillConnector(KVConnector):
             for room, at in list(self._gone.items()):
                 if now - at > t:
                     del self._gone[room]
+            for room, (_, at) in list(self._ended.items()):
+                if now - at > CLAIM_BACKSTOP * t:
+                    del self._ended[room]
 
 
 def _why(reason) -> str:

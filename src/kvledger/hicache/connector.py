@@ -4,10 +4,13 @@ Scheduler side:
   * ``request_queued``: a prompt whose pages are in L3 files but in no tier starts a prefetch
     (files -> L2) while it waits in the queue.
   * ``get_num_new_matched_tokens``: past the L1 match, the nodes that hold an L2 copy (whole nodes;
-    none under ``load_back_threshold`` tokens). A request whose prefetch is still reading (and within
-    its deadline) answers ``None``: the scheduler admits others and asks again next step.
+    none under ``load_back_threshold`` tokens), pinned at once: the allocation that follows may evict
+    L1 nodes, whose write_back copies need L2 room, and must not take the match's pages for it. A
+    request whose prefetch is still reading (and within its deadline) answers ``None``: the scheduler
+    admits others and asks again next step.
   * ``update_state_after_alloc``: the fresh L1 pages (the request's PRIVATE pages) the L2 pages go
-    to; those L2 pages are pinned until the step's forward is over (``step_finished``).
+    to; those L2 pages stay pinned until the step's forward is over (``step_finished``, which also
+    unpins a match whose admission did not complete).
   * ``request_finished``: a request that ends cancels its prefetch (its pages are freed when the
     read stops; they are the prefetch's, not the request's) and forgets its pending match.
 Worker side (``HiCacheWorker``, every rank; rank 0's is this connector itself):
@@ -94,8 +97,16 @@ class HiCacheConnector(HiCacheWorker):
     def request_queued(self, req) -> None:
         self.tiers.start_prefetch(req)
 
+    def _pin(self, pages: list[int], by: int) -> None:
+        for p in pages:
+            self.tiers.host.pins[p] += by
+
+    def _drop_match(self, rid: str) -> None:
+        """A match that will not be loaded (asked again, the request ended, its admission failed)."""
+        self._pin(self._matched.pop(rid, []), -1)
+
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
-        self._matched.pop(req.rid, None)
+        self._drop_match(req.rid)
         if req.session is not None:
             return 0, False  # a session turn reads its session's own KV
         if self.tiers.prefetch_pending(req):
@@ -108,13 +119,12 @@ class HiCacheConnector(HiCacheWorker):
             t.stats.loads_skipped_small += bool(n)
             return 0, False
         self._matched[req.rid] = host
+        self._pin(host, 1)
         return n, False
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
-        host = self._matched.pop(req.rid)
+        host = self._matched.pop(req.rid)  # pinned since the match
         assert len(host) * self.tiers.page_size == num_external_tokens
-        for p in host:
-            self.tiers.host.pins[p] += 1
         self._queued.append(Load(req.rid, host, list(pages[: len(host)])))
         self.tiers.stats.l2_hit_tokens += num_external_tokens
 
@@ -129,15 +139,16 @@ class HiCacheConnector(HiCacheWorker):
         """The step's forward is over (or failed): its loads' L2 pages are free to move again, and
         the finished file ops are taken in (every rank's, gathered in the step, under TP)."""
         for load in self._in_step:
-            for p in load.host_pages:
-                self.tiers.host.pins[p] -= 1
+            self._pin(load.host_pages, -1)
         self._in_step = []
+        for rid in list(self._matched):  # matched, but the admission did not complete
+            self._drop_match(rid)
         reports, self._reports = self._reports, []
         self.tiers.report(reports)
         self.tiers.poll()
 
     def request_finished(self, req) -> bool:
-        self._matched.pop(req.rid, None)
+        self._drop_match(req.rid)
         self.tiers.cancel_prefetch(req.rid)
         return False
 
@@ -147,8 +158,10 @@ class HiCacheConnector(HiCacheWorker):
         return self.tiers.pending or bool(self._unsent)
 
     def live_loads(self) -> list[Load]:
-        """Loads whose L2 pages are pinned now (the books check the pins against them)."""
-        return self._queued + self._in_step
+        """Loads whose L2 pages are pinned now, matches about to be loaded included (the books check
+        the pins against them)."""
+        matched = [Load(rid, host, []) for rid, host in self._matched.items()]
+        return matched + self._queued + self._in_step
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         return self.tiers.drain(timeout_s)

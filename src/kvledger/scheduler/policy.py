@@ -50,6 +50,12 @@ class BatchPolicy:
         s.last_stats.num_retracted += 1
         log.info("retracted request %s (%d output tokens kept)", req.rid, len(req.output_ids))
 
+    def pages_coming_back(self) -> bool:
+        """A connector holds pages it will give back: KV arriving (its request then runs, and can be
+        retracted) or being sent (freed on the ack or at the timeout). Until then no request is too
+        big: it waits."""
+        return bool(self.s.waiting_for_kv or self.s.sending)
+
     def mark_too_big(self, req: Req) -> None:
         """A request that cannot fit even alone (what is left after sessions' busy KV) ends cleanly."""
         total = self.s.kv_manager.pages.num_pages * self.s.kv_manager.page_size
@@ -95,7 +101,8 @@ class BatchPolicy:
                     continue
                 victims = [r for r in s.running if r is not req]
                 if not victims:
-                    self.mark_too_big(req)
+                    if not self.pages_coming_back():
+                        self.mark_too_big(req)
                     break
                 victim = max(victims, key=lambda r: r.admitted_seq)
                 scheduled = [c for c in scheduled if c.req is not victim]
@@ -188,18 +195,20 @@ class BatchPolicy:
         while not batch and any(r.to_finish is None for r in s.running):
             live = [r for r in s.running if r.to_finish is None]
             if len(live) == 1:
-                self.mark_too_big(live[0])
+                if not self.pages_coming_back():
+                    self.mark_too_big(live[0])
                 break
             self.retract(max(live, key=lambda r: r.admitted_seq))
             batch = self._schedule_once()
         if (
             not batch
             and not s.running
-            and not s.waiting_for_kv
+            and not self.pages_coming_back()
             and s.waiting
             and s.waiting[0].to_finish is None
             and s.waiting[0].rid not in self.deferred
         ):
-            # Nothing runs and the first waiting request still cannot be admitted: it never will be.
+            # Nothing runs, no connector holds pages it will give back, and the first waiting
+            # request still cannot be admitted: it never will be.
             self.mark_too_big(s.waiting[0])
         return batch

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from ... import __version__
 from ...common import validate_request
-from ...common.disagg import FAKE_BOOTSTRAP_HOST, DisaggParams
+from ...common.health import HEALTH_CHECK_IDS, HEALTH_CHECK_SAMPLING, health_check_disagg
 from ...errors import ConflictError, NotFoundError, PermissionDenied
 from .. import auth
 from ..handlers import error_response, parse_body
@@ -130,14 +130,13 @@ async def health(request: Request):
 
 @router.get("/health_generate")
 async def health_generate(request: Request):
-    """A real 1-token generation through the engine and its one release path. On a PD server with
-    SGLang's fake bootstrap room (host 2.2.2.2, room 0): prefill computes and sends nothing; decode
-    receives nothing and ends on its first ("prebuilt") token -- seed 003's path."""
+    """A real 1-token generation through the engine and its one release path (``common/health.py``:
+    on a PD server with SGLang's fake bootstrap room)."""
     srv = state(request)
     client = srv.live_client()
-    ids, params = validate_request([1], {"max_new_tokens": 1, "temperature": 0}, srv.limits)
+    ids, params = validate_request(list(HEALTH_CHECK_IDS), dict(HEALTH_CHECK_SAMPLING), srv.limits)
     rid = f"health-{uuid.uuid4().hex}"
-    fake = DisaggParams(FAKE_BOOTSTRAP_HOST, None, 0) if client.info.get("disaggregation_mode") else None
+    fake = health_check_disagg(bool(client.info.get("disaggregation_mode")))
     try:
         st = await asyncio.wait_for(
             srv.gen.collect(ids, params, rid, request.is_disconnected, owner=auth.INTERNAL, disagg=fake),

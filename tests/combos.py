@@ -1,0 +1,292 @@
+"""The compatibility table as configurations to run (issue 30).
+
+``knobs`` turns each start-up feature on; ``covering_array`` gives few configurations that together
+put every allowed pair of features on at once, and each feature beside every other one off (pairwise
+generation); ``engine_settings`` makes one configuration an engine's settings with the rest drawn at
+random (page size, pool, chunk, ...), and ``start`` starts its engine (a PD row: two). The
+combination fuzz (tests/fuzz/test_combinations.py), the seeds' scenarios (tests/engine/
+test_seed_cases.py) and the long runs (bench/fuzz_combinations.py) all read the table through here, at
+run time: a pair that leaves ``compat.REFUSED`` is run by all three with no change here.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+
+import torch
+
+from kvledger import Engine, compat
+from tests.server_harness import free_port, process_alive
+
+Row = frozenset  # a configuration: the names of the features it turns on
+
+# What a feature needs beside it to run at all (not a table fact: int8 batches quantize the
+# activations of a weight-quantized linear, so they come with a quantized mode).
+REQUIRES = {"int8_batch": "quantized"}
+# Start-up seconds a feature adds on 2 CPU cores with the tiny model (measured): among equally good
+# choices the covering array takes the cheaper feature, so the expensive ones sit in fewer rows.
+COST = {"compile": 11.0, "tp": 2.0, "pd": 1.0, "cpu_attention": 0.5}
+COST_OF_A_RUN = 5.0  # a row's workload (the CI's steps), whatever its features
+# A request-level feature: on in every configuration whose start-up features allow it (the workload
+# always has session turns then).
+REQUEST_LEVEL = tuple(f.name for f in compat.FEATURES if f.request_level)
+
+
+def knobs(draft_model: str) -> dict[str, dict]:
+    """Settings that turn each start-up feature on (and nothing else that the table refuses)."""
+    return {
+        "cuda": {"device": "cuda"},
+        "tp": {"tp_size": 2},
+        "compile": {"enable_torch_compile": True},
+        "draft": {"speculative_algorithm": "standalone", "speculative_draft_model_path": draft_model},
+        "ngram": {"speculative_algorithm": "ngram"},
+        "pd": {"disaggregation_mode": "PREFILL"},
+        "hicache": {"enable_hierarchical_cache": True},
+        "no_prefix_cache": {"enable_prefix_cache": False},
+        "mixed_chunk": {"enable_mixed_chunk": True},
+        "cpu_attention": {"attention_backend": "CPU"},
+        "int8_batch": {"enable_int8_batch": True},
+        "quantized": {"quantization": "INT4"},
+        "unquantized": {"quantization": "none"},
+        "fp32": {"dtype": "fp32"},
+    }
+
+
+def cuda_here() -> bool:
+    return torch.cuda.is_available()
+
+
+def runnable_here() -> list[str]:
+    """The features this machine can run (the table's order): all but CUDA without a CUDA device."""
+    return [f.name for f in compat.FEATURES if f.name != "cuda" or cuda_here()]
+
+
+def compatible(row: Iterable[str]) -> bool:
+    """No two features of ``row`` refused or exclusive."""
+    return all(
+        compat.refusal(a, b) is None and frozenset({a, b}) not in compat.EXCLUSIVE
+        for a, b in combinations(sorted(set(row)), 2)
+    )
+
+
+def pairs(row: Iterable[str]) -> set[frozenset[str]]:
+    return {frozenset(p) for p in combinations(sorted(set(row)), 2)}
+
+
+def allowed_pairs(features: Sequence[str] | None = None) -> set[frozenset[str]]:
+    """The table's allowed pairs, among ``features`` (default: all)."""
+    keep = set(features) if features is not None else {f.name for f in compat.FEATURES}
+    return {frozenset(p) for p in compat.allowed_pairs() if set(p) <= keep}
+
+
+def _closure(row: set[str]) -> set[str]:
+    row = set(row)
+    for f, needs in REQUIRES.items():
+        if f in row:
+            row.add(needs)
+    return row
+
+
+def row_cost(row: Row) -> float:
+    """Seconds a row's engines take to start, plus its workload's (PD starts two engines)."""
+    return (2 if "pd" in row else 1) * sum(COST.get(f, 0) for f in row) + COST_OF_A_RUN
+
+
+def covering_array(features: Sequence[str] | None = None, tries: int = 200) -> list[Row]:
+    """Configurations that together cover every allowed pair of ``features`` both on, and every
+    feature on with each other one off (a feature with the prefix cache on, without mixed chunks, ...),
+    none with a refused or exclusive pair. Greedy, as AETG: each row starts from something still
+    uncovered and takes the feature that covers most of what is left, less ``price`` x its start-up
+    cost, until none adds; of ``tries`` runs with ties broken at random (seeded: one table gives one
+    array) the cheapest wins. Request-level features join every row that allows them."""
+    features = list(features if features is not None else runnable_here())
+    key = (tuple(features), tries, tuple(sorted(allowed_pairs(features), key=sorted)))
+    if key not in _ARRAYS:  # one per table: the test modules and the bench ask for the same one
+        _ARRAYS[key] = _cheapest(features, tries)
+    return list(_ARRAYS[key])
+
+
+_ARRAYS: dict[tuple, list[Row]] = {}
+
+
+def _cheapest(features: list[str], tries: int) -> list[Row]:
+    best: list[Row] | None = None
+    for t in range(tries):
+        rng = random.Random(t)
+        rows = _greedy(features, rng, price=rng.choice([0.0, 0.2, 0.5, 1.0]))
+        if best is None or sum(map(row_cost, rows)) < sum(map(row_cost, best)):
+            best = rows
+    assert best is not None
+    return sorted(best, key=lambda r: (-row_cost(r), row_id(r)))
+
+
+def _targets(features: list[str]) -> set[tuple]:
+    """What a covering array must cover: ("on", a, b) both on (an allowed pair), ("off", a, b) a on
+    with b off (b a start-up feature that ``a`` does not bring with it)."""
+    on = {("on", *sorted(p)) for p in allowed_pairs(features)}
+    off = {
+        ("off", a, b)
+        for a in features
+        for b in features
+        if a != b and b not in REQUEST_LEVEL and b not in _closure({a}) and compatible(_closure({a}))
+    }
+    return on | off
+
+
+def covers(row: Iterable[str]) -> set[tuple]:
+    row = set(row)
+    return {("on", *sorted(p)) for p in pairs(row)} | {
+        ("off", a, b) for a in row for b in runnable_here() if b not in row
+    }
+
+
+def _greedy(features: list[str], rng: random.Random, price: float) -> list[Row]:
+    """One greedy array."""
+    todo = _targets(features)
+    rows: list[Row] = []
+    while todo:
+        # Start from what the most expensive feature left needs: its row then gathers the rest of it.
+        first = max(
+            sorted(todo), key=lambda t: (COST.get(t[1], 0) + COST.get(t[2], 0) * (t[0] == "on"), rng.random())
+        )
+        row = _closure(set(first[1:]) if first[0] == "on" else {first[1]})
+        banned = {first[2]} if first[0] == "off" else set()
+        assert compatible(row), f"{first} needs {sorted(row)}, which the table refuses"
+        while True:
+            best, best_key = None, None
+            have = len(covers(row) & todo)
+            for f in features:
+                if f in row or f in REQUEST_LEVEL:
+                    continue
+                cand = _closure(row | {f})
+                if cand & banned or not compatible(cand):
+                    continue
+                added = sum(COST.get(g, 0) for g in cand - row)
+                gain = len(covers(cand) & todo) - have - price * added
+                if gain <= 0:
+                    continue
+                key = (gain, -added, rng.random())
+                if best_key is None or key > best_key:
+                    best, best_key = cand, key
+            if best is None:
+                break
+            row = best
+        for f in REQUEST_LEVEL:
+            if f in features and compatible(row | {f}):
+                row.add(f)
+        todo -= covers(row)
+        rows.append(frozenset(row))
+    return rows
+
+
+def not_run_here(rows: Sequence[Row] | None = None) -> list[tuple[str, str]]:
+    """Allowed pairs that no row covers on this machine (the CUDA ones without a CUDA device)."""
+    rows = covering_array() if rows is None else rows
+    covered = set().union(set(), *(pairs(r) for r in rows))
+    return sorted(tuple(sorted(p)) for p in allowed_pairs() - covered)
+
+
+def row_id(row: Row) -> str:
+    """A configuration's name: its start-up features in the table's order (``plain`` for none)."""
+    names = [f.name for f in compat.FEATURES if f.name in row and not f.request_level]
+    return "+".join(names) or "plain"
+
+
+def exact(row: Row) -> bool:
+    """Greedy and seeded outputs of this configuration are token-exact to the fp32 plain engine's."""
+    return "fp32" in row and "cuda" not in row
+
+
+def _pick(rng: random.Random | None, choices: list):
+    return choices[0] if rng is None else rng.choice(choices)
+
+
+def engine_settings(row: Row, draft_model: str, tmp_dir: str, rng: random.Random | None = None) -> dict:
+    """One engine's settings for ``row`` (flat names): the features' knobs, strict books, and the rest
+    drawn from ``rng`` so runs differ (a pool small enough to retract, short chunks, small caps; the
+    first of each choice without ``rng``). A PD row's roles are ``pd_settings``'."""
+    k = knobs(draft_model)
+    s: dict = dict(
+        dtype="auto",
+        page_size=_pick(rng, [4, 1, 16]),
+        max_total_tokens=_pick(rng, [320, 256, 448]),
+        chunked_prefill_size=_pick(rng, [32, 16, 64]),
+        max_running_requests=_pick(rng, [8, 4, 6]),
+        max_queued_requests=24,
+        max_sessions=4,
+        strict_memory=True,
+        audit_interval_s=_pick(rng, [0.2, 0]),
+        seed=rng.randrange(1000) if rng else 0,
+    )
+    for f in row:
+        if f in k and f != "pd":
+            s.update(k[f])
+    if "quantized" in row:
+        s["quantization"] = _pick(rng, ["int4", "int8"])
+    if "draft" in row or "ngram" in row:
+        s["speculative_num_draft_tokens"] = rng.randint(2, 5) if rng else 4
+    if "hicache" in row:
+        s.update(hicache_ratio=_pick(rng, [4.0, 1.5]), hicache_load_back_threshold=_pick(rng, [0, 8]),
+                 hicache_write_policy=_pick(rng, ["write_through", "write_through_selective", "write_back"]))  # fmt: skip
+        if rng is not None and rng.random() < 0.5:
+            s.update(
+                hicache_storage_backend="file",
+                hicache_storage_dir=f"{tmp_dir}/l3",
+                hicache_prefetch_threshold=8,
+            )
+    s["max_total_tokens"] -= s["max_total_tokens"] % s["page_size"]
+    return s
+
+
+def pd_settings(base: dict, port: int, rng: random.Random | None = None) -> tuple[dict, dict]:
+    """The prefill and the decode engine of a PD row (decode's page size drawn apart: the transfer is
+    token-granular). An abort on either side tells the other, so no request waits out a timeout: one
+    that does (60 s) is a failure of the fuzz."""
+    common = dict(disaggregation_bootstrap_port=port, disaggregation_bootstrap_timeout_s=60.0,
+                  disaggregation_waiting_timeout_s=60.0)  # fmt: skip
+    pre = {**base, **common, "disaggregation_mode": "prefill", "disaggregation_bind_host": "127.0.0.1"}
+    dec = {**base, **common, "disaggregation_mode": "decode", "page_size": _pick(rng, [16, 1, 4])}
+    return pre, dec
+
+
+@dataclass
+class Started:
+    """A configuration's engines: one, or a PD row's prefill and decode (``port``: its bootstrap)."""
+
+    engines: list
+    port: int | None = None
+
+    @property
+    def pd(self) -> bool:
+        return self.port is not None
+
+    def shutdown(self) -> None:
+        """Every engine shut down; a TP row's worker processes must be gone."""
+        pids = [p for e in self.engines for p in e.core.info.tp_worker_pids]
+        for e in self.engines:
+            e.shutdown()
+        deadline = time.monotonic() + 10
+        while any(process_alive(p) for p in pids):
+            assert time.monotonic() < deadline, "a TP worker outlived its engine"
+            time.sleep(0.05)
+
+
+def start(row: Row, model: str, loaded, draft_model: str, tmp_dir: str, rng: random.Random | None = None,
+          **overrides) -> Started:  # fmt: skip
+    """Start ``row``'s engine(s) on ``model`` (a path: TP workers load it; ``loaded``: rank 0's copy)."""
+    s = {**engine_settings(row, draft_model, tmp_dir, rng), **overrides}
+    if "pd" not in row:
+        return Started([Engine(model=model, loaded_model=loaded, **s)])
+    port = free_port()
+    pre_s, dec_s = pd_settings(s, port, rng)
+    engines = [Engine(model=model, loaded_model=loaded, **pre_s)]
+    try:
+        engines.append(Engine(model=model, loaded_model=loaded, **dec_s))
+    except BaseException:
+        engines[0].shutdown()
+        raise
+    return Started(engines, port)

@@ -1,0 +1,111 @@
+"""The combination fuzz (issue 30): every pair of features the compatibility table allows runs together.
+
+The configurations come from the table at run time (``tests/combos.py``: a pairwise covering array
+over ``compat.FEATURES`` less ``REFUSED`` and ``EXCLUSIVE``), so a pair lifted from ``REFUSED`` is run
+here as soon as its row is gone. Each configuration runs a random workload on the tiny chat model
+(``tests/fuzz/workload.py``: shared prefixes, long and short prompts, streams cut, aborts of queued
+requests, health checks, session turns with offsets and aborted or too-long turns, grammars, n>1, stop
+strings, retraction under a small pool) with strict books after every step, the idle audit at random
+points and after, and, in fp32, every deterministic output equal to the plain engine's. PD rows run a
+prefill and a decode engine; TP rows start worker processes (gone after).
+
+The CUDA feature's pairs are run only where torch sees a CUDA device; elsewhere they are reported as
+not run here (the first test's output), not skipped. ``KVLEDGER_FUZZ_STEPS`` scales the steps per row;
+bench/fuzz_combinations.py runs the same rows (and random ones) for 10^5 steps.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+
+import pytest
+
+from kvledger import Engine, compat
+from tests import combos
+from tests.fuzz.workload import PDPair, Reference, Single, Workload
+from tests.helpers import build_tiny_chat_model
+
+ROWS = combos.covering_array()
+STEPS = int(os.environ.get("KVLEDGER_FUZZ_STEPS", "240"))
+
+
+@pytest.fixture(scope="module")
+def chat_loaded(chat_model):
+    from kvledger.model import load_model
+
+    return load_model(chat_model)
+
+
+@pytest.fixture(scope="module")
+def draft_models(chat_model, tmp_path_factory) -> list[str]:
+    """Drafts of the chat model's tokenizer: the model itself (drafts nearly all accepted) and another
+    one (nearly all rejected: truncation on every step)."""
+    return [chat_model, build_tiny_chat_model(str(tmp_path_factory.mktemp("draft")), seed=6)]
+
+
+@pytest.fixture(scope="module")
+def reference(chat_loaded):
+    eng = Engine(loaded_model=chat_loaded, dtype="float32", page_size=16, max_total_tokens=8192,
+                 enable_prefix_cache=False, strict_memory=True)  # fmt: skip
+    yield Reference(eng)
+    eng.shutdown()
+
+
+def run_row(row, seed: int, steps: int, chat_model, chat_loaded, drafts, reference, tmp_dir):
+    """One configuration's engines, started with settings drawn from ``seed``, under a workload of
+    ``steps`` steps; shut down after (a TP row's workers gone)."""
+    rng = random.Random(seed)
+    started = combos.start(row, chat_model, chat_loaded, rng.choice(drafts), tmp_dir, rng)
+    try:
+        if "compile" in row:
+            assert all(e.core.model.compiled is not None for e in started.engines)
+        target = PDPair(*started.engines, started.port) if started.pd else Single(started.engines[0])
+        return Workload(target, reference, rng, combos.exact(row), chat_loaded.tokenizer).run(steps)
+    finally:
+        started.shutdown()
+
+
+def test_the_configurations_cover_every_allowed_pair():
+    """Each allowed pair is on together in some configuration, none has a refused or exclusive pair,
+    and each feature runs with each other one off too; what is left is what this machine cannot run."""
+    here = combos.runnable_here()
+    covered = set().union(*(combos.pairs(r) for r in ROWS))
+    assert combos.allowed_pairs(here) <= covered
+    for r in ROWS:
+        assert combos.compatible(r), combos.row_id(r)
+        for f, needs in combos.REQUIRES.items():
+            assert f not in r or needs in r
+    assert combos._targets(here) <= set().union(*(combos.covers(r) for r in ROWS))
+    left = combos.not_run_here(ROWS)
+    assert all("cuda" in p for p in left) and (combos.cuda_here() or len(left) == len(
+        [p for p in compat.allowed_pairs() if "cuda" in p]))  # fmt: skip
+    print(f"{len(ROWS)} configurations cover {len(covered & combos.allowed_pairs())} of "
+          f"{len(combos.allowed_pairs())} allowed pairs; not run here (no CUDA device): {left}")  # fmt: skip
+
+
+def test_a_pair_lifted_from_the_table_is_run_without_a_change_here(monkeypatch):
+    """The configurations are the table's: each pair still refused as "not yet", once lifted, is
+    covered (and a refusal added takes its pair out)."""
+    here = combos.runnable_here()
+    for pair, r in list(compat.REFUSED.items()):
+        if r.kind != compat.NOT_YET or not pair <= set(here):
+            continue
+        monkeypatch.setattr(compat, "REFUSED", {p: v for p, v in compat.REFUSED.items() if p != pair})
+        rows = combos.covering_array(here, tries=5)
+        assert any(pair <= row for row in rows), sorted(pair)
+        monkeypatch.undo()
+    added = frozenset({"mixed_chunk", "ngram"})
+    monkeypatch.setattr(compat, "REFUSED", {**compat.REFUSED, added: compat.Refusal(compat.NOT_YET, "test")})
+    assert not any(added <= row for row in combos.covering_array(here, tries=5))
+
+
+@pytest.mark.parametrize("row", ROWS, ids=combos.row_id)
+def test_combination(row, chat_model, chat_loaded, draft_models, reference, tmp_path):
+    seed = zlib.crc32(combos.row_id(row).encode())
+    stats = run_row(row, seed, STEPS, chat_model, chat_loaded, draft_models, reference, str(tmp_path))
+    print(combos.row_id(row), dict(stats))
+    assert stats["idle_audits"] >= 1 and stats["kind_health"] >= 1
+    if "sessions" in row:
+        assert stats["turns"] >= 1
