@@ -223,6 +223,31 @@ def test_peer_fields_are_implemented_or_refused_and_unknown_ones_logged(srv):
     assert "zzz_unknown_field" in srv.logs()
 
 
+def test_without_a_reasoning_parser_as_sglang_without_one(srv, client):
+    """SGLang's test_reasoning_content (its server without --reasoning-parser) through the openai SDK:
+    separate_reasoning / stream_reasoning change nothing there, whatever their value, and every message
+    and delta carries reasoning_content null, which its clients read (the SDK raises AttributeError
+    for a field the answer lacks)."""
+    for extra in ({"separate_reasoning": False}, {"separate_reasoning": True, "stream_reasoning": False}):
+        r = client.chat.completions.create(model="default", messages=HI, max_tokens=3, extra_body=extra)
+        assert r.choices[0].message.reasoning_content is None
+        chunks = client.chat.completions.create(model="default", messages=HI, max_tokens=3, stream=True, extra_body=extra)
+        deltas = [c.choices[0].delta for c in chunks]
+        assert deltas[0].role == "assistant" and all(d.reasoning_content is None for d in deltas)
+    # The same beside tool calls (their own chunks).
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="default", messages=HI, tools=[UNIT_TOOL], tool_choice=forced)
+    assert r.choices[0].message.tool_calls and r.choices[0].message.reasoning_content is None
+    chunks = client.chat.completions.create(
+        model="default", messages=HI, tools=[UNIT_TOOL], tool_choice=forced, stream=True
+    )
+    deltas = [c.choices[0].delta for c in chunks]
+    assert any(d.tool_calls for d in deltas) and all(d.reasoning_content is None for d in deltas)
+    # include_reasoning: false asks for the reasoning to be dropped, which takes a parser: refused.
+    r = _post(srv, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "include_reasoning": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_reasoning", r.text
+
+
 # -- 9. lengths beyond the context ----------------------------------------------------------------------
 def test_max_tokens_beyond_the_context_is_a_400_with_the_numbers(srv, client):
     m = len(_tokens(srv, messages=HI))
