@@ -139,17 +139,19 @@ def test_matched_stop_and_stop_regex(srv):
                                        "ignore_eos": True, "stop_token_ids": [ids[k]]}).json()  # fmt: skip
     c = r["choices"][0]
     assert c["finish_reason"] == "stop" and c["matched_stop"] == ids[k] and r["usage"]["completion_tokens"] == k + 1
-    # stop_regex: the first two printable characters not seen before end the text, cut before them.
+    # stop_regex: the first two printable characters not seen before end the text, cut before them;
+    # matched_stop is the pattern (SGLang's: which stop ended it), not the text it matched.
     text = first["choices"][0]["text"]
     at = next(i for i in range(2, len(text) - 1) if text[i : i + 2].isalnum() and text[i : i + 2] not in text[: i + 1])
-    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": [re.escape(text[at : at + 2])]}
+    pattern = f"{re.escape(text[at : at + 2])}|@@@"
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": [pattern]}
     r = _post(srv, "/v1/completions", {"prompt": "Hello there", **body}).json()["choices"][0]
-    assert (r["finish_reason"], r["matched_stop"], r["text"]) == ("stop", text[at : at + 2], text[:at])
+    assert (r["finish_reason"], r["matched_stop"], r["text"]) == ("stop", pattern, text[:at])
     chat = _post(srv, "/v1/chat/completions", {"messages": HI, "stop_token_ids": [ids[k]], "max_tokens": 24,
                                                "temperature": 0}).json()  # fmt: skip
     assert "matched_stop" in chat["choices"][0]
     last = [e for e in _events(srv, "/v1/completions", {"prompt": "Hello there", **body}) if e["choices"]][-1]
-    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["matched_stop"] == text[at : at + 2]
+    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["matched_stop"] == pattern
 
 
 def test_continuous_usage_stats(srv):

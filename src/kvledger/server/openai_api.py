@@ -114,7 +114,7 @@ def finish_reason(st: GenState) -> str | None:
 
 
 def matched_stop(st: GenState) -> int | str | None:
-    """SGLang's ``matched_stop``: the stop token id or stop string that ended the choice."""
+    """SGLang's ``matched_stop``: the stop token id, stop string or stop_regex pattern that ended the choice."""
     return st.finish.matched if st.finish is not None and st.finish.type == "stop" else None
 
 
