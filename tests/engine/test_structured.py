@@ -198,12 +198,24 @@ def test_stop_regex_ends_and_cuts_the_text(chat_loaded):
         sampling_params={"regex": "abc[0-9]+xyz", "stop_regex": "[0-9]{2}", "max_new_tokens": 20},
     )
     fr = out["meta_info"]["finish_reason"]
-    assert fr["type"] == "stop" and re.fullmatch("[0-9]{2}", fr["matched"]), fr
-    assert out["text"].startswith("abc") and out["text"] == "abc" + out["text"][3:].split(fr["matched"])[0]
+    assert fr == {"type": "stop", "matched": "[0-9]{2}"} and out["text"] == "abc", (fr, out["text"])
     for bad in ("(((", ["a", 5], [""]):
         with pytest.raises(ValidationError) as e:
             eng.generate(input_ids=[3], sampling_params={"stop_regex": bad})
         assert e.value.param == "stop_regex"
     with pytest.raises(ValidationError):
         eng.generate(input_ids=[3], sampling_params={"min_new_tokens": -1})
+    assert_idle_clean(eng)
+
+
+def test_stop_regex_reports_its_pattern_and_cuts_where_it_matched(chat_loaded):
+    """SGLang's matched_stop for a stop_regex is the pattern (which stop ended it, as for stop strings);
+    the text is cut where the match that ended the request starts, not at an earlier "or"."""
+    eng = engine(chat_loaded)
+    out = eng.generate(
+        input_ids=[9, 10, 11],
+        sampling_params={"regex": "for or not", "stop_regex": ["zz", r"\bor\b"], "max_new_tokens": 20},
+    )
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"\bor\b"}
+    assert out["text"] == "for "
     assert_idle_clean(eng)

@@ -139,17 +139,19 @@ def test_matched_stop_and_stop_regex(srv):
                                        "ignore_eos": True, "stop_token_ids": [ids[k]]}).json()  # fmt: skip
     c = r["choices"][0]
     assert c["finish_reason"] == "stop" and c["matched_stop"] == ids[k] and r["usage"]["completion_tokens"] == k + 1
-    # stop_regex: the first two printable characters not seen before end the text, cut before them.
+    # stop_regex: the first two printable characters not seen before end the text, cut before them;
+    # matched_stop is the pattern (SGLang's: which stop ended it), not the text it matched.
     text = first["choices"][0]["text"]
     at = next(i for i in range(2, len(text) - 1) if text[i : i + 2].isalnum() and text[i : i + 2] not in text[: i + 1])
-    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": [re.escape(text[at : at + 2])]}
+    pattern = f"{re.escape(text[at : at + 2])}|@@@"
+    body = {"max_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": [pattern]}
     r = _post(srv, "/v1/completions", {"prompt": "Hello there", **body}).json()["choices"][0]
-    assert (r["finish_reason"], r["matched_stop"], r["text"]) == ("stop", text[at : at + 2], text[:at])
+    assert (r["finish_reason"], r["matched_stop"], r["text"]) == ("stop", pattern, text[:at])
     chat = _post(srv, "/v1/chat/completions", {"messages": HI, "stop_token_ids": [ids[k]], "max_tokens": 24,
                                                "temperature": 0}).json()  # fmt: skip
     assert "matched_stop" in chat["choices"][0]
     last = [e for e in _events(srv, "/v1/completions", {"prompt": "Hello there", **body}) if e["choices"]][-1]
-    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["matched_stop"] == text[at : at + 2]
+    assert last["choices"][0]["finish_reason"] == "stop" and last["choices"][0]["matched_stop"] == pattern
 
 
 def test_continuous_usage_stats(srv):
@@ -221,6 +223,31 @@ def test_peer_fields_are_implemented_or_refused_and_unknown_ones_logged(srv):
                                             "skip_special_tokens": False, "user": "me"})  # fmt: skip
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert "zzz_unknown_field" in srv.logs()
+
+
+def test_without_a_reasoning_parser_as_sglang_without_one(srv, client):
+    """SGLang's test_reasoning_content (its server without --reasoning-parser) through the openai SDK:
+    separate_reasoning / stream_reasoning change nothing there, whatever their value, and every message
+    and delta carries reasoning_content null, which its clients read (the SDK raises AttributeError
+    for a field the answer lacks)."""
+    for extra in ({"separate_reasoning": False}, {"separate_reasoning": True, "stream_reasoning": False}):
+        r = client.chat.completions.create(model="default", messages=HI, max_tokens=3, extra_body=extra)
+        assert r.choices[0].message.reasoning_content is None
+        chunks = client.chat.completions.create(model="default", messages=HI, max_tokens=3, stream=True, extra_body=extra)
+        deltas = [c.choices[0].delta for c in chunks]
+        assert deltas[0].role == "assistant" and all(d.reasoning_content is None for d in deltas)
+    # The same beside tool calls (their own chunks).
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="default", messages=HI, tools=[UNIT_TOOL], tool_choice=forced)
+    assert r.choices[0].message.tool_calls and r.choices[0].message.reasoning_content is None
+    chunks = client.chat.completions.create(
+        model="default", messages=HI, tools=[UNIT_TOOL], tool_choice=forced, stream=True
+    )
+    deltas = [c.choices[0].delta for c in chunks]
+    assert any(d.tool_calls for d in deltas) and all(d.reasoning_content is None for d in deltas)
+    # include_reasoning: false asks for the reasoning to be dropped, which takes a parser: refused.
+    r = _post(srv, "/v1/chat/completions", {"messages": HI, "max_tokens": 2, "include_reasoning": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include_reasoning", r.text
 
 
 # -- 9. lengths beyond the context ----------------------------------------------------------------------

@@ -52,3 +52,12 @@ def test_held_back_prefix_is_released_when_it_was_not_a_stop():
 def test_stop_token_is_not_text(stop_id):
     st = TextState(ByteTok(), True, [])
     assert st.update([104, 105, stop_id], FinishReason("stop", matched=stop_id)) == "hi"
+
+
+def test_a_stop_regex_cuts_where_its_match_ended_the_request():
+    # The regex matched the text "or" with the last token; the "or" inside "for" did not match.
+    st = TextState(ByteTok(), True, [])
+    fr = FinishReason("stop", matched=r"\bor\b", matched_text="or")
+    assert st.update(list(b"for or"), fr) == "for "
+    # With a last token past the match (" or." at once) too.
+    assert TextState(ByteTok(), True, []).update(list(b"for or."), fr) == "for "

@@ -19,7 +19,8 @@ class FinishReason(msgspec.Struct, omit_defaults=True):
 
     type: str  # "stop" | "length" | "abort"
     message: str | None = None
-    matched: int | str | None = None  # the stop token id or stop string that ended it
+    matched: int | str | None = None  # the stop token id, stop string or stop_regex pattern that ended it
+    matched_text: str | None = None  # a stop_regex's match: where the final text is cut
     status: int = 200  # HTTP status a front should answer with when nothing was streamed yet
     code: str | None = None
     param: str | None = None

@@ -2,9 +2,10 @@
 may still cut while streaming.
 
 Stop strings are the engine's: it detects them (``scheduler/stop.py``) and ends the request with
-the matched string in its finish reason. This module only renders: the final text is cut where that
-matched string starts; while streaming, text from the first occurrence (or a possible start) of a
-stop string on is held back, since the engine may be about to end there."""
+the matched string (a stop_regex: the text it matched) in its finish reason. This module only
+renders: the final text is cut where that string starts, at the occurrence the last token completed;
+while streaming, text from the first occurrence (or a possible start) of a stop string on is held
+back, since the engine may be about to end there."""
 
 from __future__ import annotations
 
@@ -34,13 +35,23 @@ class TextState:
             ids = ids[:-1]  # the stop token itself is not text
         full = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
         if finish is not None:
-            if trim and isinstance(finish.matched, str):
-                i = full.find(finish.matched)
-                full = full if i == -1 else full[:i]
+            cut = finish.matched_text if finish.matched_text is not None else finish.matched
+            if trim and isinstance(cut, str) and cut:
+                full = full[: self._stop_start(ids, full, cut)]
             self.text = full
             return full
         self.text = self._safe_prefix(full)
         return self.text
+
+    def _stop_start(self, ids: list[int], full: str, cut: str) -> int:
+        """Where the stop that ended the request starts in ``full``: the occurrence of ``cut`` that
+        the last token completed (an earlier one did not end it: a regex's context, as ``\\bor\\b``
+        after "for", made it no match), else the last one; the whole text if there is none (a stop
+        string that is a special token the text skips)."""
+        prev = self.tokenizer.decode(ids[:-1], skip_special_tokens=self.skip_special_tokens).rstrip("\ufffd")
+        i = full.find(cut, max(0, len(prev) - len(cut) + 1))
+        i = full.rfind(cut) if i == -1 else i
+        return len(full) if i == -1 else i
 
     def _safe_prefix(self, full: str) -> str:
         cut = min([i for i in (full.find(s) for s in self.stop) if i != -1], default=len(full))

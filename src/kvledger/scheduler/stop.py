@@ -15,7 +15,7 @@ REGEX_TAIL_TOKENS = 64  # a stop_regex match is looked for in the text of the la
 
 class StopChecker:
     """The engine owns stop detection (token ids, EOS, length, context, stop strings); the front only
-    cuts the text where the finish reason's ``matched`` string starts."""
+    cuts the text where the finish reason's matched string (or a stop_regex's ``matched_text``) starts."""
 
     def __init__(
         self, eos_token_ids: Iterable[int], context_length: int, decode: Callable[[list[int]], str] | None
@@ -63,8 +63,8 @@ class StopChecker:
             tail = self.decode(req.output_ids[-REGEX_TAIL_TOKENS:])
             for r in p.stop_regex:
                 m = re.search(r, tail)
-                if m and m.group(0):
-                    return FinishReason("stop", matched=m.group(0))
+                if m and m.group(0):  # SGLang reports the pattern; the front cuts at the match
+                    return FinishReason("stop", matched=r, matched_text=m.group(0))
         return None
 
     def stop_ids(self, req: Req) -> list[int]:

@@ -38,6 +38,8 @@ KNOWN_OPENAI = frozenset(
         "no_logs", "conversation_id", "routing_key",  # SGLang: logging, tracking, routing hints
     }
 )  # fmt: skip
+# SGLang's reasoning switches change nothing without a reasoning parser (see CHAT_REFUSED).
+KNOWN_CHAT = KNOWN_OPENAI | {"separate_reasoning", "stream_reasoning"}
 KNOWN_GENERATE = KNOWN_OPENAI | {
     "log_metrics", "bootstrap_pair_key", "decode_tp_size", "received_time",
     "model",  # SGLang's router adds it to what it forwards to /generate
@@ -73,8 +75,10 @@ CHAT_REFUSED: Refused = {
     **_OPENAI_REFUSED,
     "add_special_tokens": _OFF,  # the chat template writes the special tokens
     "echo": _OFF, "chat_template": _NONE,  # vLLM: no client-supplied Jinja
-    "include_reasoning": (None, True), "separate_reasoning": (None, True), "stream_reasoning": (None, True),
-    "reasoning": _NONE,  # no reasoning parser: reasoning is never split from content
+    # No reasoning parser, as SGLang without --reasoning-parser: reasoning is never split from content
+    # (separate_reasoning / stream_reasoning are known fields: either value changes nothing), and asking
+    # for it to be dropped (vLLM's include_reasoning: false) is refused.
+    "include_reasoning": (None, True), "reasoning": _NONE,
     "return_prompt_token_ids": _OFF, "return_meta_info": _OFF, "input_ids": _NONE, "task": _NONE,
     "max_dynamic_patch": _NONE, "min_dynamic_patch": _NONE, "use_audio_in_video": _OFF,
 }  # fmt: skip

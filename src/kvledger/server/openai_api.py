@@ -114,7 +114,7 @@ def finish_reason(st: GenState) -> str | None:
 
 
 def matched_stop(st: GenState) -> int | str | None:
-    """SGLang's ``matched_stop``: the stop token id or stop string that ended the choice."""
+    """SGLang's ``matched_stop``: the stop token id, stop string or stop_regex pattern that ended the choice."""
     return st.finish.matched if st.finish is not None and st.finish.type == "stop" else None
 
 
@@ -349,11 +349,14 @@ class OpenAIServing:
                 }
                 if chat:
                     content, calls = tools.split(st.visible, final=True) if tools else (st.visible, None)
-                    c["message"] = {"role": "assistant", "content": st.visible}
+                    # reasoning_content: null as SGLang and vLLM answer without a reasoning parser
+                    # (their clients read it; the openai SDK raises for a field the answer lacks).
+                    c["message"] = {"role": "assistant", "content": st.visible, "reasoning_content": None}
                     if calls:
                         c["message"] = {
                             "role": "assistant",
                             "content": content or None,
+                            "reasoning_content": None,
                             "tool_calls": [call.to_openai() for call in calls],
                         }
                         c["finish_reason"] = "tool_calls"
@@ -446,7 +449,7 @@ class OpenAIServing:
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": fr}
             c["matched_stop"] = matched_stop(st) if fr is not None and st is not None else None
             if chat:
-                delta: dict[str, Any] = {}
+                delta: dict[str, Any] = {"reasoning_content": None}  # as in the message (SGLang's deltas)
                 if role:
                     delta["role"] = "assistant"
                 if delta_text is not None:

@@ -117,7 +117,7 @@ class ChatRequest(_OpenAICommon):
     reasoning_effort: str | None = None  # passed to the template (enable_thinking: not "none")
 
     refused_fields: ClassVar[fields.Refused] = fields.CHAT_REFUSED
-    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_CHAT
 
 
 class TokenizeRequest(_Strict):
