@@ -126,6 +126,11 @@ def test_masks_for_drafts_follow_the_grammar_and_roll_back(chat_loaded):
     )
     assert (m[3] == m[2]).all() and (m[4] == m[2]).all()
     assert allowed(state.masks([])[0]) == {a}  # rolled back: still at the start
+    # No draft is verified past the end: not the stop token that ends the grammar, nor after it.
+    eos = tok.eos_token_id
+    assert state.drafts_before_end([a, b, c, eos, eos]) == 3 and state.drafts_before_end([a, b, c]) == 3
+    assert state.drafts_before_end([a, z, c]) == 3  # a refused draft stays (its rows repeat)
+    assert allowed(state.masks([])[0]) == {a}  # rolled back again
     assert state.accept([a, b]) and not state.terminated
     eng.shutdown()
 
@@ -141,6 +146,43 @@ def test_grammar_end_under_ignore_eos_ends_the_request(chat_loaded):
     # A grammar with no finite string ends at max_new_tokens.
     out = eng.generate(input_ids=[7, 8], sampling_params={"ebnf": 'root ::= "a" root', "max_new_tokens": 9})
     assert out["text"] == "a" * 9 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert_idle_clean(eng)
+
+
+class _ScriptedDrafts:
+    """Drafts read from a script: the rest of the expected output, then more of its last (stop)
+    token. ``writes_kv`` takes the draft-model path (lookahead pages allocated before ``propose``)."""
+
+    def __init__(self, script: list[int], writes_kv: bool, k: int = 4):
+        self.script, self.writes_kv, self.k = script, writes_kv, k
+
+    def _next(self, req, k: int) -> list[int]:
+        return (self.script[len(req.output_ids) :] + [self.script[-1]] * k)[:k]
+
+    def num_drafts(self, req, limit: int) -> int:
+        return min(self.k, limit)
+
+    def propose(self, req, k: int | None = None) -> list[int]:
+        return self._next(req, self.k if k is None else k)
+
+
+@pytest.mark.parametrize("writes_kv", [False, True])
+def test_drafts_past_the_grammar_end_are_not_kept(chat_loaded, writes_kv):
+    """Under ignore_eos only the grammar ends a request, at its stop token. Drafts that run past it
+    (the stop token twice, as a draft model proposed in the combination fuzz: tp+draft+hicache, seed
+    1779861933) must not put a token after the end: the output is the plain engine's, and the
+    request stops instead of aborting with 'a token broke the grammar'."""
+    sp = {"regex": "[ab]{3}", "ignore_eos": True, "max_new_tokens": 20, "temperature": 0}
+    plain = engine(chat_loaded)
+    want = plain.generate(input_ids=[7, 8], sampling_params=sp)["output_ids"]
+    assert len(want) == 4  # three letters and the stop token
+    eng = engine(chat_loaded, speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    eng.core.scheduler.proposer = _ScriptedDrafts(want, writes_kv)
+    out = eng.generate(input_ids=[7, 8], sampling_params=sp)
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
+    assert out["output_ids"] == want
+    assert eng.core.scheduler.spec_totals.accepted > 0  # the scripted drafts were verified and kept
+    assert_idle_clean(plain)
     assert_idle_clean(eng)
 
 

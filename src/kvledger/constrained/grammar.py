@@ -60,27 +60,47 @@ class GrammarState:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def drafts_before_end(self, drafts: list[int]) -> int:
+        """How many of ``drafts`` may be verified: all of them, unless one ends the grammar (its stop
+        token). Then only those before it: the request keeps nothing after the end, and a position
+        after it has no mask to sample under; the target draws the stop token itself, at the last
+        verified position. (A draft the grammar refuses stays: ``masks`` handles it.)"""
+        m = self.matcher
+        accepted = 0
+        end = len(drafts)
+        for j, t in enumerate(drafts):
+            if not m.accept_token(t):
+                break
+            accepted += 1
+            if m.is_terminated():
+                end = j
+                break
+        if accepted:
+            m.rollback(accepted)
+        return end
+
     def masks(self, drafts: list[int]) -> np.ndarray:
         """Bitmasks for the ``1 + len(drafts)`` positions a step samples: position ``j`` as if the
-        first ``j`` drafts were kept. After a draft the grammar refuses (or the end of the grammar),
-        the target's draw cannot equal it, so later positions are never kept: their rows repeat."""
+        first ``j`` drafts were kept. After a draft the grammar refuses, the target's draw cannot
+        equal it, so later positions are never kept: their rows repeat. No draft may end the grammar
+        (``drafts_before_end``): nothing can be sampled after the end."""
         out = np.zeros((len(drafts) + 1, self.width), dtype=np.int32)
         view = torch.from_numpy(out)
         m = self.matcher
         accepted = 0
-        for j in range(len(drafts) + 1):
-            if m.is_terminated():
-                out[j:] = out[j - 1]
-                break
-            m.fill_next_token_bitmask(view, j)
-            if j == len(drafts):
-                break
-            if not m.accept_token(drafts[j]):
-                out[j + 1 :] = out[j]
-                break
-            accepted += 1
-        if accepted:
-            m.rollback(accepted)
+        try:
+            for j in range(len(drafts) + 1):
+                m.fill_next_token_bitmask(view, j)
+                if j == len(drafts):
+                    break
+                if not m.accept_token(drafts[j]):
+                    out[j + 1 :] = out[j]
+                    break
+                accepted += 1
+                assert not m.is_terminated(), "a draft ends the grammar (see drafts_before_end)"
+        finally:
+            if accepted:
+                m.rollback(accepted)
         return out
 
     def accept(self, tokens: list[int]) -> bool:

@@ -75,13 +75,13 @@ class BatchPolicy:
             return []
         limit = max(min(self.s.context_length - req.seq_len - 1, budget), 0)  # never past the context
         if not getattr(proposer, "writes_kv", False):
-            return proposer.propose(req)[:limit]
+            return _before_grammar_end(req, proposer.propose(req)[:limit])
         # A draft model writes its K/V for the drafts' positions: their pages come first.
         kvm = self.s.kv_manager
         want = proposer.num_drafts(req, limit)
         if not want or not kvm.allocate(req, 1, num_lookahead_tokens=want):
             return []
-        drafts = proposer.propose(req, want)
+        drafts = _before_grammar_end(req, proposer.propose(req, want))
         kvm.truncate(req, req.seq_len + len(drafts))  # the lookahead it did not use goes back
         return drafts
 
@@ -212,3 +212,12 @@ class BatchPolicy:
             # request still cannot be admitted: it never will be.
             self.mark_too_big(s.waiting[0])
         return batch
+
+
+def _before_grammar_end(req: Req, drafts: list[int]) -> list[int]:
+    """Drafts cut before one that would end the request's grammar: a draft accepted there would let
+    the step keep the target's next draw after the end (under ignore_eos nothing else stops it),
+    which the grammar then refuses (fuzz seed 1779861933)."""
+    if req.grammar is None or not drafts:
+        return drafts
+    return drafts[: req.grammar.drafts_before_end(drafts)]
