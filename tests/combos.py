@@ -268,7 +268,7 @@ class Started:
         """Every engine shut down; a TP row's worker processes must be gone."""
         pids = [p for e in self.engines for p in e.core.info.tp_worker_pids]
         for e in self.engines:
-            e.shutdown()
+            e.shutdown(drain_timeout_s=10)  # after a violation the work may never end: do not wait long
         deadline = time.monotonic() + 10
         while any(process_alive(p) for p in pids):
             assert time.monotonic() < deadline, "a TP worker outlived its engine"

@@ -325,6 +325,28 @@ def test_speculative_tail_is_trimmed_before_a_session_takes_the_turn(start_combo
     assert eng.memory()["kv_session"] == 0
 
 
+def test_the_books_see_a_page_beyond_a_sessions_kv(make_engine):
+    """Seed 004 for every test, not only the one above: the audit checks that a session holds exactly
+    its KV's pages. A page more (the shape of a speculative tail handed over with the turn, which
+    conservation alone cannot see: the page is owned) is a violation naming the session."""
+    eng = make_engine(page_size=4)
+    sid = eng.open_session()
+    sp = {**GREEDY, "max_new_tokens": 4}
+    eng.generate(input_ids=[5, 6, 7] * 3, sampling_params=sp, session_params={"id": sid})
+    assert eng.core.kv_manager.ledger.audit(count=False).ok
+    s = eng.core.sessions.sessions[sid]
+    tail = eng.core.kv_manager.pages.alloc(1, s.owner)
+    s.pages.append(tail[0])
+    report = eng.core.kv_manager.ledger.audit(count=False)
+    assert not report.leaked_pages and not report.double_pages
+    said = f"session {sid} holds {len(s.pages)} pages for KV of {s.kv_len} tokens"
+    assert any(said in p for p in report.problems), report.describe()
+    s.pages.pop()
+    eng.core.kv_manager.pages.free(tail, s.owner)
+    eng.close_session(sid)
+    assert_idle_clean(eng)
+
+
 def _pd_room(started, n: int):
     return DisaggParams("127.0.0.1", started.port, n)
 

@@ -40,6 +40,9 @@ from .runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
+# How long a shutdown steps to let running work end before it closes anyway.
+SHUTDOWN_DRAIN_S = 60.0
+
 
 @dataclass
 class EngineInfo:
@@ -398,15 +401,15 @@ class EngineCore:
         stats = getattr(self.connector, "stats", None)
         return None if stats is None else {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
 
-    def shutdown(self) -> int:
+    def shutdown(self, drain_timeout_s: float = SHUTDOWN_DRAIN_S) -> int:
         """Everything still running ends through the release path, then sessions close; returns
-        how many sessions were closed."""
+        how many sessions were closed. The drain is bounded: an engine whose work cannot end (a
+        transfer whose peer is gone, books a failed step left inconsistent) still closes its
+        executor (TP workers) and connector after ``drain_timeout_s``, with an error naming what
+        was left, instead of stepping forever."""
         for rid in list(self.scheduler.reqs):
             self.abort(rid, "the engine is shutting down")
-        while not self.scheduler.idle:
-            self.step()
-            if not self.last_step_ran:
-                time.sleep(0.001)  # only file or transfer I/O left: let its thread have the GIL
+        self.drain(drain_timeout_s)
         sids = list(self.sessions.sessions)
         for sid in sids:
             self.close_session(sid)
@@ -415,6 +418,23 @@ class EngineCore:
         if close is not None:
             close()
         return len(sids)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Step until the scheduler is idle (requests ended, connector I/O done); False, with an
+        error logged, if that takes longer than ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while not self.scheduler.idle:
+            if time.monotonic() > end:
+                s = self.scheduler
+                log.error(
+                    "engine: work left after %.0fs of draining (requests %s, connector pending %s): "
+                    "closing anyway", timeout_s, sorted(s.reqs)[:10], s.connector.has_pending,
+                )  # fmt: skip
+                return False
+            self.step()
+            if not self.last_step_ran:
+                time.sleep(0.001)  # only file or transfer I/O left: let its thread have the GIL
+        return True
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache (every tier but the L3 files). Refused (False) while requests run:

@@ -13,7 +13,7 @@ from ..common.outputs import PromptLogprobs
 from ..config import EngineConfig
 from ..errors import NotFoundError, ValidationError
 from ..scheduler import Req
-from .core import EngineCore
+from .core import SHUTDOWN_DRAIN_S, EngineCore
 from .detok import TextState
 
 
@@ -260,13 +260,15 @@ class Engine:
         with self._lock:
             return self.core.sessions.describe()
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_timeout_s: float = SHUTDOWN_DRAIN_S) -> None:
+        """Abort what runs, drain (bounded: see ``EngineCore.shutdown``), close."""
         with self._lock:
             for rid in list(self._tracks):
                 self.core.abort(rid, "engine shut down")
-            while not self.core.scheduler.idle:
+            end = time.monotonic() + drain_timeout_s
+            while not self.core.scheduler.idle and time.monotonic() < end:
                 self._apply(self.core.step())
-            self.core.shutdown()
+            self.core.shutdown(max(0.0, end - time.monotonic()))
 
     def __enter__(self) -> Engine:
         return self

@@ -37,6 +37,7 @@ class Holding:
     slot: int | None = None
     borrowed_from: str | None = None  # None: the radix tree (under a lock); else the owning session
     host_pages: Sequence[int] = ()  # L2 pages (hierarchical cache): a demoted idle session's KV
+    kv_tokens: int | None = None  # a session: the tokens whose KV its L1 pages hold (exactly their pages)
 
 
 @dataclass
@@ -247,7 +248,15 @@ class Ledger:
                 session_pages[h.owner] = set(h.own_pages)
             if h.slot is not None:
                 slot_owners[h.slot].append(h.owner)
+        ps = self.pages.page_size
         for h in holdings:
+            # Seed 004: a session holds its KV's pages, no more (a speculative tail handed over with
+            # the turn would be pages nobody reads and nobody frees until the session ends).
+            if h.kv_tokens is not None and h.own_pages and len(h.own_pages) != -(-h.kv_tokens // ps):
+                report.problems.append(
+                    f"{h.owner} holds {len(h.own_pages)} pages for KV of {h.kv_tokens} tokens "
+                    f"({-(-h.kv_tokens // ps)} pages of {ps})"
+                )
             for p in h.borrowed_pages:
                 if h.borrowed_from is None and p not in protected_pages:
                     report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")

@@ -46,7 +46,9 @@ class SessionKV:
 
     def holdings(self):
         for s in self.by_id.values():
-            yield Holding(owner=s.owner, kind="session", own_pages=s.pages, host_pages=s.host)
+            yield Holding(
+                owner=s.owner, kind="session", own_pages=s.pages, host_pages=s.host, kv_tokens=s.kv_len
+            )
 
     def borrow(self, req) -> list[int]:
         """The session pages a turn reads; at least one token is always computed. A session
