@@ -140,27 +140,65 @@ def test_pd_greedy_equals_a_single_engine(pd, make_engine, backend):
     assert_idle_clean(dec)
 
 
+class RogueDecodeClient:
+    """A decode side driven by hand over the wire (claims, and acks only when the test says)."""
+
+    def __init__(self, port: int, layout: wire.Layout):
+        self.layout = layout
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def claim(self, room_id: int, prompt: list[int]) -> None:
+        self.sock.send(wire.encode(wire.Claim(room_id, len(prompt), 0, wire.tokens_crc(prompt), self.layout)))
+
+    def until_done(self, pre, room_id: int, timeout: float = 10.0) -> None:
+        """Step ``pre`` until the room's Done came (its KV frames before it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert time.monotonic() < deadline, "prefill never sent the room's KV"
+            pre.step()
+            if self.sock.poll(5):
+                msg = wire.decode(self.sock.recv_multipart()[0])
+                if isinstance(msg, wire.Done) and msg.room == room_id:
+                    return
+
+    def ack(self, room_id: int) -> None:
+        self.sock.send(wire.encode(wire.Ack(room_id)))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 @BACKENDS
 def test_the_ledger_names_each_side_while_kv_is_in_flight(pd, backend):
     pre, dec, port = pd(backend=backend)
     p = list(range(30, 60))
     sp = {**GREEDY, "max_new_tokens": 4}
     pre.add_request(p, sp, rid="p7", disagg=room(port, 7))
-    while pre.result("p7", pop=False) is None:
+    for _ in range(10):
         pre.step()
-    # Prefill answered (its one token) but keeps the KV for the decode side that has not claimed.
-    assert owners(pre) == {"req p7 [kv sending]": 2}
+    # Prefill waits for the decode side to claim the room, holding nothing.
+    assert owners(pre) == {} and pre.result("p7", pop=False) is None
     assert not pre.core.scheduler.idle
     # Decode admits a request whose prefill has not even started: its pages wait for the KV.
     dec.add_request(p, sp, rid="d8", disagg=room(port, 8))
     dec.step()
     assert owners(dec) == {"req d8 [waiting for kv]": -(-len(p) // 4)}
     assert dec.memory()["kv_private"] == -(-len(p) // 4) * 4
-    dec.add_request(p, sp, rid="d7", disagg=room(port, 7))
-    pre.add_request(p, sp, rid="p8", disagg=room(port, 8))
-    res = drive([pre, dec], {id(pre): ["p8"], id(dec): ["d7", "d8"]})
-    assert res["d7"]["output_ids"] == res["d8"]["output_ids"] and len(res["d7"]["output_ids"]) == 4
-    pre.run_until_idle()
+    # A claimant that has not acknowledged yet: prefill answered (its one token) and keeps the KV.
+    rogue = RogueDecodeClient(port, pre.core.connector.layout)
+    try:
+        rogue.claim(7, p)
+        rogue.until_done(pre, 7)
+        assert pre.result("p7", pop=False)["output_ids"] and owners(pre) == {"req p7 [kv sending]": 2}
+        rogue.ack(7)
+        pre.add_request(p, sp, rid="p8", disagg=room(port, 8))
+        res = drive([pre, dec], {id(pre): ["p8"], id(dec): ["d8"]})
+    finally:
+        rogue.close()
+    assert res["d8"]["output_ids"][:1] == res["p8"]["output_ids"] and len(res["d8"]["output_ids"]) == 4
+    until_idle(pre)
     assert owners(pre) == {} and owners(dec) == {}
     assert_idle_clean(pre)
     assert_idle_clean(dec)
@@ -281,11 +319,12 @@ def test_an_unmatched_claim_outlives_the_decode_sides_own_wait(pd):
 def test_decode_never_claims_prefill_times_out_and_frees(pd):
     pre, _, port = pd(prefill_kw={"disaggregation_bootstrap_timeout_s": 0.5})
     pre.add_request(list(range(5, 25)), {"max_new_tokens": 4}, rid="p", disagg=room(port, 1))
-    drive([pre], {id(pre): ["p"]})
-    assert owners(pre) == {"req p [kv sending]": 2}
-    until_idle(pre)
+    pre.step()
+    assert owners(pre) == {}  # waits for the claim, holding nothing
+    fr = drive([pre], {id(pre): ["p"]})["p"]["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "no decode server claimed" in fr["message"], fr
     assert stats(pre)["transfers_timed_out"] == 1
-    assert pre.memory()["kv_cached_evictable"] > 0  # the KV was valid: it went to the prefix cache
+    assert pre.memory()["kv_cached_evictable"] == 0  # nothing was computed
     assert_idle_clean(pre)
 
 
@@ -457,24 +496,33 @@ def test_mooncake_drain_ends_when_prefill_confirms(pd):
 
 def test_a_request_waits_while_the_pool_is_held_by_kv_being_sent(pd, make_engine):
     """Found by the combination fuzz: on a small prefill pool full of finished requests whose KV waits
-    for its decode server (kv sending), the next request was aborted as "too big for the KV cache" --
-    yet those pages come back when decode acknowledges (or at the bootstrap timeout). It waits, then
-    runs, and both answers equal a single engine's."""
+    for its decode server's acknowledgement (kv sending), the next request was aborted as "too big
+    for the KV cache" -- yet those pages come back on the ack (or at the bootstrap timeout). It
+    waits, then runs, and its answer equals a single engine's."""
     p1, p2 = list(range(10, 50)), list(range(60, 100))
     sp = {**GREEDY, "max_new_tokens": 3}
     ref = make_engine().generate(input_ids=[p1, p2], sampling_params=sp)
     pre, dec, port = pd(prefill_kw={"max_total_tokens": 64})  # 4 pages of 16: one 40-token prompt
-    pre.add_request(p1, sp, rid="p1", disagg=room(port, 31))
-    drive([pre], {id(pre): ["p1"]})
-    assert owners(pre) == {"req p1 [kv sending]": 3}
-    pre.add_request(p2, sp, rid="p2", disagg=room(port, 32))
-    for _ in range(20):
-        pre.step()
-    assert pre.result("p2", pop=False) is None, pre.result("p2", pop=False)  # waits: not aborted
-    dec.add_request(p1, sp, rid="d1", disagg=room(port, 31))
-    dec.add_request(p2, sp, rid="d2", disagg=room(port, 32))
-    res = drive([pre, dec], {id(pre): ["p2"], id(dec): ["d1", "d2"]})
-    assert [res["d1"]["output_ids"], res["d2"]["output_ids"]] == [o["output_ids"] for o in ref]
+    rogue = RogueDecodeClient(port, pre.core.connector.layout)  # claims p1, acks when told
+    try:
+        pre.add_request(p1, sp, rid="p1", disagg=room(port, 31))
+        rogue.claim(31, p1)
+        rogue.until_done(pre, 31)
+        assert owners(pre) == {"req p1 [kv sending]": 3}
+        dec.add_request(p2, sp, rid="d2", disagg=room(port, 32))
+        pre.add_request(p2, sp, rid="p2", disagg=room(port, 32))
+        for _ in range(20):
+            pre.step()
+            dec.step()
+            time.sleep(0.002)
+        assert pre.result("p2", pop=False) is None, pre.result("p2", pop=False)  # waits: not aborted
+        assert owners(pre) == {"req p1 [kv sending]": 3}
+        rogue.ack(31)
+        res = drive([pre, dec], {id(pre): ["p1", "p2"], id(dec): ["d2"]})
+    finally:
+        rogue.close()
+    assert res["p1"]["output_ids"] == ref[0]["output_ids"][:1]
+    assert res["d2"]["output_ids"] == ref[1]["output_ids"]
     assert res["p2"]["output_ids"] == ref[1]["output_ids"][:1]
     until_idle(pre)
     assert_idle_clean(pre)
@@ -520,5 +568,39 @@ def test_a_running_request_waits_while_the_pool_is_held_by_kv_on_its_way(pd, mak
     res = drive([pre, dec], {id(pre): ["pb"], id(dec): [a, "db"]})
     assert [res[a]["output_ids"], res["db"]["output_ids"]] == [o["output_ids"] for o in want]
     assert dec.core.scheduler.total_retractions > 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_prefill_waits_for_the_claim_so_small_pools_cannot_deadlock(pd, make_engine):
+    """Found by the combination fuzz (ngram+pd+int8_batch+quantized): decode admitted a short request
+    A and held its pages waiting for KV, while a long request B waited for room behind it; prefill
+    had computed B, unclaimed, and its KV filled prefill's pool, so A's prefill waited for pages
+    that only B's claim would free. Nobody moved until the 60 s timeouts aborted A. Prefill now runs
+    a request only once decode has claimed its room (B waits holding nothing), so A goes first."""
+    pa, pb = list(range(3, 11)), [(5 * i) % 250 + 1 for i in range(60)]
+    sa, sb = {**GREEDY, "max_new_tokens": 2}, {**GREEDY, "max_new_tokens": 3}
+    want = make_engine().generate(input_ids=[pa, pb], sampling_params=[sa, sb])
+    long_wait = {"disaggregation_bootstrap_timeout_s": 60.0, "disaggregation_waiting_timeout_s": 60.0}
+    pre, dec, port = pd(
+        prefill_kw={"max_total_tokens": 64, **long_wait},  # 4 pages of 16: B's prompt fills them
+        decode_kw={"max_total_tokens": 64, **long_wait},  # 16 pages of 4: B fits only without A
+    )
+    dec.add_request(pa, sa, rid="da", disagg=room(port, 61))
+    dec.add_request(pb, sb, rid="db", disagg=room(port, 62))
+    for _ in range(3):
+        dec.step()
+    assert owners(dec) == {"req da [waiting for kv]": 2}  # db waits in the queue for room
+    pre.add_request(pb, sb, rid="pb", disagg=room(port, 62))
+    for _ in range(20):
+        pre.step()
+        time.sleep(0.001)
+    assert owners(pre) == {}, "prefill computed KV no decode server has claimed"
+    pre.add_request(pa, sa, rid="pa", disagg=room(port, 61))
+    res = drive([pre, dec], {id(pre): ["pa", "pb"], id(dec): ["da", "db"]}, timeout=20)
+    assert [res["da"]["output_ids"], res["db"]["output_ids"]] == [o["output_ids"] for o in want]
+    assert [res["pa"]["output_ids"], res["pb"]["output_ids"]] == [o["output_ids"][:1] for o in want]
+    assert stats(dec)["transfers_timed_out"] == 0 and stats(pre)["transfers_timed_out"] == 0
+    until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)

@@ -1,8 +1,8 @@
 """Prefill/decode disaggregation behind SGLang's router, as KV connectors (``connector/base.py``).
 
-``--disaggregation-mode prefill``: requests that carry a bootstrap room run their prompt (chunked,
-with the prefix cache) and sample one token; the KV and that token go to the decode server that
-claims the room (``prefill.py``). ``decode``: such requests pre-allocate their slot and pages, wait for
+``--disaggregation-mode prefill``: requests that carry a bootstrap room wait (holding nothing) until
+the decode server claims the room, then run their prompt (chunked, with the prefix cache) and sample
+one token; the KV and that token go to the claimant (``prefill.py``). ``decode``: such requests pre-allocate their slot and pages, wait for
 the KV (``decode.py``), then decode. Requests without a room are served whole on either. The
 built-in transport is ZMQ over TCP with its own wire format (``wire.py``).
 """
@@ -33,6 +33,7 @@ def make_connector(cfg: EngineConfig, kv: KVBuffer, abort) -> KVConnector | None
             host,
             cfg.disagg.disaggregation_bootstrap_port,
             cfg.disagg.disaggregation_bootstrap_timeout_s,
+            abort,
             data,
         )
     from .decode import DecodeConnector

@@ -1,5 +1,14 @@
-"""The prefill side: run the prompt, hand its KV and first token to the decode server that claims the
-room, free the pages when decode acknowledges.
+"""The prefill side: wait for the decode server to claim the room, run the prompt, hand its KV and
+first token to the claimant, free the pages when decode acknowledges.
+
+A request is admitted only once its room is claimed (until then ``get_num_new_matched_tokens``
+defers it: it waits in the queue holding nothing), as SGLang's prefill bootstrap queue waits for the
+decode side's handshake. A claim means decode has already reserved the pages the KV goes to, so KV
+held here is taken at once. Computing unclaimed requests deadlocked small pools: prefill's pages
+held the KV of a request decode could not admit yet (its pool busy with a request waiting for KV),
+while that request's own prefill waited for those pages, until the 60 s timeouts (combination fuzz).
+A request whose room is not claimed within the bootstrap timeout, or whose decode side gave up, is
+aborted (502).
 
 Ledger: a finished request whose KV waits to be sent keeps its slot and pages in the state
 ``req X [kv sending]`` (``request_finished`` returns True); it is released through the one release
@@ -15,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -28,6 +38,9 @@ from .endpoint import CHUNK_TOKENS, Endpoint, TransferStats
 
 log = logging.getLogger("kvledger.disagg")
 CLAIM_BACKSTOP = 2.0  # a claim whose prefill request never comes is dropped after this x the timeout
+
+# abort(rid, message, status, code): ends a request at the next safe point (thread-safe)
+AbortFn = Callable[[str, str, int, str], None]
 
 
 @dataclass
@@ -53,13 +66,25 @@ class _Claim:
 
 
 class PrefillConnector(KVConnector):
-    def __init__(self, kv: KVBuffer, page_size: int, bind_host: str, port: int, timeout_s: float, data=None):
+    def __init__(
+        self,
+        kv: KVBuffer,
+        page_size: int,
+        bind_host: str,
+        port: int,
+        timeout_s: float,
+        abort: AbortFn | None = None,
+        data=None,
+    ):
         self.kv, self.page_size, self.timeout_s = kv, page_size, timeout_s
+        self.abort = abort or (lambda *a: None)
         self.data = data  # a MooncakeData (mooncake.py), or None: KV goes as KVData frames
         self.layout = kv_copy.layout_of(kv)
         self.stats = TransferStats()
         self._lock = threading.Lock()
-        self._live: dict[int, str] = {}  # room -> rid of a request still computing
+        self._live: dict[int, str] = {}  # room -> rid of a request not finished yet
+        self._arrived: dict[int, float] = {}  # room -> when its live request came (the claim timeout)
+        self._aborting: set[int] = set()  # live rooms whose request this side already asked to abort
         self._jobs: dict[int, _SendJob] = {}  # room -> finished, KV held
         self._claims: dict[int, _Claim] = {}  # room -> claimed before its request finished
         # Rooms the decode side gave up on before their request finished here (or arrived): kept for
@@ -95,7 +120,24 @@ class PrefillConnector(KVConnector):
             if d.room in self._live or d.room in self._jobs:
                 raise ConflictError(f"bootstrap_room {d.room} is already in use", param="bootstrap_room")
             self._live[d.room] = req.rid
+            self._arrived[d.room] = time.monotonic()
             self._ended.pop(d.room, None)  # the room is live again
+
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Nothing to load; but a request whose room decode has not claimed yet is not admitted
+        (``None``: the scheduler defers it, nothing held) -- see the module docstring."""
+        d = req.disagg
+        if d is None or d.fake:
+            return 0, False
+        with self._lock:
+            if d.room in self._claims or d.room in self._jobs:
+                return 0, False
+            gone = self._gone.get(d.room) is not None and d.room not in self._aborting
+            if gone:
+                self._aborting.add(d.room)
+        if gone:  # decode gave up before this request arrived: it will never claim
+            self.abort(req.rid, "the decode server gave up this bootstrap room", 502, "kv_transfer_failed")
+        return None, False
 
     def request_finished(self, req) -> bool:
         d = req.disagg
@@ -111,6 +153,8 @@ class PrefillConnector(KVConnector):
         )
         with self._lock:
             self._live.pop(d.room, None)
+            self._arrived.pop(d.room, None)
+            self._aborting.discard(d.room)
             if self._gone.pop(d.room, None) is not None:
                 ok = False  # decode already gave up: nothing to keep
             if ok:
@@ -184,6 +228,12 @@ class PrefillConnector(KVConnector):
                     self._job_done(job, "failed")
                 else:  # not finished yet, or not even arrived (the router posts to both at once)
                     self._gone[msg.room] = time.monotonic()
+                    rid = self._live.get(msg.room)
+                    if rid is not None and msg.room not in self._aborting:
+                        # Waiting for the claim (or computing for nobody): end it now.
+                        self._aborting.add(msg.room)
+                        why = f"the decode server gave up this room: {msg.reason}"
+                        self.abort(rid, why, 502, "kv_transfer_failed")
                 if direct:  # a Mooncake claimant holds its pages until told no write will come
                     self._send(peer, wire.Fail(msg.room, "stopped: no more writes for this room"))
             log.info("PD prefill: decode gave up room %d: %s", msg.room, msg.reason)
@@ -294,6 +344,16 @@ class PrefillConnector(KVConnector):
                     del self._claims[room]
                     why = f"no prefill request for this room in {CLAIM_BACKSTOP * t:.0f}s"
                     self._send(c.peer, wire.Fail(room, why))
+            for room, rid in list(self._live.items()):
+                # No decode server claimed the room in time (checked while the request waits; once
+                # claimed it is computing, and the claim stays until it finished).
+                if room in self._claims or room in self._aborting or now - self._arrived[room] <= t:
+                    continue
+                self._aborting.add(room)
+                self.stats.transfers_timed_out += 1
+                log.warning("PD prefill: room %d: no decode server claimed it in %.0fs", room, t)
+                msg = f"no decode server claimed bootstrap room {room} in {t:.0f}s"
+                self.abort(rid, msg, 502, "kv_transfer_timeout")
             for room, at in list(self._gone.items()):
                 if now - at > t:
                     del self._gone[room]
