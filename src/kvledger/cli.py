@@ -78,6 +78,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument("--max-queued-prefill-tokens", type=int, default=d.max_queued_prefill_tokens,
+                   help="most prompt tokens waiting for admission; an arrival past it gets a 429 (default: no budget)")  # fmt: skip
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                   help="seconds a request may take, queued and running; past it it ends with a 503 (default: off)")  # fmt: skip
     _bool_pair(
         p,
         "enable-mixed-chunk",

@@ -13,6 +13,7 @@ process and ``/get_server_info`` speak maps 1:1 onto the sections.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
@@ -184,6 +185,12 @@ class SchedulerSettings:
     """Most requests decoding at once; also the number of request slots."""
     max_queued_requests: int = 256
     """Most requests waiting for admission; past it new requests are refused (429)."""
+    max_queued_prefill_tokens: int | None = None
+    """Most prompt tokens waiting for admission (the prefill work queued); an arrival that would push
+    them past it is refused (429) unless nothing waits. None: no budget, only max_queued_requests."""
+    request_timeout_s: float | None = None
+    """Seconds a request may take from its arrival, queued and running together; past it it ends with
+    a 503 (SGLang's waiting/running timeouts). A request's own ``timeout`` may only shorten it. None: off."""
     enable_mixed_chunk: bool = False
     """Run a prefill chunk and the running decodes in one forward pass. Off by default, as in SGLang:
     on a burst of new requests it halves TTFT p50 but multiplies the running requests' ITL p99 by ~6
@@ -200,6 +207,9 @@ class SchedulerSettings:
 
     def check(self) -> None:
         _positive(self, "chunked_prefill_size", "max_running_requests", "max_queued_requests", "session_timeout_s")
+        _positive(self, "max_queued_prefill_tokens", "request_timeout_s")
+        if self.request_timeout_s is not None and not math.isfinite(self.request_timeout_s):
+            raise ValidationError("request_timeout_s must be a finite number of seconds", param="request_timeout_s")
         _positive(self, "max_sessions", "max_stop_strings", "max_stop_string_len", "max_top_logprobs", allow_zero=True)
 
 

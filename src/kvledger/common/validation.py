@@ -17,6 +17,7 @@ from .sampling import GRAMMAR_KINDS, SamplingParams
 
 MAX_SEED = 2**63 - 1
 MAX_CACHE_SALT_LEN = 1024  # vLLM's bound, for each of cache_salt and extra_key
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a mistake (or a string of digits), not a deadline
 DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens  # /generate's and the offline Engine's (SGLang: 128)
 
 
@@ -153,6 +154,8 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not isinstance(salt, str) or not 1 <= len(salt) <= 2 * MAX_CACHE_SALT_LEN + 8:
             raise _bad("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_LEN} characters")
         p.cache_salt = salt
+    if d.get("timeout") is not None:
+        p.timeout = validate_timeout(d["timeout"])
     for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim"):
         if d.get(flag) is not None:
             if not isinstance(d[flag], bool):
@@ -189,6 +192,13 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
                 raise _bad(k, f"json_schema is not valid JSON: {e}", "invalid_grammar") from None
         setattr(p, k, v)
     return p
+
+
+def validate_timeout(v: Any, param: str = "timeout") -> float:
+    """A request's ``timeout``: seconds, a finite number in (0, a week]."""
+    if not _is_num(v) or not math.isfinite(v) or not 0 < v <= MAX_TIMEOUT_S:
+        raise _bad(param, f"{param} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {v!r}")
+    return float(v)
 
 
 def cache_salt_of(cache_salt: Any, extra_key: Any = None) -> str | None:

@@ -343,7 +343,7 @@ class EngineCore:
     def submit(self, req: Req, session_params: dict | None = None) -> None:
         """Queue a validated request; with ``session_params`` it becomes a turn of that session.
         Every refusal (409, 429, a session's 400/404/409) happens before anything is held."""
-        self.scheduler.check_submit(req.rid)
+        self.scheduler.check_submit(req)
         if req.disagg is not None:
             self._disagg_params(req, session_params)
         if session_params is not None:

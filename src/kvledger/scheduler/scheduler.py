@@ -83,23 +83,41 @@ class Scheduler:
         self.total_retractions = 0
         self._last_audit = 0.0
         self._was_busy = False
+        self.clock: Callable[[], float] = time.monotonic  # request deadlines (a test may drive it)
 
     # -- intake ---------------------------------------------------------------------------------------
-    def check_submit(self, rid: str) -> None:
-        """The engine's one duplicate-rid check, and the queue limit (429). Before anything is held."""
+    def check_submit(self, req: Req) -> None:
+        """The engine's one duplicate-rid check, and the queue limits (429): requests, and prompt tokens
+        waiting to be prefilled. Before anything is held."""
+        rid, sc = req.rid, self.cfg.scheduler
         if rid in self.reqs:
             raise ConflictError(
                 f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid"
             )
-        if len(self.waiting) >= self.cfg.scheduler.max_queued_requests:
+        if len(self.waiting) >= sc.max_queued_requests:
             raise OverloadedError(
-                f"the waiting queue is full ({self.cfg.scheduler.max_queued_requests} requests); retry later",
+                f"the waiting queue is full ({sc.max_queued_requests} requests); retry later",
                 code="queue_full",
             )
+        budget = sc.max_queued_prefill_tokens
+        if budget is not None and self.waiting:
+            # A prompt longer than the budget is still taken when nothing waits: refusing it would be
+            # for ever, and one request alone is what max_queued_requests=1 allows too.
+            queued = sum(r.seq_len - r.kv_len for r in self.waiting)
+            if queued + len(req.input_ids) > budget:
+                raise OverloadedError(
+                    f"the waiting queue holds {queued} prompt tokens; {len(req.input_ids)} more would pass "
+                    f"its budget of {budget} (--max-queued-prefill-tokens); retry later",
+                    code="queue_full",
+                )
 
     def submit(self, req: Req) -> None:
         """Queue a validated request (call ``check_submit`` first). On the engine's thread."""
         self.reqs[req.rid] = req
+        limits = [t for t in (req.params.timeout, self.cfg.scheduler.request_timeout_s) if t is not None]
+        if limits:
+            req.timeout_s = min(limits)
+            req.deadline = self.clock() + req.timeout_s
         self.waiting.append(req)
         if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None:
             req.mark_finish(FinishReason("length"))  # nothing to compute (scoring still runs the prompt)
@@ -114,7 +132,7 @@ class Scheduler:
         self._inbox.put((rid, message, status, code))
 
     def settle(self) -> None:
-        """Take in pending aborts and finish what they marked. Only between steps."""
+        """Take in pending aborts and timeouts, and finish what they marked. Only between steps."""
         while True:
             try:
                 rid, message, status, code = self._inbox.get_nowait()
@@ -123,6 +141,10 @@ class Scheduler:
             r = self.reqs.get(rid)
             if r is not None:
                 r.mark_finish(FinishReason("abort", message, status=status, code=code))
+        now = self.clock()
+        for r in itertools.chain(self.running, self.waiting, self.waiting_for_kv):
+            if r.deadline is not None and now >= r.deadline:
+                r.mark_finish(_timed_out(r))
         for r in [r for r in itertools.chain(self.running, self.waiting, self.waiting_for_kv) if r.to_finish]:
             self._finish(r)
 
@@ -368,6 +390,18 @@ class Scheduler:
         elif 0 < self.cfg.cache.audit_interval_s <= now - self._last_audit:
             self._last_audit = now
             ledger.audit()
+
+
+def _timed_out(req: Req) -> FinishReason:
+    """A request past its deadline: 503, as SGLang ends its waiting and running timeouts; what it
+    generated stays (a stream has sent it; the final output counts it)."""
+    where = "in the queue" if req.state is ReqState.WAITING and not req.output_ids else "while running"
+    return FinishReason(
+        "abort",
+        f"the request timed out {where}: it took more than its {req.timeout_s:g} s (timeout)",
+        status=503,
+        code="request_timeout",
+    )
 
 
 def _drop_grammar(req: Req) -> None:

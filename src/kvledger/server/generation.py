@@ -155,7 +155,8 @@ class GenerationService:
         m.requests.labels(st.finish.type).inc()
         if st.finish.type == "abort":
             status = st.finish.status
-            m.aborted.labels(ABORT_REASONS.get(status, "engine_error" if status >= 500 else "abort")).inc()
+            reason = ABORT_REASONS.get(status, "engine_error" if status >= 500 else "abort")
+            m.aborted.labels("timeout" if st.finish.code == "request_timeout" else reason).inc()
 
     async def collect(
         self, input_ids, params, rid=None, disconnected=None, session_params=None, owner=None, disagg=None

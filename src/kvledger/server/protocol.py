@@ -73,6 +73,7 @@ class _OpenAICommon(_Strict):
     include_stop_str_in_output: bool | None = None
     cache_salt: str | None = None
     extra_key: str | None = None  # SGLang: isolates the prefix cache like cache_salt
+    timeout: float | None = None  # seconds, queued and running together (sampling.SamplingParams.timeout)
 
 
 class CompletionRequest(_OpenAICommon):
