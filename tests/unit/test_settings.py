@@ -70,6 +70,10 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
         ({"tp_size": 3, "nnodes": 2}, "tp_size"),
         ({"disaggregation_mode": "both"}, "disaggregation_mode"),
         ({"enable_hierarchical_cache": True, "hicache_write_policy": "sometimes"}, "hicache_write_policy"),
+        ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"request_timeout_s": float("nan")}, "request_timeout_s"),
+        ({"request_timeout_s": float("inf")}, "request_timeout_s"),
+        ({"max_queued_prefill_tokens": 0}, "max_queued_prefill_tokens"),
     ):
         with pytest.raises(ValidationError) as e:
             EngineConfig.from_flat(**bad).check()
