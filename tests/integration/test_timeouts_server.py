@@ -111,6 +111,19 @@ def test_running_request_times_out_streamed_and_not(srv1):
     assert 'kvledger_aborted_requests_total{reason="timeout"}' in m
 
 
+def test_generate_running_timeout_streamed_and_not(srv1):
+    body = {"input_ids": [6] * 10, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True, "timeout": 0.3}}
+    r = httpx.post(srv1.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "request_timeout", r.text
+    with httpx.stream("POST", srv1.url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(ln[5:]) for ln in r.iter_lines() if ln.startswith("data:") and ln != "data: [DONE]"]
+    last = events[-1]
+    fr = last["meta_info"]["finish_reason"]
+    assert fr["type"] == "abort" and "timed out while running" in fr["message"], fr
+    assert 0 < len(last["output_ids"]) < 1000  # SGLang's shape: everything so far, then the abort
+
+
 def test_queued_prefill_token_budget_refuses_with_429(srv1):
     async def main():
         oc = openai.AsyncOpenAI(base_url=srv1.url + "/v1", api_key="none", max_retries=0)
