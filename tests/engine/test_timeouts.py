@@ -87,6 +87,10 @@ def test_running_request_times_out_keeping_its_output(make_engine):
     eng.run_until_idle()
     assert eng.result(nb)["output_ids"] == ref_nb  # the batch neighbour is unchanged
     assert_idle_clean(eng)
+    # Its KV was valid: it went to the prefix cache, so a retry of the same prompt finds it.
+    again = eng.generate(input_ids=long_prompt, sampling_params={**G, "max_new_tokens": 4})
+    assert again["meta_info"]["cached_tokens"] >= 16, again["meta_info"]
+    assert again["output_ids"] == ref_long[:4]
 
 
 def test_error_status_of_a_timeout_is_503(make_engine):

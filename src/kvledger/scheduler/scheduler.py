@@ -199,9 +199,11 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         reason = req.finish_reason
-        # KV from a failed forward is not trusted for reuse; everything else is valid and cached. A
-        # session turn writes into its session only when it completed (never on abort).
-        commit = reason.type != "abort" if req.session is not None else reason.status < 500
+        # KV from a failed forward is not trusted for reuse; everything else is valid and cached (a
+        # timeout's 503 included: its forwards succeeded, and a retry finds its prefix). A session
+        # turn writes into its session only when it completed (never on abort).
+        ok = reason.status < 500 or reason.code == TIMEOUT_CODE
+        commit = reason.type != "abort" if req.session is not None else ok
         commit = commit and req.kv_trusted
         self.kv_manager.release(req, commit=commit)
         req.state = ReqState.FINISHED
@@ -392,6 +394,9 @@ class Scheduler:
             ledger.audit()
 
 
+TIMEOUT_CODE = "request_timeout"
+
+
 def _timed_out(req: Req) -> FinishReason:
     """A request past its deadline: 503, as SGLang ends its waiting and running timeouts; what it
     generated stays (a stream has sent it; the final output counts it)."""
@@ -400,7 +405,7 @@ def _timed_out(req: Req) -> FinishReason:
         "abort",
         f"the request timed out {where}: it took more than its {req.timeout_s:g} s (timeout)",
         status=503,
-        code="request_timeout",
+        code=TIMEOUT_CODE,
     )
 
 
