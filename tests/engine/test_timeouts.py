@@ -171,3 +171,27 @@ def test_good_timeout_is_taken(make_engine, good):
     eng = make_engine()
     res = eng.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2, "timeout": good})
     assert res["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_timed_out_session_turn_leaves_the_session_as_it_was(make_engine):
+    t1, t2, t3 = [5] * 30, list(range(100, 140)), [40, 41, 42]
+    ref = make_engine()
+    rsid = ref.open_session()
+    ref.generate(input_ids=t1, sampling_params={**G, "max_new_tokens": 6}, session_params={"id": rsid})
+    want = ref.generate(input_ids=t3, sampling_params={**G, "max_new_tokens": 6}, session_params={"id": rsid})
+    ref.close_session(rsid)
+    eng, clock = _engine(make_engine)
+    sid = eng.open_session()
+    eng.generate(input_ids=t1, sampling_params={**G, "max_new_tokens": 6}, session_params={"id": sid})
+    held = eng.memory()["kv_session"]
+    rid = eng.add_request(t2, {**G, "max_new_tokens": 100, "timeout": 1}, session_params={"id": sid})
+    sched = eng.core.scheduler
+    _step_until(eng, lambda: len(sched.reqs[rid].output_ids) >= 3)
+    clock.t += 1.0
+    eng.step()
+    assert eng.result(rid)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert eng.memory()["kv_session"] == held
+    got = eng.generate(input_ids=t3, sampling_params={**G, "max_new_tokens": 6}, session_params={"id": sid})
+    assert got["output_ids"] == want["output_ids"]  # as if the timed-out turn never happened
+    eng.close_session(sid)
+    assert_idle_clean(eng)
