@@ -127,7 +127,8 @@ def test_server_timeout_applies_and_the_shorter_one_wins(make_engine):
     eng.step()
     for r in (plain, longer):
         res = eng.result(r)
-        assert res["meta_info"]["finish_reason"]["type"] == "abort" and "3 s" in res["meta_info"]["finish_reason"]["message"]
+        fr = res["meta_info"]["finish_reason"]
+        assert fr["type"] == "abort" and "3 s (the server's --request-timeout-s)" in fr["message"], fr
     assert_idle_clean(eng)
 
 

@@ -401,9 +401,10 @@ def _timed_out(req: Req) -> FinishReason:
     """A request past its deadline: 503, as SGLang ends its waiting and running timeouts; what it
     generated stays (a stream has sent it; the final output counts it)."""
     where = "in the queue" if req.state is ReqState.WAITING and not req.output_ids else "while running"
+    which = "its timeout" if req.params.timeout == req.timeout_s else "the server's --request-timeout-s"
     return FinishReason(
         "abort",
-        f"the request timed out {where}: it took more than its {req.timeout_s:g} s (timeout)",
+        f"the request timed out {where}: it took more than {req.timeout_s:g} s ({which})",
         status=503,
         code=TIMEOUT_CODE,
     )
