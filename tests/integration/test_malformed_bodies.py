@@ -11,15 +11,16 @@ import httpx
 # A valid body per route that takes one; the fields of each are replaced one at a time below.
 HI = [{"role": "user", "content": "hi"}]
 VALID: dict[str, dict] = {
-    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0, "stop": ["x"]},
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0, "stop": ["x"],
+                                                    "timeout": 30},
                   "return_logprob": False, "top_logprobs_num": 0, "stream": False, "rid": None},
     "/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0, "n": 1,
                         "logprobs": None, "stop": None, "echo": False, "seed": 1, "top_p": 1.0,
-                        "stream_options": None, "response_format": None, "cache_salt": None},
+                        "stream_options": None, "response_format": None, "cache_salt": None, "timeout": None},
     "/v1/chat/completions": {"model": "default", "messages": HI, "max_tokens": 1, "temperature": 0,
                              "logprobs": False, "top_logprobs": None, "stop": None, "tools": None,
                              "tool_choice": None, "response_format": None, "stream_options": None,
-                             "chat_template_kwargs": None, "continue_final_message": False},
+                             "chat_template_kwargs": None, "continue_final_message": False, "timeout": None},
     "/tokenize": {"model": "default", "prompt": "hi", "add_special_tokens": True},
     "/detokenize": {"model": "default", "tokens": [5, 6]},
     "/abort_request": {"rid": "no-such-request"},
@@ -27,7 +28,8 @@ VALID: dict[str, dict] = {
     "/close_session": {"session_id": "no-such-session"},
 }  # fmt: skip
 NESTED = {  # fields inside fields, replaced the same way
-    "/generate": [("sampling_params", k) for k in ("max_new_tokens", "temperature", "stop", "top_k", "n")],
+    "/generate": [("sampling_params", k) for k in ("max_new_tokens", "temperature", "stop", "top_k", "n",
+                                                                "timeout")],
     "/v1/chat/completions": [("messages", 0, "role"), ("messages", 0, "content"), ("messages", 0)],
 }
 BODYLESS_POSTS = {"/flush_cache"}  # reads no body: anything sent is ignored
