@@ -170,10 +170,12 @@ def test_what_the_router_calls(srv):
         {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
     ]
     # While requests run, the router sees them and their tokens (the figures are at most 0.1 s old;
-    # eight long requests keep the tiny model busy for a second or so).
-    body = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    # eight requests of 300 tokens keep the server busy for seconds: each step checks the books).
+    body = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(gen, srv, body) for _ in range(8)]
+        # (the client waits up to 300 s: on a box loaded by other jobs, 1,000 tokens each once took
+        # longer than gen's 60 s)
+        futures = [pool.submit(httpx.post, srv.url + "/generate", json=body, timeout=300) for _ in range(8)]
         deadline = time.monotonic() + 10
         while (load := httpx.get(srv.url + "/get_load").json())[0]["num_reqs"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
