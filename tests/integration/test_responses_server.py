@@ -115,6 +115,11 @@ def test_previous_response_id_continues_from_the_prefix_cache(client):
     second = client.responses.create(model="default", input=follow, previous_response_id=first.id,
                                      max_output_tokens=4, temperature=0)  # fmt: skip
     # The prompt is the first turn's conversation (its input and answer) and the new input ...
+    assert first.output_text
+    history = [{"role": "user", "content": LONG}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": follow}]  # fmt: skip
+    replayed = client.responses.create(model="default", input=history, max_output_tokens=1, store=False)
+    assert second.usage.input_tokens == replayed.usage.input_tokens
     assert second.usage.input_tokens >= first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens > alone.usage.input_tokens
     # ... whose beginning, the first prompt, the prefix cache still holds.
