@@ -35,6 +35,10 @@ def test_text_response_shape_usage_and_retrieve(client):
     assert u.input_tokens_details.cached_tokens >= 0 and u.output_tokens_details.reasoning_tokens == 0
     again = client.responses.retrieve(r.id)
     assert again.model_dump() == r.model_dump()
+    client.responses.delete(again.id)
+    for forget in (client.responses.retrieve, client.responses.delete):
+        with pytest.raises(openai.NotFoundError):
+            forget(r.id)
     # The same request through chat/completions: the same prompt (instructions are the system message).
     chat = client.chat.completions.create(model="default", max_tokens=6, temperature=0,
                                           messages=[{"role": "system", "content": "Be brief."},

@@ -178,22 +178,29 @@ class ResponseStore:
         self._items.move_to_end(rid)
         return stored
 
+    def delete(self, rid: str) -> None:
+        self.get(rid, param="response_id")
+        del self._items[rid]
+
 
 # -- output items and events -----------------------------------------------------------------------------
 @dataclass
 class OutputBuilder:
-    """The output items of one response as its completion grows: a message item for the text and a
-    function_call item per call, in the order they appear. ``update`` returns the stream events
-    that take the client from the last update to this one; the whole answer uses only ``items``."""
+    """The output items of one response as its completion grows: a message item for text and a
+    function_call item per call, in the order they appear, each done before the next is added (text
+    after the calls, which a parser releases at the end, is a second message). ``update`` returns
+    the stream events from the last update to this one; the whole answer uses only ``items``."""
 
     items: list[dict[str, Any]] = field(default_factory=list)
-    _message: dict[str, Any] | None = None
-    _text: str = ""
+    _message: dict[str, Any] | None = None  # the open message item
+    _start: int = 0  # where its text begins in the completion's text
+    _shown: int = 0  # the completion's text given out so far
     _calls: int = 0
 
     def _open_message(self) -> list[dict]:
         self._message = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
                          "content": []}  # fmt: skip
+        self._start = self._shown
         self.items.append(self._message)
         i = len(self.items) - 1
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -203,18 +210,38 @@ class OutputBuilder:
              "content_index": 0, "part": part},
         ]  # fmt: skip
 
+    def _close_message(self, text: str, status: str) -> list[dict]:
+        m, i = self._message, self.items.index(self._message)
+        done = text[self._start : self._shown]
+        part = {"type": "output_text", "text": done, "annotations": [], "logprobs": []}
+        m["content"], m["status"] = [part], status
+        self._message = None
+        return [
+            {"type": "response.output_text.done", "item_id": m["id"], "output_index": i, "content_index": 0,
+             "text": done, "logprobs": []},
+            {"type": "response.content_part.done", "item_id": m["id"], "output_index": i, "content_index": 0,
+             "part": part},
+            {"type": "response.output_item.done", "output_index": i, "item": copy.deepcopy(m)},
+        ]  # fmt: skip
+
     def update(self, text: str, calls: list[ToolCall] | None, final: bool, status: str = "completed") -> list[dict]:
         """Take the completion's visible text and complete calls so far (``final``: all of it)."""
         events: list[dict] = []
-        if len(text) > len(self._text) or (final and not self.items):
+        if self._message is None and self._calls:  # text after the calls: without the separator
+            rest = text[self._shown :]
+            self._shown += len(rest) - len(rest.lstrip())
+        if len(text) > self._shown or (final and not self.items):
             if self._message is None:
                 events += self._open_message()
-            delta, self._text = text[len(self._text) :], text
+            delta, self._shown = text[self._shown :], max(self._shown, len(text))
             if delta:
                 events.append({"type": "response.output_text.delta", "item_id": self._message["id"],
-                               "output_index": self.items.index(self._message), "content_index": 0,
-                               "delta": delta, "logprobs": []})  # fmt: skip
-        for call in (calls or [])[self._calls :]:
+                               "output_index": len(self.items) - 1, "content_index": 0, "delta": delta,
+                               "logprobs": []})  # fmt: skip
+        new_calls = (calls or [])[self._calls :]
+        if new_calls and self._message is not None:
+            events += self._close_message(text, "completed")
+        for call in new_calls:
             item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": new_id("call"),
                     "name": call.name, "arguments": ""}  # fmt: skip
             self.items.append(item)
@@ -222,23 +249,13 @@ class OutputBuilder:
             events.append({"type": "response.output_item.added", "output_index": i, "item": dict(item)})
             events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
                            "output_index": i, "delta": call.arguments})  # fmt: skip
-            item["arguments"] = call.arguments
+            item["arguments"], item["status"] = call.arguments, "completed"
             events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
                            "output_index": i, "arguments": call.arguments})  # fmt: skip
-            item["status"] = "completed"
             events.append({"type": "response.output_item.done", "output_index": i, "item": dict(item)})
             self._calls += 1
         if final and self._message is not None:
-            m, i = self._message, self.items.index(self._message)
-            part = {"type": "output_text", "text": self._text, "annotations": [], "logprobs": []}
-            m["content"], m["status"] = [part], status
-            events += [
-                {"type": "response.output_text.done", "item_id": m["id"], "output_index": i, "content_index": 0,
-                 "text": self._text, "logprobs": []},
-                {"type": "response.content_part.done", "item_id": m["id"], "output_index": i, "content_index": 0,
-                 "part": part},
-                {"type": "response.output_item.done", "output_index": i, "item": copy.deepcopy(m)},
-            ]  # fmt: skip
+            events += self._close_message(text, status)
         return events
 
 

@@ -44,6 +44,10 @@ class ResponsesServing:
     def retrieve(self, rid: str) -> dict[str, Any]:
         return self.store.get(rid, param="response_id").response
 
+    def delete(self, rid: str) -> dict[str, Any]:
+        self.store.delete(rid)
+        return {"id": rid, "object": "response", "deleted": True}
+
     def _job(self, body: ResponsesRequest) -> tuple[list[dict], list[int], Any, ToolParser | None]:
         """The conversation so far (without instructions), prompt ids, sampling params and tool parser."""
         if body.max_output_tokens is not None and body.max_output_tokens < 1:  # no prompt scoring here

@@ -45,6 +45,14 @@ async def retrieve_response(request: Request, response_id: str):
     return JSONResponse(srv.responses.retrieve(response_id))
 
 
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str):
+    """Forget a stored response (404 if it is not stored)."""
+    srv = state(request)
+    srv.live_client()
+    return JSONResponse(srv.responses.delete(response_id))
+
+
 def model_card(request: Request) -> dict:
     """The served model as OpenAI's model object, with vLLM's extra fields."""
     srv = state(request)
