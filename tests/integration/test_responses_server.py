@@ -6,6 +6,7 @@ prefix cache, store false, and bad ids, inputs and peer fields as 4xx in the Ope
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -78,7 +79,8 @@ def test_forced_function_tool_whole_and_streamed(client, choice):
     kw = dict(model="default", input="Pick a digit.", tools=[PICK], tool_choice=choice,
               parallel_tool_calls=False, temperature=0, max_output_tokens=200)  # fmt: skip
     r = client.responses.create(**kw)
-    [call] = [o for o in r.output if o.type == "function_call"]
+    assert [o.type for o in r.output] == ["function_call"], r.output  # no empty message beside it
+    [call] = r.output
     assert call.name == "pick" and call.call_id.startswith("call_") and call.id.startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), PICK["parameters"])
     events = list(client.responses.create(stream=True, **kw))
@@ -98,6 +100,10 @@ def test_forced_function_tool_whole_and_streamed(client, choice):
              {"type": "function_call_output", "call_id": call.call_id, "output": "7"}]  # fmt: skip
     full = client.responses.create(model="default", input=items, tools=[PICK], max_output_tokens=4, temperature=0)
     assert full.usage.input_tokens == nxt.usage.input_tokens  # the same prompt, built from the store
+    # ... or with the previous output items given back as input (ids, statuses and all), as the docs do.
+    echoed = [items[0], *(o.model_dump(exclude_none=True) for o in r.output), items[2]]
+    back = client.responses.create(model="default", input=echoed, tools=[PICK], max_output_tokens=4, temperature=0)
+    assert back.usage.input_tokens == full.usage.input_tokens
     assert nxt.usage.input_tokens_details.cached_tokens > 0  # (tools are not carried over: sent again)
 
 
@@ -194,3 +200,20 @@ def test_the_store_is_bounded(chat_model, tmp_path):
         with pytest.raises(openai.AuthenticationError):
             bad.responses.retrieve(ids[2])
         s.wait_idle_clean()
+
+
+def test_a_disconnect_mid_stream_aborts_the_request(srv):
+    body = {"model": "default", "input": "hi", "max_output_tokens": 900, "stream": True}
+    with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(ln for ln in lines if ln.startswith("data:") and "output_text.delta" in ln)
+        assert _running(srv) == 1
+    deadline = time.monotonic() + 2.0
+    while _running(srv) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(srv) == 0
+
+
+def _running(srv) -> int:
+    m = srv.info()["memory"]
+    return m["req_slots_total"] - m["req_slots_free"]

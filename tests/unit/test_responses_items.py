@@ -59,6 +59,12 @@ def test_text_then_calls_then_text_are_items_done_in_order():
     ]  # fmt: skip
 
 
+def test_calls_alone_have_no_message():
+    b = OutputBuilder()
+    b.update("", [ToolCall("f", "{}")], True)
+    assert [it["type"] for it in b.items] == ["function_call"]
+
+
 def test_an_empty_answer_is_one_empty_message():
     b = OutputBuilder()
     events = b.update("", None, True, status="incomplete")

@@ -56,7 +56,7 @@ def _str_field(item: dict, key: str, param: str) -> str:
 
 def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``input`` (a string, or message / function_call / function_call_output items) as chat messages.
-    Consecutive function calls become one assistant message with several ``tool_calls``."""
+    Function calls after an assistant message (or each other) join it as its ``tool_calls``."""
     if isinstance(inp, str):
         if not inp:
             raise ValidationError("input must not be empty", param="input", code="empty_prompt")
@@ -79,8 +79,8 @@ def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             call = {"id": _str_field(item, "call_id", p), "type": "function",
                     "function": {"name": _str_field(item, "name", p), "arguments": args}}  # fmt: skip
             last = msgs[-1] if msgs else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":  # the calls of that assistant turn
+                last.setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -230,7 +230,8 @@ class OutputBuilder:
         if self._message is None and self._calls:  # text after the calls: without the separator
             rest = text[self._shown :]
             self._shown += len(rest) - len(rest.lstrip())
-        if len(text) > self._shown or (final and not self.items):
+        new_calls = (calls or [])[self._calls :]
+        if len(text) > self._shown or (final and not self.items and not new_calls):
             if self._message is None:
                 events += self._open_message()
             delta, self._shown = text[self._shown :], max(self._shown, len(text))
@@ -238,7 +239,6 @@ class OutputBuilder:
                 events.append({"type": "response.output_text.delta", "item_id": self._message["id"],
                                "output_index": len(self.items) - 1, "content_index": 0, "delta": delta,
                                "logprobs": []})  # fmt: skip
-        new_calls = (calls or [])[self._calls :]
         if new_calls and self._message is not None:
             events += self._close_message(text, "completed")
         for call in new_calls:
