@@ -18,6 +18,10 @@ PICK = {"type": "function", "name": "pick", "description": "Pick a digit",
                        "required": ["digit"]}}  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
           "required": ["name", "n"], "additionalProperties": False}  # fmt: skip
+# Output that cannot end early (the random model may end any answer at once): a string of 600 or more.
+ENDLESS = {"format": {"type": "json_schema", "name": "long",
+                      "schema": {"type": "object", "properties": {"s": {"type": "string", "minLength": 600}},
+                                 "required": ["s"]}}}  # fmt: skip
 LONG = "Tell me a long story about the sea, the ships, the stars and the harbour lights at night. " * 3
 
 
@@ -203,7 +207,7 @@ def test_the_store_is_bounded(chat_model, tmp_path):
 
 
 def test_a_disconnect_mid_stream_aborts_the_request(srv):
-    body = {"model": "default", "input": "hi", "max_output_tokens": 900, "stream": True}
+    body = {"model": "default", "input": "hi", "max_output_tokens": 900, "stream": True, "text": ENDLESS}
     with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=30) as r:
         lines = r.iter_lines()
         next(ln for ln in lines if ln.startswith("data:") and "output_text.delta" in ln)
@@ -217,3 +221,18 @@ def test_a_disconnect_mid_stream_aborts_the_request(srv):
 def _running(srv) -> int:
     m = srv.info()["memory"]
     return m["req_slots_total"] - m["req_slots_free"]
+
+
+def test_an_abort_mid_stream_ends_with_error_and_response_failed(srv):
+    body = {"model": "default", "input": "hi", "max_output_tokens": 900, "stream": True, "text": ENDLESS}
+    events = []
+    with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=30) as r:
+        for ln in r.iter_lines():
+            if ln.startswith("data:"):
+                events.append(json.loads(ln[5:]))
+                if events[-1]["type"] == "response.output_text.delta" and len(events) == 5:
+                    rid = events[0]["response"]["id"]
+                    assert httpx.post(srv.url + "/abort_request", json={"rid": rid}).status_code == 200
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"], events[-3:]
+    assert events[-2]["message"] and events[-1]["response"]["status"] == "failed"
+    assert events[-1]["response"]["error"]["message"] == events[-2]["message"]

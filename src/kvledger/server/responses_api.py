@@ -29,6 +29,9 @@ from .responses import (
 )
 from .tools import ToolParser
 
+STATUS = {"stop": "completed", "length": "incomplete", "abort": "failed"}  # by finish type
+ITEM_STATUS = {"completed": "completed", "incomplete": "incomplete", "failed": "incomplete"}  # its items
+
 
 def sse_event(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
@@ -81,8 +84,10 @@ class ResponsesServing:
         }  # fmt: skip
 
     def _finish(self, body, rid, created, conversation, ids, st: GenState, out: OutputBuilder) -> dict:
-        status = "incomplete" if st.finish.type == "length" else "completed"
+        status = STATUS.get(st.finish.type, "completed")
         resp = self._response(body, rid, created, status, out.items, usage(len(ids), st.cached_tokens, len(st.output_ids)))
+        if status == "failed":  # aborted (by /abort_request, a shutdown): what it wrote, and why it ended
+            resp["error"] = {"code": "request_aborted", "message": st.finish.message or "the request was aborted"}
         if body.store:
             self.store.put(rid, Stored(resp, conversation + output_messages(out.items)))
         return resp
@@ -99,7 +104,7 @@ class ResponsesServing:
                 raise err
             out = OutputBuilder()
             text, calls = parser.split(st.visible, True) if parser else (st.visible, None)
-            out.update(text, calls, final=True, status="incomplete" if st.finish.type == "length" else "completed")
+            out.update(text, calls, final=True, status=ITEM_STATUS[STATUS.get(st.finish.type, "completed")])
             return self._finish(body, rid, created, conversation, ids, st, out)
         states = self.chat.gen.stream(ids, params, rid)
         try:
@@ -130,17 +135,23 @@ class ResponsesServing:
             st = first
             while True:
                 e = st.error()
-                if e is not None:
-                    yield ev({"type": "error", **e.to_dict()["error"]})
+                if e is not None:  # ended by the engine after it began (aborted, shutting down)
+                    err = e.to_dict()["error"]
+                    yield ev({"type": "error", "code": err["code"], "message": err["message"], "param": err["param"]})
+                    failed = self._response(body, rid, created, "failed", out.items, None)
+                    failed["error"] = {"code": err["code"] or err["type"], "message": err["message"]}
+                    yield ev({"type": "response.failed", "response": failed})
                     return
                 text, calls = parser.split(st.visible, st.finished) if parser else (st.visible, None)
-                status = "incomplete" if st.finished and st.finish.type == "length" else "completed"
+                status = ITEM_STATUS[STATUS.get(st.finish.type, "completed")] if st.finished else "completed"
                 for event in out.update(text, calls, st.finished, status):
                     yield ev(event)
                 if st.finished:
                     break
                 st = await anext(states)
             resp = self._finish(body, rid, created, conversation, ids, st, out)
+            if resp["error"] is not None:
+                yield ev({"type": "error", "param": None, **resp["error"]})
             yield ev({"type": f"response.{resp['status']}", "response": resp})
         finally:
             await states.aclose()
