@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError as PydanticValidationError
 
-from ..errors import ValidationError
+from ..errors import KVLedgerError, ValidationError
 from .generation import GenState
 from .openai_api import OpenAIServing
 from .protocol import ChatRequest, ResponsesRequest
@@ -31,6 +31,18 @@ from .tools import ToolParser
 
 STATUS = {"stop": "completed", "length": "incomplete", "abort": "failed"}  # by finish type
 ITEM_STATUS = {"completed": "completed", "incomplete": "incomplete", "failed": "incomplete"}  # its items
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat field's name in an error as the Responses request spells it."""
+    if param is None:
+        return None
+    if param.startswith("tools.") and ".function." in param:  # tools are flat here
+        return param.replace(".function.", ".", 1)
+    if param.startswith("response_format.json_schema."):
+        return "text.format." + param.removeprefix("response_format.json_schema.")
+    return {"messages": "input", "input_ids": "input", "response_format": "text.format",
+            "json_schema": "text.format.schema"}.get(param, param)  # fmt: skip
 
 
 def sse_event(event: dict[str, Any]) -> str:
@@ -93,6 +105,13 @@ class ResponsesServing:
         return resp
 
     async def create(self, body: ResponsesRequest, disconnected) -> dict | AsyncIterator[str]:
+        try:
+            return await self._create(body, disconnected)
+        except KVLedgerError as e:  # the chat path's or the engine's refusal, naming this request's field
+            e.param = responses_param(e.param)
+            raise
+
+    async def _create(self, body: ResponsesRequest, disconnected) -> dict | AsyncIterator[str]:
         self.chat.check_model(body.model)
         conversation, ids, params, parser = self._job(body)
         rid = new_id("resp")
