@@ -260,6 +260,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    p.add_argument("--max-stored-responses", type=int, default=d.max_stored_responses,
+                   help="responses kept for previous_response_id and GET /v1/responses/{id} (an LRU)")  # fmt: skip
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
                    help="start this many replicas (ports --port+1..) behind SGLang's router on --port")  # fmt: skip
     p.add_argument("--router-policy", default="cache_aware",

@@ -440,6 +440,8 @@ class ServerConfig:
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16
+    max_stored_responses: int = 1024
+    """/v1/responses kept for previous_response_id and GET (the least recently used go first)."""
     watchdog_timeout_s: float = 60.0
     """An engine step that makes no progress for this long is killed and the engine restarted."""
     grace_period_s: float = 10.0

@@ -21,6 +21,9 @@ VALID: dict[str, dict] = {
                              "logprobs": False, "top_logprobs": None, "stop": None, "tools": None,
                              "tool_choice": None, "response_format": None, "stream_options": None,
                              "chat_template_kwargs": None, "continue_final_message": False, "timeout": None},
+    "/v1/responses": {"model": "default", "input": HI, "max_output_tokens": 1, "temperature": 0, "tools": None,
+                      "tool_choice": None, "text": None, "instructions": None, "previous_response_id": None,
+                      "store": False, "stream": False},
     "/tokenize": {"model": "default", "prompt": "hi", "add_special_tokens": True},
     "/detokenize": {"model": "default", "tokens": [5, 6]},
     "/abort_request": {"rid": "no-such-request"},
@@ -31,6 +34,7 @@ NESTED = {  # fields inside fields, replaced the same way
     "/generate": [("sampling_params", k) for k in ("max_new_tokens", "temperature", "stop", "top_k", "n",
                                                                 "timeout")],
     "/v1/chat/completions": [("messages", 0, "role"), ("messages", 0, "content"), ("messages", 0)],
+    "/v1/responses": [("input", 0, "role"), ("input", 0, "content"), ("input", 0)],
 }
 BODYLESS_POSTS = {"/flush_cache"}  # reads no body: anything sent is ignored
 

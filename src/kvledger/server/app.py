@@ -30,6 +30,8 @@ from .generation import GenerationService
 from .metrics import Metrics
 from .middleware import BodyLimitMiddleware
 from .openai_api import OpenAIServing
+from .responses import ResponseStore
+from .responses_api import ResponsesServing
 from .routes import ROUTERS
 from .session_store import SessionStore
 from .state import ServerState
@@ -72,6 +74,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             cfg.max_n,
             make_parser(cfg.tool_call_parser),
         )
+        srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.client = client  # last: the routes take a server with a client as started
         log.info("serving %s on http://%s:%d", name, cfg.host, cfg.port)
 

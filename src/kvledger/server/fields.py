@@ -83,6 +83,23 @@ CHAT_REFUSED: Refused = {
     "max_dynamic_patch": _NONE, "min_dynamic_patch": _NONE, "use_audio_in_video": _OFF,
 }  # fmt: skip
 
+# OpenAI's Responses fields (and vLLM's/SGLang's extras there) that /v1/responses does not implement.
+RESPONSES_REFUSED: Refused = {
+    "background": _OFF, "conversation": _NONE, "include": _EMPTY, "max_tool_calls": _NONE, "prompt": _NONE,
+    "reasoning": _NONE, "service_tier": (None, "auto", "default"), "stream_options": _NONE,
+    "top_logprobs": (None, 0), "truncation": (None, "disabled"), "context_management": _NONE,
+    "background_options": _NONE, "access_programs": _NONE, "image": _NONE, "moderation": _NONE,
+    "prompt_cache_options": _NONE,
+    # vLLM / SGLang extras on their Responses bodies
+    "top_k": (None, -1, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "seed": _NONE,
+    "stop": _EMPTY, "ignore_eos": _OFF, "priority": (None, 0), "request_id": _NONE, "cache_salt": _NONE,
+    "enable_response_messages": _OFF, "previous_input_messages": _EMPTY, "skip_special_tokens": (None, True),
+    "include_stop_str_in_output": _OFF, "logit_bias": _EMPTY, "mm_processor_kwargs": _EMPTY,
+    "chat_template_kwargs": _EMPTY, "structured_outputs": _NONE, "kv_transfer_params": _NONE,
+    "frequency_penalty": (None, 0.0), "presence_penalty": (None, 0.0), "max_tokens": _NONE,
+    "session_id": _NONE, "lora_path": _NONE, "rid": _NONE,
+}  # fmt: skip
+
 GENERATE_REFUSED: Refused = {
     "input_embeds": _NONE, "image_data": _EMPTY, "video_data": _EMPTY, "audio_data": _EMPTY,
     "use_audio_in_video": _OFF, "token_ids_logprob": _EMPTY, "return_hidden_states": _OFF,

@@ -244,12 +244,18 @@ class OpenAIServing:
             kwargs["documents"] = body.documents
         return (not body.continue_final_message) if agp is None else agp, kwargs
 
-    async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
+    def chat_job(
+        self, body: ChatRequest, max_param: str | None = None
+    ) -> tuple[list[int], SamplingParams, ToolParser | None]:
+        """One chat request's prompt ids, sampling params and tool parser (None without tools):
+        the chat path that ``/v1/chat/completions`` and ``/v1/responses`` share. ``max_param`` names
+        the length field in errors (default: the chat field the body used)."""
         self._check_common(body)
         top = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
             raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
-        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if max_param is None:
+            max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = sampling_dict(body, max_tokens, body.logprobs, top)
         tools, forced = check_tools(body.tools, body.tool_choice)
@@ -271,8 +277,11 @@ class OpenAIServing:
             max_param=max_param,
             prompt_name="messages",
         )
+        return ids, params, self.tool_parser if tools else None
+
+    async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
+        ids, params, parser = self.chat_job(body)
         base = body.rid or body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        parser = self.tool_parser if tools else None
         return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True, tools=parser)
 
     # -- shared --------------------------------------------------------------------------------------------

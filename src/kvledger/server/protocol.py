@@ -121,6 +121,28 @@ class ChatRequest(_OpenAICommon):
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_CHAT
 
 
+class ResponsesRequest(_Strict):
+    """OpenAI's ``POST /v1/responses``: served on the chat path (``responses.py`` converts)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool = True
+    user: str | None = None  # a tag: no effect
+
+    refused_fields: ClassVar[fields.Refused] = fields.RESPONSES_REFUSED
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
+
+
 class TokenizeRequest(_Strict):
     """vLLM's and SGLang's /tokenize: a ``prompt`` or chat ``messages``."""
 

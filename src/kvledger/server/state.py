@@ -16,6 +16,7 @@ from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
 from .openai_api import OpenAIServing
+from .responses_api import ResponsesServing
 from .session_store import SessionStore
 
 
@@ -30,6 +31,7 @@ class ServerState:
     limits: Limits | None = None
     gen: GenerationService | None = None
     openai: OpenAIServing | None = None
+    responses: ResponsesServing | None = None
     sessions: SessionStore | None = None
     draining: bool = False
     # Set by the first SIGTERM/SIGINT: a start-up in progress stops waiting for the engine.

@@ -1,4 +1,4 @@
-"""The OpenAI API: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``."""
+"""The OpenAI API: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/models``."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..handlers import parse_body
-from ..protocol import ChatRequest, CompletionRequest
+from ..protocol import ChatRequest, CompletionRequest, ResponsesRequest
 from ..state import state
 
 router = APIRouter()
 
 
-async def _serve(request: Request, body_type, method: str):
+async def _serve(request: Request, body_type, method: str, api: str = "openai"):
     srv = state(request)
     srv.live_client()
     body = await parse_body(request, body_type)
-    result = await getattr(srv.openai, method)(body, request.is_disconnected)
+    result = await getattr(getattr(srv, api), method)(body, request.is_disconnected)
     if isinstance(result, dict):
         return JSONResponse(result)
     return StreamingResponse(result, media_type="text/event-stream")
@@ -30,6 +30,27 @@ async def completions(request: Request):
 @router.post("/v1/chat/completions")
 async def chat(request: Request):
     return await _serve(request, ChatRequest, "chat")
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request):
+    return await _serve(request, ResponsesRequest, "create", api="responses")
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str):
+    """A stored response (``store`` true, still among the last ``--max-stored-responses``); 404 otherwise."""
+    srv = state(request)
+    srv.live_client()
+    return JSONResponse(srv.responses.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str):
+    """Forget a stored response (404 if it is not stored)."""
+    srv = state(request)
+    srv.live_client()
+    return JSONResponse(srv.responses.delete(response_id))
 
 
 def model_card(request: Request) -> dict:
