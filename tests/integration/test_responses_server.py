@@ -159,6 +159,7 @@ def test_store_false_is_not_kept(client):
     "extra, status, param",
     [
         ({"previous_response_id": "resp_nope"}, 404, "previous_response_id"),
+        ({"previous_response_id": "bad"}, 400, "previous_response_id"),  # not an id at all (SGLang's test_error)
         ({"input": ""}, 400, "input"),
         ({"input": []}, 400, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0"),

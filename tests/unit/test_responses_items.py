@@ -74,13 +74,15 @@ def test_an_empty_answer_is_one_empty_message():
 
 def test_the_store_keeps_the_most_recently_used():
     s = ResponseStore(2)
-    for rid in "abc":
-        if rid == "c":
-            s.get("a")  # a is used: b is the least recently used
+    for rid in ("resp_a", "resp_b", "resp_c"):
+        if rid == "resp_c":
+            s.get("resp_a")  # a is used: b is the least recently used
         s.put(rid, Stored({"id": rid}, []))
-    assert len(s) == 2 and s.get("a").response == {"id": "a"}
+    assert len(s) == 2 and s.get("resp_a").response == {"id": "resp_a"}
     with pytest.raises(NotFoundError):
-        s.get("b")
-    s.delete("a")
+        s.get("resp_b")
+    s.delete("resp_a")
     with pytest.raises(NotFoundError):
-        s.delete("a")
+        s.delete("resp_a")
+    with pytest.raises(ValidationError):  # not a response id at all: a 400, not a 404
+        s.get("a")

@@ -169,6 +169,8 @@ class ResponseStore:
             self._items.popitem(last=False)
 
     def get(self, rid: str, param: str = "previous_response_id") -> Stored:
+        if not rid.startswith("resp_"):  # not an id this API makes: a malformed value (OpenAI: 400)
+            raise ValidationError(f"{param} {rid!r} is not a response id (they begin with 'resp_')", param=param)
         stored = self._items.get(rid)
         if stored is None:
             raise NotFoundError(
