@@ -592,10 +592,15 @@ def test_prefill_waits_for_the_claim_so_small_pools_cannot_deadlock(pd, make_eng
         dec.step()
     assert owners(dec) == {"req da [waiting for kv]": 2}  # db waits in the queue for room
     pre.add_request(pb, sb, rid="pb", disagg=room(port, 62))
+    admits = []
+    real_admit = pre.core.kv_manager.admit
+    pre.core.kv_manager.admit = lambda r: admits.append(r.rid) or real_admit(r)
     for _ in range(20):
         pre.step()
         time.sleep(0.001)
+    pre.core.kv_manager.admit = real_admit
     assert owners(pre) == {}, "prefill computed KV no decode server has claimed"
+    assert admits == [], "an unclaimed request took a slot and its prefix each pass, to give them back"
     pre.add_request(pa, sa, rid="pa", disagg=room(port, 61))
     res = drive([pre, dec], {id(pre): ["pa", "pb"], id(dec): ["da", "db"]}, timeout=20)
     assert [res["da"]["output_ids"], res["db"]["output_ids"]] == [o["output_ids"] for o in want]

@@ -44,6 +44,11 @@ class KVConnector:
     def request_queued(self, req) -> None:
         return None
 
+    def may_admit(self, req) -> bool:
+        """False: ``req`` must keep waiting before anything is held for it (asked every pass, before
+        its slot and prefix match; PD prefill: until decode claims its room)."""
+        return True
+
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 

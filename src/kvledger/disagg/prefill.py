@@ -1,7 +1,7 @@
 """The prefill side: wait for the decode server to claim the room, run the prompt, hand its KV and
 first token to the claimant, free the pages when decode acknowledges.
 
-A request is admitted only once its room is claimed (until then ``get_num_new_matched_tokens``
+A request is admitted only once its room is claimed (until then ``may_admit``
 defers it: it waits in the queue holding nothing), as SGLang's prefill bootstrap queue waits for the
 decode side's handshake. A claim means decode has already reserved the pages the KV goes to, so KV
 held here is taken at once. Computing unclaimed requests deadlocked small pools: prefill's pages
@@ -123,21 +123,21 @@ class PrefillConnector(KVConnector):
             self._arrived[d.room] = time.monotonic()
             self._ended.pop(d.room, None)  # the room is live again
 
-    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Nothing to load; but a request whose room decode has not claimed yet is not admitted
-        (``None``: the scheduler defers it, nothing held) -- see the module docstring."""
+    def may_admit(self, req) -> bool:
+        """A request whose room decode has not claimed yet is not admitted: it waits, holding nothing
+        (see the module docstring)."""
         d = req.disagg
         if d is None or d.fake:
-            return 0, False
+            return True
         with self._lock:
             if d.room in self._claims or d.room in self._jobs:
-                return 0, False
+                return True
             gone = self._gone.get(d.room) is not None and d.room not in self._aborting
             if gone:
                 self._aborting.add(d.room)
         if gone:  # decode gave up before this request arrived: it will never claim
             self.abort(req.rid, "the decode server gave up this bootstrap room", 502, "kv_transfer_failed")
-        return None, False
+        return False
 
     def request_finished(self, req) -> bool:
         d = req.disagg

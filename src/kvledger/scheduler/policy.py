@@ -114,8 +114,12 @@ class BatchPolicy:
     # -- prefills -----------------------------------------------------------------------------------
     def _admit(self, req: Req, budget: int, reserve_pages: int) -> Chunk | None:
         """Admit a waiting request: slot, cached prefix, external KV, pages for its chunk. A request
-        the connector is still fetching KV for is deferred (``self.deferred``; nothing held)."""
+        the connector is still fetching KV for, or that it holds back, is deferred (``self.deferred``;
+        nothing held)."""
         s = self.s
+        if not s.connector.may_admit(req):
+            self.deferred.add(req.rid)
+            return None
         if not s.kv_manager.admit(req):
             return None
         ext, load_async = s.connector.get_num_new_matched_tokens(req, req.kv_len)
