@@ -215,10 +215,33 @@ def test_decode_prefix_cache_shortens_the_transfer(pd, backend):
         dec.add_request(p, sp, rid=f"d{k}", disagg=room(port, k))
         outs.append(drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"])
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
-    assert outs[1]["meta_info"]["cached_tokens"] == len(p)  # local prefix + the transferred rest
+    # Transferred KV is not a cache hit: the first time nothing was cached on either side; the
+    # second time decode's own match (36 of 40 on pages of 4: reuse stops short of the last token)
+    # reaches further than prefill's (32 on pages of 16), so that is what was served from a cache.
+    assert outs[0]["meta_info"]["cached_tokens"] == 0, outs[0]["meta_info"]
+    assert outs[1]["meta_info"]["cached_tokens"] == 36, outs[1]["meta_info"]
     # The second transfer sent only what decode's own radix cache did not have (reuse stops short
     # of the last token, and at a page boundary).
     assert stats(dec)["tokens"] < 2 * len(p)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+@BACKENDS
+def test_cached_tokens_count_prefills_cache_hit_not_the_transfer(pd, backend):
+    """Through PD, ``cached_tokens`` is what a cache served: here prefill's own prefix match (the
+    prompt was served there before, whole), while decode had nothing and received it all."""
+    pre, dec, port = pd(backend=backend)
+    p = list(range(40, 80))
+    sp = {**GREEDY, "max_new_tokens": 3}
+    pre.add_request(p, sp, rid="warm")  # served by prefill alone: no room, its KV cached there
+    assert drive([pre], {id(pre): ["warm"]})["warm"]["meta_info"]["cached_tokens"] == 0
+    pre.add_request(p, sp, rid="p0", disagg=room(port, 0))
+    dec.add_request(p, sp, rid="d0", disagg=room(port, 0))
+    res = drive([pre, dec], {id(pre): ["p0"], id(dec): ["d0"]})
+    assert res["p0"]["meta_info"]["cached_tokens"] == 32  # pages of 16, short of the last token
+    assert res["d0"]["meta_info"]["cached_tokens"] == 32, res["d0"]["meta_info"]
+    assert stats(dec)["tokens"] == len(p)  # decode still received every token by transfer
     assert_idle_clean(pre)
     assert_idle_clean(dec)
 

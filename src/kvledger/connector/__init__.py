@@ -1,5 +1,5 @@
 """KV connectors: where KV comes from and goes to beyond the local pool (see ``base.py``)."""
 
-from .base import KVConnector, NoOpConnector
+from .base import KVConnector, NoOpConnector, Received
 
-__all__ = ["KVConnector", "NoOpConnector"]
+__all__ = ["KVConnector", "NoOpConnector", "Received"]

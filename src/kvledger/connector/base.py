@@ -30,11 +30,27 @@ Worker side (every rank, with the KV tensors):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Received(NamedTuple):
+    """What the remote side computed for a request besides its KV (PD: prefill's first token)."""
+
+    tokens: list[int]
+    logprobs: list
+    top_logprobs: list
+    # Prompt tokens the remote side served from its own cache (PD: prefill's prefix match). KV that
+    # arrives by transfer is not a cache hit; what the remote side did not compute is.
+    cached_tokens: int = 0
 
 
 class KVConnector:
     """Base class; every method has the no-op behaviour, so a connector overrides what it needs."""
+
+    # Whether tokens loaded through this connector count as cached (``meta_info.cached_tokens``,
+    # OpenAI's ``prompt_tokens_details.cached_tokens``): a host or file tier's hit is a cache hit;
+    # KV computed by a remote prefill and transferred is not.
+    external_tokens_are_cached: bool = True
 
     # -- scheduler side ---------------------------------------------------------------------------------
     def check_request(self, req) -> None:
@@ -72,9 +88,9 @@ class KVConnector:
         """Wait for the async work in flight (before a flush); False if it did not end in time."""
         return True
 
-    def received_output(self, req) -> tuple[list[int], list, list] | None:
-        """Tokens the remote side already sampled for ``req`` (PD: prefill's first token), as
-        ``(tokens, logprobs, top_logprobs)``, taken once its load is reported done."""
+    def received_output(self, req) -> Received | None:
+        """Tokens the remote side already sampled for ``req`` (PD: prefill's first token), taken once
+        its load is reported done, with how much of the prompt it served from its own cache."""
         return None
 
     # -- worker side ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from ..connector import KVConnector
+from ..connector import KVConnector, Received
 from ..errors import ConflictError
 from ..memory.pools import KVBuffer
 from . import kv_copy, wire
@@ -56,6 +56,7 @@ class _RecvJob:
 
 
 class DecodeConnector(KVConnector):
+    external_tokens_are_cached = False  # prefill computed (or cached) them: it says which in Done
     def __init__(
         self, kv: KVBuffer, page_size: int, default_port: int, timeout_s: float, abort: AbortFn, data=None
     ):
@@ -127,7 +128,9 @@ class DecodeConnector(KVConnector):
             done = self._first.pop(req.rid, None)
         if done is None:
             return None
-        return [done.first_token], [done.logprob], [done.top_logprobs]
+        # A peer's number is clamped to the prompt: it only ever feeds a usage figure.
+        cached = min(max(done.cached_tokens, 0), len(req.input_ids))
+        return Received([done.first_token], [done.logprob], [done.top_logprobs], cached)
 
     def request_finished(self, req) -> bool:
         d = req.disagg

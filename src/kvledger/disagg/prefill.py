@@ -159,7 +159,14 @@ class PrefillConnector(KVConnector):
                 ok = False  # decode already gave up: nothing to keep
             if ok:
                 top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-                first = wire.Done(d.room, len(req.input_ids), req.output_ids[0], req.output_logprobs[0], top)
+                first = wire.Done(
+                    d.room,
+                    len(req.input_ids),
+                    req.output_ids[0],
+                    req.output_logprobs[0],
+                    top,
+                    cached_tokens=req.cached_tokens,
+                )
                 crc = wire.tokens_crc(req.input_ids)
                 self._jobs[d.room] = _SendJob(
                     req.rid, d.room, list(req.pages), len(req.input_ids), crc, first

@@ -76,6 +76,7 @@ class Done(msgspec.Struct, tag="done"):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     direct: bool = False  # the KV was written into decode's pages by Mooncake (no KVData frames)
+    cached_tokens: int = 0  # prompt tokens prefill took from its own cache (the rest it computed)
 
 
 class Ack(msgspec.Struct, tag="ack"):

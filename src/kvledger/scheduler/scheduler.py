@@ -370,8 +370,9 @@ class Scheduler:
         if got is None:
             req.kv_len = min(req.kv_len, req.seq_len - 1)
             return
-        tokens, logprobs, tops = got
-        n = self.stop.append(req, tokens, logprobs, tops)
+        # Served from a cache: decode's own prefix match, or prefill's where it reached further.
+        req.cached_tokens = max(req.cached_tokens, got.cached_tokens)
+        n = self.stop.append(req, got.tokens, got.logprobs, got.top_logprobs)
         if req.grammar is not None:
             self._advance_grammar(req, n)
         req.kv_len = req.seq_len - 1
