@@ -246,6 +246,61 @@ def test_cached_tokens_count_prefills_cache_hit_not_the_transfer(pd, backend):
     assert_idle_clean(dec)
 
 
+def test_turn_3_aborted_mid_transfer_keeps_the_books_on_both_sides(pd, make_engine):
+    """A conversation through PD: turns 1 and 2 complete; turn 3 is aborted on decode while prefill
+    is computing its KV (claimed, nothing sent yet). While in flight, decode's books show the prefix
+    it matched as the tree's (protected by the turn's lock) and the rest as the turn's pages waiting
+    for KV; after the abort both sides are clean, the matched prefix is still cached, and turn 3 sent
+    again is served from it with the single-engine output."""
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 16})
+    sp = {**GREEDY, "max_new_tokens": 6}
+    history: list[int] = []
+    for turn, new in enumerate([list(range(10, 40)), list(range(50, 70))]):
+        prompt = history + new
+        pre.add_request(prompt, sp, rid=f"p{turn}", disagg=room(port, turn))
+        dec.add_request(prompt, sp, rid=f"d{turn}", disagg=room(port, turn))
+        out = drive([pre, dec], {id(pre): [f"p{turn}"], id(dec): [f"d{turn}"]})[f"d{turn}"]
+        history = prompt + out["output_ids"]
+    prompt = history + list(range(80, 130))
+    dec.add_request(prompt, sp, rid="d2", disagg=room(port, 2))
+    pre.add_request(prompt, sp, rid="p2", disagg=room(port, 2))
+    dec.step()
+    mem = dec.memory()
+    matched = mem["kv_cached_protected"]  # decode's own prefix: the earlier turns' KV, locked
+    assert matched >= 4 * (len(history) // 4) - 4 > 0, mem
+    waiting = owners(dec)["req d2 [waiting for kv]"]
+    assert waiting * 4 + matched >= len(prompt), (waiting, matched)
+    deadline = time.monotonic() + 10
+    while owners(pre).get("req p2", 0) == 0:  # claimed: prefill is computing, chunk by chunk
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        dec.step()
+        time.sleep(0.005)
+    assert pre.result("p2", pop=False) is None and dec.result("d2", pop=False) is None
+    dec.abort("d2")
+    res = drive([dec], {id(dec): ["d2"]})
+    assert res["d2"]["meta_info"]["finish_reason"]["type"] == "abort"
+    drive([pre], {id(pre): ["p2"]})
+    until_idle(pre)
+    until_idle(dec)
+    assert owners(pre) == {} and owners(dec) == {}
+    assert dec.memory()["kv_cached_protected"] == 0
+    assert dec.memory()["kv_cached_evictable"] >= matched  # the prefix outlived the aborted turn
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    # Turn 3 again: decode's cache serves the prefix, and the output is one engine's.
+    pre.add_request(prompt, sp, rid="p3", disagg=room(port, 3))
+    dec.add_request(prompt, sp, rid="d3", disagg=room(port, 3))
+    again = drive([pre, dec], {id(pre): ["p3"], id(dec): ["d3"]})["d3"]
+    one = make_engine()
+    want = one.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    assert again["output_ids"] == want
+    assert again["meta_info"]["cached_tokens"] >= matched, again["meta_info"]
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
 @pytest.mark.parametrize("ending", ["max_new_tokens_1", "stop_token_first"])
 @BACKENDS
 def test_seed_003_a_request_finished_by_its_first_token_runs_every_release_hook(pd, ending, backend):
