@@ -83,8 +83,7 @@ REFUSED: dict[frozenset[str], Refusal] = {
         NOT_YET, "the weight-only int8/int4 kernels are CPU kernels (quantization auto serves a quantized "
         "file's weights in bfloat16 there)"
     ),
-    # Prefill/decode disaggregation moves one engine's pages: the rest is the PD issue's.
-    frozenset({"pd", "tp"}): Refusal(NOT_YET, "a transfer moves one rank's KV; ranks hold their own heads"),
+    # Prefill/decode disaggregation: the rest is the PD issue's.
     frozenset({"pd", "draft"}): Refusal(NOT_YET, "the draft model's K/V would have to move too"),
     frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
     frozenset({"pd", "sessions"}): Refusal(NOT_YET, "a session turn cannot be disaggregated"),

@@ -9,6 +9,10 @@ first token -- max_new_tokens 1, EOS -- ends at once, the "prebuilt" finish of s
 side fails or refuses, the wait times out, or the client aborts. An abort takes the job's lock, so
 no frame is written into pages after they were released.
 
+Under tensor parallelism (``tp.py``) the frames are staged on rank 0 instead (one block of every head
+per request, exactly its claimed tokens), and the step after the last frame places each rank's heads
+into the pages; the request is reported received after that step.
+
 Frames are checked before anything is written: a room this side does not hold, from another peer,
 out of order, or with the wrong number of bytes is refused and counted (a wrong size also fails the
 request: its transfer is broken).
@@ -30,6 +34,7 @@ from ..errors import ConflictError
 from ..memory.pools import KVBuffer
 from . import kv_copy, wire
 from .endpoint import Endpoint, TransferStats
+from .tp import PDMeta, RankHeads
 
 log = logging.getLogger("kvledger.disagg")
 
@@ -53,17 +58,32 @@ class _RecvJob:
     direct: bool = False  # claimed with a Mooncake target: prefill may write into the pages itself
     prefill_stopped: bool = False  # prefill said it will write no more (Done or Fail)
     created: float = field(default_factory=time.monotonic)
+    # Tensor parallel: every head of the claimed tokens, as received (rank 0), until a step places it
+    # on the ranks; ``first`` is prefill's Done, reported with the request once placed.
+    staged: torch.Tensor | None = None
+    first: wire.Done | None = None
 
 
 class DecodeConnector(KVConnector):
     external_tokens_are_cached = False  # prefill computed (or cached) them: it says which in Done
     def __init__(
-        self, kv: KVBuffer, page_size: int, default_port: int, timeout_s: float, abort: AbortFn, data=None
+        self,
+        kv: KVBuffer,
+        page_size: int,
+        default_port: int,
+        timeout_s: float,
+        abort: AbortFn,
+        data=None,
+        heads: RankHeads | None = None,
+        kv_heads: int | None = None,
     ):
         self.kv, self.page_size, self.default_port = kv, page_size, default_port
         self.data = data  # a MooncakeData (mooncake.py): claims ask prefill to write the pages directly
         self.timeout_s, self.abort = timeout_s, abort
-        self.layout = kv_copy.layout_of(kv)
+        self.heads = heads  # tensor parallel: rank 0's part of placing every rank's heads (tp.py)
+        self.layout = kv_copy.layout_of(kv, kv_heads)
+        self._to_place: list[_RecvJob] = []  # received whole, not placed yet (tensor parallel)
+        self._placing: list[_RecvJob] = []  # ... placed by the step being run
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._live: dict[int, str] = {}  # room -> rid, from submit to the end
@@ -146,6 +166,7 @@ class DecodeConnector(KVConnector):
         if job is not None:
             with job.lock:  # after this no frame is written into the request's pages
                 job.cancelled = True
+            self._unstage(job)
         if not d.fake and not received and (job is None or not job.done):
             # Ended before its KV came (aborted, refused in the queue, needs none): let prefill free.
             self.io.post(("send", self._addr(d), wire.Fail(d.room, _why(req.to_finish))))
@@ -166,6 +187,43 @@ class DecodeConnector(KVConnector):
 
     def close(self) -> None:
         self.io.close()
+
+    def build_connector_meta(self, sched_out) -> PDMeta | None:
+        """Tensor parallel: the received blocks every rank places its heads of in this step."""
+        if self.heads is None:
+            return None
+        with self._lock:
+            jobs, self._to_place = [j for j in self._to_place if not j.cancelled], []
+            for j in jobs:
+                if j.staged is None:  # nothing to place (decode's own cache had it all)
+                    self._first[j.rid] = j.first
+                    self._recv_done.add(j.rid)
+            self._placing = [j for j in jobs if j.staged is not None]
+        if not self._placing:
+            return None
+        return PDMeta(self.layout.kv_heads, place=[(j.locs, j.staged) for j in self._placing])
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._to_place or self._placing)
+
+    def _unstage(self, job: _RecvJob) -> None:
+        with self._lock:
+            if job.staged is not None:
+                self.stats.stage(-job.staged.nbytes)
+                job.staged = None
+
+    # -- rank 0's worker side (tensor parallel) ---------------------------------------------------------
+    def start_load_kv(self, meta: PDMeta | None, kv_buffer) -> None:
+        if self.heads is None:
+            return
+        self.heads.apply(meta, kv_buffer)  # every rank writes its heads before this step's forward
+        jobs, self._placing = self._placing, []
+        for job in jobs:
+            self._unstage(job)
+            with self._lock:
+                self._first[job.rid] = job.first
+                self._recv_done.add(job.rid)
 
     # -- the I/O thread ---------------------------------------------------------------------------------
     def _dealer(self, addr: str) -> zmq.Socket:
@@ -244,7 +302,17 @@ class DecodeConnector(KVConnector):
             if job.cancelled:
                 return
             a = msg.start - job.start
-            kv_copy.scatter(self.kv, job.locs[a : a + msg.count], payload, self.layout)
+            if self.heads is None:
+                kv_copy.scatter(self.kv, job.locs[a : a + msg.count], payload, self.layout)
+            else:  # tensor parallel: staged whole until a step places each rank's heads
+                if job.staged is None:
+                    n, lay = job.num_tokens - job.start, self.layout
+                    shape = (2, lay.num_layers, lay.kv_heads, n, lay.head_dim)
+                    job.staged = torch.empty(shape, dtype=self.kv.k.dtype)
+                    with self._lock:
+                        self.stats.stage(job.staged.nbytes)
+                blk = kv_copy.from_bytes(payload, self.kv.k.dtype, self.layout, msg.count)
+                job.staged[:, :, :, a : a + msg.count] = blk
             job.next += msg.count
         self.stats.kv_frames += 1
 
@@ -257,9 +325,13 @@ class DecodeConnector(KVConnector):
             if job.cancelled:
                 return
             job.done = True
-        with self._lock:
-            self._first[job.rid] = msg
-            self._recv_done.add(job.rid)
+            with self._lock:
+                if self.heads is None:
+                    self._first[job.rid] = msg
+                    self._recv_done.add(job.rid)
+                else:  # placed on every rank by the next step, then reported
+                    job.first = msg
+                    self._to_place.append(job)
         st = self.stats
         st.transfers_ok += 1
         st.tokens += job.num_tokens - job.start

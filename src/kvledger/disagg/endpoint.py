@@ -36,6 +36,15 @@ class TransferStats:
     bytes: int = 0
     kv_frames: int = 0  # KVData frames sent/received (0 when Mooncake writes the pages)
     seconds: float = 0.0  # claim -> acknowledged (prefill) / admitted -> received (decode)
+    # Tensor parallel (tp.py): bytes of whole-head KV held on rank 0 between the group and the wire
+    # (prefill: collected, not sent yet; decode: received, not placed on the ranks yet), and the most.
+    staged_bytes: int = 0
+    staged_peak_bytes: int = 0
+
+    def stage(self, nbytes: int) -> None:
+        """``nbytes`` more (or, negative, fewer) staged (under the connector's lock)."""
+        self.staged_bytes += nbytes
+        self.staged_peak_bytes = max(self.staged_peak_bytes, self.staged_bytes)
 
     def as_dict(self) -> dict:
         return asdict(self)

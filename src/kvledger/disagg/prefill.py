@@ -15,6 +15,10 @@ Ledger: a finished request whose KV waits to be sent keeps its slot and pages in
 path when ``get_finished`` reports it (acknowledged, the decode side gave up, or the bootstrap
 timeout passed). Its KV is then committed to the prefix cache like any finished request's.
 
+Under tensor parallelism (``tp.py``) the KV of a finished request is first collected from every rank
+(in the next step: ``build_connector_meta`` names its locations, ``start_load_kv`` joins the heads on
+rank 0) and sent from that block; until then a claim waits as before the request finished.
+
 The bootstrap endpoint is a ZMQ ROUTER bound at ``--disaggregation-bind-host`` :
 ``--disaggregation-bootstrap-port``; decode servers connect to it (see ``wire.py``).
 """
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+import torch
 import zmq
 
 from ..connector import KVConnector
@@ -35,6 +40,7 @@ from ..errors import ConflictError, ValidationError
 from ..memory.pools import KVBuffer
 from . import kv_copy, wire
 from .endpoint import CHUNK_TOKENS, Endpoint, TransferStats
+from .tp import PDMeta, RankHeads
 
 log = logging.getLogger("kvledger.disagg")
 CLAIM_BACKSTOP = 2.0  # a claim whose prefill request never comes is dropped after this x the timeout
@@ -56,6 +62,11 @@ class _SendJob:
     start: int = 0
     sent_at: float | None = None
     direct: bool = False  # the claimant asked for Mooncake writes
+    # Tensor parallel: every head of positions staged_start..num_tokens, joined on rank 0 (tp.py);
+    # sent from here instead of the pages. ``collected`` is False until the step that joins them ran.
+    staged: torch.Tensor | None = None
+    staged_start: int = 0
+    collected: bool = True
 
 
 @dataclass
@@ -75,11 +86,16 @@ class PrefillConnector(KVConnector):
         timeout_s: float,
         abort: AbortFn | None = None,
         data=None,
+        heads: RankHeads | None = None,
+        kv_heads: int | None = None,
     ):
         self.kv, self.page_size, self.timeout_s = kv, page_size, timeout_s
         self.abort = abort or (lambda *a: None)
         self.data = data  # a MooncakeData (mooncake.py), or None: KV goes as KVData frames
-        self.layout = kv_copy.layout_of(kv)
+        self.heads = heads  # tensor parallel: rank 0's part of collecting every rank's heads (tp.py)
+        self.layout = kv_copy.layout_of(kv, kv_heads)
+        self._to_collect: list[_SendJob] = []  # finished, their heads not collected yet (engine thread)
+        self._collecting: list[_SendJob] = []  # ... named in the step being run
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._live: dict[int, str] = {}  # room -> rid of a request not finished yet
@@ -168,11 +184,33 @@ class PrefillConnector(KVConnector):
                     cached_tokens=req.cached_tokens,
                 )
                 crc = wire.tokens_crc(req.input_ids)
-                self._jobs[d.room] = _SendJob(
-                    req.rid, d.room, list(req.pages), len(req.input_ids), crc, first
-                )
+                job = _SendJob(req.rid, d.room, list(req.pages), len(req.input_ids), crc, first)
+                self._jobs[d.room] = job
+                claim = self._claims.get(d.room)
+                job.staged_start = claim.claim.start if claim is not None else 0
+                if self.heads is not None and job.staged_start < job.num_tokens:
+                    job.collected = False  # the next step collects its heads; then it is sent
+                    self._to_collect.append(job)
+                    return True
         self.io.post(("finished", d.room, None if ok else _why(reason)))
         return bool(ok)
+
+    def build_connector_meta(self, sched_out) -> PDMeta | None:
+        """Tensor parallel: the locations of the finished requests whose heads this step collects."""
+        if self.heads is None:
+            return None
+        with self._lock:
+            jobs = [j for j in self._to_collect if self._jobs.get(j.room) is j]
+            self._to_collect = []
+        self._collecting = jobs
+        if not jobs:
+            return None
+        locs = [kv_copy.locations(j.pages, self.page_size, j.staged_start, j.num_tokens) for j in jobs]
+        return PDMeta(self.layout.kv_heads, collect=locs)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._to_collect or self._collecting)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self._lock:
@@ -181,6 +219,21 @@ class PrefillConnector(KVConnector):
 
     def close(self) -> None:
         self.io.close()
+
+    # -- rank 0's worker side (tensor parallel) ---------------------------------------------------------
+    def start_load_kv(self, meta: PDMeta | None, kv_buffer) -> None:
+        if self.heads is None:
+            return
+        blocks = self.heads.apply(meta, kv_buffer)
+        jobs, self._collecting = self._collecting, []
+        with self._lock:
+            for job, blk in zip(jobs, blocks, strict=True):
+                if self._jobs.get(job.room) is not job:
+                    continue  # released meanwhile (timed out, decode gave up): nothing to send
+                job.staged, job.collected = blk, True
+                self.stats.stage(blk.nbytes)
+        for job in jobs:
+            self.io.post(("finished", job.room, None))
 
     # -- the I/O thread ---------------------------------------------------------------------------------
     def _send(self, peer: bytes, msg, payload=None) -> None:
@@ -191,6 +244,7 @@ class PrefillConnector(KVConnector):
         """Report the job's rid through get_finished, so the scheduler releases its pages through the
         one release path (caller holds the lock and removed the job); count the outcome."""
         self._done.add(job.rid)
+        self._unstage(job)
         st = self.stats
         if outcome == "ok":
             st.transfers_ok += 1
@@ -201,6 +255,12 @@ class PrefillConnector(KVConnector):
             st.transfers_timed_out += 1
         else:
             st.transfers_failed += 1
+
+    def _unstage(self, job: _SendJob) -> None:
+        """Drop the job's collected block (caller holds the lock)."""
+        if job.staged is not None:
+            self.stats.stage(-job.staged.nbytes)
+            job.staged = None
 
     def _on_frames(self, sock, _peer, frames) -> None:
         peer = bytes(frames[0])
@@ -255,7 +315,7 @@ class PrefillConnector(KVConnector):
             if ended is not None:
                 self._send(peer, wire.Fail(claim.room, ended[0]))
                 return
-            if job is None:
+            if job is None or not job.collected:  # not finished, or its heads not collected yet
                 prev = self._claims.get(claim.room)
                 if prev is not None and prev.peer != peer:
                     self.stats.frames_refused += 1
@@ -274,6 +334,8 @@ class PrefillConnector(KVConnector):
             return "the prompt differs from the one prefilled for this room"
         if not 0 <= claim.start <= claim.num_tokens:
             return f"start {claim.start} outside the prompt of {claim.num_tokens} tokens"
+        if job.staged is not None and claim.start < job.staged_start:
+            return f"start {claim.start} before the KV collected for this room (from {job.staged_start})"
         t = claim.mooncake
         if t is not None and self.data is not None:
             want = -(-claim.num_tokens // t.page_size) - claim.start // t.page_size if t.page_size > 0 else -1
@@ -309,10 +371,14 @@ class PrefillConnector(KVConnector):
             return
         for a in range(claim.start, job.num_tokens, CHUNK_TOKENS):
             b = min(a + CHUNK_TOKENS, job.num_tokens)
-            locs = kv_copy.locations(job.pages, self.page_size, a, b)
-            payload = kv_copy.gather(self.kv, locs).numpy()
+            if job.staged is not None:  # tensor parallel: every rank's heads, collected
+                s = job.staged_start
+                payload = kv_copy.to_bytes(job.staged[:, :, :, a - s : b - s]).numpy()
+            else:
+                payload = kv_copy.gather(self.kv, kv_copy.locations(job.pages, self.page_size, a, b)).numpy()
             self._send(peer, wire.KVData(job.room, a, b - a), payload)
             self.stats.kv_frames += 1
+        self._unstage(job)  # a frame being sent keeps its bytes alive itself
         self._send(peer, job.first)
         job.sent_at = time.monotonic()
 

@@ -16,7 +16,7 @@ from ..compat import check_request
 from ..config import EngineConfig
 from ..connector import KVConnector
 from ..constrained import GrammarBackend, grammar_spec
-from ..disagg import make_connector
+from ..disagg import make_connector, make_worker_side
 from ..errors import ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
@@ -125,9 +125,10 @@ def _tp_gather(cfg: EngineConfig):
 
 def build_worker_connector(cfg: EngineConfig, rank: int, runner: ModelRunner) -> KVConnector | None:
     """A worker rank's side of the KV connector: the hierarchical cache's data movement for its heads
-    (None without the hierarchy). Its L3 keys are its own (``tp{rank}/{size}`` in their namespace)."""
+    (its L3 keys are its own, ``tp{rank}/{size}`` in their namespace), or PD's (its heads into and
+    out of the transfer); None without either."""
     if not cfg.hicache.enable_hierarchical_cache:
-        return None
+        return make_worker_side(cfg, rank)
     model = runner.model
     path = cfg.model.model or default_model_path()  # what ``build_runner`` loaded
     return build_worker_side(
@@ -210,7 +211,9 @@ class EngineCore:
             self.kv_manager.ledger.tiers = TierBooks(tiers, connector)
         if connector is None and cfg.disagg.disaggregation_mode is not None:
             # The connector reaches the scheduler (built below) only through its thread-safe abort.
-            connector = make_connector(cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a))
+            connector = make_connector(
+                cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a), mc.num_kv_heads
+            )
         self.connector = connector
         self.last_step_ran = False
         self.executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
