@@ -16,6 +16,9 @@
 
     python bench/disagg.py --only-turns [--turns 5]
 
+4. PD x tensor parallel (``--tp-transfer 1/1,3/1,1/3``, only this): the TP side's group copies
+   (collecting every rank's heads on prefill, placing them on decode), per token of KV.
+
 Writes bench/out/disagg.json and prints a Markdown table.
 """
 
@@ -95,6 +98,60 @@ def transfer_cost(backend: str, lengths: list[int], rounds: int) -> list[dict]:
                 f"  {backend:8s} {n:5d} tokens: {best * 1e3:7.1f} ms  {best / n * 1e6:6.1f} us/token",
                 flush=True,
             )
+    finally:
+        for eng in (pre, dec):
+            eng.shutdown()
+    return rows
+
+
+def transfer_cost_tp(sizes: tuple[int, int], lengths: list[int], rounds: int) -> list[dict]:
+    """PD x TP (``--tp-transfer``): a prefill and a decode engine of TP sizes ``sizes`` (one process
+    holds one TP group, so one side at most), prompts of ``lengths`` tokens sent to both at once and
+    stepped to the end. Per prompt: the prefill side's finish -> ack (with TP, the collect step
+    first) and the TP side's ``tp_copy_seconds`` (the step's broadcast of the meta, the gather to rank
+    0, the copies), per token of KV."""
+    from kvledger import Engine
+    from kvledger.common.disagg import DisaggParams
+    from kvledger.model import load_model
+
+    loaded = load_model(None)
+    port = free_port()
+    common = {"dtype": "float32", "page_size": 16, "max_total_tokens": 8192, "loaded_model": loaded}
+    pre = Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, tp_size=sizes[0], **common)
+    dec = Engine(disaggregation_mode="decode", disaggregation_bootstrap_port=port, tp_size=sizes[1], **common)
+    vocab = loaded.config.vocab_size
+    rows, room = [], 0
+    try:
+        for n in lengths:
+            sent, copy = [], []
+            for _ in range(rounds):
+                room += 1
+                prompt = [(room * 7919 + 31 * i) % (vocab - 10) + 5 for i in range(n)]  # no shared prefix
+                d = DisaggParams("127.0.0.1", port, room)
+                before = (pre.core.connector.stats.seconds,
+                          sum(e.core.connector.stats.tp_copy_seconds for e in (pre, dec)))  # fmt: skip
+                pre.add_request(prompt, {"max_new_tokens": 1}, rid=f"p{room}", disagg=d)
+                dec.add_request(prompt, {"max_new_tokens": 1}, rid=f"d{room}", disagg=d)
+                deadline = time.monotonic() + 120
+                while dec.result(f"d{room}", pop=False) is None or not pre.core.scheduler.idle:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"no transfer: {dec.core.connector_stats()}")
+                    pre.step()
+                    dec.step()
+                dec.result(f"d{room}")
+                pre.result(f"p{room}")
+                sent.append(pre.core.connector.stats.seconds - before[0])
+                copy.append(sum(e.core.connector.stats.tp_copy_seconds for e in (pre, dec)) - before[1])
+                for eng in (pre, dec):
+                    eng.run_until_idle()
+                    eng.flush_cache()
+            keep = slice(1, None) if rounds > 1 else slice(None)  # the first round warms up
+            s, c = min(sent[keep]), min(copy[keep])
+            rows.append({"sizes": f"{sizes[0]}/{sizes[1]}", "tokens": n, "send_ms": s * 1e3,
+                         "tp_copy_ms": c * 1e3, "tp_copy_us_per_token": c / n * 1e6,
+                         "tp_copy_MB_per_s": n * dec.core.info.kv_bytes_per_token * max(sizes) / c / 1e6 if c else 0.0})  # fmt: skip
+            print(f"  prefill/decode TP {sizes[0]}/{sizes[1]} {n:5d} tokens: finish->ack {s * 1e3:7.1f} ms, "
+                  f"group copies {c * 1e3:6.1f} ms ({c / n * 1e6:5.1f} us/token)", flush=True)  # fmt: skip
     finally:
         for eng in (pre, dec):
             eng.shutdown()
@@ -287,11 +344,25 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--turn-tokens", type=int, default=48, help="max_tokens of each chat turn")
     ap.add_argument("--only-turns", action="store_true", help="run only the multi-turn chat (3.)")
+    ap.add_argument("--tp-transfer", metavar="P/D,...", default=None,
+                    help="run only the PD x TP transfer cost for these prefill/decode TP sizes, e.g. 1/1,3/1,1/3")  # fmt: skip
     args = ap.parse_args()
     from kvledger.disagg.mooncake import available
 
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
+    if args.tp_transfer:
+        lengths = [int(x) for x in args.lengths.split(",")]
+        rows = []
+        for pair in args.tp_transfer.split(","):
+            p, d = (int(x) for x in pair.split("/"))
+            rows += transfer_cost_tp((p, d), lengths, args.rounds)
+        (out / "disagg_tp.json").write_text(json.dumps(rows, indent=2))
+        print("\n| prefill/decode TP | tokens | finish -> ack ms | group copies ms | us/token |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['sizes']} | {r['tokens']} | {r['send_ms']:.1f} | {r['tp_copy_ms']:.1f} | "
+                  f"{r['tp_copy_us_per_token']:.1f} |")  # fmt: skip
+        return 0
     if args.only_turns:
         turns = multi_turn(args, Path(tempfile.mkdtemp(prefix="kvledger-disagg-")))
         (out / "disagg_turns.json").write_text(json.dumps(turns, indent=2))

@@ -250,6 +250,11 @@ def pd_settings(base: dict, port: int, rng: random.Random | None = None) -> tupl
                   disaggregation_waiting_timeout_s=60.0)  # fmt: skip
     pre = {**base, **common, "disaggregation_mode": "prefill", "disaggregation_bind_host": "127.0.0.1"}
     dec = {**base, **common, "disaggregation_mode": "decode", "page_size": _pick(rng, [16, 1, 4])}
+    if base.get("tp_size", 1) > 1:
+        # One process holds one TP group (torch.distributed's default group): one side keeps its
+        # ranks, the other runs whole, so the transfer splits or joins heads (tests/integration/
+        # test_pd_tp_router.py runs TP on both sides, as two servers).
+        (pre, dec)[_pick(rng, [1, 0])]["tp_size"] = 1
     return pre, dec
 
 

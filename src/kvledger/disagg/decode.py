@@ -84,6 +84,7 @@ class DecodeConnector(KVConnector):
         self.layout = kv_copy.layout_of(kv, kv_heads)
         self._to_place: list[_RecvJob] = []  # received whole, not placed yet (tensor parallel)
         self._placing: list[_RecvJob] = []  # ... placed by the step being run
+        self._meta_at = 0.0  # when that step's meta was built (TransferStats.tp_copy_seconds)
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._live: dict[int, str] = {}  # room -> rid, from submit to the end
@@ -201,6 +202,7 @@ class DecodeConnector(KVConnector):
             self._placing = [j for j in jobs if j.staged is not None]
         if not self._placing:
             return None
+        self._meta_at = time.perf_counter()
         return PDMeta(self.layout.kv_heads, place=[(j.locs, j.staged) for j in self._placing])
 
     @property
@@ -219,6 +221,8 @@ class DecodeConnector(KVConnector):
             return
         self.heads.apply(meta, kv_buffer)  # every rank writes its heads before this step's forward
         jobs, self._placing = self._placing, []
+        if jobs:
+            self.stats.tp_copy_seconds += time.perf_counter() - self._meta_at
         for job in jobs:
             self._unstage(job)
             with self._lock:

@@ -40,6 +40,9 @@ class TransferStats:
     # (prefill: collected, not sent yet; decode: received, not placed on the ranks yet), and the most.
     staged_bytes: int = 0
     staged_peak_bytes: int = 0
+    # ... and rank 0's seconds from a step's connector meta to its heads moved (the step's broadcast
+    # of the meta, the gather to rank 0, the copies): what the group adds to a transfer.
+    tp_copy_seconds: float = 0.0
 
     def stage(self, nbytes: int) -> None:
         """``nbytes`` more (or, negative, fewer) staged (under the connector's lock)."""

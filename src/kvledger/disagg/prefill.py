@@ -96,6 +96,7 @@ class PrefillConnector(KVConnector):
         self.layout = kv_copy.layout_of(kv, kv_heads)
         self._to_collect: list[_SendJob] = []  # finished, their heads not collected yet (engine thread)
         self._collecting: list[_SendJob] = []  # ... named in the step being run
+        self._meta_at = 0.0  # when that step's meta was built (TransferStats.tp_copy_seconds)
         self.stats = TransferStats()
         self._lock = threading.Lock()
         self._live: dict[int, str] = {}  # room -> rid of a request not finished yet
@@ -205,6 +206,7 @@ class PrefillConnector(KVConnector):
         self._collecting = jobs
         if not jobs:
             return None
+        self._meta_at = time.perf_counter()
         locs = [kv_copy.locations(j.pages, self.page_size, j.staged_start, j.num_tokens) for j in jobs]
         return PDMeta(self.layout.kv_heads, collect=locs)
 
@@ -226,6 +228,8 @@ class PrefillConnector(KVConnector):
             return
         blocks = self.heads.apply(meta, kv_buffer)
         jobs, self._collecting = self._collecting, []
+        if jobs:
+            self.stats.tp_copy_seconds += time.perf_counter() - self._meta_at
         with self._lock:
             for job, blk in zip(jobs, blocks, strict=True):
                 if self._jobs.get(job.room) is not job:
