@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvledger import Engine
+from kvledger.disagg.mooncake import available as mooncake_missing
 from kvledger.disagg.tp import heads_of
 from tests.engine.test_disagg import drive, free_port, owners, room, until_idle
 from tests.helpers import assert_idle_clean, build_tiny_model
@@ -42,12 +43,13 @@ class Pair:
     TP-2 prefill and a TP-2 decode cannot share it: 2/2 runs as servers behind the router
     (tests/integration/test_pd_tp_router.py)."""
 
-    def __init__(self, model: str, tp_pre: int, tp_dec: int):
+    def __init__(self, model: str, tp_pre: int, tp_dec: int, backend: str = "tcp"):
         self.port = free_port()
+        both = dict(OPTS, disaggregation_transfer_backend=backend)
         self.pre = Engine(model=model, tp_size=tp_pre, page_size=16, disaggregation_mode="prefill",
                           disaggregation_bootstrap_port=self.port, disaggregation_bind_host="127.0.0.1",
-                          **OPTS)  # fmt: skip
-        self.dec = Engine(model=model, tp_size=tp_dec, page_size=4, disaggregation_mode="decode", **OPTS)
+                          **both)  # fmt: skip
+        self.dec = Engine(model=model, tp_size=tp_dec, page_size=4, disaggregation_mode="decode", **both)
         self.sizes = (tp_pre, tp_dec)
         self.rooms = 0
 
@@ -63,7 +65,18 @@ class Pair:
         return [res[f"d{n}"] for n in rids]
 
 
-@pytest.fixture(scope="module", params=[(1, 2), (2, 1)], ids=["prefill1-decode2", "prefill2-decode1"])
+# Mooncake on both: the TP side falls back to KV frames through rank 0, its peer (Mooncake, TP 1)
+# meets it there -- a decode side that claimed with a Mooncake target, or a prefill side that gets a
+# claim without one.
+MOONCAKE = pytest.mark.skipif(bool(mooncake_missing()), reason=str(mooncake_missing()))
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(1, 2, "tcp"), (2, 1, "tcp"), pytest.param((1, 2, "mooncake"), marks=MOONCAKE),
+            pytest.param((2, 1, "mooncake"), marks=MOONCAKE)],
+    ids=["prefill1-decode2", "prefill2-decode1", "prefill1-decode2-mooncake", "prefill2-decode1-mooncake"],
+)  # fmt: skip
 def pair(request, kv4_model):
     made = Pair(kv4_model, *request.param)
     pids = made.pre.core.info.tp_worker_pids + made.dec.core.info.tp_worker_pids
@@ -103,6 +116,7 @@ def test_pd_with_tp_equals_one_engine(pair, kv4_model):
             until_idle(eng)
             st = stats(eng)
             assert st["frames_refused"] == 0 and st["staged_bytes"] == 0, st
+            assert st["kv_frames"] > 0, st  # the built-in frames (a TP side never writes by Mooncake)
             assert (st["staged_peak_bytes"] > 0) == (tp > 1), st
             assert_idle_clean(eng)
         assert_idle_clean(one)

@@ -170,13 +170,15 @@ class DecodeConnector(KVConnector):
             self._unstage(job)
         if not d.fake and not received and (job is None or not job.done):
             # Ended before its KV came (aborted, refused in the queue, needs none): let prefill free.
-            self.io.post(("send", self._addr(d), wire.Fail(d.room, _why(req.to_finish))))
-            if job is not None and job.direct and not job.prefill_stopped:
+            drain = job is not None and job.direct and not job.prefill_stopped
+            if drain:
                 # Prefill may be writing into these pages right now: keep them until it says it
-                # stopped (or the timeout passes).
+                # stopped (or the timeout passes). Noted before the Fail goes: its answer may come
+                # back at once (a claim prefill had not started on).
                 with self._lock:
                     self._draining[d.room] = (req.rid, time.monotonic() + self.timeout_s)
-                return True
+            self.io.post(("send", self._addr(d), wire.Fail(d.room, _why(req.to_finish))))
+            return drain
         return False
 
     def get_finished(self) -> tuple[set[str], set[str]]:
