@@ -28,9 +28,7 @@ def make_connector(cfg: EngineConfig, kv: KVBuffer, abort, kv_heads: int | None 
     host = cfg.disagg.disaggregation_bind_host or "127.0.0.1"
     data = heads = None
     if cfg.parallel.tp_size > 1:
-        from ..parallel.executor import gather
-
-        heads = RankHeads(0, cfg.parallel.tp_size, gather)
+        heads = RankHeads(0, cfg.parallel.tp_size)
     if cfg.disagg.disaggregation_transfer_backend == "mooncake":
         if heads is not None:
             # Mooncake writes (reads) one registered buffer, rank 0's heads; the others' live in
@@ -72,7 +70,6 @@ def make_worker_side(cfg: EngineConfig, rank: int) -> KVConnector | None:
     """A tensor-parallel worker rank's side of the PD connector: its heads in and out (``tp.py``)."""
     if not cfg.disagg.enabled or cfg.parallel.tp_size == 1:
         return None
-    from ..parallel.executor import gather
     from .tp import PDWorker
 
-    return PDWorker(rank, cfg.parallel.tp_size, gather)
+    return PDWorker(rank, cfg.parallel.tp_size)

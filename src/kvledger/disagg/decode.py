@@ -205,7 +205,7 @@ class DecodeConnector(KVConnector):
         if not self._placing:
             return None
         self._meta_at = time.perf_counter()
-        return PDMeta(self.layout.kv_heads, place=[(j.locs, j.staged) for j in self._placing])
+        return PDMeta(self.layout.kv_heads, place=[j.locs for j in self._placing])
 
     @property
     def has_pending(self) -> bool:
@@ -221,8 +221,9 @@ class DecodeConnector(KVConnector):
     def start_load_kv(self, meta: PDMeta | None, kv_buffer) -> None:
         if self.heads is None:
             return
-        self.heads.apply(meta, kv_buffer)  # every rank writes its heads before this step's forward
         jobs, self._placing = self._placing, []
+        # Every rank writes its heads before this step's forward.
+        self.heads.apply(meta, kv_buffer, [j.staged for j in jobs])
         if jobs:
             self.stats.tp_copy_seconds += time.perf_counter() - self._meta_at
         for job in jobs:

@@ -8,13 +8,16 @@ through the group, in step order, inside the step's connector metadata (``PDMeta
 cache's seam):
 
 * prefill: a finished request's KV is *collected* in the next step -- every rank cuts its heads at the
-  request's locations (only the first rank holding a replicated head sends it) and rank 0 joins them
-  (``parallel.executor.gather``); rank 0's I/O thread then sends the joined block as KV frames.
+  request's locations, a gather brings them to rank 0, which joins them (a replicated head taken from
+  its first holder); rank 0's I/O thread then sends the joined block as KV frames.
 * decode: the frames are *staged* on rank 0 (one block per request, exactly its claimed tokens: a
   request waiting for KV has its pages reserved already, so the staging is bounded by the pool's size
   times the TP size, and ``TransferStats.staged_bytes`` names what is staged now); when the last
-  frame is in, the next step *places* the block: it travels in the step's broadcast and every rank
-  writes its heads into the request's pages before that step's forward.
+  frame is in, the next step *places* the block: the step's meta names the locations, rank 0 scatters
+  each rank its heads, and every rank writes them into the request's pages before that step's forward.
+
+The K/V moves by raw tensor collectives over gloo (``parallel.executor.gather_tensors`` /
+``scatter_tensors``), never pickled inside the step's broadcast: that was 3-8x slower per token (bench/RESULTS.md).
 
 Between the collect and the send, and between the stage and the place, the request holds its pages
 in the books as without TP (``kv sending`` / ``waiting for kv``); the staged blocks are plain tensors
@@ -23,7 +26,6 @@ that die with their job (an abort drops them).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,17 +34,15 @@ from ..connector import KVConnector
 from ..memory.pools import KVBuffer
 from .kv_copy import block, place
 
-# Every rank's object, in rank order, on rank 0 (None elsewhere): ``parallel.executor.gather``.
-Gather = Callable[[object], list | None]
-
 
 @dataclass
 class PDMeta:
-    """What every rank does with its heads in one step (broadcast inside the ``SchedulerOutput``)."""
+    """What every rank does with its heads in one step (broadcast inside the ``SchedulerOutput``:
+    locations only; the K/V moves by tensor collectives, never pickled)."""
 
     kv_heads: int  # the model's KV heads: the wire's layout
     collect: list[torch.Tensor] = field(default_factory=list)  # prefill: locations to send to rank 0
-    place: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # decode: (locs, block)
+    place: list[torch.Tensor] = field(default_factory=list)  # decode: locations of rank 0's staged blocks
 
 
 def heads_of(kv_heads: int, rank: int, tp: int) -> tuple[slice, bool]:
@@ -56,40 +56,48 @@ def heads_of(kv_heads: int, rank: int, tp: int) -> tuple[slice, bool]:
 
 
 class RankHeads:
-    """One rank's part of a step's ``PDMeta`` (every rank runs it, rank 0 inside its connector)."""
+    """One rank's part of a step's ``PDMeta`` (every rank runs it, rank 0 inside its connector).
+    ``parallel.executor.gather_tensors`` / ``scatter_tensors`` move the heads (gloo, raw tensors)."""
 
-    def __init__(self, rank: int, tp: int, gather: Gather):
-        self.rank, self.tp, self.gather = rank, tp, gather
+    def __init__(self, rank: int, tp: int):
+        from ..parallel.executor import gather_tensors, scatter_tensors
 
-    def apply(self, meta: PDMeta | None, kv: KVBuffer) -> list[torch.Tensor]:
-        """Place this rank's heads of the staged blocks, then send its heads of the locations to
-        collect; returns the joined whole-head blocks on rank 0 (in ``meta.collect``'s order)."""
+        self.rank, self.tp = rank, tp
+        self.gather, self.scatter = gather_tensors, scatter_tensors
+
+    def apply(self, meta: PDMeta | None, kv: KVBuffer, staged: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Place this rank's heads of rank 0's ``staged`` blocks (one per ``meta.place``), then send
+        its heads of the locations to collect; returns the joined whole-head blocks on rank 0 (in
+        ``meta.collect``'s order)."""
         if meta is None:
             return []
-        heads, first = heads_of(meta.kv_heads, self.rank, self.tp)
-        for locs, blk in meta.place:
-            place(kv, locs, blk[:, :, heads])
-        if not meta.collect:
-            return []
-        parts = self.gather((heads, [block(kv, locs) if first else None for locs in meta.collect]))
-        if parts is None:  # not rank 0
-            return []
-        out = []
-        for i, locs in enumerate(meta.collect):
-            mine = parts[0][1][i]
-            whole = mine.new_empty(2, mine.shape[1], meta.kv_heads, len(locs), mine.shape[4])
-            for sl, blocks in parts:
-                if blocks is not None and blocks[i] is not None:
-                    whole[:, :, sl] = blocks[i]
-            out.append(whole)
-        return out
+        heads = [heads_of(meta.kv_heads, r, self.tp) for r in range(self.tp)]
+        mine = heads[self.rank][0]
+        local = mine.stop - mine.start
+        layers, _, _, dim = kv.k.shape
+        for i, locs in enumerate(meta.place):
+            out = torch.empty(2, layers, local, len(locs), dim, dtype=kv.k.dtype)
+            parts = None if staged is None else [staged[i][:, :, sl].contiguous() for sl, _ in heads]
+            self.scatter(parts, out)
+            place(kv, locs, out)
+        whole = []
+        for locs in meta.collect:
+            parts = self.gather(block(kv, locs))
+            if parts is None:  # not rank 0
+                continue
+            joined = parts[0].new_empty(2, layers, meta.kv_heads, len(locs), dim)
+            for (sl, first), part in zip(heads, parts, strict=True):
+                if first:  # a replicated head is taken from its first holder
+                    joined[:, :, sl] = part
+            whole.append(joined)
+        return whole
 
 
 class PDWorker(KVConnector):
     """The PD connector's worker side on ranks 1..N-1: its heads in and out (``RankHeads``)."""
 
-    def __init__(self, rank: int, tp: int, gather: Gather):
-        self.heads = RankHeads(rank, tp, gather)
+    def __init__(self, rank: int, tp: int):
+        self.heads = RankHeads(rank, tp)
 
     def start_load_kv(self, meta: PDMeta | None, kv_buffer: KVBuffer) -> None:
         self.heads.apply(meta, kv_buffer)

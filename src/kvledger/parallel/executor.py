@@ -154,6 +154,28 @@ def gather(obj) -> list | None:
     return out
 
 
+def gather_tensors(t):
+    """Every rank's ``t`` (the same shape and dtype on all), in rank order, on rank 0 (None
+    elsewhere): raw tensors over gloo, no pickling (PD's heads, ``disagg/tp.py``)."""
+    import torch
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    if dist.get_rank() != 0:
+        dist.gather(t, dst=0)
+        return None
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.gather(t, out, dst=0)
+    return out
+
+
+def scatter_tensors(parts, out) -> None:
+    """Rank 0's ``parts[r]`` into rank ``r``'s ``out`` (``parts`` None on the other ranks)."""
+    import torch.distributed as dist
+
+    dist.scatter(out, parts, src=0)
+
+
 class TPExecutor(Executor):
     """Rank 0: broadcast the step, run rank 0's shard through ``inner``, return its output."""
 
