@@ -17,7 +17,7 @@ cache's seam):
   each rank its heads, and every rank writes them into the request's pages before that step's forward.
 
 The K/V moves by raw tensor collectives over gloo (``parallel.executor.gather_tensors`` /
-``scatter_tensors``), never pickled inside the step's broadcast: that was 3-8x slower per token (bench/RESULTS.md).
+``scatter_tensors``), never pickled inside the step's broadcast: that was 3-10x slower per token (bench/RESULTS.md).
 
 Between the collect and the send, and between the stage and the place, the request holds its pages
 in the books as without TP (``kv sending`` / ``waiting for kv``); the staged blocks are plain tensors
