@@ -6,7 +6,7 @@ from kvledger.parallel.netif import choose_gloo_interface, interface_of, local_a
 
 
 def test_the_route_to_loopback_is_lo(monkeypatch):
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # unset for the function; restored after the test
     assert local_address_towards("127.0.0.1", 29500) == "127.0.0.1"
     assert interface_of("127.0.0.1") == "lo"
     assert choose_gloo_interface("127.0.0.1:29500") == "lo"
