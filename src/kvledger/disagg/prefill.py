@@ -75,8 +75,10 @@ class PrefillConnector(KVConnector):
         timeout_s: float,
         abort: AbortFn | None = None,
         data=None,
+        limits=None,
     ):
         self.kv, self.page_size, self.timeout_s = kv, page_size, timeout_s
+        self.limits = limits  # the engine's Limits: a prompt a claim carries is checked against them
         self.abort = abort or (lambda *a: None)
         self.data = data  # a MooncakeData (mooncake.py), or None: KV goes as KVData frames
         self.layout = kv_copy.layout_of(kv)
@@ -130,14 +132,60 @@ class PrefillConnector(KVConnector):
         if d is None or d.fake:
             return True
         with self._lock:
-            if d.room in self._claims or d.room in self._jobs:
-                return True
-            gone = self._gone.get(d.room) is not None and d.room not in self._aborting
-            if gone:
+            pending = self._claims.get(d.room)
+            if pending is not None and req.prompt_from_claim:
+                why = self._take_prompt(req, pending.claim)
+                if why is None:
+                    return True
+                refused = d.room not in self._aborting
                 self._aborting.add(d.room)
-        if gone:  # decode gave up before this request arrived: it will never claim
+                if refused:
+                    self.stats.frames_refused += 1
+            elif pending is not None or d.room in self._jobs:
+                return True
+            else:
+                why = None
+                gone = self._gone.get(d.room) is not None and d.room not in self._aborting
+                if gone:
+                    self._aborting.add(d.room)
+        if why is not None:
+            # The claim stays: the request's end answers it with a Fail naming this reason.
+            if refused:
+                log.warning("PD prefill: refused the claim for room %d: %s", d.room, why)
+                self.abort(req.rid, f"refused the decode server's claim: {why}", 502, "kv_transfer_refused")
+        elif gone:  # decode gave up before this request arrived: it will never claim
             self.abort(req.rid, "the decode server gave up this bootstrap room", 502, "kv_transfer_failed")
         return False
+
+    def _take_prompt(self, req, claim: wire.Claim) -> str | None:
+        """A session turn (the session lives on decode): its prompt is the one the claim carries, the
+        session's history + this request's input. Checked as a peer's input (its length and crc, the
+        vocabulary, the context, and that it ends with the input this request was sent), then it
+        replaces the request's prompt before anything is held. Returns why it is refused, or None."""
+        ids = claim.tokens
+        if ids is None:
+            return "a session turn's claim must carry its prompt (a decode server of an older version?)"
+        if len(ids) != claim.num_tokens or wire.tokens_crc(ids) != claim.tokens_crc:
+            return "the claim's prompt does not match its length and checksum"
+        lim = self.limits
+        if lim is not None:
+            if len(ids) >= lim.context_length:
+                return f"the claim's prompt of {len(ids)} tokens does not fit the context ({lim.context_length})"
+            if any(type(t) is not int or not 0 <= t < lim.vocab_size for t in ids):
+                return "the claim's prompt has token ids outside the vocabulary"
+        n = len(req.input_ids)
+        if n > len(ids) or ids[len(ids) - n :] != req.input_ids:
+            return "the claim's prompt does not end with this request's input"
+        req.input_ids = list(ids)
+        req.prompt_from_claim = False  # taken: a retracted request is admitted again as it is now
+        return None
+
+    def request_refused(self, req, why: str) -> None:
+        d = req.disagg
+        if d is None or d.fake:
+            return
+        # Refused before it was queued: a claim for its room (now or later) is answered at once.
+        self.io.post(("finished", d.room, f"the prefill server refused the request: {why}"))
 
     def request_finished(self, req) -> bool:
         d = req.disagg
