@@ -909,3 +909,25 @@ def test_a_session_turns_claim_without_its_prompt_is_refused(pd, bad):
     assert stats(pre)["frames_refused"] == 1 and stats(pre)["tokens"] == 0
     until_idle(pre)
     assert_idle_clean(pre)
+
+
+def test_a_request_prefill_refuses_fails_its_decode_half_at_once(pd):
+    """The other direction of a refusal before queueing: prefill refuses its half (here a duplicate
+    rid, 409); the decode half's claim is answered with a Fail at once (502), not after decode's
+    waiting timeout, and nothing is held on either side."""
+    pre, dec, port = pd()
+    dec.core.connector.timeout_s = 60.0
+    p = list(range(5, 25))
+    pre.add_request(p, SESSION_SP, rid="busy")  # no room: a plain request holding the rid
+    with pytest.raises(Exception) as e:
+        pre.add_request(p, SESSION_SP, rid="busy", disagg=room(port, 800))
+    assert getattr(e.value, "status", None) == 409
+    dec.add_request(p, SESSION_SP, rid="d0", disagg=room(port, 800))
+    t0 = time.monotonic()
+    res = drive([pre, dec], {id(dec): ["d0"], id(pre): ["busy"]}, timeout=10)
+    assert time.monotonic() - t0 < 5
+    fin = res["d0"]["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and "the prefill server refused the request" in fin["message"], fin
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)

@@ -15,6 +15,11 @@ Ledger: a finished request whose KV waits to be sent keeps its slot and pages in
 path when ``get_finished`` reports it (acknowledged, the decode side gave up, or the bootstrap
 timeout passed). Its KV is then committed to the prefix cache like any finished request's.
 
+A session turn (``session_params``: the session is the decode server's) is a plain request here
+whose prompt is the one decode's claim carries -- the session's history + the input this side was
+sent -- taken before admission (``_take_prompt``); prefill computes all of it and sends what decode's
+session lacks. Prefill never holds a session.
+
 The bootstrap endpoint is a ZMQ ROUTER bound at ``--disaggregation-bind-host`` :
 ``--disaggregation-bootstrap-port``; decode servers connect to it (see ``wire.py``).
 """
@@ -131,29 +136,29 @@ class PrefillConnector(KVConnector):
         d = req.disagg
         if d is None or d.fake:
             return True
+        why = None  # a session turn's claim refused: the request ends (502)
+        first = False  # ... noticed for the first time (abort once)
+        gone = False  # decode gave up before this request arrived: it will never claim
         with self._lock:
             pending = self._claims.get(d.room)
             if pending is not None and req.prompt_from_claim:
                 why = self._take_prompt(req, pending.claim)
                 if why is None:
                     return True
-                refused = d.room not in self._aborting
+                first = d.room not in self._aborting
                 self._aborting.add(d.room)
-                if refused:
-                    self.stats.frames_refused += 1
             elif pending is not None or d.room in self._jobs:
                 return True
             else:
-                why = None
                 gone = self._gone.get(d.room) is not None and d.room not in self._aborting
                 if gone:
                     self._aborting.add(d.room)
-        if why is not None:
+        if first:
             # The claim stays: the request's end answers it with a Fail naming this reason.
-            if refused:
-                log.warning("PD prefill: refused the claim for room %d: %s", d.room, why)
-                self.abort(req.rid, f"refused the decode server's claim: {why}", 502, "kv_transfer_refused")
-        elif gone:  # decode gave up before this request arrived: it will never claim
+            self.stats.frames_refused += 1
+            log.warning("PD prefill: refused the claim for room %d: %s", d.room, why)
+            self.abort(req.rid, f"refused the decode server's claim: {why}", 502, "kv_transfer_refused")
+        elif gone:
             self.abort(req.rid, "the decode server gave up this bootstrap room", 502, "kv_transfer_failed")
         return False
 
