@@ -96,7 +96,7 @@ class PrefillConnector(KVConnector):
         self._claims: dict[int, _Claim] = {}  # room -> claimed before its request finished
         # Rooms the decode side gave up on before their request finished here (or arrived): kept for
         # one timeout, so the request does not hold its KV for nobody.
-        self._gone: dict[int, float] = {}
+        self._gone: dict[int, tuple[float, str]] = {}  # room -> (when, decode's reason)
         # Rooms whose request ended here without KV to send before any claim came (aborted, timed
         # out): a late claim is answered at once with why, instead of waiting out its timeout.
         self._ended: dict[int, tuple[str, float]] = {}
@@ -138,7 +138,7 @@ class PrefillConnector(KVConnector):
             return True
         why = None  # a session turn's claim refused: the request ends (502)
         first = False  # ... noticed for the first time (abort once)
-        gone = False  # decode gave up before this request arrived: it will never claim
+        gone = None  # decode gave up before this request arrived (its reason): it will never claim
         with self._lock:
             pending = self._claims.get(d.room)
             if pending is not None and req.prompt_from_claim:
@@ -150,16 +150,16 @@ class PrefillConnector(KVConnector):
             elif pending is not None or d.room in self._jobs:
                 return True
             else:
-                gone = self._gone.get(d.room) is not None and d.room not in self._aborting
-                if gone:
+                if d.room in self._gone and d.room not in self._aborting:
+                    gone = self._gone[d.room][1]
                     self._aborting.add(d.room)
         if first:
             # The claim stays: the request's end answers it with a Fail naming this reason.
             self.stats.frames_refused += 1
             log.warning("PD prefill: refused the claim for room %d: %s", d.room, why)
             self.abort(req.rid, f"refused the decode server's claim: {why}", 502, "kv_transfer_refused")
-        elif gone:
-            self.abort(req.rid, "the decode server gave up this bootstrap room", 502, "kv_transfer_failed")
+        elif gone is not None:
+            self.abort(req.rid, f"the decode server gave up this bootstrap room: {gone}", 502, "kv_transfer_failed")
         return False
 
     def _take_prompt(self, req, claim: wire.Claim) -> str | None:
@@ -287,7 +287,7 @@ class PrefillConnector(KVConnector):
                     del self._jobs[msg.room]
                     self._job_done(job, "failed")
                 else:  # not finished yet, or not even arrived (the router posts to both at once)
-                    self._gone[msg.room] = time.monotonic()
+                    self._gone[msg.room] = (time.monotonic(), msg.reason)
                     rid = self._live.get(msg.room)
                     if rid is not None and msg.room not in self._aborting:
                         # Waiting for the claim (or computing for nobody): end it now.
@@ -414,7 +414,7 @@ class PrefillConnector(KVConnector):
                 log.warning("PD prefill: room %d: no decode server claimed it in %.0fs", room, t)
                 msg = f"no decode server claimed bootstrap room {room} in {t:.0f}s"
                 self.abort(rid, msg, 502, "kv_transfer_timeout")
-            for room, at in list(self._gone.items()):
+            for room, (at, _) in list(self._gone.items()):
                 if now - at > t:
                     del self._gone[room]
             for room, (_, at) in list(self._ended.items()):
