@@ -86,7 +86,6 @@ REFUSED: dict[frozenset[str], Refusal] = {
     # Prefill/decode disaggregation: the rest is the PD issue's.
     frozenset({"pd", "draft"}): Refusal(NOT_YET, "the draft model's K/V would have to move too"),
     frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
-    frozenset({"pd", "sessions"}): Refusal(NOT_YET, "a session turn cannot be disaggregated"),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
         NO_MEANING, "the hierarchical cache is the prefix cache's lower tiers"

@@ -6,6 +6,7 @@ frames) leaves both books clean."""
 
 from __future__ import annotations
 
+import itertools
 import socket
 import time
 
@@ -149,8 +150,9 @@ class RogueDecodeClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
 
-    def claim(self, room_id: int, prompt: list[int]) -> None:
-        self.sock.send(wire.encode(wire.Claim(room_id, len(prompt), 0, wire.tokens_crc(prompt), self.layout)))
+    def claim(self, room_id: int, prompt: list[int], tokens: list[int] | None = None) -> None:
+        c = wire.Claim(room_id, len(prompt), 0, wire.tokens_crc(prompt), self.layout, tokens=tokens)
+        self.sock.send(wire.encode(c))
 
     def until_done(self, pre, room_id: int, timeout: float = 10.0) -> None:
         """Step ``pre`` until the room's Done came (its KV frames before it)."""
@@ -684,6 +686,250 @@ def test_prefill_waits_for_the_claim_so_small_pools_cannot_deadlock(pd, make_eng
     assert [res["da"]["output_ids"], res["db"]["output_ids"]] == [o["output_ids"] for o in want]
     assert [res["pa"]["output_ids"], res["pb"]["output_ids"]] == [o["output_ids"][:1] for o in want]
     assert stats(dec)["transfers_timed_out"] == 0 and stats(pre)["transfers_timed_out"] == 0
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+# -- session turns through PD -------------------------------------------------------------------------
+# The session lives on decode; the router sends prefill the same body (the turn's input and its
+# session_params), and decode's claim carries the turn's whole prompt (history + input).
+TURNS = [list(range(10, 40)), list(range(50, 61)), list(range(70, 79)), list(range(90, 97))]
+SESSION_SP = {**GREEDY, "max_new_tokens": 6}
+_ROOMS = itertools.count(500)
+
+
+def one_engine_session(make_engine, turns, sp=SESSION_SP) -> list[dict]:
+    """The same turns as a session on one engine (decode's pages of 4): the reference."""
+    one = make_engine(page_size=4)
+    sid = one.open_session()
+    outs = [one.generate(input_ids=t, sampling_params=sp, session_params={"id": sid}) for t in turns]
+    one.close_session(sid)
+    return outs
+
+
+def send_turn(pre, dec, port: int, sid: str, new: list[int], k, sp=SESSION_SP) -> None:
+    """Queue turn ``k`` of session ``sid`` on both sides, as the router does (the same body, the
+    same room)."""
+    n = next(_ROOMS)
+    dec.add_request(new, sp, rid=f"d{k}", session_params={"id": sid}, disagg=room(port, n))
+    pre.add_request(new, sp, rid=f"p{k}", session_params={"id": sid}, disagg=room(port, n))
+
+
+def session_turn(pre, dec, port: int, sid: str, new: list[int], k, sp=SESSION_SP) -> dict:
+    send_turn(pre, dec, port, sid, new, k, sp)
+    return drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"]
+
+
+def session_of(eng, sid: str) -> dict:
+    return next(s for s in eng.sessions() if s["id"] == sid)
+
+
+@BACKENDS
+def test_session_turns_through_pd_equal_one_engine_and_move_only_their_suffix(pd, make_engine, backend):
+    """fp32 greedy: four turns of a session opened on decode equal the same session on one engine,
+    token for token. Every later turn borrows the session's KV on decode and moves only what lies
+    beyond it (its input, plus the previous turn's last token and the partial page); its
+    ``cached_tokens`` is what the session served, as on one engine (transferred KV is not a hit)."""
+    refs = one_engine_session(make_engine, TURNS)
+    pre, dec, port = pd(backend=backend)
+    sid = dec.open_session()
+    moved_before = 0
+    for k, new in enumerate(TURNS):
+        kv_before = session_of(dec, sid)["kv_tokens"]
+        prompt_len = session_of(dec, sid)["tokens"] + len(new)
+        out = session_turn(pre, dec, port, sid, new, k)
+        assert out["output_ids"] == refs[k]["output_ids"], k
+        assert out["meta_info"]["prompt_tokens"] == refs[k]["meta_info"]["prompt_tokens"] == prompt_len
+        borrowed = kv_before // 4 * 4  # the session's full pages
+        assert out["meta_info"]["cached_tokens"] == refs[k]["meta_info"]["cached_tokens"] == borrowed, k
+        moved = stats(dec)["tokens"] - moved_before
+        moved_before = stats(dec)["tokens"]
+        assert moved == prompt_len - borrowed, (k, moved)
+        if k:
+            assert 0 < moved <= len(new) + 4, (k, moved)  # the suffix only, never the history
+        s = session_of(dec, sid)
+        assert s["tokens"] == prompt_len + len(out["output_ids"]) and s["busy_rid"] is None
+    assert stats(pre)["tokens"] == stats(dec)["tokens"] and stats(dec)["frames_refused"] == 0
+    assert stats(dec)["transfers_ok"] == len(TURNS)
+    assert pre.sessions() == []  # prefill never holds the session
+    dec.close_session(sid)
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_session_turn_aborted_while_its_kv_is_in_flight_leaves_the_session(pd, make_engine):
+    """Turn 3 is aborted on decode while prefill computes it (claimed, nothing sent): the session on
+    decode is exactly as turn 2 left it (tokens, KV, pages), prefill frees everything, and the turn
+    sent again is one engine's (the session's KV was not overwritten)."""
+    turns = [*TURNS[:2], list(range(70, 150))]  # a long turn 3: prefill computes it in 10 chunks
+    refs = one_engine_session(make_engine, turns)
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 8})
+    sid = dec.open_session()
+    for k in range(2):
+        session_turn(pre, dec, port, sid, turns[k], k)
+    before = session_of(dec, sid)
+    held = dec.memory()["kv_session"]
+    send_turn(pre, dec, port, sid, turns[2], "x")
+    deadline = time.monotonic() + 10
+    while owners(pre).get("req px", 0) == 0:  # claimed: prefill is computing, chunk by chunk
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        dec.step()
+        time.sleep(0.005)
+    assert "req dx [waiting for kv]" in owners(dec) and session_of(dec, sid)["busy_rid"] == "dx"
+    dec.abort("dx")
+    res = drive([dec, pre], {id(dec): ["dx"], id(pre): ["px"]})
+    assert res["dx"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert stats(dec)["transfers_ok"] == 2  # turn 3's KV never arrived
+    until_idle(pre)
+    until_idle(dec)
+    assert owners(pre) == {} and owners(dec) == {}
+    assert session_of(dec, sid) == before and dec.memory()["kv_session"] == held
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    out = session_turn(pre, dec, port, sid, turns[2], 2)
+    assert out["output_ids"] == refs[2]["output_ids"]
+    assert out["meta_info"]["cached_tokens"] == refs[2]["meta_info"]["cached_tokens"]
+    dec.close_session(sid)
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_session_turn_aborted_on_prefill_leaves_the_session(pd, make_engine):
+    """The other side of the same: prefill's half is aborted (its client went away) while computing;
+    decode's turn fails with a 502 at once, its session as it was, and the next turn is exact."""
+    refs = one_engine_session(make_engine, TURNS[:2])
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 16})
+    sid = dec.open_session()
+    session_turn(pre, dec, port, sid, TURNS[0], 0)
+    before = session_of(dec, sid)
+    send_turn(pre, dec, port, sid, TURNS[1], "x")
+    deadline = time.monotonic() + 10
+    while owners(pre).get("req px", 0) == 0:
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        dec.step()
+        time.sleep(0.005)
+    pre.abort("px")
+    res = drive([dec, pre], {id(dec): ["dx"], id(pre): ["px"]})
+    fin = res["dx"]["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and "the prefill server failed this request" in fin["message"], fin
+    until_idle(pre)
+    until_idle(dec)
+    assert session_of(dec, sid) == before
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    assert session_turn(pre, dec, port, sid, TURNS[1], 1)["output_ids"] == refs[1]["output_ids"]
+    dec.close_session(sid)
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_session_turn_too_long_is_refused_on_decode_and_prefill_lets_go_at_once(pd):
+    """A turn that would pass the context is a 400 on decode before anything is held; decode tells
+    prefill, whose request ends at once (not after its bootstrap timeout) holding nothing."""
+    pre, dec, port = pd(decode_kw={"context_length": 64}, prefill_kw={"context_length": 64})
+    pre.core.connector.timeout_s = 60.0  # a prefill that waited for the claim would hang the test
+    sid = dec.open_session()
+    session_turn(pre, dec, port, sid, TURNS[0], 0)
+    before = session_of(dec, sid)
+    with pytest.raises(Exception) as e:  # the engine API raises the 400 the server answers
+        dec.add_request(list(range(1, 40)), SESSION_SP, rid="dx", session_params={"id": sid},
+                        disagg=room(port, 600))  # fmt: skip
+    assert getattr(e.value, "status", None) == 400 and "context" in str(e.value)
+    pre.add_request(list(range(1, 40)), SESSION_SP, rid="px", session_params={"id": sid}, disagg=room(port, 600))
+    t0 = time.monotonic()
+    res = drive([pre], {id(pre): ["px"]}, timeout=10)
+    assert time.monotonic() - t0 < 5
+    fin = res["px"]["meta_info"]["finish_reason"]
+    # Whether decode's Fail came before prefill's request or after, its reason is what prefill says.
+    assert fin["type"] == "abort" and "the decode server refused the request" in fin["message"], fin
+    assert "context" in fin["message"], fin
+    assert session_of(dec, sid) == before
+    dec.close_session(sid)
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_closing_a_session_while_its_turn_is_in_flight_is_deferred(pd, make_engine):
+    """Seed 004's rule across two servers: a close while the turn waits for its KV from prefill only
+    marks the session; the turn completes with one engine's output, a new turn to the closing
+    session is a 404 (and prefill's half of it ends too), and the session's pages go at the turn's
+    end. Both sides clean."""
+    refs = one_engine_session(make_engine, TURNS[:2])
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 16})
+    sid = dec.open_session()
+    session_turn(pre, dec, port, sid, TURNS[0], 0)
+    send_turn(pre, dec, port, sid, TURNS[1], 1)
+    dec.step()
+    assert "req d1 [waiting for kv]" in owners(dec)
+    dec.close_session(sid)
+    s = session_of(dec, sid)
+    assert s["closing"] and s["busy_rid"] == "d1" and dec.memory()["kv_session"] > 0
+    with pytest.raises(Exception) as e:
+        dec.add_request(TURNS[2], SESSION_SP, rid="d9", session_params={"id": sid}, disagg=room(port, 509))
+    assert getattr(e.value, "status", None) == 404
+    pre.add_request(TURNS[2], SESSION_SP, rid="p9", session_params={"id": sid}, disagg=room(port, 509))
+    res = drive([pre, dec], {id(pre): ["p1", "p9"], id(dec): ["d1"]})
+    assert res["d1"]["output_ids"] == refs[1]["output_ids"]
+    assert res["p9"]["meta_info"]["finish_reason"]["type"] == "abort"
+    until_idle(pre)
+    until_idle(dec)
+    assert dec.sessions() == [] and dec.memory()["kv_session"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+@pytest.mark.parametrize("bad", ["no_tokens", "other_input"])
+def test_a_session_turns_claim_without_its_prompt_is_refused(pd, bad):
+    """Prefill takes a session turn's prompt from the claim only when it is there and ends with the
+    input prefill was sent (length and checksum agreeing): otherwise the request ends (a 502),
+    the claimant is told, and nothing is held."""
+    pre, _, port = pd()
+    new = list(range(5, 15))
+    full = list(range(100, 120)) + (new if bad == "no_tokens" else list(range(6, 16)))
+    pre.add_request(new, SESSION_SP, rid="p0", session_params={"id": "s"}, disagg=room(port, 700))
+    rogue = RogueDecodeClient(port, pre.core.connector.layout)
+    try:
+        rogue.claim(700, full, tokens=None if bad == "no_tokens" else full)
+        res = drive([pre], {id(pre): ["p0"]})
+        fin = res["p0"]["meta_info"]["finish_reason"]
+        assert fin["type"] == "abort" and "refused the decode server's claim" in fin["message"], fin
+        deadline = time.monotonic() + 5
+        while not rogue.sock.poll(10):
+            assert time.monotonic() < deadline, "the claimant was never told"
+            pre.step()
+        msg = wire.decode(rogue.sock.recv_multipart()[0])
+        assert isinstance(msg, wire.Fail) and msg.room == 700
+    finally:
+        rogue.close()
+    assert stats(pre)["frames_refused"] == 1 and stats(pre)["tokens"] == 0
+    until_idle(pre)
+    assert_idle_clean(pre)
+
+
+def test_a_request_prefill_refuses_fails_its_decode_half_at_once(pd):
+    """The other direction of a refusal before queueing: prefill refuses its half (here a duplicate
+    rid, 409); the decode half's claim is answered with a Fail at once (502), not after decode's
+    waiting timeout, and nothing is held on either side."""
+    pre, dec, port = pd()
+    dec.core.connector.timeout_s = 60.0
+    p = list(range(5, 25))
+    pre.add_request(p, SESSION_SP, rid="busy")  # no room: a plain request holding the rid
+    with pytest.raises(Exception) as e:
+        pre.add_request(p, SESSION_SP, rid="busy", disagg=room(port, 800))
+    assert getattr(e.value, "status", None) == 409
+    dec.add_request(p, SESSION_SP, rid="d0", disagg=room(port, 800))
+    t0 = time.monotonic()
+    res = drive([pre, dec], {id(dec): ["d0"], id(pre): ["busy"]}, timeout=10)
+    assert time.monotonic() - t0 < 5
+    fin = res["d0"]["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and "the prefill server refused the request" in fin["message"], fin
     until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)

@@ -105,9 +105,14 @@ def test_the_readme_matrix_is_the_table():
     assert m.group(1).strip() == compat.markdown_matrix().strip(), "regenerate: python -m kvledger.compat"
 
 
-def test_a_session_turn_is_refused_with_the_tables_reason_under_pd():
+def test_a_request_level_refusal_names_the_tables_reason(monkeypatch):
+    """A request-level feature is refused with the table's reason where the engine has a feature it
+    does not combine with (none is left today: PD x session turns works since issue 35)."""
+    compat.check_request(EngineConfig.from_flat(disaggregation_mode="decode"), "sessions")  # works
+    pair = frozenset({"pd", "sessions"})
+    monkeypatch.setitem(compat.REFUSED, pair, compat.Refusal(compat.NOT_YET, "a reason"))
     cfg = EngineConfig.from_flat(disaggregation_mode="decode")
     with pytest.raises(ValidationError, match="session turns do not work with PD disaggregation") as e:
         compat.check_request(cfg, "sessions")
-    assert e.value.param == "session_params"
+    assert "a reason" in str(e.value) and e.value.param == "session_params"
     compat.check_request(EngineConfig(), "sessions")  # no PD: fine

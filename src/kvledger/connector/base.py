@@ -3,6 +3,7 @@ tier) or must be sent elsewhere, modelled on vLLM's ``KVConnectorBase_V1``.
 
 Scheduler side (rank 0, with the books):
   * ``check_request(req)``: refuse a request before it is queued (a room already in use).
+  * ``request_refused(req, why)``: an earlier check refused it (PD: tell the other side at once).
   * ``request_queued(req)``: the request is in the waiting queue (every refusal is behind it): a
     connector may start fetching its KV (the hierarchical cache's L3 prefetch).
   * ``get_num_new_matched_tokens(req, num_computed)`` -> ``(n, load_async)``: how many tokens beyond
@@ -55,6 +56,11 @@ class KVConnector:
     # -- scheduler side ---------------------------------------------------------------------------------
     def check_request(self, req) -> None:
         """Refuse ``req`` before it is queued (raise a KVLedgerError); the last check of a submit."""
+        return None
+
+    def request_refused(self, req, why: str) -> None:
+        """``req`` was refused before it was queued (by a check before ``check_request``, whose own
+        refusal is not reported); a connector may tell a peer waiting for it (PD: the other side)."""
         return None
 
     def request_queued(self, req) -> None:

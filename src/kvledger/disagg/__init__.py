@@ -20,9 +20,12 @@ from .tp import RankHeads
 log = logging.getLogger("kvledger.disagg")
 
 
-def make_connector(cfg: EngineConfig, kv: KVBuffer, abort, kv_heads: int | None = None) -> KVConnector | None:
+def make_connector(
+    cfg: EngineConfig, kv: KVBuffer, abort, limits=None, kv_heads: int | None = None
+) -> KVConnector | None:
     """The connector for ``cfg.disagg.disaggregation_mode`` (None when it is off): rank 0's, over
-    ``kv`` (its heads); ``kv_heads`` is the model's count (the wire's layout)."""
+    ``kv`` (its heads); ``limits``: the engine's, for a prompt a claim carries (a session turn's,
+    ``prefill.py``); ``kv_heads`` is the model's count (the wire's layout)."""
     if not cfg.disagg.enabled:
         return None
     host = cfg.disagg.disaggregation_bind_host or "127.0.0.1"
@@ -49,6 +52,7 @@ def make_connector(cfg: EngineConfig, kv: KVBuffer, abort, kv_heads: int | None 
             cfg.disagg.disaggregation_bootstrap_timeout_s,
             abort,
             data,
+            limits,
             heads,
             kv_heads,
         )

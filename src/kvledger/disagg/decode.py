@@ -114,6 +114,14 @@ class DecodeConnector(KVConnector):
                 raise ConflictError(f"bootstrap_room {d.room} is already in use", param="bootstrap_room")
             self._live[d.room] = req.rid
 
+    def request_refused(self, req, why: str) -> None:
+        d = req.disagg
+        if d is None or d.fake:
+            return
+        # Refused here (a session turn too long, its session busy or gone, the queue full): the
+        # prefill side's request for this room would otherwise wait out its bootstrap timeout.
+        self.io.post(("send", self._addr(d), wire.Fail(d.room, f"the decode server refused the request: {why}")))
+
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
         if req.disagg is None or req.output_ids or req.rid in self._received:
             return 0, False  # a direct request, or one retracted after its KV came: computed here
@@ -141,7 +149,11 @@ class DecodeConnector(KVConnector):
             job.direct = True
         with self._lock:
             self._jobs[d.room] = job
-        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids), self.layout, target)
+        # A session turn's prompt is the session's history + its input: only this side knows it, so
+        # the claim carries it (prefill was sent the turn's input alone). ``start`` is what the
+        # session's borrowed pages already hold; prefill sends the rest.
+        tokens = list(req.input_ids) if req.session is not None else None
+        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids), self.layout, target, tokens)
         self.io.post(("send", job.addr, claim))
 
     def received_output(self, req):

@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..connector import KVConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..disagg import make_connector, make_worker_side
-from ..errors import ValidationError
+from ..errors import KVLedgerError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
@@ -212,7 +212,11 @@ class EngineCore:
         if connector is None and cfg.disagg.disaggregation_mode is not None:
             # The connector reaches the scheduler (built below) only through its thread-safe abort.
             connector = make_connector(
-                cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a), mc.num_kv_heads
+                cfg,
+                runner.kv_buffer,
+                lambda *a: self.scheduler.abort(*a),
+                self._limits(cfg, mc, context),
+                mc.num_kv_heads,
             )
         self.connector = connector
         self.last_step_ran = False
@@ -236,13 +240,7 @@ class EngineCore:
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
         )
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
-        self.limits = Limits(
-            vocab_size=mc.vocab_size,
-            context_length=context,
-            max_stop_strings=cfg.scheduler.max_stop_strings,
-            max_stop_string_len=cfg.scheduler.max_stop_string_len,
-            max_top_logprobs=cfg.scheduler.max_top_logprobs,
-        )
+        self.limits = self._limits(cfg, mc, context)
         if cfg.kernels.enable_torch_compile:
             self.model.enable_compile()
             self._warm_up_compile()
@@ -330,6 +328,16 @@ class EngineCore:
             out.finished_recving |= one.finished_recving
         return out
 
+    @staticmethod
+    def _limits(cfg: EngineConfig, mc, context: int) -> Limits:
+        return Limits(
+            vocab_size=mc.vocab_size,
+            context_length=context,
+            max_stop_strings=cfg.scheduler.max_stop_strings,
+            max_stop_string_len=cfg.scheduler.max_stop_string_len,
+            max_top_logprobs=cfg.scheduler.max_top_logprobs,
+        )
+
     # -- requests ---------------------------------------------------------------------------------------
     def make_request(self, input_ids, sampling: dict | None, rid: str | None = None) -> Req:
         """Validate (the engine's copy of the one validation, the authority) and build a request."""
@@ -345,36 +353,51 @@ class EngineCore:
 
     def submit(self, req: Req, session_params: dict | None = None) -> None:
         """Queue a validated request; with ``session_params`` it becomes a turn of that session.
-        Every refusal (409, 429, a session's 400/404/409) happens before anything is held."""
-        self.scheduler.check_submit(req)
-        if req.disagg is not None:
-            self._disagg_params(req, session_params)
-        if session_params is not None:
-            s = (
-                self.sessions.sessions.get(session_params.get("id"))
-                if isinstance(session_params, dict)
-                else None
-            )
-            if s is not None and s.busy_rid is not None:
-                # The busy turn may be on its way out (a client that disconnected and retried at once):
-                # let pending aborts finish first. Between steps this is a safe point.
-                self.scheduler.settle()
-            self.sessions.attach(req, session_params, self.limits.context_length)
+        Every refusal (409, 429, a session's 400/404/409) happens before anything is held; a PD
+        request refused here is reported to its connector, which tells the other side at once."""
+        try:
+            self.scheduler.check_submit(req)
+            if req.disagg is not None:
+                self._disagg_params(req, session_params)
+            if session_params is not None:
+                check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature
+                if req.disagg is not None and self._pd_mode == "prefill":
+                    # A session turn through PD, prefill's half: the session is decode's. The request is a
+                    # plain one whose prompt decode's claim supplies (``disagg/prefill.py``).
+                    self.sessions.check_params(req, session_params)
+                else:
+                    self._attach(req, session_params)
+        except KVLedgerError as e:
+            if self.connector is not None and req.disagg is not None:
+                self.connector.request_refused(req, e.message)
+            raise
         if self.connector is not None:
             self.connector.check_request(req)  # last: it may take the request's room
         self.scheduler.submit(req)
 
+    @property
+    def _pd_mode(self) -> str | None:
+        return self.cfg.disagg.disaggregation_mode
+
+    def _attach(self, req: Req, session_params: dict) -> None:
+        s = self.sessions.sessions.get(session_params.get("id")) if isinstance(session_params, dict) else None
+        if s is not None and s.busy_rid is not None:
+            # The busy turn may be on its way out (a client that disconnected and retried at once):
+            # let pending aborts finish first. Between steps this is a safe point.
+            self.scheduler.settle()
+        self.sessions.attach(req, session_params, self.limits.context_length)
+
     def _disagg_params(self, req: Req, session_params: dict | None) -> None:
         """A request with a bootstrap room on a PD server: prefill computes the prompt and one token;
         decode takes the prompt's KV and that token, so it computes no prompt logprobs (the router
-        prepends prefill's). On a server that is neither, the room is ignored."""
-        mode = self.cfg.disagg.disaggregation_mode
+        prepends prefill's). On a server that is neither, the room is ignored. A session turn on
+        prefill takes its prompt from decode's claim (the session and its history are decode's)."""
+        mode = self._pd_mode
         if mode is None:
             req.disagg = None
             return
-        if session_params is not None:
-            check_request(self.cfg, "sessions")  # PD x session turns: the compatibility table's refusal
         if mode == "prefill":
+            req.prompt_from_claim = session_params is not None and not req.disagg.fake
             req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
         else:
             req.params = dataclasses.replace(req.params, logprob_start_len=-1)
@@ -402,7 +425,12 @@ class EngineCore:
     def connector_stats(self) -> dict | None:
         """The PD transport's counters (None without one)."""
         stats = getattr(self.connector, "stats", None)
-        return None if stats is None else {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
+        if stats is None:
+            return None
+        out = {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
+        if (addr := getattr(self.connector, "address", None)) is not None:
+            out["bootstrap"] = addr  # prefill: where its bootstrap port listens (host:port)
+        return out
 
     def shutdown(self, drain_timeout_s: float = SHUTDOWN_DRAIN_S) -> int:
         """Everything still running ends through the release path, then sessions close; returns

@@ -77,6 +77,9 @@ class Req:
     spec: SpecState = field(default_factory=SpecState)
     grammar: object | None = None  # structured outputs: its GrammarState (constrained/grammar.py)
     disagg: DisaggParams | None = None  # PD: the room its KV goes to / comes from (disagg/)
+    # PD prefill, a session turn: the session is decode's, so the prompt is the one decode's claim
+    # carries (history + this input), taken before admission (``disagg/prefill.py``).
+    prompt_from_claim: bool = False
     # time.monotonic() past which the request ends with a 503 (its timeout or the server's); None: never.
     deadline: float | None = None
     timeout_s: float = 0.0  # the limit that set the deadline (named in the message)
