@@ -48,6 +48,7 @@ def test_tp2_prefill_and_tp2_decode_through_the_router_equal_one_engine(chat_mod
         st = dec.info()["disaggregation"]
         assert st["transfers_ok"] == len(prompts) + 1 and st["frames_refused"] == 0, st
         assert st["staged_peak_bytes"] > 0 and st["staged_bytes"] == 0, st
+        assert "kvledger_pd_staged_bytes 0.0" in httpx.get(dec.url + "/metrics").text
         for s in (pre, dec):
             s.wait_idle_clean(timeout=15)
         assert pre.info()["disaggregation"]["staged_bytes"] == 0

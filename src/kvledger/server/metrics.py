@@ -84,6 +84,11 @@ class Metrics:
         self.pd_transfer_seconds = Gauge(
             "kvledger_pd_transfer_seconds", "PD: seconds spent in completed transfers", registry=r
         )
+        self.pd_staged_bytes = Gauge(
+            "kvledger_pd_staged_bytes",
+            "PD under tensor parallel: whole-head KV bytes held on rank 0 between the group and the wire",
+            registry=r,
+        )
         self.hicache_tokens = Gauge(
             "kvledger_hicache_tokens", "Hierarchical cache: L2 tokens by state", ["state"], registry=r
         )
@@ -117,6 +122,7 @@ class Metrics:
             self.pd_kv_bytes.set(pd["bytes"])
             self.pd_kv_tokens.set(pd["tokens"])
             self.pd_transfer_seconds.set(pd["seconds"])
+            self.pd_staged_bytes.set(pd["staged_bytes"])
         m = stats.get("memory")
         if not m:
             return
