@@ -1,5 +1,6 @@
-"""PD disaggregation x tensor parallel: prefill and decode engines with their own ``--tp-size`` (2/2,
-1/2, 2/1) on a tiny Llama with 4 KV heads, talking over the built-in transport on 127.0.0.1. The wire
+"""PD disaggregation x tensor parallel: prefill and decode engines with their own ``--tp-size`` (1/2,
+2/1; 2/2 in tests/integration/test_pd_tp_router.py) on a tiny Llama with 4 KV heads (split over the
+ranks) and one with 1 (replicated on each), talking over the built-in transport on 127.0.0.1. The wire
 carries every head (rank 0 joins the ranks' heads on prefill, every rank places its own on decode),
 so fp32 greedy output equals one plain engine's token for token -- which it cannot unless every
 rank's heads were moved. Aborts on decode while KV is in flight (waiting, staged on rank 0, collected
@@ -24,8 +25,12 @@ PROMPTS = [[5], list(range(3, 8)), list(range(20, 57)), [(7 * i) % 250 + 1 for i
 
 
 @pytest.fixture(scope="module")
-def kv4_model(tmp_path_factory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("kv4")), "llama", seed=3, num_key_value_heads=4)
+def models(tmp_path_factory) -> dict[int, str]:
+    """KV heads -> a tiny Llama of 4 query heads: 4 KV heads split over 2 ranks, or 1 replicated."""
+    return {
+        kv: build_tiny_model(str(tmp_path_factory.mktemp(f"kv{kv}")), "llama", seed=3, num_key_value_heads=kv)
+        for kv in (4, 1)
+    }
 
 
 def test_heads_of_splits_like_the_weights():
@@ -44,6 +49,7 @@ class Pair:
     (tests/integration/test_pd_tp_router.py)."""
 
     def __init__(self, model: str, tp_pre: int, tp_dec: int, backend: str = "tcp"):
+        self.model = model
         self.port = free_port()
         both = dict(OPTS, disaggregation_transfer_backend=backend)
         self.pre = Engine(model=model, tp_size=tp_pre, page_size=16, disaggregation_mode="prefill",
@@ -73,12 +79,14 @@ MOONCAKE = pytest.mark.skipif(bool(mooncake_missing()), reason=str(mooncake_miss
 
 @pytest.fixture(
     scope="module",
-    params=[(1, 2, "tcp"), (2, 1, "tcp"), pytest.param((1, 2, "mooncake"), marks=MOONCAKE),
-            pytest.param((2, 1, "mooncake"), marks=MOONCAKE)],
-    ids=["prefill1-decode2", "prefill2-decode1", "prefill1-decode2-mooncake", "prefill2-decode1-mooncake"],
+    params=[(1, 2, "tcp", 4), (2, 1, "tcp", 4), (1, 2, "tcp", 1), (2, 1, "tcp", 1),
+            pytest.param((1, 2, "mooncake", 4), marks=MOONCAKE), pytest.param((2, 1, "mooncake", 4), marks=MOONCAKE)],
+    ids=["prefill1-decode2", "prefill2-decode1", "prefill1-decode2-kv1", "prefill2-decode1-kv1",
+         "prefill1-decode2-mooncake", "prefill2-decode1-mooncake"],
 )  # fmt: skip
-def pair(request, kv4_model):
-    made = Pair(kv4_model, *request.param)
+def pair(request, models):
+    tp_pre, tp_dec, backend, kv = request.param
+    made = Pair(models[kv], tp_pre, tp_dec, backend)
     pids = made.pre.core.info.tp_worker_pids + made.dec.core.info.tp_worker_pids
     assert len(pids) == 1  # the TP-2 side's worker rank
     yield made
@@ -91,11 +99,11 @@ def stats(eng: Engine) -> dict:
     return eng.core.connector_stats()
 
 
-def test_pd_with_tp_equals_one_engine(pair, kv4_model):
+def test_pd_with_tp_equals_one_engine(pair):
     """fp32 greedy through PD with these TP sizes equals a plain engine's output token for token,
     over chunked prompts and a second turn whose prefix decode's own cache serves (the transfer then
     starts mid-prompt). The TP side staged whole-head KV on rank 0 and holds none of it after."""
-    one = Engine(model=kv4_model, page_size=16, **OPTS)
+    one = Engine(model=pair.model, page_size=16, **OPTS)
     try:
         sp = {**G, "max_new_tokens": 8}
         want = [o["output_ids"] for o in one.generate(input_ids=PROMPTS, sampling_params=sp)]
@@ -155,7 +163,7 @@ def test_an_abort_on_decode_while_kv_is_in_flight_frees_both_sides(pair):
         pre.add_request(p, sp, rid="pb", disagg=room(port, 902))
         dec.step()  # admitted and claimed; from here only prefill steps
         _wait(lambda: bool(dec.core.connector._to_place), [pre])
-        assert stats(dec)["staged_bytes"] == 2 * 2 * 4 * 16 * 4 * len(p)  # K+V, layers, heads, dim, fp32
+        assert stats(dec)["staged_bytes"] == dec.core.connector.layout.bytes_per_token * len(p)
         assert "req db [waiting for kv]" in owners(dec)
         dec.abort("db")
         assert drive([dec], {id(dec): ["db"]})["db"]["meta_info"]["finish_reason"]["type"] == "abort"
