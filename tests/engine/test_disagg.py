@@ -687,3 +687,53 @@ def test_prefill_waits_for_the_claim_so_small_pools_cannot_deadlock(pd, make_eng
     until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)
+
+
+# -- PD with a draft model: decode recomputes the draft's prompt K/V -----------------------------------
+def _record_drafts(eng) -> list[list[int]]:
+    proposer = eng.core.scheduler.proposer
+    seen: list[list[int]] = []
+    orig = proposer.propose
+
+    def propose(req, k):
+        drafts = orig(req, k)
+        seen.append(drafts)
+        return drafts
+
+    proposer.propose = propose
+    return seen
+
+
+def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_llama):
+    """Only the target's KV moves; the draft's prompt K/V is recomputed on decode (its first
+    proposal after the admission runs the draft from position 0, over pages the transfer filled or
+    decode's prefix cache lent). Greedy output equals one engine without a draft, token for token;
+    decode's drafts equal, draft for draft, those of a draft engine that caches nothing, so no draft
+    read stale K/V (the target is its own draft here: right K/V means nearly every draft accepted);
+    prefill never drafts. The second round hits decode's prefix cache: recomputed there too."""
+    draft = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
+                 speculative_num_draft_tokens=3)  # fmt: skip
+    prompts = [*PROMPTS, list(range(60, 130))]
+    sp = {**GREEDY, "max_new_tokens": 12}
+    plain = make_engine()
+    refs = [plain.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
+    cold = make_engine(page_size=4, enable_prefix_cache=False, **draft)
+    cold_drafts = _record_drafts(cold)
+    assert [cold.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts] == refs
+    pre, dec, port = pd(prefill_kw=draft, decode_kw=draft)
+    drafts = _record_drafts(dec)
+    for rnd in range(2):
+        for i, p in enumerate(prompts):  # one at a time: each request's drafts in order
+            n = 10 * rnd + i
+            pre.add_request(p, sp, rid=f"p{n}", disagg=room(port, 500 + n))
+            dec.add_request(p, sp, rid=f"d{n}", disagg=room(port, 500 + n))
+            res = drive([pre, dec], {id(pre): [f"p{n}"], id(dec): [f"d{n}"]})
+            assert res[f"d{n}"]["output_ids"] == refs[i], (rnd, i)
+        assert drafts == cold_drafts, rnd
+        drafts.clear()
+    assert stats(dec)["tokens"] < 2 * sum(len(p) for p in prompts)  # round 2: decode's cache served
+    t = dec.core.scheduler.spec_totals
+    assert t.drafted > 0 and t.accepted > 0.9 * t.drafted, t
+    assert pre.core.scheduler.spec_totals.drafted == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
