@@ -85,7 +85,6 @@ REFUSED: dict[frozenset[str], Refusal] = {
     ),
     # Prefill/decode disaggregation moves one engine's pages: the rest is the PD issue's.
     frozenset({"pd", "tp"}): Refusal(NOT_YET, "a transfer moves one rank's KV; ranks hold their own heads"),
-    frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
     frozenset({"pd", "sessions"}): Refusal(NOT_YET, "a session turn cannot be disaggregated"),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(

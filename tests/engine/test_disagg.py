@@ -6,6 +6,7 @@ frames) leaves both books clean."""
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 
@@ -67,9 +68,9 @@ def pd(make_engine):
 
     yield build
     for eng in made:
-        eng.core.connector.timeout_s = 0.2  # a failed test must not wait out the default timeouts
+        eng.core.disagg_connector.timeout_s = 0.2  # a failed test must not wait out the default timeouts
         eng.run_until_idle()
-        eng.core.connector.close()
+        eng.core.disagg_connector.close()
 
 
 def drive(engines, rids_by_engine, timeout=30.0) -> dict:
@@ -735,5 +736,76 @@ def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_l
     t = dec.core.scheduler.spec_totals
     assert t.drafted > 0 and t.accepted > 0.9 * t.drafted, t
     assert pre.core.scheduler.spec_totals.drafted == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+# -- PD with the hierarchical cache on both sides ------------------------------------------------------
+def _families(seed: int = 0, families: int = 8, prefix: int = 96) -> list[list[int]]:
+    """Shared-prefix families, each asked twice: 8 x 104 tokens, over 3x an L1 of 256 tokens."""
+    rng = random.Random(seed)
+    fams = [[rng.randrange(1, 250) for _ in range(prefix)] for _ in range(families)]
+    return [f + [rng.randrange(1, 250) for _ in range(8)] for f in fams for _ in range(2)]
+
+
+def _hc(eng) -> dict:
+    return eng.memory()["hicache"]
+
+
+@pytest.mark.parametrize("tier", ["l2", "l3"])
+def test_pd_with_the_hierarchy_on_both_sides_equals_one_engine(pd, make_engine, tmp_path, tier):
+    """Both sides' pools hold a quarter of the workload. Prefill's prefix match goes through its
+    tiers: a prompt evicted from its pool but kept in L2 (or read back from L3 files) is loaded, not
+    recomputed, before its KV is sent, and counts as cached. Decode's received KV enters its radix
+    tree at the end, so its tiers, like computed KV; decode then loads from its L2 what it holds
+    past its L1 prefix (in the admission step, which runs no forward) and the transfer brings only
+    the rest; a request without a room loads it back from there too. Output equals one engine's;
+    both sides' books (L2 pages too) are clean."""
+    sp = {**GREEDY, "max_new_tokens": 6}
+    prompts = _families()
+    plain = make_engine()
+    refs = [plain.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
+    hier = dict(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8)
+    pre_kw = dict(hier)
+    if tier == "l3":
+        pre_kw.update(hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"),
+                      hicache_prefetch_threshold=16)  # fmt: skip
+    pre, dec, port = pd(prefill_kw=pre_kw, decode_kw=hier)
+    metas = []
+    for rnd in range(2):
+        for i, p in enumerate(prompts):
+            n = 100 * rnd + i
+            pre.add_request(p, sp, rid=f"p{n}", disagg=room(port, 900 + n))
+            dec.add_request(p, sp, rid=f"d{n}", disagg=room(port, 900 + n))
+            res = drive([pre, dec], {id(pre): [f"p{n}"], id(dec): [f"d{n}"]})
+            assert res[f"d{n}"]["output_ids"] == refs[i], (rnd, i)
+            metas.append((res[f"p{n}"]["meta_info"], res[f"d{n}"]["meta_info"]))
+    hp, hd = _hc(pre), _hc(dec)
+    assert hp["l2_hit_tokens"] > 0 and hp["l1_demoted_pages"] > 0, hp
+    if tier == "l3":
+        assert hp["l3_hit_tokens"] > 0, hp
+    # A tier hit on prefill is a cache hit through PD (decode reports prefill's match where it
+    # reaches further than its own); the round-2 prompts were all served from some cache.
+    assert all(d["cached_tokens"] == max(p["cached_tokens"], d["cached_tokens"]) for p, d in metas)
+    assert all(d["cached_tokens"] >= 96 for _, d in metas[len(prompts):]), metas[len(prompts):]
+    assert hd["backed_up_pages"] > 0 and hd["l1_demoted_pages"] > 0, hd  # received KV entered the tiers
+    assert hd["l2_hit_tokens"] > 0, hd
+    # An old prompt again through PD: decode's L2 has it (its L1 long since gone), so the transfer
+    # carries only what is past that match, and decode reports it cached.
+    p, before, moved = prompts[2], hd["l2_hit_tokens"], stats(dec)["tokens"]
+    pre.add_request(p, sp, rid="p-again", disagg=room(port, 999))
+    dec.add_request(p, sp, rid="d-again", disagg=room(port, 999))
+    again = drive([pre, dec], {id(pre): ["p-again"], id(dec): ["d-again"]})["d-again"]
+    assert again["output_ids"] == refs[2]
+    loaded, sent = _hc(dec)["l2_hit_tokens"] - before, stats(dec)["tokens"] - moved
+    assert loaded >= 96 and 1 <= sent <= len(p) - loaded, (loaded, sent)
+    assert again["meta_info"]["cached_tokens"] >= loaded
+    hd = _hc(dec)
+    # Served whole on decode (no room): the prefix decode received by transfer comes back from its L2.
+    before = hd["l2_hit_tokens"]
+    got = dec.generate(input_ids=prompts[0], sampling_params=sp)
+    assert got["output_ids"] == refs[0]
+    assert _hc(dec)["l2_hit_tokens"] > before and got["meta_info"]["cached_tokens"] >= 96, _hc(dec)
+    assert stats(dec)["transfers_ok"] == stats(pre)["transfers_ok"] == 2 * len(prompts) + 1
     assert_idle_clean(pre)
     assert_idle_clean(dec)
