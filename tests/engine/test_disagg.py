@@ -790,13 +790,15 @@ def test_pd_with_the_hierarchy_on_both_sides_equals_one_engine(pd, make_engine, 
     assert all(d["cached_tokens"] >= 96 for _, d in metas[len(prompts):]), metas[len(prompts):]
     assert hd["backed_up_pages"] > 0 and hd["l1_demoted_pages"] > 0, hd  # received KV entered the tiers
     assert hd["l2_hit_tokens"] > 0, hd
-    # An old prompt again through PD: decode's L2 has it (its L1 long since gone), so the transfer
-    # carries only what is past that match, and decode reports it cached.
-    p, before, moved = prompts[2], hd["l2_hit_tokens"], stats(dec)["tokens"]
+    # An old prompt again through PD: both pools have long dropped it. Prefill loads it from its
+    # tiers instead of recomputing it; decode's L2 has it too, so the transfer carries only what is
+    # past that match, and decode reports it cached.
+    p, before, moved, pre_before = prompts[2], hd["l2_hit_tokens"], stats(dec)["tokens"], _hc(pre)["l2_hit_tokens"]
     pre.add_request(p, sp, rid="p-again", disagg=room(port, 999))
     dec.add_request(p, sp, rid="d-again", disagg=room(port, 999))
     again = drive([pre, dec], {id(pre): ["p-again"], id(dec): ["d-again"]})["d-again"]
     assert again["output_ids"] == refs[2]
+    assert _hc(pre)["l2_hit_tokens"] - pre_before >= 96, _hc(pre)
     loaded, sent = _hc(dec)["l2_hit_tokens"] - before, stats(dec)["tokens"] - moved
     assert loaded >= 96 and 1 <= sent <= len(p) - loaded, (loaded, sent)
     assert again["meta_info"]["cached_tokens"] >= loaded
@@ -809,3 +811,36 @@ def test_pd_with_the_hierarchy_on_both_sides_equals_one_engine(pd, make_engine, 
     assert stats(dec)["transfers_ok"] == stats(pre)["transfers_ok"] == 2 * len(prompts) + 1
     assert_idle_clean(pre)
     assert_idle_clean(dec)
+
+
+def test_abort_on_decode_after_its_tier_load_while_the_rest_is_awaited(pd, make_engine):
+    """Decode loads a prompt's prefix from its L2 in the admission step (no forward runs) and waits
+    for the rest by transfer; aborted then, its pages (the loaded ones too) are freed, the L2 copy
+    is unpinned and stays cached, and prefill (told the room is off) holds nothing: both books clean."""
+    hier = dict(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8)
+    pre, dec, port = pd(prefill_kw=hier, decode_kw=hier)
+    prompts = _families()
+    sp = {**GREEDY, "max_new_tokens": 4}
+    for p in prompts:  # served whole on decode: the first family ends up in its L2 only
+        dec.generate(input_ids=p, sampling_params=sp)
+    before = _hc(dec)["l2_hit_tokens"]
+    dec.add_request(prompts[0], sp, rid="d", disagg=room(port, 21))
+    dec.step()
+    assert "req d [waiting for kv]" in owners(dec)
+    assert _hc(dec)["l2_hit_tokens"] - before >= 96
+    dec.abort("d")
+    res = drive([dec], {id(dec): ["d"]})
+    assert res["d"]["meta_info"]["finish_reason"]["type"] == "abort"
+    pre.add_request(prompts[0], sp, rid="p", disagg=room(port, 21))
+    deadline = time.monotonic() + 10
+    while pre.result("p", pop=False) is None or not pre.core.scheduler.idle:
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        time.sleep(0.005)
+    assert owners(pre) == {} and _hc(dec)["l2_loading"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    # The L2 copy is still there: served again from it, exactly.
+    again = dec.generate(input_ids=prompts[0], sampling_params=sp)
+    assert again["meta_info"]["cached_tokens"] >= 96
+    assert again["output_ids"] == make_engine().generate(input_ids=prompts[0], sampling_params=sp)["output_ids"]
