@@ -420,7 +420,12 @@ class EngineCore:
     def connector_stats(self) -> dict | None:
         """The PD transport's counters (None without one)."""
         stats = getattr(self.disagg_connector, "stats", None)
-        return None if stats is None else {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
+        if stats is None:
+            return None
+        out = {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
+        if (addr := getattr(self.disagg_connector, "address", None)) is not None:
+            out["bootstrap"] = addr  # prefill: where its bootstrap port listens (host:port)
+        return out
 
     def shutdown(self, drain_timeout_s: float = SHUTDOWN_DRAIN_S) -> int:
         """Everything still running ends through the release path, then sessions close; returns
