@@ -705,13 +705,15 @@ def _record_drafts(eng) -> list[list[int]]:
     return seen
 
 
-def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_llama):
+@pytest.mark.parametrize("prefill_has_it", [True, False])
+def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_llama, prefill_has_it):
     """Only the target's KV moves; the draft's prompt K/V is recomputed on decode (its first
     proposal after the admission runs the draft from position 0, over pages the transfer filled or
     decode's prefix cache lent). Greedy output equals one engine without a draft, token for token;
     decode's drafts equal, draft for draft, those of a draft engine that caches nothing, so no draft
     read stale K/V (the target is its own draft here: right K/V means nearly every draft accepted);
-    prefill never drafts. The second round hits decode's prefix cache: recomputed there too."""
+    prefill never drafts (it needs no draft model). The second round hits decode's prefix cache:
+    recomputed there too."""
     draft = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
                  speculative_num_draft_tokens=3)  # fmt: skip
     prompts = [*PROMPTS, list(range(60, 130))]
@@ -721,7 +723,7 @@ def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_l
     cold = make_engine(page_size=4, enable_prefix_cache=False, **draft)
     cold_drafts = _record_drafts(cold)
     assert [cold.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts] == refs
-    pre, dec, port = pd(prefill_kw=draft, decode_kw=draft)
+    pre, dec, port = pd(prefill_kw=draft if prefill_has_it else None, decode_kw=draft)
     drafts = _record_drafts(dec)
     for rnd in range(2):
         for i, p in enumerate(prompts):  # one at a time: each request's drafts in order
