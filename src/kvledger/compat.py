@@ -85,8 +85,6 @@ REFUSED: dict[frozenset[str], Refusal] = {
     ),
     # Prefill/decode disaggregation moves one engine's pages: the rest is the PD issue's.
     frozenset({"pd", "tp"}): Refusal(NOT_YET, "a transfer moves one rank's KV; ranks hold their own heads"),
-    frozenset({"pd", "draft"}): Refusal(NOT_YET, "the draft model's K/V would have to move too"),
-    frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
         NO_MEANING, "the hierarchical cache is the prefix cache's lower tiers"
