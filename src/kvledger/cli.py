@@ -234,6 +234,7 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
         args.grace_period_s,
         args.session_journal,
         args.max_body_bytes,
+        engine.flat()["max_sessions"],
     )
 
 

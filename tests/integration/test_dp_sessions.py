@@ -37,7 +37,10 @@ class DP:
         self.log_path = log_path
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvledger", "serve", "--model", model, *ENGINE_ARGS, *THREADS,
-             "--port", str(self.port), "--dp-size", "2", "--log-level", "info"],
+             "--port", str(self.port), "--dp-size", "2", "--log-level", "info",
+             # Round robin: the router alone would send a session's turns to both replicas, so a turn
+             # that meets its KV every time is the front's doing, never the luck of a cache-aware pick.
+             "--router-policy", "round_robin"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -183,7 +186,7 @@ def test_two_sessions_each_stay_on_their_holder(dp, plain):
         _clean(u)
 
 
-def test_an_unknown_session_is_a_404_in_the_openai_shape(dp):
+def test_bad_session_requests_get_the_api_s_4xx_through_the_one_url(dp):
     for path, body in (
         ("/generate", {"text": "hi", "session_params": {"id": "no-such-session"}}),
         ("/close_session", {"session_id": "no-such-session"}),
@@ -195,6 +198,19 @@ def test_an_unknown_session_is_a_404_in_the_openai_shape(dp):
     # Malformed session bodies are the replicas' own 400s, through the one URL.
     r = httpx.post(dp.url + "/close_session", json={"session": 1}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    # A client-chosen id twice: its holder says 409, no second replica opens it.
+    assert httpx.post(dp.url + "/open_session", json={"session_id": "mine"}, timeout=30).json() == "mine"
+    r = httpx.post(dp.url + "/open_session", json={"session_id": "mine"}, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["type"] == "conflict_error", r.text
+    assert len(dp.holders("mine")) == 1
+    close_session(dp.url, "mine")
+    # Every replica's session table full (--max-sessions 8 each): 429 from the last one asked.
+    sids = [open_session(dp.url) for _ in range(16)]
+    assert sorted(len(dp.holders(s)) for s in sids) == [1] * 16
+    r = httpx.post(dp.url + "/open_session", json={}, timeout=30)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "overloaded_error", r.text
+    for s in sids:
+        close_session(dp.url, s)
     for u in dp.replicas:
         _clean(u)
 

@@ -7,7 +7,8 @@ fewest keys), so a turn keyed by its session id lands on a replica that never op
 (checked: 404 ``session_not_found``). This front adds only that. It listens on the public port and
 
 - opens a session on a replica it picks (among those up, the one holding the fewest of this front's
-  sessions), and remembers which;
+  sessions; the next one if that one's table is full, 429), and remembers which (a client-chosen id
+  it already routes goes to its holder, which answers 409);
 - sends a session's turns (``/generate`` with ``session_params.id``) and its ``/close_session`` to that
   replica, so every turn meets its KV; a turn for a replica that is down (being restarted by the
   launcher) gets 503 with ``Retry-After`` and the session waits for it;
@@ -54,12 +55,18 @@ class DPFront:
     ``up[i]`` says whether replica ``i`` is serving; the launcher's thread writes it (a restart) and
     this app's loop reads it."""
 
-    def __init__(self, router_url: str, replica_urls: list[str], up: list[bool], max_body_bytes: int):
+    def __init__(
+        self, router_url: str, replica_urls: list[str], up: list[bool], max_body_bytes: int, max_sessions: int
+    ):
         self.router_url = router_url
         self.replicas = replica_urls
         self.up = up
         self.max_body_bytes = max_body_bytes
-        self.sessions: dict[str, int] = {}  # session id -> the replica that holds it
+        # Session id -> the replica that holds it, least recently used first. The replicas together
+        # hold at most ``max_sessions`` x N; past that the oldest entries are sessions they have let go
+        # (expired, or dropped for a newer one) without this front seeing it: forgotten here too.
+        self.sessions: dict[str, int] = {}
+        self.cap = max_sessions * len(replica_urls)
         self._turn = 0  # ties between replicas go round
         self.http: httpx.AsyncClient | None = None
 
@@ -141,28 +148,45 @@ class DPFront:
         order = sorted(range(n), key=lambda i: (held[i], (i - self._turn) % n))
         return [i for i in order if self.up[i]]
 
+    def _remember(self, sid: str, i: int) -> None:
+        self.sessions.pop(sid, None)
+        self.sessions[sid] = i
+        while len(self.sessions) > self.cap:
+            del self.sessions[next(iter(self.sessions))]
+
     async def _open(self, scope: Scope, body: bytes, send: Send) -> None:
+        named = _session_of("/open_session", body)
+        if named in self.sessions:  # a client-chosen id we route already: its holder answers (409)
+            await self._relay(self.replicas[self.sessions[named]], scope, body, send)
+            return
+        last = None
         for i in self._pick():
             try:
                 r = await self._request(self.replicas[i], scope, body)
             except httpx.TransportError:
                 continue  # it died since it was marked up: the next one
+            if r.status_code == 429:  # its session table is full: another may have room
+                last = r
+                continue
             if r.status_code == 200:
                 try:
                     sid = json.loads(r.content)
                 except ValueError:
                     sid = None
                 if isinstance(sid, str):
-                    self.sessions[sid] = i
+                    self._remember(sid, i)
                     log.info("dp: session %s opened on replica %d", sid, i)
             await _reply_raw(send, r)
+            return
+        if last is not None:
+            await _reply_raw(send, last)
             return
         await _reply(send, 503, error_body("no replica is up to open a session on", "service_unavailable"),
                      retry_after=True)  # fmt: skip
 
     async def _session_request(self, scope: Scope, body: bytes, send: Send, sid: str, closing: bool) -> None:
         i = self.sessions.get(sid)
-        if i is None:  # not opened here: a replica answers (404 session_not_found, or 401 first)
+        if i is None:  # not opened here: a replica answers (404 session_not_found)
             await self._relay(self._any_replica(), scope, body, send)
             return
         if not self.up[i]:
@@ -172,20 +196,11 @@ class DPFront:
                 retry_after=True,
             )  # fmt: skip
             return
-        if closing:
-            try:
-                r = await self._request(self.replicas[i], scope, body)
-            except httpx.TransportError:
-                await _reply(send, 503, error_body(f"replica {i} is not reachable; retry", "service_unavailable"),
-                             retry_after=True)  # fmt: skip
-                return
-            if r.status_code in (200, 404):  # closed, or gone there (expired): gone here too
-                self.sessions.pop(sid, None)
-            await _reply_raw(send, r)
-            return
+        if not closing:
+            self._remember(sid, i)  # recently used
         status = await self._relay(self.replicas[i], scope, body, send)
-        if status == 404:
-            # The replica no longer has it (expired, or closed on the replica directly).
+        if status == 404 or (closing and status == 200):
+            # Closed, or no longer there (expired, or closed on the replica directly): gone here too.
             self.sessions.pop(sid, None)
 
     # -- HTTP ---------------------------------------------------------------------------------------
@@ -227,7 +242,7 @@ class DPFront:
 
 
 def _session_of(path: str, body: bytes) -> str | None:
-    """The session a /generate turn or a /close_session names, or None (then it is not ours to route)."""
+    """The session a /generate turn, a /close_session or an /open_session names, or None."""
     if path == "/generate" and b"session_params" not in body:
         return None  # the common case, without parsing the body
     try:
@@ -236,7 +251,7 @@ def _session_of(path: str, body: bytes) -> str | None:
         return None
     if not isinstance(doc, dict):
         return None
-    if path == "/close_session":
+    if path in ("/close_session", "/open_session"):
         sid = doc.get("session_id")
     else:
         sp = doc.get("session_params")

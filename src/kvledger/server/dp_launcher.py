@@ -157,6 +157,7 @@ def serve_dp(
     grace_period_s: float,
     session_journal: str | None = None,
     max_body_bytes: int = 8 * 1024 * 1024,
+    max_sessions: int = 64,
 ) -> int:
     """Start the replicas, the router and the front; tend the replicas until a signal; stop them all
     (exit status). ``session_journal`` is the directory under which each replica keeps its sessions
@@ -191,7 +192,7 @@ def serve_dp(
         if api_key:
             cmd += ["--api-key", api_key]
         router = subprocess.Popen(cmd)
-        front = FrontThread(DPFront(router_url, urls, up, max_body_bytes), host, port)
+        front = FrontThread(DPFront(router_url, urls, up, max_body_bytes, max_sessions), host, port)
         front.start()
         log.info("dp: serving on http://%s:%d (SGLang's router, %s, on %s; sessions kept on their replica)",
                  host, port, policy, router_url)  # fmt: skip
