@@ -145,10 +145,10 @@ def close_session(url: str, sid: str) -> None:
     assert r.status_code == 200, r.text
 
 
-def reference(plain: Server, turns: int) -> list[list[int]]:
-    """The same session's turns on one plain server."""
+def reference(plain: Server, turns: int | list[int]) -> list[list[int]]:
+    """The same session's turns (``turn_text(k)`` for each k) on one plain server."""
     sid = open_session(plain.url)
-    out = [turn(plain.url, sid, k)["output_ids"] for k in range(turns)]
+    out = [turn(plain.url, sid, k)["output_ids"] for k in (range(turns) if isinstance(turns, int) else turns)]
     close_session(plain.url, sid)
     return out
 
@@ -182,6 +182,34 @@ def test_two_sessions_each_stay_on_their_holder(dp, plain):
         assert [o["output_ids"] for o in outs[s]] == ref
         assert dp.holders(s) == h
         close_session(dp.url, s)
+    for u in dp.replicas:
+        _clean(u)
+
+
+def test_a_streamed_turn_whose_client_leaves_ends_on_its_replica(dp, plain):
+    """The front closes the upstream request when its client goes: the replica aborts the turn (which
+    leaves the session as it was) instead of generating 800 tokens for nobody."""
+    ref = reference(plain, [0, 2])
+    sid = open_session(dp.url)
+    first = turn(dp.url, sid, 0)
+    body = {"text": turn_text(1), "session_params": {"id": sid}, "stream": True,
+            "sampling_params": {"max_new_tokens": 800, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    with httpx.stream("POST", dp.url + "/generate", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        next(ln for ln in r.iter_lines() if ln.startswith("data:"))
+    t0 = time.monotonic()
+    while True:  # the session is busy (409) only until the replica has seen the disconnect
+        r = httpx.post(dp.url + "/generate", timeout=60, json={
+            "text": turn_text(2), "session_params": {"id": sid},
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        })  # fmt: skip
+        if r.status_code != 409 or time.monotonic() - t0 > 3:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+    assert [first["output_ids"], r.json()["output_ids"]] == ref  # the left turn added nothing
+    assert r.json()["meta_info"]["cached_tokens"] > 0
+    close_session(dp.url, sid)
     for u in dp.replicas:
         _clean(u)
 
