@@ -232,6 +232,9 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
         args.num_threads,
         args.api_key,
         args.grace_period_s,
+        args.session_journal,
+        args.max_body_bytes,
+        engine.flat()["max_sessions"],
     )
 
 
@@ -262,8 +265,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
     p.add_argument("--max-stored-responses", type=int, default=d.max_stored_responses,
                    help="responses kept for previous_response_id and GET /v1/responses/{id} (an LRU)")  # fmt: skip
+    p.add_argument("--session-journal", default=d.session_journal, metavar="DIR",
+                   help="keep open sessions in DIR so that they survive a restart of this server")  # fmt: skip
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
-                   help="start this many replicas (ports --port+1..) behind SGLang's router on --port")  # fmt: skip
+                   help="start this many replicas (ports --port+1..) behind SGLang's router (--port+N+1) and a session front on --port")  # fmt: skip
     p.add_argument("--router-policy", default="cache_aware",
                    choices=["cache_aware", "round_robin", "random", "power_of_two", "manual"],
                    help="--dp-size: the router's load-balancing policy")  # fmt: skip

@@ -83,9 +83,6 @@ REFUSED: dict[frozenset[str], Refusal] = {
         NOT_YET, "the weight-only int8/int4 kernels are CPU kernels (quantization auto serves a quantized "
         "file's weights in bfloat16 there)"
     ),
-    # Prefill/decode disaggregation: the rest is the PD issue's.
-    frozenset({"pd", "draft"}): Refusal(NOT_YET, "the draft model's K/V would have to move too"),
-    frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
         NO_MEANING, "the hierarchical cache is the prefix cache's lower tiers"

@@ -446,5 +446,8 @@ class ServerConfig:
     """An engine step that makes no progress for this long is killed and the engine restarted."""
     grace_period_s: float = 10.0
     """On SIGTERM/SIGINT running requests get this long to finish before they are aborted."""
+    session_journal: str | None = None
+    """A directory where open sessions' committed tokens are kept, so that they survive the server
+    process (re-opened on start, KV recomputed); ``--dp-size`` gives each replica one."""
     engine: EngineConfig = field(default_factory=EngineConfig)
 

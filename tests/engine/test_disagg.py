@@ -7,6 +7,7 @@ frames) leaves both books clean."""
 from __future__ import annotations
 
 import itertools
+import random
 import socket
 import time
 
@@ -68,9 +69,9 @@ def pd(make_engine):
 
     yield build
     for eng in made:
-        eng.core.connector.timeout_s = 0.2  # a failed test must not wait out the default timeouts
+        eng.core.disagg_connector.timeout_s = 0.2  # a failed test must not wait out the default timeouts
         eng.run_until_idle()
-        eng.core.connector.close()
+        eng.core.disagg_connector.close()
 
 
 def drive(engines, rids_by_engine, timeout=30.0) -> dict:
@@ -755,6 +756,56 @@ def test_session_turns_through_pd_equal_one_engine_and_move_only_their_suffix(pd
     assert pre.sessions() == []  # prefill never holds the session
     dec.close_session(sid)
     until_idle(pre)
+
+
+# -- PD with a draft model: decode recomputes the draft's prompt K/V -----------------------------------
+def _record_drafts(eng) -> list[list[int]]:
+    proposer = eng.core.scheduler.proposer
+    seen: list[list[int]] = []
+    orig = proposer.propose
+
+    def propose(req, k):
+        drafts = orig(req, k)
+        seen.append(drafts)
+        return drafts
+
+    proposer.propose = propose
+    return seen
+
+
+@pytest.mark.parametrize("prefill_has_it", [True, False])
+def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_llama, prefill_has_it):
+    """Only the target's KV moves; the draft's prompt K/V is recomputed on decode (its first
+    proposal after the admission runs the draft from position 0, over pages the transfer filled or
+    decode's prefix cache lent). Greedy output equals one engine without a draft, token for token;
+    decode's drafts equal, draft for draft, those of a draft engine that caches nothing, so no draft
+    read stale K/V (the target is its own draft here: right K/V means nearly every draft accepted);
+    prefill never drafts (it needs no draft model). The second round hits decode's prefix cache:
+    recomputed there too."""
+    draft = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
+                 speculative_num_draft_tokens=3)  # fmt: skip
+    prompts = [*PROMPTS, list(range(60, 130))]
+    sp = {**GREEDY, "max_new_tokens": 12}
+    plain = make_engine()
+    refs = [plain.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
+    cold = make_engine(page_size=4, enable_prefix_cache=False, **draft)
+    cold_drafts = _record_drafts(cold)
+    assert [cold.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts] == refs
+    pre, dec, port = pd(prefill_kw=draft if prefill_has_it else None, decode_kw=draft)
+    drafts = _record_drafts(dec)
+    for rnd in range(2):
+        for i, p in enumerate(prompts):  # one at a time: each request's drafts in order
+            n = 10 * rnd + i
+            pre.add_request(p, sp, rid=f"p{n}", disagg=room(port, 500 + n))
+            dec.add_request(p, sp, rid=f"d{n}", disagg=room(port, 500 + n))
+            res = drive([pre, dec], {id(pre): [f"p{n}"], id(dec): [f"d{n}"]})
+            assert res[f"d{n}"]["output_ids"] == refs[i], (rnd, i)
+        assert drafts == cold_drafts, rnd
+        drafts.clear()
+    assert stats(dec)["tokens"] < 2 * sum(len(p) for p in prompts)  # round 2: decode's cache served
+    t = dec.core.scheduler.spec_totals
+    assert t.drafted > 0 and t.accepted > 0.9 * t.drafted, t
+    assert pre.core.scheduler.spec_totals.drafted == 0
     assert_idle_clean(pre)
     assert_idle_clean(dec)
 
@@ -794,6 +845,77 @@ def test_a_session_turn_aborted_while_its_kv_is_in_flight_leaves_the_session(pd,
     assert out["meta_info"]["cached_tokens"] == refs[2]["meta_info"]["cached_tokens"]
     dec.close_session(sid)
     until_idle(pre)
+
+
+# -- PD with the hierarchical cache on both sides ------------------------------------------------------
+def _families(seed: int = 0, families: int = 8, prefix: int = 96) -> list[list[int]]:
+    """Shared-prefix families, each asked twice: 8 x 104 tokens, over 3x an L1 of 256 tokens."""
+    rng = random.Random(seed)
+    fams = [[rng.randrange(1, 250) for _ in range(prefix)] for _ in range(families)]
+    return [f + [rng.randrange(1, 250) for _ in range(8)] for f in fams for _ in range(2)]
+
+
+def _hc(eng) -> dict:
+    return eng.memory()["hicache"]
+
+
+@pytest.mark.parametrize("tier", ["l2", "l3"])
+def test_pd_with_the_hierarchy_on_both_sides_equals_one_engine(pd, make_engine, tmp_path, tier):
+    """Both sides' pools hold a quarter of the workload. Prefill's prefix match goes through its
+    tiers: a prompt evicted from its pool but kept in L2 (or read back from L3 files) is loaded, not
+    recomputed, before its KV is sent, and counts as cached. Decode's received KV enters its radix
+    tree at the end, so its tiers, like computed KV; decode then loads from its L2 what it holds
+    past its L1 prefix (in the admission step, which runs no forward) and the transfer brings only
+    the rest; a request without a room loads it back from there too. Output equals one engine's;
+    both sides' books (L2 pages too) are clean."""
+    sp = {**GREEDY, "max_new_tokens": 6}
+    prompts = _families()
+    plain = make_engine()
+    refs = [plain.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
+    hier = dict(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8)
+    pre_kw = dict(hier)
+    if tier == "l3":
+        pre_kw.update(hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"),
+                      hicache_prefetch_threshold=16)  # fmt: skip
+    pre, dec, port = pd(prefill_kw=pre_kw, decode_kw=hier)
+    metas = []
+    for rnd in range(2):
+        for i, p in enumerate(prompts):
+            n = 100 * rnd + i
+            pre.add_request(p, sp, rid=f"p{n}", disagg=room(port, 900 + n))
+            dec.add_request(p, sp, rid=f"d{n}", disagg=room(port, 900 + n))
+            res = drive([pre, dec], {id(pre): [f"p{n}"], id(dec): [f"d{n}"]})
+            assert res[f"d{n}"]["output_ids"] == refs[i], (rnd, i)
+            metas.append((res[f"p{n}"]["meta_info"], res[f"d{n}"]["meta_info"]))
+    hp, hd = _hc(pre), _hc(dec)
+    assert hp["l2_hit_tokens"] > 0 and hp["l1_demoted_pages"] > 0, hp
+    if tier == "l3":
+        assert hp["l3_hit_tokens"] > 0, hp
+    # A tier hit on prefill is a cache hit through PD (decode reports prefill's match where it
+    # reaches further than its own); the round-2 prompts were all served from some cache.
+    assert all(d["cached_tokens"] == max(p["cached_tokens"], d["cached_tokens"]) for p, d in metas)
+    assert all(d["cached_tokens"] >= 96 for _, d in metas[len(prompts):]), metas[len(prompts):]
+    assert hd["backed_up_pages"] > 0 and hd["l1_demoted_pages"] > 0, hd  # received KV entered the tiers
+    assert hd["l2_hit_tokens"] > 0, hd
+    # An old prompt again through PD: both pools have long dropped it. Prefill loads it from its
+    # tiers instead of recomputing it; decode's L2 has it too, so the transfer carries only what is
+    # past that match, and decode reports it cached.
+    p, before, moved, pre_before = prompts[2], hd["l2_hit_tokens"], stats(dec)["tokens"], _hc(pre)["l2_hit_tokens"]
+    pre.add_request(p, sp, rid="p-again", disagg=room(port, 999))
+    dec.add_request(p, sp, rid="d-again", disagg=room(port, 999))
+    again = drive([pre, dec], {id(pre): ["p-again"], id(dec): ["d-again"]})["d-again"]
+    assert again["output_ids"] == refs[2]
+    assert _hc(pre)["l2_hit_tokens"] - pre_before >= 96, _hc(pre)
+    loaded, sent = _hc(dec)["l2_hit_tokens"] - before, stats(dec)["tokens"] - moved
+    assert loaded >= 96 and 1 <= sent <= len(p) - loaded, (loaded, sent)
+    assert again["meta_info"]["cached_tokens"] >= loaded
+    hd = _hc(dec)
+    # Served whole on decode (no room): the prefix decode received by transfer comes back from its L2.
+    before = hd["l2_hit_tokens"]
+    got = dec.generate(input_ids=prompts[0], sampling_params=sp)
+    assert got["output_ids"] == refs[0]
+    assert _hc(dec)["l2_hit_tokens"] > before and got["meta_info"]["cached_tokens"] >= 96, _hc(dec)
+    assert stats(dec)["transfers_ok"] == stats(pre)["transfers_ok"] == 2 * len(prompts) + 1
     assert_idle_clean(pre)
     assert_idle_clean(dec)
 
@@ -933,3 +1055,36 @@ def test_a_request_prefill_refuses_fails_its_decode_half_at_once(pd):
     until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)
+
+
+def test_abort_on_decode_after_its_tier_load_while_the_rest_is_awaited(pd, make_engine):
+    """Decode loads a prompt's prefix from its L2 in the admission step (no forward runs) and waits
+    for the rest by transfer; aborted then, its pages (the loaded ones too) are freed, the L2 copy
+    is unpinned and stays cached, and prefill (told the room is off) holds nothing: both books clean."""
+    hier = dict(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8)
+    pre, dec, port = pd(prefill_kw=hier, decode_kw=hier)
+    prompts = _families()
+    sp = {**GREEDY, "max_new_tokens": 4}
+    for p in prompts:  # served whole on decode: the first family ends up in its L2 only
+        dec.generate(input_ids=p, sampling_params=sp)
+    before = _hc(dec)["l2_hit_tokens"]
+    dec.add_request(prompts[0], sp, rid="d", disagg=room(port, 21))
+    dec.step()
+    assert "req d [waiting for kv]" in owners(dec)
+    assert _hc(dec)["l2_hit_tokens"] - before >= 96
+    dec.abort("d")
+    res = drive([dec], {id(dec): ["d"]})
+    assert res["d"]["meta_info"]["finish_reason"]["type"] == "abort"
+    pre.add_request(prompts[0], sp, rid="p", disagg=room(port, 21))
+    deadline = time.monotonic() + 10
+    while pre.result("p", pop=False) is None or not pre.core.scheduler.idle:
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        time.sleep(0.005)
+    assert owners(pre) == {} and _hc(dec)["l2_loading"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    # The L2 copy is still there: served again from it, exactly.
+    again = dec.generate(input_ids=prompts[0], sampling_params=sp)
+    assert again["meta_info"]["cached_tokens"] >= 96
+    assert again["output_ids"] == make_engine().generate(input_ids=prompts[0], sampling_params=sp)["output_ids"]

@@ -340,3 +340,45 @@ def test_session_turns_through_the_router(pd_pair):
     assert pre.info()["sessions"] == []
     clean(pre, dec)
     assert dec.info()["memory"]["kv_session"] == 0
+
+
+def test_a_pair_with_tiers_and_a_draft_model_through_the_router(chat_model, tmp_path):
+    """Both servers with the hierarchical cache (small pools, so prompts leave them for L2) and a
+    draft model (the target itself: drafts nearly all accepted), behind the router. Greedy output
+    equals one server's, turn after turn; a prompt prefill's pool dropped is loaded from its L2 and
+    counted as cached by the OpenAI client; both servers' books clean, L2 included."""
+    bport = free_port()
+    both = ("--max-total-tokens", "256", "--enable-hierarchical-cache", "--hicache-ratio", "8",
+            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", chat_model)  # fmt: skip
+    pre = Server(chat_model, *ENGINE_ARGS, *both, "--disaggregation-mode", "prefill",
+                 "--disaggregation-bootstrap-port", str(bport), log_path=str(tmp_path / "prefill.log"))  # fmt: skip
+    dec = Server(chat_model, *ENGINE_ARGS, *both, "--page-size", "4", "--disaggregation-mode", "decode",
+                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+    one = Server(chat_model, *ENGINE_ARGS, log_path=str(tmp_path / "one.log"))
+    router = None
+    try:
+        for s in (pre, dec, one):
+            s.wait_healthy()
+        router = Router(["--pd-disaggregation", "--prefill", pre.url, str(bport), "--decode", dec.url],
+                        str(tmp_path / "router.log"))  # fmt: skip
+        routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        plain = openai.OpenAI(base_url=one.url + "/v1", api_key="none", max_retries=0)
+        topics = [f"Topic {i}: " + f"tell me everything about item number {i} " * 6 for i in range(6)]
+        usages = []
+        for content in [*topics, topics[0]]:
+            kw = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+                  "temperature": 0}  # fmt: skip
+            got = routed.chat.completions.create(**kw)
+            assert got.choices[0].message.content == plain.chat.completions.create(**kw).choices[0].message.content
+            usages.append(got.usage)
+        assert usages[0].prompt_tokens_details.cached_tokens == 0
+        assert usages[-1].prompt_tokens_details.cached_tokens >= 64, usages[-1]
+        assert pre.info()["memory"]["hicache"]["l2_hit_tokens"] >= 64
+        assert dec.info()["memory"]["hicache"]["backed_up_pages"] > 0  # received KV entered its tiers
+        assert pd_stats(dec)["transfers_ok"] == len(topics) + 1
+        clean(pre, dec, one)
+    finally:
+        if router is not None:
+            router.stop()
+        for s in (pre, dec, one):
+            s.stop()

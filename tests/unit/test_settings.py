@@ -54,10 +54,13 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
     k = knobs(tmp_path)
     cfg = EngineConfig.from_flat(**k["draft"], disaggregation_mode="Decode")
     assert cfg.spec.speculative_algorithm == "STANDALONE" and cfg.disagg.disaggregation_mode == "decode"
-    with pytest.raises(ValidationError, match=r"draft model .* does not work with PD disaggregation"):
+    assert set(compat.active_features(cfg, "cpu")) >= {"draft", "pd"}  # the predicates see them
+    cfg = EngineConfig.from_flat(**k["quantized"], dtype="FP32")
+    assert cfg.model.explicit_quantization == "int4" and cfg.model.dtype == "float32"
+    with pytest.raises(ValidationError, match=r"int8/int4 weights .* does not work with float32"):
         cfg.check()
     with pytest.raises(ValidationError, match="does not work with"):
-        Engine(**k["draft"], disaggregation_mode="prefill")  # the offline API goes through the same check
+        Engine(quantization="Int8", dtype="fp32")  # the offline API goes through the same check
     cfg = EngineConfig.from_flat(dtype="BF16", quantization="None", attention_backend=" Torch ",
                                  disaggregation_mode="null", hicache_write_policy="WRITE_BACK")  # fmt: skip
     assert (cfg.model.dtype, cfg.model.quantization, cfg.kernels.attention_backend) == ("bfloat16", None, "torch")

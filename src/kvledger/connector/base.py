@@ -13,6 +13,8 @@ Scheduler side (rank 0, with the books):
     With ``n > 0`` the scheduler allocates pages for them (they are the request's PRIVATE pages,
     owner ``req X [waiting for kv]`` while they arrive).
   * ``update_state_after_alloc(req, pages, n)``: where those tokens go.
+  * ``cached_external_tokens(req, n)``: how many of them ``cached_tokens`` counts (a tier's hit yes,
+    a transfer no: ``external_tokens_are_cached``).
   * ``build_connector_meta(sched_out)``: what the worker side needs for this step.
   * ``step_finished()``: the step's forward is over (or failed); take in finished async work.
   * ``has_pending``: async work in flight that the engine must keep stepping for (not idle).
@@ -26,7 +28,8 @@ Worker side (every rank, with the KV tensors):
     ``save_kv_layer(layer, kv_buffer)`` (the per-layer calls from the attention op), ``wait_for_save()``;
   * ``get_finished()`` -> ``(rids done sending, rids done receiving)``, reported to the scheduler in
     ``ModelRunnerOutput``.
-``NoOpConnector`` is today's behaviour: nothing to load, nothing to send.
+``NoOpConnector`` is today's behaviour: nothing to load, nothing to send. ``MultiConnector``
+(``multi.py``) makes several one (PD with the hierarchical cache).
 """
 
 from __future__ import annotations
@@ -76,6 +79,11 @@ class KVConnector:
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
         return None
+
+    def cached_external_tokens(self, req, num_external_tokens: int) -> int:
+        """How many of the ``num_external_tokens`` just matched for ``req`` count as cached (a
+        composite answers for the connector that matched them)."""
+        return num_external_tokens if self.external_tokens_are_cached else 0
 
     def build_connector_meta(self, sched_out) -> Any:
         return None

@@ -129,7 +129,10 @@ class DecodeConnector(KVConnector):
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
         d = req.disagg
-        start, end = req.kv_len, req.kv_len + num_external_tokens
+        # The rest of the prompt: what decode's own cache (its prefix match, a tier's load before
+        # this part) does not hold.
+        end = len(req.input_ids)
+        start = end - num_external_tokens
         if d.fake:
             # A health check: no KV moves. The pages hold whatever they held, so the request's KV
             # must never reach the prefix cache.

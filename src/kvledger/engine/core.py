@@ -14,7 +14,7 @@ import torch
 from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..compat import check_request
 from ..config import EngineConfig
-from ..connector import KVConnector
+from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..disagg import make_connector, make_worker_side
 from ..errors import KVLedgerError, ValidationError
@@ -123,17 +123,30 @@ def _tp_gather(cfg: EngineConfig):
     return gather
 
 
+def pd_with_tiers(cfg: EngineConfig, tiers: KVConnector, transfer: KVConnector) -> list[KVConnector]:
+    """PD with the hierarchical cache: the order a ``MultiConnector`` asks them in, the tiers first on
+    both sides. Prefill loads a prefix from L2/L3 before it computes the rest (the transfer comes
+    after the request finished); decode loads what its tiers hold past its L1 prefix, and the
+    transfer brings the rest of the prompt."""
+    return [tiers, transfer]
+
+
 def build_worker_connector(cfg: EngineConfig, rank: int, runner: ModelRunner) -> KVConnector | None:
     """A worker rank's side of the KV connector: the hierarchical cache's data movement for its heads
-    (its L3 keys are its own, ``tp{rank}/{size}`` in their namespace), or PD's (its heads into and
-    out of the transfer); None without either."""
+    (its L3 keys are its own, ``tp{rank}/{size}`` in their namespace), PD's (its heads into and out of
+    a transfer, ``disagg/tp.py``), or both as rank 0's ``MultiConnector`` has them (one meta each);
+    None without either."""
+    pd = make_worker_side(cfg, rank)
     if not cfg.hicache.enable_hierarchical_cache:
-        return make_worker_side(cfg, rank)
+        return pd
     model = runner.model
     path = cfg.model.model or default_model_path()  # what ``build_runner`` loaded
-    return build_worker_side(
+    worker = build_worker_side(
         cfg, path, model.quantization, model.cfg, model.dtype, runner.kv_buffer, rank, _tp_gather(cfg)
     )
+    if not cfg.disagg.enabled:
+        return worker
+    return MultiConnector(pd_with_tiers(cfg, worker, pd or NoOpConnector()), cfg.cache.page_size)
 
 
 class EngineCore:
@@ -201,23 +214,33 @@ class EngineCore:
             tiers=tiers,
         )
         runner = _runner(self.cfg, self.model, device)
+        hicache = None
         if tiers is not None:
             if connector is not None:
                 raise ValidationError(
                     "the hierarchical cache is a KV connector itself; pass one or the other"
                 )
             tiers.bind(runner.kv_buffer)
-            connector = HiCacheConnector(tiers, _tp_gather(cfg))
-            self.kv_manager.ledger.tiers = TierBooks(tiers, connector)
-        if connector is None and cfg.disagg.disaggregation_mode is not None:
-            # The connector reaches the scheduler (built below) only through its thread-safe abort.
-            connector = make_connector(
+            connector = hicache = HiCacheConnector(tiers, _tp_gather(cfg))
+            self.kv_manager.ledger.tiers = TierBooks(tiers, hicache)
+        # The PD transport (None without PD); it reaches the scheduler (built below) only through its
+        # thread-safe abort.
+        self.disagg_connector = (
+            make_connector(
                 cfg,
                 runner.kv_buffer,
                 lambda *a: self.scheduler.abort(*a),
                 self._limits(cfg, mc, context),
                 mc.num_kv_heads,
             )
+            if cfg.disagg.enabled and (connector is None or hicache is not None)
+            else None
+        )
+        if self.disagg_connector is not None:
+            connector = (
+                self.disagg_connector if hicache is None
+                else MultiConnector(pd_with_tiers(cfg, hicache, self.disagg_connector), ps)
+            )  # fmt: skip
         self.connector = connector
         self.last_step_ran = False
         self.executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
@@ -424,11 +447,11 @@ class EngineCore:
 
     def connector_stats(self) -> dict | None:
         """The PD transport's counters (None without one)."""
-        stats = getattr(self.connector, "stats", None)
+        stats = getattr(self.disagg_connector, "stats", None)
         if stats is None:
             return None
         out = {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
-        if (addr := getattr(self.connector, "address", None)) is not None:
+        if (addr := getattr(self.disagg_connector, "address", None)) is not None:
             out["bootstrap"] = addr  # prefill: where its bootstrap port listens (host:port)
         return out
 

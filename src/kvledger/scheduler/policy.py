@@ -141,7 +141,7 @@ class BatchPolicy:
         if req.num_retractions == 0:
             # Transferred KV is not a cache hit (PD decode): the remote side's own hit is added when
             # its KV arrives (``Scheduler._join_received``).
-            req.cached_tokens = req.kv_len + (ext if s.connector.external_tokens_are_cached else 0)
+            req.cached_tokens = req.kv_len + s.connector.cached_external_tokens(req, ext)
         if ext:
             s.connector.update_state_after_alloc(req, req.pages[req.kv_len // s.kv_manager.page_size :], ext)
         if ext and load_async:

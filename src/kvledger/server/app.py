@@ -33,11 +33,26 @@ from .openai_api import OpenAIServing
 from .responses import ResponseStore
 from .responses_api import ResponsesServing
 from .routes import ROUTERS
+from .session_journal import SessionJournal
 from .session_store import SessionStore
 from .state import ServerState
 from .tools import make_parser
 
 log = logging.getLogger("kvledger.server")
+
+
+async def reopen_journaled(client: EngineClient, store: SessionStore) -> None:
+    """Re-open on the engine the sessions a previous process left in ``--session-journal`` (tokens,
+    no KV: their next turns recompute), one at a time so that one the engine refuses (another model's
+    tokens) is dropped alone."""
+    n = 0
+    for rec in store.snapshot():
+        try:
+            n += await client.call("restore_sessions", sessions=[rec])
+        except KVLedgerError as e:
+            log.warning("session journal: %r not re-opened (%s)", rec["id"], e.message)
+            store.closed(rec["id"])
+    log.warning("re-opened %d session(s) from the session journal; their next turns recompute", n)
 
 
 def create_app(cfg: ServerConfig) -> FastAPI:
@@ -54,8 +69,12 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         srv.tokenizer, srv.name, srv.started = tokenizer, name, time.time()
         srv.limits = Limits(**client.limits)
         srv.sessions = SessionStore(
-            client.engine_config["max_sessions"], client.engine_config["session_timeout_s"]
+            client.engine_config["max_sessions"],
+            client.engine_config["session_timeout_s"],
+            SessionJournal(cfg.session_journal) if cfg.session_journal else None,
         )
+        if srv.sessions.load_journal():  # a previous process of this server held sessions
+            await reopen_journaled(client, srv.sessions)
         srv.gen = GenerationService(client, tokenizer, srv.metrics, srv.sessions)
 
         async def restore_sessions() -> None:
