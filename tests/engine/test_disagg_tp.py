@@ -8,6 +8,7 @@ on prefill) leave both sides' books clean and nothing staged."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -48,10 +49,12 @@ class Pair:
     TP-2 prefill and a TP-2 decode cannot share it: 2/2 runs as servers behind the router
     (tests/integration/test_pd_tp_router.py)."""
 
-    def __init__(self, model: str, tp_pre: int, tp_dec: int, backend: str = "tcp"):
-        self.model = model
+    def __init__(self, model: str, tp_pre: int, tp_dec: int, backend: str = "tcp", tiers: bool = False):
+        self.model, self.tiers = model, tiers
         self.port = free_port()
         both = dict(OPTS, disaggregation_transfer_backend=backend)
+        if tiers:  # pools of a quarter of test_pd_with_tp_and_tiers' workload
+            both.update(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8)
         self.pre = Engine(model=model, tp_size=tp_pre, page_size=16, disaggregation_mode="prefill",
                           disaggregation_bootstrap_port=self.port, disaggregation_bind_host="127.0.0.1",
                           **both)  # fmt: skip
@@ -79,14 +82,16 @@ MOONCAKE = pytest.mark.skipif(bool(mooncake_missing()), reason=str(mooncake_miss
 
 @pytest.fixture(
     scope="module",
-    params=[(1, 2, "tcp", 4), (2, 1, "tcp", 4), (1, 2, "tcp", 1), (2, 1, "tcp", 1),
-            pytest.param((1, 2, "mooncake", 4), marks=MOONCAKE), pytest.param((2, 1, "mooncake", 4), marks=MOONCAKE)],
+    params=[(1, 2, "tcp", 4, False), (2, 1, "tcp", 4, False), (1, 2, "tcp", 1, False), (2, 1, "tcp", 1, False),
+            (1, 2, "tcp", 4, True), (2, 1, "tcp", 4, True),
+            pytest.param((1, 2, "mooncake", 4, False), marks=MOONCAKE),
+            pytest.param((2, 1, "mooncake", 4, False), marks=MOONCAKE)],
     ids=["prefill1-decode2", "prefill2-decode1", "prefill1-decode2-kv1", "prefill2-decode1-kv1",
-         "prefill1-decode2-mooncake", "prefill2-decode1-mooncake"],
+         "prefill1-decode2-tiers", "prefill2-decode1-tiers", "prefill1-decode2-mooncake", "prefill2-decode1-mooncake"],
 )  # fmt: skip
 def pair(request, models):
-    tp_pre, tp_dec, backend, kv = request.param
-    made = Pair(models[kv], tp_pre, tp_dec, backend)
+    tp_pre, tp_dec, backend, kv, tiers = request.param
+    made = Pair(models[kv], tp_pre, tp_dec, backend, tiers)
     pids = made.pre.core.info.tp_worker_pids + made.dec.core.info.tp_worker_pids
     assert len(pids) == 1  # the TP-2 side's worker rank
     yield made
@@ -162,8 +167,8 @@ def test_an_abort_on_decode_while_kv_is_in_flight_frees_both_sides(pair):
         dec.add_request(p, sp, rid="db", disagg=room(port, 902))
         pre.add_request(p, sp, rid="pb", disagg=room(port, 902))
         dec.step()  # admitted and claimed; from here only prefill steps
-        _wait(lambda: bool(dec.core.connector._to_place), [pre])
-        assert stats(dec)["staged_bytes"] == dec.core.connector.layout.bytes_per_token * len(p)
+        _wait(lambda: bool(dec.core.disagg_connector._to_place), [pre])
+        assert stats(dec)["staged_bytes"] == dec.core.disagg_connector.layout.bytes_per_token * len(p)
         assert "req db [waiting for kv]" in owners(dec)
         dec.abort("db")
         assert drive([dec], {id(dec): ["db"]})["db"]["meta_info"]["finish_reason"]["type"] == "abort"
@@ -182,3 +187,31 @@ def test_an_abort_on_decode_while_kv_is_in_flight_frees_both_sides(pair):
         assert owners(eng) == {} and stats(eng)["staged_bytes"] == 0, stats(eng)
         assert_idle_clean(eng)
     assert len(pair.run([p], sp)[0]["output_ids"]) == 4  # the pair serves on
+
+
+def test_pd_with_tp_and_tiers_equals_one_engine(pair):
+    """With the hierarchical cache on both sides too (each rank's tiers move its own heads): shared-
+    prefix families over 3x the pools, each asked twice. Prefill loads evicted prefixes from its L2
+    before sending (the TP side's ranks each load theirs, then their heads are collected); decode's
+    received KV, placed on every rank, enters its tiers, and decode's L2 serves a later prompt's prefix
+    so the transfer moves only the rest. Output equals one engine's; both books clean, L2 included."""
+    if not pair.tiers:
+        pytest.skip("the pairs with tiers run this")
+    rng = random.Random(0)
+    fams = [[rng.randrange(1, 250) for _ in range(96)] for _ in range(8)]
+    prompts = [f + [rng.randrange(1, 250) for _ in range(8)] for f in fams for _ in range(2)]
+    sp = {**G, "max_new_tokens": 6}
+    one = Engine(model=pair.model, page_size=16, **OPTS)
+    try:
+        want = [o["output_ids"] for o in one.generate(input_ids=prompts, sampling_params=sp)]
+        assert_idle_clean(one)
+    finally:
+        one.shutdown()
+    got = [pair.run([p], sp)[0]["output_ids"] for _ in range(2) for p in prompts]
+    assert got == want + want
+    hp, hd = (e.memory()["hicache"] for e in (pair.pre, pair.dec))
+    assert hp["l2_hit_tokens"] > 0 and hd["backed_up_pages"] > 0 and hd["l2_hit_tokens"] > 0, (hp, hd)
+    for eng in (pair.pre, pair.dec):
+        until_idle(eng)
+        assert stats(eng)["staged_bytes"] == 0
+        assert_idle_clean(eng)
