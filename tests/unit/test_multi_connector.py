@@ -96,3 +96,17 @@ def test_held_pages_are_reported_once_every_holder_is_done():
     assert m.get_finished() == ({"r"}, set())
     c.done = {"other"}  # not held through the composite: passed on as it came
     assert m.get_finished() == ({"other"}, set())
+
+
+def test_a_refusal_reaches_every_connector():
+    """A request refused before it is queued (PD: a session turn too long on decode) is told to every
+    connector: the transfer's tells its peer at once, whatever connector comes before it."""
+    heard = []
+
+    class Hears(Stub):
+        def request_refused(self, req, why):
+            heard.append((self.name, req.rid, why))
+
+    m = MultiConnector([Hears("tiers", 0), Hears("transfer", 0)], page_size=4)
+    m.request_refused(req("r"), "too long")
+    assert heard == [("tiers", "r", "too long"), ("transfer", "r", "too long")]
