@@ -44,12 +44,11 @@ class BatchPolicy:
         self.priorities = sched.cfg.scheduler.enable_priority_scheduling
         self.total_preemptions = 0  # requests retracted for a more important one
 
-    def _victim_key(self, r: Req) -> tuple[int, int]:
-        """Retraction takes the max: the least important (with priorities), then the newest admitted."""
-        return r.priority_rank, r.admitted_seq
-
-    def _run_key(self, r: Req) -> tuple[int, int]:
-        """Decodes and prefill chunks run in this order: the most important, then the oldest."""
+    @staticmethod
+    def _seniority(r: Req) -> tuple[int, int]:
+        """Decodes and prefill chunks run in ascending order (the most important, then the oldest);
+        retraction takes the max (the least important, then the newest). Without priority
+        scheduling every rank is 0: admission order alone, as before priorities."""
         return r.priority_rank, r.admitted_seq
 
     # -- retraction --------------------------------------------------------------------------------
@@ -108,7 +107,7 @@ class BatchPolicy:
         scheduled: list[Chunk] = []
         # Drafts share the step's token budget: verifying never makes a step bigger than a prefill one.
         budget = s.cfg.scheduler.chunked_prefill_size - len(decodes)
-        for req in sorted(decodes, key=self._run_key):
+        for req in sorted(decodes, key=self._seniority):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
             drafts = self._drafts(req, budget)
@@ -122,7 +121,7 @@ class BatchPolicy:
                     if not self.pages_coming_back():
                         self.mark_too_big(req)
                     break
-                victim = max(victims, key=self._victim_key)
+                victim = max(victims, key=self._seniority)
                 scheduled = [c for c in scheduled if c.req is not victim]
                 self.retract(victim)
             else:
@@ -173,7 +172,7 @@ class BatchPolicy:
     def schedule_prefills(self, budget: int, reserve_pages: int) -> list[Chunk]:
         s = self.s
         out: list[Chunk] = []
-        for req in sorted(s.running, key=self._run_key):
+        for req in sorted(s.running, key=self._seniority):
             if budget <= 0:
                 return out
             if req.kv_len < req.seq_len - 1 and req.to_finish is None:
@@ -214,7 +213,7 @@ class BatchPolicy:
         threshold = s.cfg.scheduler.priority_scheduling_preemption_threshold
         victims = sorted(
             (r for r in s.running if r.to_finish is None and may_preempt(req, r, threshold)),
-            key=self._victim_key,
+            key=self._seniority,
             reverse=True,
         )
         if not victims or not s.connector.may_admit(req):
@@ -271,7 +270,7 @@ class BatchPolicy:
                 if not self.pages_coming_back():
                     self.mark_too_big(live[0])
                 break
-            self.retract(max(live, key=self._victim_key))
+            self.retract(max(live, key=self._seniority))
             batch = self._schedule_once()
         if (
             not batch
