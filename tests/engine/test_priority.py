@@ -217,3 +217,23 @@ def test_schedule_policy_outputs_equal_fcfs(make_engine):
                                                                for i in range(len(prompts))])  # fmt: skip
         outs[policy] = [r["output_ids"] for r in res]
     assert outs["lpm"] == outs["fcfs"] == outs["dfs-weight"]
+
+
+def test_peek_matches_what_match_prefix_would_and_changes_nothing(make_engine):
+    """lpm and dfs-weight read the tree every step: a peek must not split nodes, touch access times
+    or hit counts (eviction order and write_through_selective depend on them)."""
+    eng = make_engine()
+    prompts = _shared_prefix_prompts()
+    eng.generate(input_ids=prompts[:2], sampling_params={**G, "max_new_tokens": 1})
+    tree = eng.core.kv_manager.tree
+
+    def snapshot():
+        return sorted((n.id, len(n.key), n.last_access, n.hit_count) for n in tree.nodes())
+
+    before = snapshot()
+    probe = prompts[2][:40] + [9] * 30  # diverges inside a cached node: match_prefix would split it
+    n = tree.peek(probe)[0]
+    assert snapshot() == before
+    pages = tree.match_prefix(probe)[0]
+    assert n == len(pages) * tree.page_size == 32 and snapshot() != before
+    assert tree.peek(prompts[4])[0] == 48
