@@ -43,6 +43,10 @@ class SamplingParams:
     # together; past it the request ends through the release path with a 503 (None: no limit of its own;
     # the server's --request-timeout-s, if set, still applies: the shorter one wins).
     timeout: float | None = None
+    # Nor is this: the request's place in the queue under --enable-priority-scheduling (SGLang's field
+    # and convention: larger is more important unless --schedule-low-priority-values-first); ignored
+    # otherwise. None: the least important value.
+    priority: int | None = None
 
     @property
     def wants_logprobs(self) -> bool:

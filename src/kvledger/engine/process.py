@@ -161,6 +161,7 @@ def _stats(core) -> dict:
         "num_running": len(s.running),
         "num_waiting": len(s.waiting),
         "retractions": s.total_retractions,
+        "preemptions": s.policy.total_preemptions,
         "num_sessions": len(core.sessions.sessions),
         "memory": core.memory(),
         "disagg": core.connector_stats(),

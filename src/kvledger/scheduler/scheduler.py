@@ -27,7 +27,7 @@ from ..common import FinishReason, RequestOutput
 from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
 from ..constrained import bitmask_width
-from ..errors import ConflictError, OverloadedError
+from ..errors import ConflictError, OverloadedError, ServiceUnavailable
 from ..memory import Holding, KVManager
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
 from .policy import BatchPolicy, Chunk
@@ -69,6 +69,7 @@ class Scheduler:
         self.proposer = proposer  # drafts for speculative decoding: ``propose(req) -> list[int]``
         self.stop = StopChecker(eos_token_ids, context_length, decode)
         self.policy = BatchPolicy(self)
+        self._arrivals = itertools.count(1)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.waiting_for_kv: list[Req] = []
@@ -99,6 +100,13 @@ class Scheduler:
                 f"the waiting queue is full ({sc.max_queued_requests} requests); retry later",
                 code="queue_full",
             )
+        if req.params.priority is not None and not sc.enable_priority_scheduling and sc.abort_on_priority_when_disabled:
+            raise ServiceUnavailable(  # SGLang's answer (503) under --abort-on-priority-when-disabled
+                "using priority is disabled for this server (no --enable-priority-scheduling); send the "
+                "request without a priority",
+                param="priority",
+                code="priority_disabled",
+            )
         budget = sc.max_queued_prefill_tokens
         if budget is not None and self.waiting:
             # A prompt longer than the budget is still taken when nothing waits: refusing it would be
@@ -114,6 +122,8 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         """Queue a validated request (call ``check_submit`` first). On the engine's thread."""
         self.reqs[req.rid] = req
+        req.arrival_seq = next(self._arrivals)
+        req.priority_rank = self.policy.order.rank(req)
         limits = [t for t in (req.params.timeout, self.cfg.scheduler.request_timeout_s) if t is not None]
         if limits:
             req.timeout_s = min(limits)

@@ -61,8 +61,8 @@ _OPENAI_REFUSED: Refused = {
     "vllm_xargs": _NONE, "repetition_detection": _NONE, "thinking_token_budget": (None, -1),
     "stream_interval": _NONE, "prompt_embeds": _NONE, "mm_processor_kwargs": _EMPTY,
     "media_io_kwargs": _EMPTY, "routed_experts_prompt_start": (None, 0),
-    # SGLang (and vLLM's priority / session_id, which mean other things there)
-    "priority": (None, 0), "session_id": _NONE, "session_params": _NONE, "lora_path": _NONE,
+    # SGLang (and vLLM's session_id, which means another thing there)
+    "session_id": _NONE, "session_params": _NONE, "lora_path": _NONE,
     "return_hidden_states": _OFF, "return_routed_experts": _OFF, "routed_experts_start_len": (None, 0),
     "return_cached_tokens_details": _OFF, "custom_logit_processor": _NONE, "custom_params": _NONE,
     "custom_labels": _NONE, "images_config": _NONE, "ngram_corpus_id": _NONE,
@@ -92,7 +92,7 @@ RESPONSES_REFUSED: Refused = {
     "prompt_cache_options": _NONE,
     # vLLM / SGLang extras on their Responses bodies
     "top_k": (None, -1, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "seed": _NONE,
-    "stop": _EMPTY, "ignore_eos": _OFF, "priority": (None, 0), "request_id": _NONE, "cache_salt": _NONE,
+    "stop": _EMPTY, "ignore_eos": _OFF, "request_id": _NONE, "cache_salt": _NONE,
     "enable_response_messages": _OFF, "previous_input_messages": _EMPTY, "skip_special_tokens": (None, True),
     "include_stop_str_in_output": _OFF, "logit_bias": _EMPTY, "mm_processor_kwargs": _EMPTY,
     "chat_template_kwargs": _EMPTY, "structured_outputs": _NONE, "kv_transfer_params": _NONE,
@@ -107,7 +107,7 @@ GENERATE_REFUSED: Refused = {
     "modalities": _EMPTY, "lora_path": _NONE, "lora_id": _NONE, "custom_logit_processor": _NONE,
     "positional_embed_overrides": _NONE, "require_reasoning": _OFF, "routed_dp_rank": (None, 0),
     "data_parallel_rank": (None, 0), "disagg_prefill_dp_rank": (None, 0), "background": _OFF,
-    "priority": _NONE, "custom_labels": _NONE, "return_bytes": _OFF, "return_entropy": _OFF,
+    "custom_labels": _NONE, "return_bytes": _OFF, "return_entropy": _OFF,
     "external_trace_header": _NONE, "need_wait_for_mm_inputs": _OFF, "num_items_assigned": _NONE,
     "max_dynamic_patch": _NONE, "min_dynamic_patch": _NONE, "image_max_dynamic_patch": _NONE,
     "video_max_dynamic_patch": _NONE, "multi_item_delimiter_indices": _NONE,

@@ -68,6 +68,7 @@ def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, t
         "no_stop_trim": any(trims) if trims else None,
         "cache_salt": cache_salt_of(body.cache_salt, body.extra_key),
         "timeout": body.timeout,
+        "priority": body.priority,
     }
     return {k: v for k, v in d.items() if v is not None}
 

@@ -29,6 +29,7 @@ class GenerateRequest(_Strict):
     session_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # prefix-cache isolation (vLLM); SGLang's extra_key is the same idea
     extra_key: str | None = None
+    priority: int | None = None  # SGLang's: used under --enable-priority-scheduling, ignored otherwise
 
     refused_fields: ClassVar[fields.Refused] = fields.GENERATE_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_GENERATE
@@ -74,6 +75,7 @@ class _OpenAICommon(_Strict):
     cache_salt: str | None = None
     extra_key: str | None = None  # SGLang: isolates the prefix cache like cache_salt
     timeout: float | None = None  # seconds, queued and running together (sampling.SamplingParams.timeout)
+    priority: int | None = None  # SGLang's convention (vLLM's is reversed); ignored without priority scheduling
 
 
 class CompletionRequest(_OpenAICommon):
@@ -138,6 +140,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     store: bool = True
     user: str | None = None  # a tag: no effect
+    priority: int | None = None  # vLLM's and SGLang's extra (as on chat)
 
     refused_fields: ClassVar[fields.Refused] = fields.RESPONSES_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
