@@ -17,7 +17,7 @@ from ..config import EngineConfig
 from ..connector import KVConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..disagg import make_connector
-from ..errors import ConflictError, ValidationError
+from ..errors import ConflictError, ModelLoadError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
@@ -429,7 +429,14 @@ class EngineCore:
             )
         t0 = time.monotonic()
         loaded = load_replacement(model_path, load_format, self.model.cfg, self.weight_shapes)
-        model = _sharded_model(self.cfg, loaded, self.model.net.comm, self.dtype, self.cfg.model.device)
+        try:
+            model = _sharded_model(self.cfg, loaded, self.model.net.comm, self.dtype, self.cfg.model.device)
+        except Exception as e:  # out of memory, a tensor the packing refuses: the old model stays
+            log.exception("building the model from %s failed", model_path)
+            raise ModelLoadError(
+                f"building the model from {model_path} failed ({type(e).__name__}: {e}); "
+                f"the old weights still serve"
+            ) from None
         del loaded
         self.model = self.runner.model = model
         flushed = self.kv_manager.tree.flush()
