@@ -144,6 +144,16 @@ def test_in_place_pause_stalls_holding_kv_and_resumes(ps):
     assert r.json()["error"]["code"] == "busy"
     assert post(ps, "/continue_generation", headers=ADMIN).status_code == 200
     assert s.final()["output_ids"] == want
+    # abort_all_requests ends what is paused in place (the paused engine still ends aborted requests).
+    s = Stream(ps, PROMPT, LONG)
+    s.wait_tokens(10)
+    assert post(ps, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    body = {"model_path": ps.info()["model_path"], "abort_all_requests": True}  # the same weights again
+    r = post(ps, "/update_weights_from_disk", body)
+    assert r.status_code == 200 and r.json()["num_paused_requests"] == 0, r.text
+    assert s.final()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(ps, "/continue_generation").status_code == 200
+    assert generate(ps, PROMPT, LONG)["output_ids"] == want
 
 
 def test_abort_pause_ends_running_requests_with_abort(ps):
@@ -168,7 +178,8 @@ def test_requests_arriving_while_paused_wait_and_run_after_continue(ps):
     t.start()
     time.sleep(0.5)
     assert t.is_alive() and not got  # waiting
-    assert ps.info()["memory"]["req_slots_free"] == ps.info()["memory"]["req_slots_total"]  # holding nothing
+    load = httpx.get(ps.url + "/get_load", headers=USER, timeout=10).json()[0]
+    assert load["num_reqs"] == load["num_waiting_reqs"] == 0  # in the front, not the engine: holding nothing
     assert httpx.get(ps.url + "/health_generate", headers=USER, timeout=10).status_code == 200  # paused, alive
     assert post(ps, "/continue_generation").status_code == 200
     t.join(300)

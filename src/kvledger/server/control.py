@@ -8,9 +8,10 @@ holds them on its pause condition and its model-update lock. ``Control`` orders 
 - pause: close the gate, then tell the engine (``Scheduler.pause``: abort, retract or in place);
   with ``abort``, answer once the requests it aborted have ended.
 - continue: tell the engine, then open the gate.
-- update: while paused, at once (the engine refuses if requests paused in place hold KV); otherwise
-  close the gate, let the requests in flight finish (or abort them: ``abort_all_requests``), update,
-  open the gate. The engine client then starts a restarted engine on the new weights.
+- update: with ``abort_all_requests``, abort every request first. Then, while paused, at once (the
+  engine refuses if requests paused in place hold KV); otherwise close the gate, let the requests in
+  flight finish, update, open the gate. The engine client then starts a restarted engine on the new
+  weights.
 """
 
 from __future__ import annotations
@@ -105,10 +106,12 @@ class Control:
             if not paused:
                 await self.gate.set_updating(True)
             try:
+                if abort_all:  # paused or not, as SGLang: a paused engine still ends aborted requests
+                    rids = set(client.streams)
+                    for rid in rids:
+                        await client.abort(rid, "aborted for a weight update (abort_all_requests)")
+                    await self._wait_ended(rids, ABORT_WAIT_S)
                 if not paused:
-                    if abort_all:
-                        for rid in list(client.streams):
-                            await client.abort(rid, "aborted for a weight update (abort_all_requests)")
                     await self._wait_ended(set(client.streams), None)  # SGLang waits for them
                 result = await client.call(
                     "update_weights_from_disk", UPDATE_CALL_S, blocking=True, model_path=model_path,
