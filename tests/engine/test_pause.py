@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger import Engine
+from kvledger import Engine, kernels
 from kvledger.config import EngineConfig
 from kvledger.engine.weights import check_reload_supported
 from kvledger.errors import ConflictError, ValidationError
+from kvledger.model.linear import Linear
 from tests.helpers import assert_idle_clean, build_tiny_model
+from tests.unit.test_loader import write_gguf
 
 G = {"temperature": 0, "ignore_eos": True}
 A, B = [5, 6, 7, 8] * 5, [9, 10, 11] * 4
@@ -192,6 +194,32 @@ def test_update_weights_refusals_leave_the_old_weights_serving(make_engine, othe
     eng.run_until_idle()
     assert eng.result(a)["output_ids"] == want
     assert _greedy(eng, A, 16)["output_ids"] == want  # the old weights still answer
+
+
+@pytest.mark.skipif(not kernels.load(), reason="kvledger's C++ kernels did not build here")
+def test_update_weights_repacks_a_quantized_gguf_as_a_start_does(tmp_path):
+    """int4 from a Q4_1 GGUF's blocks (packed for the kernel, no dense copy): an update to another
+    Q4_1 file serves exactly what an engine started on that file serves."""
+    paths = []
+    for seed in (0, 7):
+        src = build_tiny_model(str(tmp_path / f"hf{seed}"), "llama", seed=seed)
+        paths.append(str(tmp_path / f"tiny{seed}-Q4_1.gguf"))
+        write_gguf(src, paths[-1], "Q4_1")
+    opts = dict(dtype="bfloat16", page_size=16, max_total_tokens=1024, strict_memory=True)
+    fresh = Engine(model=paths[1], **opts)
+    want = _greedy(fresh, A, 16)["output_ids"]
+    eng = Engine(model=paths[0], **opts)
+    old = _greedy(eng, A, 16)["output_ids"]
+    assert old != want
+    ok, message, _ = eng.update_weights_from_disk(paths[1], "gguf")
+    assert ok, message
+    assert eng.core.cfg.model.quantization == "int4"
+    lins = [m for m in eng.core.model.net.modules() if isinstance(m, Linear)]
+    assert lins and all(m.qw is not None and m.w is None for m in lins)  # packed, as at start
+    assert _greedy(eng, A, 16)["output_ids"] == want
+    for e in (fresh, eng):
+        assert_idle_clean(e)
+        e.shutdown()
 
 
 def test_reload_is_refused_where_it_cannot_apply_yet():
