@@ -194,8 +194,9 @@ def test_admin_key_and_malformed_bodies(ps):
     for body in ({"mode": "sleep"}, {"mode": 1}, [1]):
         r = post(ps, "/pause_generation", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == ("mode" if body != [1] else None), r.text
-    r = httpx.post(ps.url + "/pause_generation", content=b"{not json", headers=ADMIN, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    for raw in (b"{not json", b""):  # no body pauses nothing: {} asks for the default mode
+        r = httpx.post(ps.url + "/pause_generation", content=raw, headers=ADMIN, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     for body, param in [
         ({}, "model_path"),
         ({"model_path": 5}, "model_path"),

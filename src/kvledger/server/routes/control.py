@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
 
 from ...errors import KVLedgerError
 from ..handlers import parse_body
@@ -16,18 +15,13 @@ from ..state import state
 router = APIRouter()
 
 
-async def _body(request: Request, model: type[BaseModel]):
-    """SGLang's pause and continue bodies are optional: no body is ``{}``."""
-    if not (await request.body()).strip():
-        return model()
-    return await parse_body(request, model)
-
-
 @router.post("/pause_generation")
 async def pause_generation(request: Request):
+    """A JSON body is required (``{}`` pauses with SGLang's default mode, abort): an empty POST
+    stops nothing."""
     srv = state(request)
     srv.live_client()
-    body = await _body(request, PauseGenerationBody)
+    body = await parse_body(request, PauseGenerationBody)
     held = await srv.control.pause(body.mode)
     return {"message": "Generation paused successfully.", "status": "ok", "mode": body.mode, "num_paused_requests": held}
 
@@ -36,7 +30,8 @@ async def pause_generation(request: Request):
 async def continue_generation(request: Request):
     srv = state(request)
     srv.live_client()
-    await _body(request, ContinueGenerationBody)
+    if (await request.body()).strip():  # no body is {}: continuing is never harmful
+        await parse_body(request, ContinueGenerationBody)
     await srv.control.resume()
     return {"message": "Generation continued successfully.", "status": "ok"}
 
