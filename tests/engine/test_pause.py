@@ -167,6 +167,33 @@ def test_update_weights_while_retract_paused_recomputes_with_the_new_weights(mak
     fresh.shutdown()
 
 
+def test_a_retracted_session_turn_recomputes_its_history_on_the_new_weights(make_engine, new_weights):
+    """The turn was running when paused: retracted, it holds nothing and its session keeps its KV
+    (busy); the update drops that KV too, and the turn, admitted again, borrows none of it."""
+    fresh = Engine(model=new_weights, dtype="float32", page_size=16, max_total_tokens=4096, strict_memory=True)
+    eng = make_engine()
+    sid = eng.open_session()
+    first = eng.generate(input_ids=A, sampling_params={**G, "max_new_tokens": 20}, session_params={"id": sid})
+    history = A + first["output_ids"]
+    rid = eng.add_request(B, {**G, "max_new_tokens": 24}, session_params={"id": sid})
+    _step_until(eng, lambda: _outputs(eng, rid) >= 5)
+    eng.pause_generation("retract")
+    kept = list(eng.core.scheduler.reqs[rid].output_ids)
+    assert eng.sessions()[0]["busy_rid"] == rid and eng.sessions()[0]["kv_tokens"] > 0
+    ok, message, paused = eng.update_weights_from_disk(new_weights)
+    assert ok and paused == 1, message
+    assert eng.sessions()[0]["kv_tokens"] == 0 and eng.memory()["kv_session"] == 0
+    eng.continue_generation()
+    eng.run_until_idle()
+    out = eng.result(rid)["output_ids"]
+    assert out[: len(kept)] == kept
+    assert out[len(kept) :] == _greedy(fresh, history + B + kept, 24 - len(kept))["output_ids"]
+    assert eng.sessions()[0]["tokens"] == len(history) + len(B) + 24  # the turn completed into it
+    eng.close_session(sid)
+    assert_idle_clean(fresh)
+    fresh.shutdown()
+
+
 def test_update_weights_refusals_leave_the_old_weights_serving(make_engine, other_shapes, tmp_path):
     eng = make_engine()
     want = _greedy(eng, A, 16)["output_ids"]
