@@ -23,7 +23,8 @@ async def pause_generation(request: Request):
     srv.live_client()
     body = await parse_body(request, PauseGenerationBody)
     held = await srv.control.pause(body.mode)
-    return {"message": "Generation paused successfully.", "status": "ok", "mode": body.mode, "num_paused_requests": held}
+    message = "Generation paused successfully."
+    return {"message": message, "status": "ok", "mode": body.mode, "num_paused_requests": held}
 
 
 @router.post("/continue_generation")
