@@ -31,6 +31,10 @@ VALID: dict[str, dict] = {
     "/abort_request": {"rid": "no-such-request"},
     "/open_session": {"session_id": None, "streaming": True, "timeout": None},
     "/close_session": {"session_id": "no-such-session"},
+    "/pause_generation": {"mode": "in_place"},  # each pause that succeeds is continued at once
+    "/continue_generation": {},
+    "/update_weights_from_disk": {"model_path": "/no/such/checkpoint", "load_format": None,
+                                  "abort_all_requests": False},
 }  # fmt: skip
 NESTED = {  # fields inside fields, replaced the same way
     "/generate": [("sampling_params", k) for k in ("max_new_tokens", "temperature", "stop", "top_k", "n",
@@ -71,6 +75,8 @@ def _check(c: httpx.Client, method: str, path: str, status_range: range, **kw) -
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], (path, kw, r.text)
+    elif path == "/pause_generation":  # a body that happened to be valid: generation goes on
+        assert c.post("/continue_generation").status_code == 200
 
 
 def test_every_route_answers_malformed_bodies_with_a_4xx(srv):

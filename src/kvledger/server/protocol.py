@@ -174,6 +174,27 @@ class RidBody(_Strict):
     refused_fields: ClassVar[fields.Refused] = {"abort_all": (None, False)}  # SGLang's
 
 
+class PauseGenerationBody(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"  # SGLang's modes and default
+
+
+class ContinueGenerationBody(_Strict):
+    known_fields: ClassVar[frozenset[str]] = frozenset({"torch_empty_cache"})  # a CUDA allocator hint
+
+
+class UpdateWeightsBody(_Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+
+    # SGLang's other fields: a weight version tag, async or partial updates, keeping the stale cache.
+    refused_fields: ClassVar[fields.Refused] = {
+        "weight_version": (None,), "is_async": (None, False), "keep_pause": (None, False),
+        "token_step": (None, 0), "flush_cache": (None, True), "manifest": (None,),
+    }  # fmt: skip
+    known_fields: ClassVar[frozenset[str]] = frozenset({"torch_empty_cache", "recapture_cuda_graph"})
+
+
 class OpenSessionBody(_Strict):
     session_id: str | None = None
     streaming: bool = True
