@@ -29,6 +29,7 @@ class Limits:
     max_stop_string_len: int = 256
     max_top_logprobs: int = 20
     max_stop_token_ids: int = 64
+    reasoning_parser: str | None = None  # the server's --reasoning-parser (require_reasoning needs one)
 
 
 _FIELDS = {f.name for f in fields(SamplingParams)}
@@ -156,7 +157,7 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         p.cache_salt = salt
     if d.get("timeout") is not None:
         p.timeout = validate_timeout(d["timeout"])
-    for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim"):
+    for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim", "require_reasoning"):
         if d.get(flag) is not None:
             if not isinstance(d[flag], bool):
                 raise _bad(flag, f"{flag} must be a boolean")
@@ -191,6 +192,11 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
             except json.JSONDecodeError as e:
                 raise _bad(k, f"json_schema is not valid JSON: {e}", "invalid_grammar") from None
         setattr(p, k, v)
+    if p.require_reasoning and limits.reasoning_parser is None:
+        raise _bad(
+            "require_reasoning",
+            "require_reasoning needs a server started with --reasoning-parser (it knows the reasoning's end marker)",
+        )
     return p
 
 
