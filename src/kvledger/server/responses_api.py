@@ -80,8 +80,8 @@ class ResponsesServing:
             })  # fmt: skip
         except PydanticValidationError as e:  # a converted value of the wrong type: the client's input
             raise ValidationError(f"input: {e.errors()[0]['msg']}", param="input") from None
-        ids, params, parser = self.chat.chat_job(chat, max_param="max_output_tokens")
-        return conversation, ids, params, parser
+        job = self.chat.chat_job(chat, max_param="max_output_tokens")
+        return conversation, job.ids, job.params, job.tools
 
     def _response(self, body: ResponsesRequest, rid: str, created: int, status: str, output, use) -> dict:
         fmt = (body.text or {}).get("format") or {"type": "text"}

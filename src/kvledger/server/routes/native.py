@@ -33,6 +33,8 @@ async def generate(request: Request):
         if sp.get("cache_salt") is not None:
             raise ValidationError("give cache_salt once, at the top level", param="cache_salt")
         sp["cache_salt"] = salt
+    if body.require_reasoning:  # SGLang's: a grammar starts after the reasoning (needs --reasoning-parser)
+        sp["require_reasoning"] = True
     if body.return_logprob:
         sp["logprobs"] = True
         if body.top_logprobs_num:
