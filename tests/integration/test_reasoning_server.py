@@ -139,6 +139,22 @@ def test_tool_calls_after_the_reasoning_parse(qsrv):
     assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)
 
 
+def test_responses_give_a_reasoning_item_first(qsrv):
+    c = oai(qsrv)
+    r = c.responses.create(model="default", input="Why?", temperature=0, max_output_tokens=40)
+    assert [it.type for it in r.output] == ["reasoning", "message"] and r.output_text == "OK"
+    assert [(p.type, p.text) for p in r.output[0].content] == [("reasoning_text", "Why")] and r.output[0].summary == []
+    with c.responses.stream(model="default", input="Why?", temperature=0, max_output_tokens=40) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    deltas = [k for k in kinds if k.endswith(".delta")]
+    assert deltas == ["response.reasoning_text.delta"] * 3 + ["response.output_text.delta"] * 2
+    assert [it.type for it in final.output] == ["reasoning", "message"] and final.output_text == "OK"
+    # The next turn continues from it (its conversation keeps the reasoning as reasoning_content).
+    nxt = c.responses.create(model="default", input="And?", previous_response_id=r.id, temperature=0, max_output_tokens=40)
+    assert nxt.output_text == "OK"
+
+
 def test_generate_takes_require_reasoning(qsrv):
     ids = httpx.post(qsrv.url + "/tokenize", json={"messages": ASK}).json()["tokens"]
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 40, "temperature": 0, "json_schema": json.dumps(SCHEMA)}}
