@@ -115,3 +115,12 @@ def test_a_marker_of_several_tokens_is_matched_across_steps():
     assert gate.masks([3]).tolist() == inner.masks([3]).tolist()
     gate2 = ReasoningGate(FakeGrammar(), [5, 6, 7])
     assert gate2.accept([5, 6, 5, 6, 4]) and gate2.thinking and gate2.inner.accepted == []  # no false match
+
+
+def test_a_parser_needs_a_known_name_and_the_models_tokenizer(make_engine):
+    with pytest.raises(ValidationError, match="deepseek-r1, qwen3") as e:
+        make_engine(reasoning_parser="deepseek")
+    assert e.value.param == "reasoning_parser"
+    with pytest.raises(ValidationError, match="tokenizer") as e:  # the tiny Llama has none: </think> unknown
+        make_engine(reasoning_parser="qwen3")
+    assert e.value.param == "reasoning_parser"

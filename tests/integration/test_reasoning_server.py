@@ -153,6 +153,11 @@ def test_responses_give_a_reasoning_item_first(qsrv):
     # The next turn continues from it (its conversation keeps the reasoning as reasoning_content).
     nxt = c.responses.create(model="default", input="And?", previous_response_id=r.id, temperature=0, max_output_tokens=40)
     assert nxt.output_text == "OK"
+    # ... and so does a client that sends the items back itself (the reasoning item among them).
+    items = [{"role": "user", "content": "Why?"}, *(it.model_dump(exclude_none=True) for it in r.output),
+             {"role": "user", "content": "And?"}]  # fmt: skip
+    again = c.responses.create(model="default", input=items, temperature=0, max_output_tokens=40)
+    assert again.output_text == "OK" and again.usage.input_tokens == nxt.usage.input_tokens
 
 
 def test_generate_takes_require_reasoning(qsrv):

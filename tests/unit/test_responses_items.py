@@ -111,11 +111,15 @@ def test_reasoning_is_an_item_before_the_answer():
     assert r["content"] == [{"type": "reasoning_text", "text": "Why"}] and m["content"][0]["text"] == "OK"
     assert output_messages(b.items) == [{"role": "assistant", "content": "OK", "reasoning_content": "Why"}]
     # ... and an input reasoning item sent back reaches the next assistant message the same way.
-    back = input_messages([{"role": "user", "content": "q"}, r, {"type": "message", "role": "assistant", "content": "OK"}])
+    items = [{"role": "user", "content": "q"}, r, {"type": "message", "role": "assistant", "content": "OK"}]
+    back = input_messages(items, reasoning=True)
     assert back[1] == {"role": "assistant", "content": "OK", "reasoning_content": "Why"}
     with pytest.raises(ValidationError) as e:
-        input_messages([{"type": "reasoning", "content": "Why"}])
+        input_messages([{"type": "reasoning", "content": "Why"}], reasoning=True)
     assert e.value.param == "input.0.content"
+    with pytest.raises(ValidationError) as e:  # a server without a reasoning parser has none to take back
+        input_messages(items)
+    assert e.value.param == "input.1.type" and "--reasoning-parser" in e.value.message
 
 
 def test_reasoning_cut_off_is_the_only_item():

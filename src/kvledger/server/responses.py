@@ -54,9 +54,11 @@ def _str_field(item: dict, key: str, param: str) -> str:
     return v
 
 
-def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(inp: str | list[dict[str, Any]], reasoning: bool = False) -> list[dict[str, Any]]:
     """``input`` (a string, or message / function_call / function_call_output items) as chat messages.
-    Function calls after an assistant message (or each other) join it as its ``tool_calls``."""
+    Function calls after an assistant message (or each other) join it as its ``tool_calls``. With
+    ``reasoning`` (a server with a reasoning parser, whose answers have them) reasoning items are
+    taken too: the next assistant message's ``reasoning_content``."""
     if isinstance(inp, str):
         if not inp:
             raise ValidationError("input must not be empty", param="input", code="empty_prompt")
@@ -68,7 +70,7 @@ def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(inp):
         p = f"input.{i}"
         kind = item.get("type", "message")
-        if kind == "reasoning":  # an earlier response's reasoning item, sent back
+        if kind == "reasoning" and reasoning:  # an earlier response's reasoning item, sent back
             thought = _reasoning_text(item, p)
             continue
         if kind == "message":
@@ -92,7 +94,8 @@ def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             msgs.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", p), "content": out})
         else:
             raise ValidationError(
-                f"{p}.type {kind!r} is not supported (message, reasoning, function_call, function_call_output)",
+                f"{p}.type {kind!r} is not supported (message, function_call, function_call_output"
+                + (", reasoning)" if reasoning else "; reasoning with --reasoning-parser)"),
                 param=f"{p}.type",
                 code="unsupported_parameter",
             )

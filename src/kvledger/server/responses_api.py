@@ -80,7 +80,7 @@ class ResponsesServing:
             raise ValidationError("max_output_tokens must be at least 1", param="max_output_tokens")
         prev = body.previous_response_id
         conversation = list(self.store.get(prev).conversation) if prev is not None else []
-        conversation += input_messages(body.input)
+        conversation += input_messages(body.input, reasoning=self.chat.reasoning_format is not None)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
             chat = ChatRequest.model_validate({
