@@ -12,6 +12,7 @@ from .config import (
     DISAGGREGATION_MODES,
     DTYPES,
     QUANTIZATIONS,
+    REASONING_PARSERS,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
     STORAGE_BACKENDS,
@@ -76,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV page (default {d.page_size}; 16 with --enable-hierarchical-cache)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=REASONING_PARSERS,
+                   help="the model's reasoning markers (<think>...</think>): chat answers give them as "
+                   "reasoning_content, and a request's grammar starts after </think>")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)

@@ -30,6 +30,7 @@ TRANSFER_BACKENDS = ("tcp", "mooncake")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 STORAGE_BACKENDS = ("file",)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # SGLang's names (scheduler/queue_order.py)
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names (server/reasoning.py has their formats)
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -85,11 +86,16 @@ class ModelSettings:
     docs/architecture.md, not token-exact. None = none."""
     context_length: int | None = None
     """Longest sequence (prompt + output). None: the model's own limit."""
+    reasoning_parser: str | None = None
+    """None | deepseek-r1 | qwen3: how the model marks its reasoning (``<think>``...``</think>``). The
+    chat API then answers it as ``reasoning_content``, and a request's grammar (structured output,
+    tool calls) starts after the end of the reasoning (the engine gates it on ``</think>``'s ids)."""
 
     def __post_init__(self) -> None:
         self.device = _norm(self.device) or "cpu"
         self.dtype = _norm(self.dtype) or "auto"
         self.quantization = _norm(self.quantization, null=("none",))
+        self.reasoning_parser = _norm(self.reasoning_parser, null=("none", "null", ""))
 
     @property
     def explicit_quantization(self) -> str | None:
@@ -99,6 +105,7 @@ class ModelSettings:
     def check(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
         _one_of(self.quantization, QUANTIZATIONS, "quantization", optional=True)
+        _one_of(self.reasoning_parser, REASONING_PARSERS, "reasoning_parser", optional=True)
         _positive(self, "context_length")
 
 

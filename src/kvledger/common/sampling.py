@@ -47,6 +47,10 @@ class SamplingParams:
     # and convention: larger is more important unless --schedule-low-priority-values-first); ignored
     # otherwise. None: the least important value.
     priority: int | None = None
+    # Nor this (SGLang's ``require_reasoning``): the output begins with the model's reasoning, so a
+    # grammar above starts only once the reasoning's end marker (``</think>``) is generated. Needs a
+    # server with a reasoning parser (``--reasoning-parser``), which knows the marker's token ids.
+    require_reasoning: bool = False
 
     @property
     def wants_logprobs(self) -> bool:

@@ -30,6 +30,7 @@ class Limits:
     max_stop_string_len: int = 256
     max_top_logprobs: int = 20
     max_stop_token_ids: int = 64
+    reasoning_parser: str | None = None  # the server's --reasoning-parser (require_reasoning needs one)
 
 
 _FIELDS = {f.name for f in fields(SamplingParams)}
@@ -162,7 +163,7 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not _is_int(v) or not MIN_PRIORITY <= v <= MAX_PRIORITY:
             raise _bad("priority", f"priority must be an integer in [-2**63, 2**63-1], got {v!r}")
         p.priority = v
-    for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim"):
+    for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim", "require_reasoning"):
         if d.get(flag) is not None:
             if not isinstance(d[flag], bool):
                 raise _bad(flag, f"{flag} must be a boolean")
@@ -197,6 +198,11 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
             except json.JSONDecodeError as e:
                 raise _bad(k, f"json_schema is not valid JSON: {e}", "invalid_grammar") from None
         setattr(p, k, v)
+    if p.require_reasoning and limits.reasoning_parser is None:
+        raise _bad(
+            "require_reasoning",
+            "require_reasoning needs a server started with --reasoning-parser (it knows the reasoning's end marker)",
+        )
     return p
 
 

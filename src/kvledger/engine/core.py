@@ -12,10 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from ..common import FinishReason, Limits, RequestOutput, validate_request
+from ..common.reasoning import REASONING_FORMATS
 from ..compat import check_request
 from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
+from ..constrained.reasoning import reasoning_end_ids
 from ..disagg import make_connector
 from ..errors import ConflictError, KVLedgerError, ModelLoadError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
@@ -253,6 +255,7 @@ class EngineCore:
             self.tokenizer,
             mc.vocab_size,
             sorted(eos),
+            self._reasoning_end_ids(),
         )
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
@@ -300,6 +303,16 @@ class EngineCore:
             self.step()
         self.flush_cache()
         log.info("torch.compile: ready in %.1fs", time.monotonic() - t0)
+
+    def _reasoning_end_ids(self) -> list[int] | None:
+        """The token ids of the reasoning's end marker (``--reasoning-parser``), where grammars begin."""
+        name = self.cfg.model.reasoning_parser
+        if name is None:
+            return None
+        try:
+            return reasoning_end_ids(self.tokenizer, REASONING_FORMATS[name].end)
+        except ValueError as e:
+            raise ValidationError(f"--reasoning-parser {name}: {e}", param="reasoning_parser") from None
 
     def _decode_raw(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
@@ -354,6 +367,7 @@ class EngineCore:
             max_stop_strings=cfg.scheduler.max_stop_strings,
             max_stop_string_len=cfg.scheduler.max_stop_string_len,
             max_top_logprobs=cfg.scheduler.max_top_logprobs,
+            reasoning_parser=cfg.model.reasoning_parser,
         )
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -366,7 +380,7 @@ class EngineCore:
         req = Req(rid=rid, input_ids=ids, params=params)
         spec = grammar_spec(params)
         if spec is not None:  # compiled here: one that does not compile is refused before it holds anything
-            req.grammar = self.grammars.new_state(spec)
+            req.grammar = self.grammars.new_state(spec, after_reasoning=params.require_reasoning)
         return req
 
     def submit(self, req: Req, session_params: dict | None = None) -> None:

@@ -94,6 +94,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             tokenizer,
             cfg.max_n,
             make_parser(cfg.tool_call_parser),
+            cfg.engine.model.reasoning_parser,
         )
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.client = client  # last: the routes take a server with a client as started

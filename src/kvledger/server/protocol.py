@@ -30,6 +30,7 @@ class GenerateRequest(_Strict):
     cache_salt: str | None = None  # prefix-cache isolation (vLLM); SGLang's extra_key is the same idea
     extra_key: str | None = None
     priority: int | None = None  # SGLang's: used under --enable-priority-scheduling, ignored otherwise
+    require_reasoning: bool = False  # SGLang: the output begins with reasoning; a grammar starts after it
 
     refused_fields: ClassVar[fields.Refused] = fields.GENERATE_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_GENERATE
@@ -118,6 +119,10 @@ class ChatRequest(_OpenAICommon):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     reasoning_effort: str | None = None  # passed to the template (enable_thinking: not "none")
+    # SGLang's, with --reasoning-parser (no effect without one): false keeps the reasoning in content;
+    # stream_reasoning false sends it in one delta once complete instead of as it comes.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     refused_fields: ClassVar[fields.Refused] = fields.CHAT_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_CHAT

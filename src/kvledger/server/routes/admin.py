@@ -79,6 +79,8 @@ async def server_info(request: Request):
         "engine_pid": client.pid,
         "server_pid": os.getpid(),
         "served_model_name": srv.name,
+        "reasoning_parser": srv.cfg.engine.model.reasoning_parser,  # SGLang's server_args name
+        "tool_call_parser": srv.cfg.tool_call_parser,
         "dp_size": 1,
         "disaggregation_mode": client.info.get("disaggregation_mode") or "null",
         "disaggregation": (client.stats or {}).get("disagg"),

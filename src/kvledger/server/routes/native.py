@@ -37,6 +37,8 @@ async def generate(request: Request):
         if sp.get("priority") is not None:
             raise ValidationError("give priority once, at the top level", param="priority")
         sp["priority"] = body.priority
+    if body.require_reasoning:  # SGLang's: a grammar starts after the reasoning (needs --reasoning-parser)
+        sp["require_reasoning"] = True
     if body.return_logprob:
         sp["logprobs"] = True
         if body.top_logprobs_num:
