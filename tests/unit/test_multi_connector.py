@@ -96,3 +96,15 @@ def test_held_pages_are_reported_once_every_holder_is_done():
     assert m.get_finished() == ({"r"}, set())
     c.done = {"other"}  # not held through the composite: passed on as it came
     assert m.get_finished() == ({"other"}, set())
+
+
+def test_every_connector_call_is_fanned_out():
+    """A call the base class gains must reach every part: ``request_refused`` once did not (a PD
+    pair with tiers left prefill's half of a refused session turn waiting out its timeout)."""
+    from kvledger.connector.base import KVConnector
+    from kvledger.connector.multi import MultiConnector
+
+    calls = {n for n, v in vars(KVConnector).items() if callable(v) and not n.startswith("_")}
+    calls |= {n for n, v in vars(KVConnector).items() if isinstance(v, property)}
+    missing = sorted(n for n in calls if n not in vars(MultiConnector))
+    assert not missing, f"MultiConnector inherits the no-op of {missing}"

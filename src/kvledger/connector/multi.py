@@ -43,6 +43,10 @@ class MultiConnector(KVConnector):
         for c in self.connectors:
             c.check_request(req)
 
+    def request_refused(self, req, why: str) -> None:
+        for c in self.connectors:  # every one may have a peer waiting (PD: the other side's half)
+            c.request_refused(req, why)
+
     def request_queued(self, req) -> None:
         for c in self.connectors:
             c.request_queued(req)
