@@ -13,7 +13,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # GGUF files, whose entries must not pile up in the user's ~/.cache (servers started here inherit it).
 os.environ.setdefault("KVLEDGER_CACHE_DIR", tempfile.mkdtemp(prefix="kvledger-test-cache-"))
 
-from tests.helpers import build_tiny_chat_model, build_tiny_model, hf_model
+from tests.helpers import (
+    DEEPSEEK_R1_STYLE_TEMPLATE,
+    build_reasoning_chat_model,
+    build_tiny_chat_model,
+    build_tiny_model,
+    hf_model,
+)
 
 # .ci/run installs every optional extra the tests use (SGLang's frontend and router, Mooncake and
 # libibverbs1, Chromium, lm-eval) and sets KVLEDGER_CI_NO_SKIP=1: there a test skipped for want of one
@@ -65,6 +71,18 @@ def tiny_qwen3(tmp_path_factory) -> str:
 def chat_model(tmp_path_factory) -> str:
     """A tiny random Llama with a real tokenizer and chat template (the integration server's model)."""
     return build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny_chat")))
+
+
+@pytest.fixture(scope="session")
+def reasoning_model(tmp_path_factory) -> str:
+    """The scripted reasoning model (``<think>Why</think>OK``) with a Qwen3-style template."""
+    return build_reasoning_chat_model(str(tmp_path_factory.mktemp("tiny_reasoning")))
+
+
+@pytest.fixture(scope="session")
+def deepseek_r1_model(tmp_path_factory) -> str:
+    """The same model with a DeepSeek-R1-style template (it opens ``<think>``: output ``Why</think>OK``)."""
+    return build_reasoning_chat_model(str(tmp_path_factory.mktemp("tiny_r1")), DEEPSEEK_R1_STYLE_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import random
 import re
 import time
 from collections import Counter
@@ -159,6 +160,9 @@ class Workload:
         self.orphans: dict[str, float] = {}
         self.stats: Counter = Counter()
         self.ids = itertools.count()
+        # Priorities (used where priority scheduling is on) come from their own generator, seeded from
+        # the run's without drawing from it, so a seed's workload is the one it was before them.
+        self.prio_rng = random.Random(rng.getstate()[1][0])
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self, steps: int, idle_every: float = 0.01) -> Counter:
@@ -178,6 +182,7 @@ class Workload:
         self.check()
         for eng in self.t.engines:
             self.stats["retractions"] += eng.core.scheduler.total_retractions
+            self.stats["preemptions"] += eng.core.scheduler.policy.total_preemptions
             self.stats["drafts_accepted"] += eng.core.scheduler.spec_totals.accepted
         return self.stats
 
@@ -247,6 +252,8 @@ class Workload:
                 p["stop"] = [text[i : i + self.rng.randint(1, 3)] or "a"]
         elif kind == "grammar":
             p["regex"] = self.rng.choice(REGEXES)
+        if self.prio_rng.random() < 0.8:
+            p["priority"] = self.prio_rng.randrange(4)
         return Job(f"r{next(self.ids)}", prompt, p, kind)
 
     def _submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> bool:
@@ -424,7 +431,8 @@ class Workload:
 
 
 def _key(prompt: list[int], params: dict) -> tuple:
-    return tuple(prompt), json.dumps(params, sort_keys=True)
+    # A priority changes when a request runs, never what it generates: one reference output for all.
+    return tuple(prompt), json.dumps({k: v for k, v in params.items() if k != "priority"}, sort_keys=True)
 
 
 class Reference:

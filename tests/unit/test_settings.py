@@ -65,6 +65,7 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
                                  disaggregation_mode="null", hicache_write_policy="WRITE_BACK")  # fmt: skip
     assert (cfg.model.dtype, cfg.model.quantization, cfg.kernels.attention_backend) == ("bfloat16", None, "torch")
     assert cfg.disagg.disaggregation_mode is None and cfg.hicache.hicache_write_policy == "write_back"
+    assert EngineConfig.from_flat(schedule_policy=" LPM ").scheduler.schedule_policy == "lpm"
     for bad, param in (
         ({"speculative_algorithm": "eagle"}, "speculative_algorithm"),
         ({"dtype": "float16"}, "dtype"),
@@ -77,6 +78,9 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
         ({"request_timeout_s": float("nan")}, "request_timeout_s"),
         ({"request_timeout_s": float("inf")}, "request_timeout_s"),
         ({"max_queued_prefill_tokens": 0}, "max_queued_prefill_tokens"),
+        ({"schedule_policy": "lof"}, "schedule_policy"),
+        ({"priority_scheduling_preemption_threshold": -1}, "priority_scheduling_preemption_threshold"),
+        ({"schedule_policy": "lpm", "enable_prefix_cache": False}, "schedule_policy"),
     ):
         with pytest.raises(ValidationError) as e:
             EngineConfig.from_flat(**bad).check()

@@ -14,9 +14,9 @@ hierarchical cache needs two on each side (the tiers' ``HiCacheConnector`` and t
   admission step (a step without a forward copies it all the same: ``ModelRunner.execute``) while
   the transfer brings the rest.
 * **Every other call fans out**, in order: ``check_request`` (a connector that refuses stops the
-  rest: the transfer's, which takes the room, goes last), ``request_refused``, ``request_queued``,
-  ``may_admit`` (all must agree), ``build_connector_meta`` (a tuple, one meta each), the worker side
-  with its own meta each, ``step_finished``, ``drain``, ``close``.
+  rest: the transfer's, which takes the room, goes last), ``request_queued``, ``may_admit`` (all must
+  agree), ``build_connector_meta`` (a tuple, one meta each), the worker side with its own meta each,
+  ``step_finished``, ``drain``, ``close``.
 * **Held pages**: ``request_finished`` is True when any connector keeps the pages; the rid is
   reported finished (``get_finished``) once every connector that kept them reported it.
 """
@@ -44,7 +44,7 @@ class MultiConnector(KVConnector):
             c.check_request(req)
 
     def request_refused(self, req, why: str) -> None:
-        for c in self.connectors:
+        for c in self.connectors:  # every one may have a peer waiting (PD: the other side's half)
             c.request_refused(req, why)
 
     def request_queued(self, req) -> None:

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from ..common import FinishReason, Limits, RequestOutput, validate_request
+from ..common.reasoning import REASONING_FORMATS
 from ..compat import check_request
 from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
+from ..constrained.reasoning import reasoning_end_ids
 from ..disagg import make_connector, make_worker_side
-from ..errors import KVLedgerError, ValidationError
+from ..errors import ConflictError, KVLedgerError, ModelLoadError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
@@ -25,7 +27,7 @@ from ..model.loader import LoadedModel, default_model_path
 from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
 from ..parallel.shard import check_tp, local_config, shard_weights
-from ..scheduler import ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
+from ..scheduler import PAUSE_MODES, ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
 from ..spec.setup import make_proposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
@@ -37,6 +39,7 @@ from .resources import (
     resolve_quantization,
 )
 from .runner import ModelRunner
+from .weights import check_reload_supported, checkpoint_shapes, load_replacement
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +178,7 @@ class EngineCore:
             loaded = loaded or load_model(cfg.model.model)
             t_read = time.monotonic() - t0
             mc = loaded.config
+            self.weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
             check_tp(mc, cfg.parallel.tp_size)
             self.dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
             self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
@@ -213,7 +217,7 @@ class EngineCore:
             holdings=lambda: self.scheduler.holdings(),
             tiers=tiers,
         )
-        runner = _runner(self.cfg, self.model, device)
+        runner = self.runner = _runner(self.cfg, self.model, device)
         hicache = None
         if tiers is not None:
             if connector is not None:
@@ -258,6 +262,7 @@ class EngineCore:
             self.tokenizer,
             mc.vocab_size,
             sorted(eos),
+            self._reasoning_end_ids(),
         )
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
@@ -305,6 +310,16 @@ class EngineCore:
             self.step()
         self.flush_cache()
         log.info("torch.compile: ready in %.1fs", time.monotonic() - t0)
+
+    def _reasoning_end_ids(self) -> list[int] | None:
+        """The token ids of the reasoning's end marker (``--reasoning-parser``), where grammars begin."""
+        name = self.cfg.model.reasoning_parser
+        if name is None:
+            return None
+        try:
+            return reasoning_end_ids(self.tokenizer, REASONING_FORMATS[name].end)
+        except ValueError as e:
+            raise ValidationError(f"--reasoning-parser {name}: {e}", param="reasoning_parser") from None
 
     def _decode_raw(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
@@ -359,6 +374,7 @@ class EngineCore:
             max_stop_strings=cfg.scheduler.max_stop_strings,
             max_stop_string_len=cfg.scheduler.max_stop_string_len,
             max_top_logprobs=cfg.scheduler.max_top_logprobs,
+            reasoning_parser=cfg.model.reasoning_parser,
         )
 
     # -- requests ---------------------------------------------------------------------------------------
@@ -371,7 +387,7 @@ class EngineCore:
         req = Req(rid=rid, input_ids=ids, params=params)
         spec = grammar_spec(params)
         if spec is not None:  # compiled here: one that does not compile is refused before it holds anything
-            req.grammar = self.grammars.new_state(spec)
+            req.grammar = self.grammars.new_state(spec, after_reasoning=params.require_reasoning)
         return req
 
     def submit(self, req: Req, session_params: dict | None = None) -> None:
@@ -444,6 +460,58 @@ class EngineCore:
 
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.scheduler.abort(rid, message)
+
+    # -- pause and weight updates (RL trainers) ------------------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> int:
+        """Stop computing until ``continue_generation`` (``Scheduler.pause`` for the modes); requests
+        that arrive meanwhile wait in the queue. Returns how many requests are held paused."""
+        if mode not in PAUSE_MODES:
+            raise ValidationError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        return self.scheduler.pause(mode)
+
+    def continue_generation(self) -> None:
+        self.scheduler.resume()
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> dict:
+        """Replace the weights with the checkpoint at ``model_path`` (same architecture and shapes,
+        ``weights.py``) without a restart. Refused (409) while any request holds KV: computed by
+        the old weights, it would be mixed with the new ones (pause with ``retract`` or ``abort``
+        first, or let the requests finish). On success the prefix cache is flushed and every
+        session's KV dropped (their tokens stay: the next turn recomputes), through the pools'
+        books; requests paused by retraction recompute with the new weights when generation
+        continues. Any failure leaves the old weights serving, and nothing changed."""
+        check_reload_supported(self.cfg)
+        s = self.scheduler
+        s.settle()  # requests already marked (a pause with mode abort) end first
+        held = len(s.running) + len(s.waiting_for_kv) + len(s.sending)
+        if held:
+            raise ConflictError(
+                f"{held} request(s) hold KV computed by the current weights; pause generation with "
+                f"mode retract or abort first, or let them finish",
+                code="busy",
+            )
+        t0 = time.monotonic()
+        loaded = load_replacement(model_path, load_format, self.model.cfg, self.weight_shapes)
+        try:
+            model = _sharded_model(self.cfg, loaded, self.model.net.comm, self.dtype, self.cfg.model.device)
+        except Exception as e:  # out of memory, a tensor the packing refuses: the old model stays
+            log.exception("building the model from %s failed", model_path)
+            raise ModelLoadError(
+                f"building the model from {model_path} failed ({type(e).__name__}: {e}); "
+                f"the old weights still serve"
+            ) from None
+        del loaded
+        self.model = self.runner.model = model
+        flushed = self.kv_manager.tree.flush()
+        dropped = self.sessions.session_kv.drop_all_kv()
+        self.cfg = self.cfg.replace(model=model_path)
+        self.info.model_path = model_path
+        self.info.weight_bytes = model.weight_bytes()
+        log.info(
+            "weights updated from %s in %.1fs: %d cached pages and %d session tokens of KV dropped; "
+            "%d request(s) paused", model_path, time.monotonic() - t0, flushed, dropped, len(s.reqs),
+        )  # fmt: skip
+        return {"num_paused_requests": len(s.reqs)}
 
     def connector_stats(self) -> dict | None:
         """The PD transport's counters (None without one)."""

@@ -72,6 +72,10 @@ class Req:
     input_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     num_retractions: int = 0
     admitted_seq: int = 0  # admission order (retraction picks the newest)
+    arrival_seq: int = 0  # arrival order at the scheduler (fcfs; kept through retractions)
+    # Smaller is more important (scheduler/queue_order.py: the priority as the queue sorts it); 0 for
+    # every request without priority scheduling.
+    priority_rank: int = 0
     session: object | None = None  # the Session this request is a turn of (memory/session_kv.py)
     session_offset: int = 0
     spec: SpecState = field(default_factory=SpecState)

@@ -25,6 +25,7 @@ from ..errors import KVLedgerError
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from . import handlers
 from .auth import AuthMiddleware
+from .control import Control
 from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
@@ -75,7 +76,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         )
         if srv.sessions.load_journal():  # a previous process of this server held sessions
             await reopen_journaled(client, srv.sessions)
-        srv.gen = GenerationService(client, tokenizer, srv.metrics, srv.sessions)
+        srv.gen = GenerationService(client, tokenizer, srv.metrics, srv.sessions, srv.gate)
+        srv.control = Control(client, srv.gate)
 
         async def restore_sessions() -> None:
             records = srv.sessions.snapshot()
@@ -92,6 +94,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             tokenizer,
             cfg.max_n,
             make_parser(cfg.tool_call_parser),
+            cfg.engine.model.reasoning_parser,
         )
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.client = client  # last: the routes take a server with a client as started
@@ -139,6 +142,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         finish, then abort the rest (they end with finish_reason abort and a clear message)."""
         srv.draining = True
         srv.stop_requested.set()
+        await srv.gate.shut_down()  # requests held by a pause get a 503
         client = srv.client
         if client is None:
             return
