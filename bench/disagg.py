@@ -2,9 +2,9 @@
 
     python bench/disagg.py [--skip-http] [--num-prompts 16] [--input-len 256] [--output-len 32]
 
-1. Transfer cost: a prefill engine and a decode engine (SmolLM2, fp32) in this process; the prefill
-   side finishes a prompt and holds its KV, then the decode side claims it; the time from the claim to
-   the KV in decode's pages, per token of KV, for the built-in transport and Mooncake's (if installed).
+1. Transfer cost: a prefill engine and a decode engine (SmolLM2, fp32) in this process; decode claims
+   the room, prefill computes the prompt (it runs only once claimed); the time from prefill's result
+   to the KV in decode's pages, per token of KV, for the built-in transport and Mooncake's (if installed).
 2. End to end over HTTP with `kvledger bench` (random prompts, fixed concurrency): one server; two
    replicas behind SGLang's router (`serve --dp-size 2`); a prefill + decode pair behind the router in
    PD mode. On 2 cores neither is expected to be faster than one server (the processes share the same
@@ -70,14 +70,19 @@ def transfer_cost(backend: str, lengths: list[int], rounds: int) -> list[dict]:
                 room += 1
                 prompt = [(room * 7919 + 31 * i) % (vocab - 10) + 5 for i in range(n)]  # no shared prefix
                 d = DisaggParams("127.0.0.1", port, room)
-                pre.add_request(prompt, {"max_new_tokens": 1}, rid=f"p{room}", disagg=d)
-                while pre.result(f"p{room}") is None:
-                    pre.step()
-                before = dec.core.connector.stats.transfers_ok
-                t0 = time.perf_counter()
+                # Prefill runs a request only once decode has claimed its room: decode first.
+                before = dec.core.disagg_connector.stats.transfers_ok
                 dec.add_request(prompt, {"max_new_tokens": 1}, rid=f"d{room}", disagg=d)
+                dec.step()
+                pre.add_request(prompt, {"max_new_tokens": 1}, rid=f"p{room}", disagg=d)
                 deadline = time.monotonic() + 60
-                while dec.core.connector.stats.transfers_ok == before:
+                while pre.result(f"p{room}") is None:  # computed; its KV is sent from here on
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"prefill never ran: {pre.core.connector_stats()}")
+                    pre.step()
+                    dec.step()
+                t0 = time.perf_counter()
+                while dec.core.disagg_connector.stats.transfers_ok == before:
                     if time.monotonic() > deadline:
                         raise RuntimeError(
                             f"no transfer: {dec.core.connector_stats()} {dec.result(f'd{room}', pop=False)}"
@@ -369,7 +374,7 @@ def main() -> int:
         print_turns(turns)
         return 0
     lengths = [int(x) for x in args.lengths.split(",")]
-    print("KV transfer, claim -> KV in decode's pages (best of rounds after the first):")
+    print("KV transfer, prefill done -> KV in decode's pages (best of rounds after the first):")
     cost = transfer_cost("tcp", lengths, args.rounds)
     if available() is None:
         cost += transfer_cost("mooncake", lengths, args.rounds)
