@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import shlex
 import signal
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -197,3 +199,62 @@ def test_tensor_parallel_across_two_hosts(hosts, chat_model, server, tmp_path):
         assert got.json()["output_ids"] == whole["output_ids"]
     node0.wait_idle_clean()
     assert node1.poll() is None, (tmp_path / "n1.log").read_text()[-2000:]
+
+
+def readme_recipe(name: str) -> list[list[str]]:
+    """The commands of the README's ``<!-- recipe:NAME -->`` block, continuation lines joined."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text.split(f"<!-- recipe:{name} -->", 1)[1].split("<!-- /recipe -->", 1)[0]
+    body = block.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    return [shlex.split(line) for line in body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_readmes_pd_tp_hicache_recipe_across_two_hosts(hosts, chat_model, server, tmp_path):
+    """The README's two-machine recipe, as written: prefill (TP 2, tiers) on A, decode (TP 2, tiers)
+    on B, the router on A. Only the model, the engine's test settings and the addresses change."""
+    pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
+    cmds = readme_recipe("pd-tp-hicache")
+    assert [c[:2] for c in cmds] == [["kvledger", "serve"]] * 2 + [["python", "-m"]], cmds
+    swap = {"10.0.0.1": hosts.a.addr, "10.0.0.2": hosts.b.addr}
+
+    def addrs(tokens: list[str]) -> list[str]:
+        out = []
+        for t in tokens:
+            for old, new in swap.items():
+                t = t.replace(old, new)
+            out.append(t)
+        return out
+
+    servers = []
+    for k, cmd in enumerate(cmds[:2]):
+        args = addrs(cmd[2:])
+        host = hosts.a if args[args.index("--host") + 1] == hosts.a.addr else hosts.b
+        port = int(args[args.index("--port") + 1])
+        rest = [a for i, a in enumerate(args) if a not in ("--host", "--port") and args[i - 1] not in ("--host", "--port")]
+        servers.append(Remote(hosts, host, port, [*rest, "--model", chat_model, *ENGINE_ARGS], str(tmp_path / f"s{k}.log")))
+    for s in servers:
+        s.wait_healthy()
+    assert [s.host for s in servers] == [hosts.a, hosts.b]
+    router_args = addrs(cmds[2][1:])
+    hosts.start(hosts.a, [sys.executable, *router_args, "--worker-startup-check-interval", "1",
+                          "--health-check-interval-secs", "1"], str(tmp_path / "router.log"))  # fmt: skip
+    router = f"http://127.0.0.1:{router_args[router_args.index('--port') + 1]}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if hosts.a.get(router + "/health", timeout=1).status_code == 200:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, (tmp_path / "router.log").read_text()[-3000:]
+        time.sleep(0.3)
+    for s in servers:
+        info = s.info()
+        assert info["engine"]["tp_size"] == 2 and info["memory"]["hicache"] is not None, info["engine"]
+    for text in ["Two machines share one conversation", "A longer prompt that crosses pages " * 4]:
+        body = {**BODY, "text": text}
+        via = hosts.a.post(router + "/generate", json=body)
+        assert via.status_code == 200, via.text
+        assert via.json()["output_ids"] == reference(server, body)
+    for s in servers:
+        s.wait_idle_clean()
