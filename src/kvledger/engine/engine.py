@@ -155,7 +155,7 @@ class Engine:
                 raise ValidationError("stream=True takes a single prompt", param="stream")
             self._submit(reqs, session_params)
             return self._stream(reqs[0].rid)
-        results = self._run(reqs)
+        results = self._run(reqs, session_params)
         return results[0] if single else results
 
     def encode(
@@ -195,9 +195,9 @@ class Engine:
             out.append(label_scores(r["label_logprobs"], apply_softmax))
         return out
 
-    def _run(self, reqs: list[Req]) -> list[dict]:
+    def _run(self, reqs: list[Req], session_params: dict | None = None) -> list[dict]:
         """Submit ``reqs`` and step until all have finished; their results in order."""
-        self._submit(reqs)
+        self._submit(reqs, session_params)
         try:
             while any(self._tracks[r.rid].finish is None for r in reqs):
                 self._step()
