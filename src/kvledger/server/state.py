@@ -16,6 +16,7 @@ from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
 from .openai_api import OpenAIServing
+from .pooling_api import PoolingServing
 from .responses_api import ResponsesServing
 from .session_store import SessionStore
 
@@ -32,6 +33,7 @@ class ServerState:
     gen: GenerationService | None = None
     openai: OpenAIServing | None = None
     responses: ResponsesServing | None = None
+    pooling: PoolingServing | None = None
     sessions: SessionStore | None = None
     draining: bool = False
     # Set by the first SIGTERM/SIGINT: a start-up in progress stops waiting for the engine.
