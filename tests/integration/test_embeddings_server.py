@@ -210,3 +210,15 @@ def test_mean_pooling_and_the_api_key(mean_keyed, chat_hf):
     assert httpx.post(srv.url + "/v1/rerank", headers=srv.headers, json={"query": "a", "documents": ["b"]}).json()[
         "pooling"
     ] == "mean"
+
+
+def test_a_batch_larger_than_the_queue(srv, client, chat_hf):
+    """100 inputs on a server that queues 64 (--max-queued-requests): the call feeds the engine at
+    most --max-running-requests at a time instead of overflowing its queue with 429s."""
+    texts = [f"item {i}" for i in range(100)]
+    r = httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=600)
+    assert r.status_code == 200, r.text
+    out = openai.types.CreateEmbeddingResponse.model_validate(r.json())
+    assert [d.index for d in out.data] == list(range(100))
+    for i in (0, 57, 99):
+        assert close(out.data[i].embedding, hf_embedding(chat_hf, tokenize(srv, texts[i])))

@@ -76,7 +76,10 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             make_parser(cfg.tool_call_parser),
         )
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
-        srv.pooling = PoolingServing(srv.gen, srv.openai.check_model, name, srv.limits, tokenizer, cfg.pooling)
+        srv.pooling = PoolingServing(
+            srv.gen, srv.openai.check_model, name, srv.limits, tokenizer, cfg.pooling,
+            client.engine_config["max_running_requests"],
+        )  # fmt: skip
         srv.client = client  # last: the routes take a server with a client as started
         log.info("serving %s on http://%s:%d", name, cfg.host, cfg.port)
 

@@ -25,8 +25,18 @@ RERANK_SCORE = "cosine_similarity"  # what /v1/rerank's relevance_score is (no c
 
 
 class PoolingServing:
-    def __init__(self, gen: GenerationService, check_model, name: str, limits: Limits, tokenizer, pooling: str):
+    def __init__(
+        self,
+        gen: GenerationService,
+        check_model,
+        name: str,
+        limits: Limits,
+        tokenizer,
+        pooling: str,
+        max_in_flight: int,
+    ):
         self.gen = gen
+        self.max_in_flight = max_in_flight
         self.check_model = check_model
         self.name = name
         self.limits = limits
@@ -50,12 +60,15 @@ class PoolingServing:
         return jobs
 
     async def _run(self, base: str, jobs, pooling: PoolingParams, disconnected) -> list[GenState]:
-        states = await asyncio.gather(
-            *(
-                self.gen.collect(ids, p, f"{base}-{i}", disconnected=disconnected, pooling=pooling)
-                for i, (ids, p) in enumerate(jobs)
-            )
-        )
+        # At most --max-running-requests of one call in the engine at a time: a batch larger than the
+        # waiting queue (--max-queued-requests) is fed to it, not refused by it with 429s.
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(i: int, ids: list[int], p: SamplingParams) -> GenState:
+            async with gate:
+                return await self.gen.collect(ids, p, f"{base}-{i}", disconnected=disconnected, pooling=pooling)
+
+        states = await asyncio.gather(*(one(i, ids, p) for i, (ids, p) in enumerate(jobs)))
         for st in states:
             err = st.error()
             if err is not None:
