@@ -5,7 +5,8 @@ SGLang's router drives one) step by step with what a server sees: shared prefixe
 prompts, greedy, seeded and unseeded sampling, stop strings and stop tokens, grammars, n>1, streams
 cut mid-generation, aborts of queued and of prefilling requests, aborts after the end, health checks
 (the request /health_generate sends), session turns with offsets, aborted and too-long turns,
-sessions closed while busy, all in a pool small enough to retract.
+sessions closed while busy, embeddings and label scores (no decode; on a PD pair, sent to one side
+without a room), all in a pool small enough to retract.
 
 The engines are strict: the books are checked after every step (rank 0's pages and slots, and the L2
 tier's), a violation raises there. At random idle points and at the end every engine is audited
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from kvledger import ValidationError
 from kvledger.common.disagg import DisaggParams
 from kvledger.common.health import HEALTH_CHECK_IDS, HEALTH_CHECK_SAMPLING, health_check_disagg
+from kvledger.common.pooling import PoolingParams
 from kvledger.errors import NotFoundError, OverloadedError
 from tests.helpers import assert_idle_clean
 
@@ -48,11 +50,12 @@ class Job:
     result: dict | None = None
     prefill: dict | None = None  # a PD pair's prefill side's result
     answer: dict | None = None  # ... and its decode side's (the result once both are in)
+    pooling: PoolingParams | None = None  # an embedding or score request (kind "embed" / "score")
 
     def deterministic(self, pd: bool) -> bool:
         """Its output is a function of its prompt and parameters (a PD health check's token is not:
         decode never receives the fake room's KV)."""
-        return self.kind != "sampled" and not (pd and self.kind == "health")
+        return self.kind not in ("sampled", "embed", "score") and not (pd and self.kind == "health")
 
 
 class Single:
@@ -66,8 +69,9 @@ class Single:
 
     def submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> None:
         self.eng.add_request(
-            new if new is not None else job.prompt, job.params, rid=job.rid, session_params=session
-        )
+            new if new is not None else job.prompt, job.params, rid=job.rid, session_params=session,
+            pooling=job.pooling,
+        )  # fmt: skip
 
     def abort(self, job: Job, rng) -> None:
         self.eng.abort(job.rid)
@@ -95,6 +99,10 @@ class PDPair:
 
     def submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> None:
         assert session is None
+        if job.pooling is not None:  # no decode: computed on the side it reaches, no room
+            self.dec.add_request(job.prompt, job.params, rid=job.rid, pooling=job.pooling)
+            job.prefill = {"pooling": "not sent to prefill"}
+            return
         room = (
             health_check_disagg(True)
             if job.kind == "health"
@@ -201,6 +209,8 @@ class Workload:
             )
         elif r < 0.30 and not self.t.pd:
             self._session_op()
+        elif r < 0.36 and len(self.live) < 16:
+            self._submit(self._pooling_job(self._prompt()))
         elif r < 0.65 and len(self.live) < 16:
             prompt = self._prompt()
             job = self._job(prompt, self.rng.randint(1, min(32, self.ctx - len(prompt))))
@@ -241,6 +251,15 @@ class Workload:
         elif kind == "grammar":
             p["regex"] = self.rng.choice(REGEXES)
         return Job(f"r{next(self.ids)}", prompt, p, kind)
+
+    def _pooling_job(self, prompt: list[int]) -> Job:
+        """An embedding (last or mean pooling) or label-token logprobs (/v1/score): no token drawn."""
+        if self.rng.random() < 0.7:
+            pooling = PoolingParams(embed=self.rng.choice(["last", "mean"]))
+        else:
+            pooling = PoolingParams(label_token_ids=[self.rng.randrange(3, 256) for _ in range(3)])
+        kind = "embed" if pooling.embed else "score"
+        return Job(f"p{next(self.ids)}", prompt, {"max_new_tokens": 0}, kind, pooling=pooling)
 
     def _submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> bool:
         job.fate = self.rng.choice(FATES) if job.kind != "health" else self.rng.choice(["none"] * 5 + ["cut"])
@@ -382,6 +401,9 @@ class Workload:
             res = job.result
             assert res is not None, job.rid
             fr = res["meta_info"]["finish_reason"]
+            if job.pooling is not None:
+                self._check_pooled(job, res, wrong)
+                continue
             out = res["output_ids"]
             self.stats[f"finish_{fr['type']}"] += 1
             if fr["type"] == "abort" and not job.aborted:
@@ -415,6 +437,26 @@ class Workload:
         assert not wrong, f"{len(wrong)} of {len(self.jobs)} wrong:\n" + "\n".join(wrong[:10])
 
 
+    def _check_pooled(self, job: Job, res: dict, wrong: list[str]) -> None:
+        """An embedding or score: there unless aborted; in fp32 equal to the reference engine's."""
+        fr = res["meta_info"]["finish_reason"]
+        self.stats[f"finish_{fr['type']}"] += 1
+        got = res.get("embedding") if job.kind == "embed" else res.get("label_logprobs")
+        if fr["type"] == "abort":
+            if not job.aborted and (self.t.pd or TOO_BIG not in (fr.get("message") or "")):
+                wrong.append(f"{job.rid} aborted unasked: {fr}")
+            assert got is None, job.rid
+            return
+        assert got is not None and res["meta_info"]["completion_tokens"] == 0, (job.rid, res)
+        if job.kind == "embed":
+            assert abs(sum(x * x for x in got) - 1) < 1e-3, job.rid  # L2-normalised
+        if not self.exact:
+            return
+        want = self.ref.pooled(job.prompt, job.pooling)
+        if len(got) != len(want) or any(abs(a - b) > 1e-4 for a, b in zip(got, want)):
+            wrong.append(f"{job.rid} ({job.kind} {job.pooling}, {len(job.prompt)} tokens) differs")
+
+
 def _key(prompt: list[int], params: dict) -> tuple:
     return tuple(prompt), json.dumps(params, sort_keys=True)
 
@@ -425,6 +467,16 @@ class Reference:
     def __init__(self, eng):
         self.eng = eng
         self.memo: dict[tuple, list[int]] = {}
+
+    def pooled(self, prompt: list[int], pooling: PoolingParams) -> list[float]:
+        """The plain engine's embedding, or its label-token logprobs, for ``prompt``."""
+        key = (tuple(prompt), pooling.embed, tuple(pooling.label_token_ids or ()))
+        if key not in self.memo:
+            rid = self.eng.add_request(prompt, None, pooling=pooling)
+            self.eng.run_until_idle()
+            res = self.eng.result(rid)
+            self.memo[key] = res["embedding"] if pooling.embed else res["label_logprobs"]
+        return self.memo[key]
 
     def output(self, prompt: list[int], params: dict) -> list[int]:
         return self.outputs([(prompt, params)])[_key(prompt, params)]

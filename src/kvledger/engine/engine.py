@@ -238,10 +238,12 @@ class Engine:
         rid: str | None = None,
         session_params: dict | None = None,
         disagg: DisaggParams | None = None,
+        pooling: PoolingParams | None = None,
     ) -> str:
         """Queue one request without waiting (drive it with ``step``); returns its rid. ``disagg``:
-        its bootstrap room on a PD engine (``disagg/``)."""
-        reqs, _ = self._prepare(None, sampling_params, input_ids, rid)
+        its bootstrap room on a PD engine (``disagg/``); ``pooling``: an embedding or score request
+        (its result is ``encode``'s, or ``{"label_logprobs", "meta_info"}``)."""
+        reqs, _ = self._prepare(None, sampling_params, input_ids, rid, pooling)
         reqs[0].disagg = disagg
         self._submit(reqs, session_params)
         return reqs[0].rid
