@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import re
+import time
 
 import httpx
 import numpy as np
@@ -222,3 +223,15 @@ def test_a_batch_larger_than_the_queue(srv, client, chat_hf):
     assert [d.index for d in out.data] == list(range(100))
     for i in (0, 57, 99):
         assert close(out.data[i].embedding, hf_embedding(chat_hf, tokenize(srv, texts[i])))
+
+
+def test_a_client_that_leaves_mid_batch_leaves_nothing_running(srv):
+    """The batch's requests in the engine are aborted through the release path, and those not yet
+    submitted never are (the srv fixture then finds the books clean)."""
+    before = requests_seen(srv)
+    texts = [f"{i} " + "lorem ipsum " * 50 for i in range(200)]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=1.5)
+    time.sleep(3)
+    srv.wait_idle_clean(timeout=30)
+    assert requests_seen(srv) - before <= 2 * 8  # at most --max-running-requests at a time ever went in

@@ -68,7 +68,12 @@ class PoolingServing:
             async with gate:
                 return await self.gen.collect(ids, p, f"{base}-{i}", disconnected=disconnected, pooling=pooling)
 
-        states = await asyncio.gather(*(one(i, ids, p) for i, (ids, p) in enumerate(jobs)))
+        tasks = [asyncio.ensure_future(one(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
+        try:
+            states = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:  # one failed or the client left: the rest are aborted, not left running
+                t.cancel()
         for st in states:
             err = st.error()
             if err is not None:
