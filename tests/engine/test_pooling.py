@@ -127,3 +127,25 @@ def test_pooling_refusals_allocate_nothing(make_engine):
     assert eng.core.scheduler.reqs == {}
     after = eng.memory()
     assert after["kv_free"] == before["kv_free"] and after["req_slots_free"] == before["req_slots_free"]
+
+
+def test_a_fault_beside_pooling_requests_is_contained(tiny_loaded, tiny_llama_hf, monkeypatch):
+    """A forward that fails for one request is rerun request by request: the embedding and score
+    requests beside it get their answers (the rerun carries them), the faulty one a 500."""
+    from kvledger import Engine
+    from tests.helpers import assert_idle_clean
+
+    monkeypatch.setenv("KVLEDGER_TEST_FAULT_RIDS", "bad")
+    eng = Engine(loaded_model=tiny_loaded, dtype="float32", max_total_tokens=2048, strict_memory=True, page_size=16)
+    ids, labels = prompt(40, 7), [4, 9]
+    emb = eng.add_request(ids, None, pooling=PoolingParams(embed="mean"))
+    lab = eng.add_request(ids, None, pooling=PoolingParams(label_token_ids=labels))
+    bad = eng.add_request(prompt(20, 8), {"max_new_tokens": 4}, rid="bad")
+    eng.run_until_idle()
+    assert "injected fault" in eng.result(bad)["meta_info"]["finish_reason"]["message"]
+    assert close(eng.result(emb)["embedding"], hf_embedding(tiny_llama_hf, ids, "mean"))
+    with torch.no_grad():
+        lp = torch.log_softmax(tiny_llama_hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+    assert close(eng.result(lab)["label_logprobs"], lp[labels])
+    assert_idle_clean(eng)
+    eng.shutdown()
