@@ -9,6 +9,12 @@
    replicas behind SGLang's router (`serve --dp-size 2`); a prefill + decode pair behind the router in
    PD mode. On 2 cores neither is expected to be faster than one server (the processes share the same
    two cores); the figures say what the extra hop costs.
+3. A multi-turn chat (``--turns``, streamed ``/v1/chat/completions``, greedy) through the router to a PD
+   pair, and the same chat against one server: per turn the prompt, ``cached_tokens``, TTFT, and the
+   tokens and bytes the transfer moved (decode's ``/get_server_info``). Decode's own prefix cache keeps
+   the transfer flat, not growing with the conversation.
+
+    python bench/disagg.py --only-turns [--turns 5]
 
 Writes bench/out/disagg.json and prints a Markdown table.
 """
@@ -182,6 +188,93 @@ def end_to_end(args, out: Path) -> list[dict]:
     return rows
 
 
+# -- 3. a conversation through PD -------------------------------------------------------------------------
+USER_TURNS = [
+    "Tell me about the history of Paris in a few sentences.",
+    "What are three famous museums there?",
+    "Which one would you visit first, and why?",
+    "How do I get there from the main train station?",
+    "Summarise our conversation in one sentence.",
+]
+
+
+def chat_turn(url: str, messages: list[dict], max_tokens: int) -> dict:
+    """One streamed chat turn: its answer, TTFT (to the first content), and usage."""
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for c in chunk.get("choices", []):
+                if c["delta"].get("content"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(c["delta"]["content"])
+    return {"text": "".join(text), "ttft_ms": (ttft or 0.0) * 1e3, "usage": usage}
+
+
+def conversation(url: str, turns: int, max_tokens: int, decode_url: str | None = None) -> list[dict]:
+    messages: list[dict] = []
+    rows = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": USER_TURNS[k % len(USER_TURNS)]})
+        before = httpx.get(decode_url + "/get_server_info", timeout=10).json()["disaggregation"] if decode_url else None
+        got = chat_turn(url, messages, max_tokens)
+        messages.append({"role": "assistant", "content": got["text"]})
+        u = got["usage"]
+        row = {"turn": k + 1, "prompt_tokens": u.get("prompt_tokens"), "ttft_ms": got["ttft_ms"],
+               "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens")}  # fmt: skip
+        if decode_url:
+            after = httpx.get(decode_url + "/get_server_info", timeout=10).json()["disaggregation"]
+            row["moved_tokens"] = after["tokens"] - before["tokens"]
+            row["moved_bytes"] = after["bytes"] - before["bytes"]
+        rows.append(row)
+        print(f"  turn {k + 1}: {row}", flush=True)
+    return rows
+
+
+def multi_turn(args, out: Path) -> dict:
+    py = [sys.executable, "-m", "kvledger", "serve", "--log-level", "warning", "--page-size", "16"]
+    router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+              "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]  # fmt: skip
+    procs = Procs(out)
+    result = {}
+    try:
+        port = free_port()
+        procs.start("single-turns", [*py, "--port", str(port)])
+        wait_up(f"http://127.0.0.1:{port}")
+        print("one server:", flush=True)
+        result["one server"] = conversation(f"http://127.0.0.1:{port}", args.turns, args.turn_tokens)
+        procs.stop()
+
+        bport, pport, dport, rport = free_port(), free_port(), free_port(), free_port()
+        threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+        procs.start("prefill-turns", [*py, *threads, "--port", str(pport), "--disaggregation-mode", "prefill",
+                                      "--disaggregation-bootstrap-port", str(bport)])  # fmt: skip
+        procs.start("decode-turns", [*py, *threads, "--port", str(dport), "--disaggregation-mode", "decode"])
+        wait_up(f"http://127.0.0.1:{pport}")
+        wait_up(f"http://127.0.0.1:{dport}")
+        procs.start("router-turns", [*router, "--port", str(rport), "--pd-disaggregation", "--prefill",
+                                     f"http://127.0.0.1:{pport}", str(bport), "--decode", f"http://127.0.0.1:{dport}"])  # fmt: skip
+        wait_up(f"http://127.0.0.1:{rport}", "/health")
+        print("PD through the router:", flush=True)
+        result["PD"] = conversation(
+            f"http://127.0.0.1:{rport}", args.turns, args.turn_tokens, decode_url=f"http://127.0.0.1:{dport}"
+        )
+        result["same_text"] = [r["prompt_tokens"] for r in result["PD"]] == [
+            r["prompt_tokens"] for r in result["one server"]
+        ]
+    finally:
+        procs.stop()
+    return result
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="128,512,1024")
@@ -191,11 +284,19 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--turn-tokens", type=int, default=48, help="max_tokens of each chat turn")
+    ap.add_argument("--only-turns", action="store_true", help="run only the multi-turn chat (3.)")
     args = ap.parse_args()
     from kvledger.disagg.mooncake import available
 
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
+    if args.only_turns:
+        turns = multi_turn(args, Path(tempfile.mkdtemp(prefix="kvledger-disagg-")))
+        (out / "disagg_turns.json").write_text(json.dumps(turns, indent=2))
+        print_turns(turns)
+        return 0
     lengths = [int(x) for x in args.lengths.split(",")]
     print("KV transfer, claim -> KV in decode's pages (best of rounds after the first):")
     cost = transfer_cost("tcp", lengths, args.rounds)
@@ -203,8 +304,12 @@ def main() -> int:
         cost += transfer_cost("mooncake", lengths, args.rounds)
     else:
         print(f"  mooncake: skipped ({available()})")
-    e2e = [] if args.skip_http else end_to_end(args, Path(tempfile.mkdtemp(prefix="kvledger-disagg-")))
-    (out / "disagg.json").write_text(json.dumps({"transfer": cost, "end_to_end": e2e}, indent=2, default=str))
+    logdir = Path(tempfile.mkdtemp(prefix="kvledger-disagg-"))
+    e2e = [] if args.skip_http else end_to_end(args, logdir)
+    turns = {} if args.skip_http else multi_turn(args, logdir)
+    (out / "disagg.json").write_text(
+        json.dumps({"transfer": cost, "end_to_end": e2e, "turns": turns}, indent=2, default=str)
+    )
     print("\n| backend | tokens | ms | us/token | MB/s |\n|---|---|---|---|---|")
     for r in cost:
         print(
@@ -217,7 +322,19 @@ def main() -> int:
         for r in e2e:
             print(f"| {r['system']} | {r['output_tok_s']:.1f} | {r['ttft_ms']['p50']:.0f} | "
                   f"{r['itl_ms']['p50']:.0f} | {r['e2e_ms']['p50']:.0f} | {r['failed']} |")  # fmt: skip
+    if turns:
+        print_turns(turns)
     return 0
+
+
+def print_turns(turns: dict) -> None:
+    one, pd = turns["one server"], turns["PD"]
+    print("\n| turn | prompt tokens | cached (one server) | cached (PD) | TTFT ms one server | TTFT ms PD "
+          "| tokens moved | KB moved |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for a, b in zip(one, pd, strict=True):
+        print(f"| {a['turn']} | {b['prompt_tokens']} | {a['cached_tokens']} | {b['cached_tokens']} | "
+              f"{a['ttft_ms']:.0f} | {b['ttft_ms']:.0f} | {b['moved_tokens']} | {b['moved_bytes'] / 1024:.0f} |")  # fmt: skip
+    print(f"same prompts on both (greedy, same text): {turns['same_text']}")
 
 
 if __name__ == "__main__":

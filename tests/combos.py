@@ -53,6 +53,9 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "quantized": {"quantization": "INT4"},
         "unquantized": {"quantization": "none"},
         "fp32": {"dtype": "fp32"},
+        # Threshold 0: the workload's priorities (0-3) preempt whenever the slots or the pool are full.
+        "priority": {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 0},
+        "cache_aware_policy": {"schedule_policy": "LPM"},
     }
 
 
@@ -227,6 +230,10 @@ def engine_settings(row: Row, draft_model: str, tmp_dir: str, rng: random.Random
             s.update(k[f])
     if "quantized" in row:
         s["quantization"] = _pick(rng, ["int4", "int8"])
+    if "priority" in row:
+        s["schedule_low_priority_values_first"] = _pick(rng, [False, True])
+    if "cache_aware_policy" in row:
+        s["schedule_policy"] = _pick(rng, ["lpm", "dfs-weight"])
     if "draft" in row or "ngram" in row:
         s["speculative_num_draft_tokens"] = rng.randint(2, 5) if rng else 4
     if "hicache" in row:

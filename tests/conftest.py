@@ -13,13 +13,24 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # GGUF files, whose entries must not pile up in the user's ~/.cache (servers started here inherit it).
 os.environ.setdefault("KVLEDGER_CACHE_DIR", tempfile.mkdtemp(prefix="kvledger-test-cache-"))
 
-from tests.helpers import build_tiny_chat_model, build_tiny_model, hf_model
+from tests.helpers import (
+    DEEPSEEK_R1_STYLE_TEMPLATE,
+    build_reasoning_chat_model,
+    build_tiny_chat_model,
+    build_tiny_model,
+    hf_model,
+)
 
 # .ci/run installs every optional extra the tests use (SGLang's frontend and router, Mooncake and
 # libibverbs1, Chromium, lm-eval) and sets KVLEDGER_CI_NO_SKIP=1: there a test skipped for want of one
 # fails instead, so an extra that stops installing or importing cannot pass unseen. Only these
 # reasons, which no install can change on a CPU machine, may skip there.
-SKIPS_ALLOWED_IN_CI = ("no CUDA device", "this machine has a CUDA device", "the CPU has no AVX512-BF16")
+SKIPS_ALLOWED_IN_CI = (
+    "no CUDA device",
+    "this machine has a CUDA device",
+    "the CPU has no AVX512-BF16",
+    "network namespaces are not available here",  # tests/netns.py: a container without the rights
+)
 
 
 def _skip_to_failure(report) -> None:
@@ -60,6 +71,18 @@ def tiny_qwen3(tmp_path_factory) -> str:
 def chat_model(tmp_path_factory) -> str:
     """A tiny random Llama with a real tokenizer and chat template (the integration server's model)."""
     return build_tiny_chat_model(str(tmp_path_factory.mktemp("tiny_chat")))
+
+
+@pytest.fixture(scope="session")
+def reasoning_model(tmp_path_factory) -> str:
+    """The scripted reasoning model (``<think>Why</think>OK``) with a Qwen3-style template."""
+    return build_reasoning_chat_model(str(tmp_path_factory.mktemp("tiny_reasoning")))
+
+
+@pytest.fixture(scope="session")
+def deepseek_r1_model(tmp_path_factory) -> str:
+    """The same model with a DeepSeek-R1-style template (it opens ``<think>``: output ``Why</think>OK``)."""
+    return build_reasoning_chat_model(str(tmp_path_factory.mktemp("tiny_r1")), DEEPSEEK_R1_STYLE_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

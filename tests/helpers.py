@@ -113,3 +113,73 @@ def build_tiny_chat_model(path: str, seed: int = 5) -> str:
     )
     fast.save_pretrained(path)
     return path
+
+
+# A chat template in Qwen3's manner: thinking unless ``enable_thinking`` is false, when the template
+# writes an empty reasoning block itself (the model then answers at once).
+QWEN3_STYLE_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + (m['content'] or '') + '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+# DeepSeek-R1's manner: the template opens the reasoning, so the output begins inside it.
+DEEPSEEK_R1_STYLE_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + (m['content'] or '') + '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|><think>' }}{% endif %}"
+)
+# What the scripted reasoning model writes next after each token (greedy): after the generation
+# prompt ``<think>Why</think>OK``; after an empty reasoning block (``\n``) just ``OK``; then EOS.
+REASONING_SCRIPT = {
+    "<|assistant|>": "<think>", "<think>": "W", "W": "h", "h": "y", "y": "</think>",
+    "</think>": "O", "\n": "O", "O": "K", "K": "</s>",
+}  # fmt: skip
+
+
+def build_reasoning_chat_model(path: str, template: str = QWEN3_STYLE_TEMPLATE) -> str:
+    """A tiny Llama whose greedy output is scripted (``REASONING_SCRIPT``), with a byte-level tokenizer
+    where ``<think>`` and ``</think>`` are added tokens that are not special (as in Qwen3 and
+    DeepSeek-R1: they survive skip_special_tokens). Its layers add nothing to the residual stream
+    (zero output projections), so the next token depends on the last one alone: the embedding gives
+    each scripted token a direction of its own, and the LM head maps it to its successor (logit 8;
+    every other token 0, so under a grammar the lowest allowed id wins)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_vocab))}
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>"]
+    markers = ["<think>", "</think>"]
+    for s in specials + markers:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    tok.add_tokens([AddedToken(m, special=False, normalized=False) for m in markers])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=template)
+
+    def tid(text: str) -> int:
+        [i] = fast.encode(text, add_special_tokens=False)
+        return i
+
+    build_tiny_model(
+        path, "llama", num_hidden_layers=1, vocab_size=len(vocab), bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+    )  # fmt: skip
+    import safetensors.torch
+
+    weights = safetensors.torch.load_file(os.path.join(path, "model.safetensors"))
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")) or name in ("model.embed_tokens.weight", "lm_head.weight"):
+            w.zero_()
+        elif "norm" in name:
+            w.fill_(1.0)
+    direction: dict[str, int] = {}  # one per successor: tokens that lead to the same one share it
+    for src, nxt in REASONING_SCRIPT.items():
+        k = direction.setdefault(nxt, len(direction))
+        weights["model.embed_tokens.weight"][tid(src), k] = 1.0
+        weights["lm_head.weight"][tid(nxt), k] = 1.0
+    safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    fast.save_pretrained(path)
+    return path

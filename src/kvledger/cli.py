@@ -13,6 +13,8 @@ from .config import (
     DISAGGREGATION_MODES,
     DTYPES,
     QUANTIZATIONS,
+    REASONING_PARSERS,
+    SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
     STORAGE_BACKENDS,
     TRANSFER_BACKENDS,
@@ -76,6 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per KV page (default {d.page_size}; 16 with --enable-hierarchical-cache)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
+    p.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=REASONING_PARSERS,
+                   help="the model's reasoning markers (<think>...</think>): chat answers give them as "
+                   "reasoning_content, and a request's grammar starts after </think>")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
@@ -90,6 +95,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "prefill chunks and decodes in one forward: first tokens sooner under bursts, running streams wait for the chunk",
     )
     _bool_pair(p, "enable-prefix-cache", d.enable_prefix_cache, "radix prefix cache")
+    p.add_argument("--schedule-policy", default=d.schedule_policy, type=str.lower, choices=SCHEDULE_POLICIES,
+                   help="order of the waiting queue: fcfs (arrival), lpm (longest prefix-cache match first), "
+                   "dfs-weight (radix subtrees with most waiting requests first)")  # fmt: skip
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="order waiting requests by their priority (larger is more important) and let one "
+                   "preempt lower-priority running requests when the pool or slots are full")  # fmt: skip
+    p.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   help="with --enable-priority-scheduling: smaller priority values are more important")  # fmt: skip
+    p.add_argument("--priority-scheduling-preemption-threshold", type=int,
+                   default=d.priority_scheduling_preemption_threshold,
+                   help="preempt a running request only for a priority higher by more than this (default 10)")  # fmt: skip
+    p.add_argument("--abort-on-priority-when-disabled", action="store_true",
+                   help="without --enable-priority-scheduling, refuse (503) a request that sends a priority "
+                   "instead of ignoring it")  # fmt: skip
     p.add_argument("--strict-memory", action="store_true", help="raise on any memory-ledger violation")
     p.add_argument("--audit-interval-s", type=float, default=d.audit_interval_s,
                    help="a full ledger audit at least this often while busy (0: only when idle)")  # fmt: skip
@@ -233,6 +252,9 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
         args.num_threads,
         args.api_key,
         args.grace_period_s,
+        args.session_journal,
+        args.max_body_bytes,
+        engine.flat()["max_sessions"],
     )
 
 
@@ -265,8 +287,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="responses kept for previous_response_id and GET /v1/responses/{id} (an LRU)")  # fmt: skip
     p.add_argument("--pooling", default=d.pooling, choices=list(POOLING_METHODS),
                    help="/v1/embeddings and /v1/rerank: the last token's final hidden state, or the mean of all")  # fmt: skip
+    p.add_argument("--session-journal", default=d.session_journal, metavar="DIR",
+                   help="keep open sessions in DIR so that they survive a restart of this server")  # fmt: skip
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
-                   help="start this many replicas (ports --port+1..) behind SGLang's router on --port")  # fmt: skip
+                   help="start this many replicas (ports --port+1..) behind SGLang's router (--port+N+1) and a session front on --port")  # fmt: skip
     p.add_argument("--router-policy", default="cache_aware",
                    choices=["cache_aware", "round_robin", "random", "power_of_two", "manual"],
                    help="--dp-size: the router's load-balancing policy")  # fmt: skip

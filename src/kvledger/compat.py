@@ -58,6 +58,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("unquantized", "unquantized weights", "--quantization none", "quantization",
             lambda c, d: c.model.quantization is None),
     Feature("fp32", "float32", "--dtype float32", "dtype", lambda c, d: c.model.dtype == "float32"),
+    Feature("priority", "priority scheduling", "--enable-priority-scheduling", "enable_priority_scheduling",
+            lambda c, d: c.scheduler.enable_priority_scheduling),
+    Feature("cache_aware_policy", "cache-aware queue order", "--schedule-policy lpm/dfs-weight",
+            "schedule_policy", lambda c, d: c.scheduler.cache_aware_policy),
     Feature("sessions", "session turns", "session_params.id", "session_params", lambda c, d: False,
             request_level=True),
 )  # fmt: skip
@@ -85,12 +89,12 @@ REFUSED: dict[frozenset[str], Refusal] = {
     ),
     # Prefill/decode disaggregation moves one engine's pages: the rest is the PD issue's.
     frozenset({"pd", "tp"}): Refusal(NOT_YET, "a transfer moves one rank's KV; ranks hold their own heads"),
-    frozenset({"pd", "draft"}): Refusal(NOT_YET, "the draft model's K/V would have to move too"),
-    frozenset({"pd", "hicache"}): Refusal(NOT_YET, "KV arriving by transfer does not enter the host tiers"),
-    frozenset({"pd", "sessions"}): Refusal(NOT_YET, "a session turn cannot be disaggregated"),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
         NO_MEANING, "the hierarchical cache is the prefix cache's lower tiers"
+    ),
+    frozenset({"cache_aware_policy", "no_prefix_cache"}): Refusal(
+        NO_MEANING, "lpm and dfs-weight order the queue by what the prefix cache holds"
     ),
     frozenset({"int8_batch", "unquantized"}): Refusal(NO_MEANING, "int8 batches need a quantized mode"),
     frozenset({"int8_batch", "fp32"}): Refusal(NO_MEANING, "int8 batches need a quantized mode, in bfloat16"),

@@ -29,6 +29,8 @@ DISAGGREGATION_MODES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "mooncake")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 STORAGE_BACKENDS = ("file",)
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # SGLang's names (scheduler/queue_order.py)
+REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names (server/reasoning.py has their formats)
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -84,11 +86,16 @@ class ModelSettings:
     docs/architecture.md, not token-exact. None = none."""
     context_length: int | None = None
     """Longest sequence (prompt + output). None: the model's own limit."""
+    reasoning_parser: str | None = None
+    """None | deepseek-r1 | qwen3: how the model marks its reasoning (``<think>``...``</think>``). The
+    chat API then answers it as ``reasoning_content``, and a request's grammar (structured output,
+    tool calls) starts after the end of the reasoning (the engine gates it on ``</think>``'s ids)."""
 
     def __post_init__(self) -> None:
         self.device = _norm(self.device) or "cpu"
         self.dtype = _norm(self.dtype) or "auto"
         self.quantization = _norm(self.quantization, null=("none",))
+        self.reasoning_parser = _norm(self.reasoning_parser, null=("none", "null", ""))
 
     @property
     def explicit_quantization(self) -> str | None:
@@ -98,6 +105,7 @@ class ModelSettings:
     def check(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
         _one_of(self.quantization, QUANTIZATIONS, "quantization", optional=True)
+        _one_of(self.reasoning_parser, REASONING_PARSERS, "reasoning_parser", optional=True)
         _positive(self, "context_length")
 
 
@@ -204,8 +212,35 @@ class SchedulerSettings:
     max_top_logprobs: int = 20
     seed: int = 0
     """Seed of the engine's generator for requests that bring no seed of their own."""
+    schedule_policy: str = "fcfs"
+    """Order of the waiting queue (SGLang's ``--schedule-policy``): ``fcfs`` arrival; ``lpm`` longest
+    prefix-cache match first; ``dfs-weight`` depth-first over the radix tree, heavier subtrees (more
+    waiting requests) first. With priority scheduling the priority comes first in every policy."""
+    enable_priority_scheduling: bool = False
+    """Order the waiting queue by each request's ``priority`` (then the policy), and let a request
+    preempt (retract) running ones whose priority is lower by more than the threshold when the pool
+    or the running slots are full. Off: a request's ``priority`` is ignored, as in SGLang."""
+    schedule_low_priority_values_first: bool = False
+    """SGLang's switch: smaller ``priority`` values are more important (by default larger ones are)."""
+    priority_scheduling_preemption_threshold: int = 10
+    """A running request is preempted only by one whose priority is higher by more than this (SGLang's
+    default, 10)."""
+    abort_on_priority_when_disabled: bool = False
+    """Without priority scheduling, refuse a request that sends a ``priority`` (503, as SGLang) instead
+    of ignoring it."""
+
+    def __post_init__(self) -> None:
+        self.schedule_policy = _norm(self.schedule_policy) or "fcfs"
+
+    @property
+    def cache_aware_policy(self) -> bool:
+        """The waiting queue is ordered by what the prefix cache holds (lpm, dfs-weight)."""
+        return self.schedule_policy != "fcfs"
 
     def check(self) -> None:
+        _one_of(self.schedule_policy, SCHEDULE_POLICIES, "schedule_policy")
+        # A negative threshold would let equal priorities preempt each other back and forth.
+        _positive(self, "priority_scheduling_preemption_threshold", allow_zero=True)
         _positive(self, "chunked_prefill_size", "max_running_requests", "max_queued_requests", "session_timeout_s")
         _positive(self, "max_queued_prefill_tokens", "request_timeout_s")
         if self.request_timeout_s is not None and not math.isfinite(self.request_timeout_s):
@@ -448,5 +483,8 @@ class ServerConfig:
     """An engine step that makes no progress for this long is killed and the engine restarted."""
     grace_period_s: float = 10.0
     """On SIGTERM/SIGINT running requests get this long to finish before they are aborted."""
+    session_journal: str | None = None
+    """A directory where open sessions' committed tokens are kept, so that they survive the server
+    process (re-opened on start, KV recomputed); ``--dp-size`` gives each replica one."""
     engine: EngineConfig = field(default_factory=EngineConfig)
 

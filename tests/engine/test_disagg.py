@@ -6,6 +6,8 @@ frames) leaves both books clean."""
 
 from __future__ import annotations
 
+import itertools
+import random
 import socket
 import time
 
@@ -67,9 +69,9 @@ def pd(make_engine):
 
     yield build
     for eng in made:
-        eng.core.connector.timeout_s = 0.2  # a failed test must not wait out the default timeouts
+        eng.core.disagg_connector.timeout_s = 0.2  # a failed test must not wait out the default timeouts
         eng.run_until_idle()
-        eng.core.connector.close()
+        eng.core.disagg_connector.close()
 
 
 def drive(engines, rids_by_engine, timeout=30.0) -> dict:
@@ -149,8 +151,9 @@ class RogueDecodeClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
 
-    def claim(self, room_id: int, prompt: list[int]) -> None:
-        self.sock.send(wire.encode(wire.Claim(room_id, len(prompt), 0, wire.tokens_crc(prompt), self.layout)))
+    def claim(self, room_id: int, prompt: list[int], tokens: list[int] | None = None) -> None:
+        c = wire.Claim(room_id, len(prompt), 0, wire.tokens_crc(prompt), self.layout, tokens=tokens)
+        self.sock.send(wire.encode(c))
 
     def until_done(self, pre, room_id: int, timeout: float = 10.0) -> None:
         """Step ``pre`` until the room's Done came (its KV frames before it)."""
@@ -215,10 +218,88 @@ def test_decode_prefix_cache_shortens_the_transfer(pd, backend):
         dec.add_request(p, sp, rid=f"d{k}", disagg=room(port, k))
         outs.append(drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"])
     assert outs[0]["output_ids"] == outs[1]["output_ids"]
-    assert outs[1]["meta_info"]["cached_tokens"] == len(p)  # local prefix + the transferred rest
+    # Transferred KV is not a cache hit: the first time nothing was cached on either side; the
+    # second time decode's own match (36 of 40 on pages of 4: reuse stops short of the last token)
+    # reaches further than prefill's (32 on pages of 16), so that is what was served from a cache.
+    assert outs[0]["meta_info"]["cached_tokens"] == 0, outs[0]["meta_info"]
+    assert outs[1]["meta_info"]["cached_tokens"] == 36, outs[1]["meta_info"]
     # The second transfer sent only what decode's own radix cache did not have (reuse stops short
     # of the last token, and at a page boundary).
     assert stats(dec)["tokens"] < 2 * len(p)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+@BACKENDS
+def test_cached_tokens_count_prefills_cache_hit_not_the_transfer(pd, backend):
+    """Through PD, ``cached_tokens`` is what a cache served: here prefill's own prefix match (the
+    prompt was served there before, whole), while decode had nothing and received it all."""
+    pre, dec, port = pd(backend=backend)
+    p = list(range(40, 80))
+    sp = {**GREEDY, "max_new_tokens": 3}
+    pre.add_request(p, sp, rid="warm")  # served by prefill alone: no room, its KV cached there
+    assert drive([pre], {id(pre): ["warm"]})["warm"]["meta_info"]["cached_tokens"] == 0
+    pre.add_request(p, sp, rid="p0", disagg=room(port, 0))
+    dec.add_request(p, sp, rid="d0", disagg=room(port, 0))
+    res = drive([pre, dec], {id(pre): ["p0"], id(dec): ["d0"]})
+    assert res["p0"]["meta_info"]["cached_tokens"] == 32  # pages of 16, short of the last token
+    assert res["d0"]["meta_info"]["cached_tokens"] == 32, res["d0"]["meta_info"]
+    assert stats(dec)["tokens"] == len(p)  # decode still received every token by transfer
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_turn_3_aborted_mid_transfer_keeps_the_books_on_both_sides(pd, make_engine):
+    """A conversation through PD: turns 1 and 2 complete; turn 3 is aborted on decode while prefill
+    is computing its KV (claimed, nothing sent yet). While in flight, decode's books show the prefix
+    it matched as the tree's (protected by the turn's lock) and the rest as the turn's pages waiting
+    for KV; after the abort both sides are clean, the matched prefix is still cached, and turn 3 sent
+    again is served from it with the single-engine output."""
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 16})
+    sp = {**GREEDY, "max_new_tokens": 6}
+    history: list[int] = []
+    for turn, new in enumerate([list(range(10, 40)), list(range(50, 70))]):
+        prompt = history + new
+        pre.add_request(prompt, sp, rid=f"p{turn}", disagg=room(port, turn))
+        dec.add_request(prompt, sp, rid=f"d{turn}", disagg=room(port, turn))
+        out = drive([pre, dec], {id(pre): [f"p{turn}"], id(dec): [f"d{turn}"]})[f"d{turn}"]
+        history = prompt + out["output_ids"]
+    prompt = history + list(range(80, 130))
+    dec.add_request(prompt, sp, rid="d2", disagg=room(port, 2))
+    pre.add_request(prompt, sp, rid="p2", disagg=room(port, 2))
+    dec.step()
+    mem = dec.memory()
+    matched = mem["kv_cached_protected"]  # decode's own prefix: the earlier turns' KV, locked
+    assert matched >= 4 * (len(history) // 4) - 4 > 0, mem
+    waiting = owners(dec)["req d2 [waiting for kv]"]
+    assert waiting * 4 + matched >= len(prompt), (waiting, matched)
+    deadline = time.monotonic() + 10
+    while owners(pre).get("req p2", 0) == 0:  # claimed: prefill is computing, chunk by chunk
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        dec.step()
+        time.sleep(0.005)
+    assert pre.result("p2", pop=False) is None and dec.result("d2", pop=False) is None
+    dec.abort("d2")
+    res = drive([dec], {id(dec): ["d2"]})
+    assert res["d2"]["meta_info"]["finish_reason"]["type"] == "abort"
+    drive([pre], {id(pre): ["p2"]})
+    until_idle(pre)
+    until_idle(dec)
+    assert owners(pre) == {} and owners(dec) == {}
+    assert dec.memory()["kv_cached_protected"] == 0
+    assert dec.memory()["kv_cached_evictable"] >= matched  # the prefix outlived the aborted turn
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    # Turn 3 again: decode's cache serves the prefix, and the output is one engine's.
+    pre.add_request(prompt, sp, rid="p3", disagg=room(port, 3))
+    dec.add_request(prompt, sp, rid="d3", disagg=room(port, 3))
+    again = drive([pre, dec], {id(pre): ["p3"], id(dec): ["d3"]})["d3"]
+    one = make_engine()
+    want = one.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    assert again["output_ids"] == want
+    assert again["meta_info"]["cached_tokens"] >= matched, again["meta_info"]
+    until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)
 
@@ -609,3 +690,401 @@ def test_prefill_waits_for_the_claim_so_small_pools_cannot_deadlock(pd, make_eng
     until_idle(pre)
     assert_idle_clean(pre)
     assert_idle_clean(dec)
+
+
+# -- session turns through PD -------------------------------------------------------------------------
+# The session lives on decode; the router sends prefill the same body (the turn's input and its
+# session_params), and decode's claim carries the turn's whole prompt (history + input).
+TURNS = [list(range(10, 40)), list(range(50, 61)), list(range(70, 79)), list(range(90, 97))]
+SESSION_SP = {**GREEDY, "max_new_tokens": 6}
+_ROOMS = itertools.count(500)
+
+
+def one_engine_session(make_engine, turns, sp=SESSION_SP) -> list[dict]:
+    """The same turns as a session on one engine (decode's pages of 4): the reference."""
+    one = make_engine(page_size=4)
+    sid = one.open_session()
+    outs = [one.generate(input_ids=t, sampling_params=sp, session_params={"id": sid}) for t in turns]
+    one.close_session(sid)
+    return outs
+
+
+def send_turn(pre, dec, port: int, sid: str, new: list[int], k, sp=SESSION_SP) -> None:
+    """Queue turn ``k`` of session ``sid`` on both sides, as the router does (the same body, the
+    same room)."""
+    n = next(_ROOMS)
+    dec.add_request(new, sp, rid=f"d{k}", session_params={"id": sid}, disagg=room(port, n))
+    pre.add_request(new, sp, rid=f"p{k}", session_params={"id": sid}, disagg=room(port, n))
+
+
+def session_turn(pre, dec, port: int, sid: str, new: list[int], k, sp=SESSION_SP) -> dict:
+    send_turn(pre, dec, port, sid, new, k, sp)
+    return drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"]
+
+
+def session_of(eng, sid: str) -> dict:
+    return next(s for s in eng.sessions() if s["id"] == sid)
+
+
+@BACKENDS
+def test_session_turns_through_pd_equal_one_engine_and_move_only_their_suffix(pd, make_engine, backend):
+    """fp32 greedy: four turns of a session opened on decode equal the same session on one engine,
+    token for token. Every later turn borrows the session's KV on decode and moves only what lies
+    beyond it (its input, plus the previous turn's last token and the partial page); its
+    ``cached_tokens`` is what the session served, as on one engine (transferred KV is not a hit)."""
+    refs = one_engine_session(make_engine, TURNS)
+    pre, dec, port = pd(backend=backend)
+    sid = dec.open_session()
+    moved_before = 0
+    for k, new in enumerate(TURNS):
+        kv_before = session_of(dec, sid)["kv_tokens"]
+        prompt_len = session_of(dec, sid)["tokens"] + len(new)
+        out = session_turn(pre, dec, port, sid, new, k)
+        assert out["output_ids"] == refs[k]["output_ids"], k
+        assert out["meta_info"]["prompt_tokens"] == refs[k]["meta_info"]["prompt_tokens"] == prompt_len
+        borrowed = kv_before // 4 * 4  # the session's full pages
+        assert out["meta_info"]["cached_tokens"] == refs[k]["meta_info"]["cached_tokens"] == borrowed, k
+        moved = stats(dec)["tokens"] - moved_before
+        moved_before = stats(dec)["tokens"]
+        assert moved == prompt_len - borrowed, (k, moved)
+        if k:
+            assert 0 < moved <= len(new) + 4, (k, moved)  # the suffix only, never the history
+        s = session_of(dec, sid)
+        assert s["tokens"] == prompt_len + len(out["output_ids"]) and s["busy_rid"] is None
+    assert stats(pre)["tokens"] == stats(dec)["tokens"] and stats(dec)["frames_refused"] == 0
+    assert stats(dec)["transfers_ok"] == len(TURNS)
+    assert pre.sessions() == []  # prefill never holds the session
+    dec.close_session(sid)
+    until_idle(pre)
+
+
+# -- PD with a draft model: decode recomputes the draft's prompt K/V -----------------------------------
+def _record_drafts(eng) -> list[list[int]]:
+    proposer = eng.core.scheduler.proposer
+    seen: list[list[int]] = []
+    orig = proposer.propose
+
+    def propose(req, k):
+        drafts = orig(req, k)
+        seen.append(drafts)
+        return drafts
+
+    proposer.propose = propose
+    return seen
+
+
+@pytest.mark.parametrize("prefill_has_it", [True, False])
+def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_llama, prefill_has_it):
+    """Only the target's KV moves; the draft's prompt K/V is recomputed on decode (its first
+    proposal after the admission runs the draft from position 0, over pages the transfer filled or
+    decode's prefix cache lent). Greedy output equals one engine without a draft, token for token;
+    decode's drafts equal, draft for draft, those of a draft engine that caches nothing, so no draft
+    read stale K/V (the target is its own draft here: right K/V means nearly every draft accepted);
+    prefill never drafts (it needs no draft model). The second round hits decode's prefix cache:
+    recomputed there too."""
+    draft = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny_llama,
+                 speculative_num_draft_tokens=3)  # fmt: skip
+    prompts = [*PROMPTS, list(range(60, 130))]
+    sp = {**GREEDY, "max_new_tokens": 12}
+    plain = make_engine()
+    refs = [plain.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
+    cold = make_engine(page_size=4, enable_prefix_cache=False, **draft)
+    cold_drafts = _record_drafts(cold)
+    assert [cold.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts] == refs
+    pre, dec, port = pd(prefill_kw=draft if prefill_has_it else None, decode_kw=draft)
+    drafts = _record_drafts(dec)
+    for rnd in range(2):
+        for i, p in enumerate(prompts):  # one at a time: each request's drafts in order
+            n = 10 * rnd + i
+            pre.add_request(p, sp, rid=f"p{n}", disagg=room(port, 500 + n))
+            dec.add_request(p, sp, rid=f"d{n}", disagg=room(port, 500 + n))
+            res = drive([pre, dec], {id(pre): [f"p{n}"], id(dec): [f"d{n}"]})
+            assert res[f"d{n}"]["output_ids"] == refs[i], (rnd, i)
+        assert drafts == cold_drafts, rnd
+        drafts.clear()
+    assert stats(dec)["tokens"] < 2 * sum(len(p) for p in prompts)  # round 2: decode's cache served
+    t = dec.core.scheduler.spec_totals
+    assert t.drafted > 0 and t.accepted > 0.9 * t.drafted, t
+    assert pre.core.scheduler.spec_totals.drafted == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_session_turn_aborted_while_its_kv_is_in_flight_leaves_the_session(pd, make_engine):
+    """Turn 3 is aborted on decode while prefill computes it (claimed, nothing sent): the session on
+    decode is exactly as turn 2 left it (tokens, KV, pages), prefill frees everything, and the turn
+    sent again is one engine's (the session's KV was not overwritten)."""
+    turns = [*TURNS[:2], list(range(70, 150))]  # a long turn 3: prefill computes it in 10 chunks
+    refs = one_engine_session(make_engine, turns)
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 8})
+    sid = dec.open_session()
+    for k in range(2):
+        session_turn(pre, dec, port, sid, turns[k], k)
+    before = session_of(dec, sid)
+    held = dec.memory()["kv_session"]
+    send_turn(pre, dec, port, sid, turns[2], "x")
+    deadline = time.monotonic() + 10
+    while owners(pre).get("req px", 0) == 0:  # claimed: prefill is computing, chunk by chunk
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        dec.step()
+        time.sleep(0.005)
+    assert "req dx [waiting for kv]" in owners(dec) and session_of(dec, sid)["busy_rid"] == "dx"
+    dec.abort("dx")
+    res = drive([dec, pre], {id(dec): ["dx"], id(pre): ["px"]})
+    assert res["dx"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert stats(dec)["transfers_ok"] == 2  # turn 3's KV never arrived
+    until_idle(pre)
+    until_idle(dec)
+    assert owners(pre) == {} and owners(dec) == {}
+    assert session_of(dec, sid) == before and dec.memory()["kv_session"] == held
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    out = session_turn(pre, dec, port, sid, turns[2], 2)
+    assert out["output_ids"] == refs[2]["output_ids"]
+    assert out["meta_info"]["cached_tokens"] == refs[2]["meta_info"]["cached_tokens"]
+    dec.close_session(sid)
+    until_idle(pre)
+
+
+# -- PD with the hierarchical cache on both sides ------------------------------------------------------
+def _families(seed: int = 0, families: int = 8, prefix: int = 96) -> list[list[int]]:
+    """Shared-prefix families, each asked twice: 8 x 104 tokens, over 3x an L1 of 256 tokens."""
+    rng = random.Random(seed)
+    fams = [[rng.randrange(1, 250) for _ in range(prefix)] for _ in range(families)]
+    return [f + [rng.randrange(1, 250) for _ in range(8)] for f in fams for _ in range(2)]
+
+
+def _hc(eng) -> dict:
+    return eng.memory()["hicache"]
+
+
+@pytest.mark.parametrize("tier", ["l2", "l3"])
+def test_pd_with_the_hierarchy_on_both_sides_equals_one_engine(pd, make_engine, tmp_path, tier):
+    """Both sides' pools hold a quarter of the workload. Prefill's prefix match goes through its
+    tiers: a prompt evicted from its pool but kept in L2 (or read back from L3 files) is loaded, not
+    recomputed, before its KV is sent, and counts as cached. Decode's received KV enters its radix
+    tree at the end, so its tiers, like computed KV; decode then loads from its L2 what it holds
+    past its L1 prefix (in the admission step, which runs no forward) and the transfer brings only
+    the rest; a request without a room loads it back from there too. Output equals one engine's;
+    both sides' books (L2 pages too) are clean."""
+    sp = {**GREEDY, "max_new_tokens": 6}
+    prompts = _families()
+    plain = make_engine()
+    refs = [plain.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
+    hier = dict(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8)
+    pre_kw = dict(hier)
+    if tier == "l3":
+        pre_kw.update(hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"),
+                      hicache_prefetch_threshold=16)  # fmt: skip
+    pre, dec, port = pd(prefill_kw=pre_kw, decode_kw=hier)
+    metas = []
+    for rnd in range(2):
+        for i, p in enumerate(prompts):
+            n = 100 * rnd + i
+            pre.add_request(p, sp, rid=f"p{n}", disagg=room(port, 900 + n))
+            dec.add_request(p, sp, rid=f"d{n}", disagg=room(port, 900 + n))
+            res = drive([pre, dec], {id(pre): [f"p{n}"], id(dec): [f"d{n}"]})
+            assert res[f"d{n}"]["output_ids"] == refs[i], (rnd, i)
+            metas.append((res[f"p{n}"]["meta_info"], res[f"d{n}"]["meta_info"]))
+    hp, hd = _hc(pre), _hc(dec)
+    assert hp["l2_hit_tokens"] > 0 and hp["l1_demoted_pages"] > 0, hp
+    if tier == "l3":
+        assert hp["l3_hit_tokens"] > 0, hp
+    # A tier hit on prefill is a cache hit through PD (decode reports prefill's match where it
+    # reaches further than its own); the round-2 prompts were all served from some cache.
+    assert all(d["cached_tokens"] == max(p["cached_tokens"], d["cached_tokens"]) for p, d in metas)
+    assert all(d["cached_tokens"] >= 96 for _, d in metas[len(prompts):]), metas[len(prompts):]
+    assert hd["backed_up_pages"] > 0 and hd["l1_demoted_pages"] > 0, hd  # received KV entered the tiers
+    assert hd["l2_hit_tokens"] > 0, hd
+    # An old prompt again through PD: both pools have long dropped it. Prefill loads it from its
+    # tiers instead of recomputing it; decode's L2 has it too, so the transfer carries only what is
+    # past that match, and decode reports it cached.
+    p, before, moved, pre_before = prompts[2], hd["l2_hit_tokens"], stats(dec)["tokens"], _hc(pre)["l2_hit_tokens"]
+    pre.add_request(p, sp, rid="p-again", disagg=room(port, 999))
+    dec.add_request(p, sp, rid="d-again", disagg=room(port, 999))
+    again = drive([pre, dec], {id(pre): ["p-again"], id(dec): ["d-again"]})["d-again"]
+    assert again["output_ids"] == refs[2]
+    assert _hc(pre)["l2_hit_tokens"] - pre_before >= 96, _hc(pre)
+    loaded, sent = _hc(dec)["l2_hit_tokens"] - before, stats(dec)["tokens"] - moved
+    assert loaded >= 96 and 1 <= sent <= len(p) - loaded, (loaded, sent)
+    assert again["meta_info"]["cached_tokens"] >= loaded
+    hd = _hc(dec)
+    # Served whole on decode (no room): the prefix decode received by transfer comes back from its L2.
+    before = hd["l2_hit_tokens"]
+    got = dec.generate(input_ids=prompts[0], sampling_params=sp)
+    assert got["output_ids"] == refs[0]
+    assert _hc(dec)["l2_hit_tokens"] > before and got["meta_info"]["cached_tokens"] >= 96, _hc(dec)
+    assert stats(dec)["transfers_ok"] == stats(pre)["transfers_ok"] == 2 * len(prompts) + 1
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_session_turn_aborted_on_prefill_leaves_the_session(pd, make_engine):
+    """The other side of the same: prefill's half is aborted (its client went away) while computing;
+    decode's turn fails with a 502 at once, its session as it was, and the next turn is exact."""
+    refs = one_engine_session(make_engine, TURNS[:2])
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 16})
+    sid = dec.open_session()
+    session_turn(pre, dec, port, sid, TURNS[0], 0)
+    before = session_of(dec, sid)
+    send_turn(pre, dec, port, sid, TURNS[1], "x")
+    deadline = time.monotonic() + 10
+    while owners(pre).get("req px", 0) == 0:
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        dec.step()
+        time.sleep(0.005)
+    pre.abort("px")
+    res = drive([dec, pre], {id(dec): ["dx"], id(pre): ["px"]})
+    fin = res["dx"]["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and "the prefill server failed this request" in fin["message"], fin
+    until_idle(pre)
+    until_idle(dec)
+    assert session_of(dec, sid) == before
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    assert session_turn(pre, dec, port, sid, TURNS[1], 1)["output_ids"] == refs[1]["output_ids"]
+    dec.close_session(sid)
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_a_session_turn_too_long_is_refused_on_decode_and_prefill_lets_go_at_once(pd):
+    """A turn that would pass the context is a 400 on decode before anything is held; decode tells
+    prefill, whose request ends at once (not after its bootstrap timeout) holding nothing."""
+    pre, dec, port = pd(decode_kw={"context_length": 64}, prefill_kw={"context_length": 64})
+    pre.core.connector.timeout_s = 60.0  # a prefill that waited for the claim would hang the test
+    sid = dec.open_session()
+    session_turn(pre, dec, port, sid, TURNS[0], 0)
+    before = session_of(dec, sid)
+    with pytest.raises(Exception) as e:  # the engine API raises the 400 the server answers
+        dec.add_request(list(range(1, 40)), SESSION_SP, rid="dx", session_params={"id": sid},
+                        disagg=room(port, 600))  # fmt: skip
+    assert getattr(e.value, "status", None) == 400 and "context" in str(e.value)
+    pre.add_request(list(range(1, 40)), SESSION_SP, rid="px", session_params={"id": sid}, disagg=room(port, 600))
+    t0 = time.monotonic()
+    res = drive([pre], {id(pre): ["px"]}, timeout=10)
+    assert time.monotonic() - t0 < 5
+    fin = res["px"]["meta_info"]["finish_reason"]
+    # Whether decode's Fail came before prefill's request or after, its reason is what prefill says.
+    assert fin["type"] == "abort" and "the decode server refused the request" in fin["message"], fin
+    assert "context" in fin["message"], fin
+    assert session_of(dec, sid) == before
+    dec.close_session(sid)
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_closing_a_session_while_its_turn_is_in_flight_is_deferred(pd, make_engine):
+    """Seed 004's rule across two servers: a close while the turn waits for its KV from prefill only
+    marks the session; the turn completes with one engine's output, a new turn to the closing
+    session is a 404 (and prefill's half of it ends too), and the session's pages go at the turn's
+    end. Both sides clean."""
+    refs = one_engine_session(make_engine, TURNS[:2])
+    pre, dec, port = pd(prefill_kw={"chunked_prefill_size": 16})
+    sid = dec.open_session()
+    session_turn(pre, dec, port, sid, TURNS[0], 0)
+    send_turn(pre, dec, port, sid, TURNS[1], 1)
+    dec.step()
+    assert "req d1 [waiting for kv]" in owners(dec)
+    dec.close_session(sid)
+    s = session_of(dec, sid)
+    assert s["closing"] and s["busy_rid"] == "d1" and dec.memory()["kv_session"] > 0
+    with pytest.raises(Exception) as e:
+        dec.add_request(TURNS[2], SESSION_SP, rid="d9", session_params={"id": sid}, disagg=room(port, 509))
+    assert getattr(e.value, "status", None) == 404
+    pre.add_request(TURNS[2], SESSION_SP, rid="p9", session_params={"id": sid}, disagg=room(port, 509))
+    res = drive([pre, dec], {id(pre): ["p1", "p9"], id(dec): ["d1"]})
+    assert res["d1"]["output_ids"] == refs[1]["output_ids"]
+    assert res["p9"]["meta_info"]["finish_reason"]["type"] == "abort"
+    until_idle(pre)
+    until_idle(dec)
+    assert dec.sessions() == [] and dec.memory()["kv_session"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+@pytest.mark.parametrize("bad", ["no_tokens", "other_input"])
+def test_a_session_turns_claim_without_its_prompt_is_refused(pd, bad):
+    """Prefill takes a session turn's prompt from the claim only when it is there and ends with the
+    input prefill was sent (length and checksum agreeing): otherwise the request ends (a 502),
+    the claimant is told, and nothing is held."""
+    pre, _, port = pd()
+    new = list(range(5, 15))
+    full = list(range(100, 120)) + (new if bad == "no_tokens" else list(range(6, 16)))
+    pre.add_request(new, SESSION_SP, rid="p0", session_params={"id": "s"}, disagg=room(port, 700))
+    rogue = RogueDecodeClient(port, pre.core.connector.layout)
+    try:
+        rogue.claim(700, full, tokens=None if bad == "no_tokens" else full)
+        res = drive([pre], {id(pre): ["p0"]})
+        fin = res["p0"]["meta_info"]["finish_reason"]
+        assert fin["type"] == "abort" and "refused the decode server's claim" in fin["message"], fin
+        deadline = time.monotonic() + 5
+        while not rogue.sock.poll(10):
+            assert time.monotonic() < deadline, "the claimant was never told"
+            pre.step()
+        msg = wire.decode(rogue.sock.recv_multipart()[0])
+        assert isinstance(msg, wire.Fail) and msg.room == 700
+    finally:
+        rogue.close()
+    assert stats(pre)["frames_refused"] == 1 and stats(pre)["tokens"] == 0
+    until_idle(pre)
+    assert_idle_clean(pre)
+
+
+def test_a_request_prefill_refuses_fails_its_decode_half_at_once(pd):
+    """The other direction of a refusal before queueing: prefill refuses its half (here a duplicate
+    rid, 409); the decode half's claim is answered with a Fail at once (502), not after decode's
+    waiting timeout, and nothing is held on either side."""
+    pre, dec, port = pd()
+    dec.core.connector.timeout_s = 60.0
+    p = list(range(5, 25))
+    pre.add_request(p, SESSION_SP, rid="busy")  # no room: a plain request holding the rid
+    with pytest.raises(Exception) as e:
+        pre.add_request(p, SESSION_SP, rid="busy", disagg=room(port, 800))
+    assert getattr(e.value, "status", None) == 409
+    dec.add_request(p, SESSION_SP, rid="d0", disagg=room(port, 800))
+    t0 = time.monotonic()
+    res = drive([pre, dec], {id(dec): ["d0"], id(pre): ["busy"]}, timeout=10)
+    assert time.monotonic() - t0 < 5
+    fin = res["d0"]["meta_info"]["finish_reason"]
+    assert fin["type"] == "abort" and "the prefill server refused the request" in fin["message"], fin
+    until_idle(pre)
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+
+
+def test_abort_on_decode_after_its_tier_load_while_the_rest_is_awaited(pd, make_engine):
+    """Decode loads a prompt's prefix from its L2 in the admission step (no forward runs) and waits
+    for the rest by transfer; aborted then, its pages (the loaded ones too) are freed, the L2 copy
+    is unpinned and stays cached, and prefill (told the room is off) holds nothing: both books clean."""
+    hier = dict(max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=8)
+    pre, dec, port = pd(prefill_kw=hier, decode_kw=hier)
+    prompts = _families()
+    sp = {**GREEDY, "max_new_tokens": 4}
+    for p in prompts:  # served whole on decode: the first family ends up in its L2 only
+        dec.generate(input_ids=p, sampling_params=sp)
+    before = _hc(dec)["l2_hit_tokens"]
+    dec.add_request(prompts[0], sp, rid="d", disagg=room(port, 21))
+    dec.step()
+    assert "req d [waiting for kv]" in owners(dec)
+    assert _hc(dec)["l2_hit_tokens"] - before >= 96
+    dec.abort("d")
+    res = drive([dec], {id(dec): ["d"]})
+    assert res["d"]["meta_info"]["finish_reason"]["type"] == "abort"
+    pre.add_request(prompts[0], sp, rid="p", disagg=room(port, 21))
+    deadline = time.monotonic() + 10
+    while pre.result("p", pop=False) is None or not pre.core.scheduler.idle:
+        assert time.monotonic() < deadline, owners(pre)
+        pre.step()
+        time.sleep(0.005)
+    assert owners(pre) == {} and _hc(dec)["l2_loading"] == 0
+    assert_idle_clean(pre)
+    assert_idle_clean(dec)
+    # The L2 copy is still there: served again from it, exactly.
+    again = dec.generate(input_ids=prompts[0], sampling_params=sp)
+    assert again["meta_info"]["cached_tokens"] >= 96
+    assert again["output_ids"] == make_engine().generate(input_ids=prompts[0], sampling_params=sp)["output_ids"]

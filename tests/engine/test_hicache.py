@@ -635,7 +635,6 @@ def test_draft_model_with_the_hierarchy(make_engine, baseline, tiny_llama, tmp_p
         ({"hicache_storage_backend": "mooncake"}, "storage_backend"),
         ({"hicache_storage_backend": "file"}, "storage-dir"),
         ({"enable_prefix_cache": False}, "prefix cache"),
-        ({"disaggregation_mode": "decode"}, "disaggregation"),
     ],
 )
 def test_bad_settings_are_refused(make_engine, kw, match):

@@ -55,7 +55,7 @@ def start_combo(tiny_llama, tiny_loaded, tmp_path):
         try:
             for eng in s.engines:
                 if s.pd:
-                    eng.core.connector.timeout_s = 0.2  # a failed test must not wait out a transfer
+                    eng.core.disagg_connector.timeout_s = 0.2  # a failed test must not wait out a transfer
                 assert_idle_clean(eng)
         finally:
             s.shutdown()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import random
 import re
 import time
 from collections import Counter
@@ -65,6 +66,7 @@ class Single:
 
     def __init__(self, eng):
         self.eng = eng
+        self.session_eng = eng  # where sessions are opened
         self.engines = [eng]
 
     def submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> None:
@@ -88,29 +90,35 @@ class Single:
 
 class PDPair:
     """A prefill and a decode engine; each request goes to both with one bootstrap room (a health
-    check with the fake one), as SGLang's router sends it. The decode side's result is the answer."""
+    check with the fake one), as SGLang's router sends it. The decode side's result is the answer.
+    Sessions are opened on decode; a turn's body (its input and session_params) goes to both."""
 
     pd = True
 
     def __init__(self, pre, dec, port: int):
         self.pre, self.dec, self.port = pre, dec, port
+        self.session_eng = dec
         self.engines = [pre, dec]
         self.rooms = itertools.count(1)
+        self.last_room = 0
+
+    def room(self, job: Job) -> DisaggParams:
+        if job.kind == "health":
+            return health_check_disagg(True)
+        self.last_room = next(self.rooms)
+        return DisaggParams("127.0.0.1", self.port, self.last_room)
 
     def submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> None:
-        assert session is None
         if job.pooling is not None:  # no decode: computed on the side it reaches, no room
+            assert session is None
             self.dec.add_request(job.prompt, job.params, rid=job.rid, pooling=job.pooling)
             job.prefill = {"pooling": "not sent to prefill"}
             return
-        room = (
-            health_check_disagg(True)
-            if job.kind == "health"
-            else DisaggParams("127.0.0.1", self.port, next(self.rooms))
-        )
-        self.dec.add_request(job.prompt, job.params, rid=job.rid, disagg=room)
+        room = self.room(job)
+        body = new if new is not None else job.prompt
+        self.dec.add_request(body, job.params, rid=job.rid, session_params=session, disagg=room)
         try:
-            self.pre.add_request(job.prompt, job.params, rid=job.rid, disagg=room)
+            self.pre.add_request(body, job.params, rid=job.rid, session_params=session, disagg=room)
         except OverloadedError:
             self.dec.abort(job.rid)  # the router gives up on both
             job.fate, job.aborted = "refused", True
@@ -156,13 +164,17 @@ class Workload:
         self.jobs: dict[str, Job] = {}
         self.live: dict[str, Job] = {}
         self.convs: dict[str, Conversation] = {}
+        # PD: prefill's halves of turns decode refused (too long): rid -> when sent; each must end
+        # soon (decode tells prefill), not after its bootstrap timeout.
+        self.orphans: dict[str, float] = {}
         self.stats: Counter = Counter()
         self.ids = itertools.count()
+        # Priorities (used where priority scheduling is on) come from their own generator, seeded from
+        # the run's without drawing from it, so a seed's workload is the one it was before them.
+        self.prio_rng = random.Random(rng.getstate()[1][0])
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self, steps: int, idle_every: float = 0.01) -> Counter:
-        if self.t.pd:
-            self._session_refused()
         for i in range(steps):
             self._arrivals(health=i == steps // 2)  # one health check in the middle at least
             self.t.step()
@@ -179,13 +191,14 @@ class Workload:
         self.check()
         for eng in self.t.engines:
             self.stats["retractions"] += eng.core.scheduler.total_retractions
+            self.stats["preemptions"] += eng.core.scheduler.policy.total_preemptions
             self.stats["drafts_accepted"] += eng.core.scheduler.spec_totals.accepted
         return self.stats
 
     def idle_point(self, timeout: float = 120.0) -> None:
         """Let everything running finish (no arrivals), then audit every engine."""
         deadline = time.monotonic() + timeout
-        while self.live or not all(e.core.scheduler.idle for e in self.t.engines):
+        while self.live or self.orphans or not all(e.core.scheduler.idle for e in self.t.engines):
             assert time.monotonic() < deadline, f"not idle after {timeout}s: {sorted(self.live)[:5]}"
             self.t.step()
             self._after_step()
@@ -207,7 +220,7 @@ class Workload:
             self._submit(
                 Job(f"health-{next(self.ids)}", list(HEALTH_CHECK_IDS), dict(HEALTH_CHECK_SAMPLING), "health")
             )
-        elif r < 0.30 and not self.t.pd:
+        elif r < 0.30:
             self._session_op()
         elif r < 0.36 and len(self.live) < 16:
             self._submit(self._pooling_job(self._prompt()))
@@ -250,6 +263,8 @@ class Workload:
                 p["stop"] = [text[i : i + self.rng.randint(1, 3)] or "a"]
         elif kind == "grammar":
             p["regex"] = self.rng.choice(REGEXES)
+        if self.prio_rng.random() < 0.8:
+            p["priority"] = self.prio_rng.randrange(4)
         return Job(f"r{next(self.ids)}", prompt, p, kind)
 
     def _pooling_job(self, prompt: list[int]) -> Job:
@@ -282,7 +297,7 @@ class Workload:
         r = self.rng.random()
         if r < 0.2 and len(self.convs) < 3:
             try:
-                sid = self.t.eng.open_session()
+                sid = self.t.session_eng.open_session()
             except OverloadedError:  # closing sessions still count until their turn ends
                 return
             self.convs[sid] = Conversation(sid)
@@ -301,15 +316,23 @@ class Workload:
         session = {"id": c.sid} if offset is None else {"id": c.sid, "offset": offset}
         if self.rng.random() < 0.08:  # a turn that makes the conversation longer than the context
             new = self._tokens(max(1, self.ctx - len(base) + self.rng.randrange(3)))
-            before = self.t.eng.sessions()
+            eng = self.t.session_eng
+            before = eng.sessions()
+            job = Job(f"long{next(self.ids)}", base + new, {"max_new_tokens": 1}, "greedy")
             try:
-                self.t.eng.add_request(new, {"max_new_tokens": 1}, session_params=session)
+                self.t.submit(job, session, new)
             except ValidationError as e:
                 assert e.code == "context_length_exceeded", e
             else:
                 raise AssertionError("a turn longer than the context was accepted")
-            assert self.t.eng.sessions() == before, "a refused turn changed its session"
+            assert eng.sessions() == before, "a refused turn changed its session"
             self.stats["turns_too_long"] += 1
+            if self.t.pd:  # the router sent prefill the same body: decode's refusal must end it
+                room = DisaggParams("127.0.0.1", self.t.port, self.t.last_room)
+                # (an input over the context on its own is refused by prefill too: nothing to end)
+                with contextlib.suppress(OverloadedError, ValidationError):
+                    self.t.pre.add_request(new, job.params, rid=job.rid, session_params=session, disagg=room)
+                    self.orphans[job.rid] = time.monotonic()
             return
         if len(base) >= self.ctx - 2:
             self._close(c)
@@ -324,24 +347,9 @@ class Workload:
             self.stats["turns"] += 1
 
     def _close(self, c: Conversation) -> None:
-        self.t.eng.close_session(c.sid)  # while busy: released when its turn ends
+        self.t.session_eng.close_session(c.sid)  # while busy: released when its turn ends
         self.stats["closed_busy"] += c.busy is not None
         del self.convs[c.sid]
-
-    def _session_refused(self) -> None:
-        """PD x session turns: refused with the table's reason, nothing held."""
-        dec = self.t.dec
-        sid = dec.open_session()
-        before = dec.memory()
-        try:
-            dec.add_request([5, 6], {"max_new_tokens": 2}, session_params={"id": sid},
-                            disagg=DisaggParams("127.0.0.1", self.t.port, 10**9))  # fmt: skip
-        except ValidationError as e:
-            assert "session turns do not work with PD disaggregation" in str(e), e
-        else:
-            raise AssertionError("a session turn was accepted under PD")
-        assert dec.memory() == before
-        dec.close_session(sid)
 
     # -- during the run ------------------------------------------------------------------------------
     def _abort(self, job: Job) -> None:
@@ -362,6 +370,14 @@ class Workload:
         return False
 
     def _after_step(self) -> None:
+        for rid, at in list(self.orphans.items()):
+            res = self.t.pre.result(rid)
+            if res is None:
+                assert time.monotonic() - at < 30, f"prefill's half of refused turn {rid} still waits"
+                continue
+            del self.orphans[rid]
+            assert res["meta_info"]["finish_reason"]["type"] == "abort", res
+            self.stats["prefill_halves_released"] += 1
         for rid, job in list(self.live.items()):
             req = self.t.live(rid)
             if req is not None and not job.aborted and self._abort_due(job, req):
@@ -408,7 +424,7 @@ class Workload:
             self.stats[f"finish_{fr['type']}"] += 1
             if fr["type"] == "abort" and not job.aborted:
                 # Only a request that cannot fit beside running session turns may end unasked.
-                if self.t.pd or TOO_BIG not in (fr.get("message") or ""):
+                if TOO_BIG not in (fr.get("message") or ""):
                     wrong.append(f"{job.rid} aborted unasked: {fr}")
                 self.stats["too_big"] += 1
             assert len(out) <= job.params["max_new_tokens"], (job.rid, len(out), job.params)
@@ -458,7 +474,8 @@ class Workload:
 
 
 def _key(prompt: list[int], params: dict) -> tuple:
-    return tuple(prompt), json.dumps(params, sort_keys=True)
+    # A priority changes when a request runs, never what it generates: one reference output for all.
+    return tuple(prompt), json.dumps({k: v for k, v in params.items() if k != "priority"}, sort_keys=True)
 
 
 class Reference:

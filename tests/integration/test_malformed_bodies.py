@@ -13,17 +13,19 @@ HI = [{"role": "user", "content": "hi"}]
 VALID: dict[str, dict] = {
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0, "stop": ["x"],
                                                     "timeout": 30},
-                  "return_logprob": False, "top_logprobs_num": 0, "stream": False, "rid": None},
+                  "return_logprob": False, "top_logprobs_num": 0, "stream": False, "rid": None, "priority": None},
     "/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0, "n": 1,
                         "logprobs": None, "stop": None, "echo": False, "seed": 1, "top_p": 1.0,
-                        "stream_options": None, "response_format": None, "cache_salt": None, "timeout": None},
+                        "stream_options": None, "response_format": None, "cache_salt": None, "timeout": None,
+                        "priority": None},
     "/v1/chat/completions": {"model": "default", "messages": HI, "max_tokens": 1, "temperature": 0,
                              "logprobs": False, "top_logprobs": None, "stop": None, "tools": None,
                              "tool_choice": None, "response_format": None, "stream_options": None,
-                             "chat_template_kwargs": None, "continue_final_message": False, "timeout": None},
+                             "chat_template_kwargs": None, "continue_final_message": False, "timeout": None,
+                             "priority": None},
     "/v1/responses": {"model": "default", "input": HI, "max_output_tokens": 1, "temperature": 0, "tools": None,
                       "tool_choice": None, "text": None, "instructions": None, "previous_response_id": None,
-                      "store": False, "stream": False},
+                      "store": False, "stream": False, "priority": None},
     "/v1/embeddings": {"model": "default", "input": ["hi", "there"], "encoding_format": "float", "dimensions": None,
                        "user": None, "cache_salt": None},
     "/v1/score": {"model": "default", "query": "hi", "items": ["a", "b"], "label_token_ids": [5, 6],
@@ -34,6 +36,10 @@ VALID: dict[str, dict] = {
     "/abort_request": {"rid": "no-such-request"},
     "/open_session": {"session_id": None, "streaming": True, "timeout": None},
     "/close_session": {"session_id": "no-such-session"},
+    "/pause_generation": {"mode": "in_place"},  # each pause that succeeds is continued at once
+    "/continue_generation": {},
+    "/update_weights_from_disk": {"model_path": "/no/such/checkpoint", "load_format": None,
+                                  "abort_all_requests": False},
 }  # fmt: skip
 NESTED = {  # fields inside fields, replaced the same way
     "/generate": [("sampling_params", k) for k in ("max_new_tokens", "temperature", "stop", "top_k", "n",
@@ -74,6 +80,8 @@ def _check(c: httpx.Client, method: str, path: str, status_range: range, **kw) -
     if r.status_code >= 400:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], (path, kw, r.text)
+    elif path == "/pause_generation":  # a body that happened to be valid: generation goes on
+        assert c.post("/continue_generation").status_code == 200
 
 
 def test_every_route_answers_malformed_bodies_with_a_4xx(srv):

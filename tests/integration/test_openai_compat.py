@@ -209,7 +209,7 @@ def test_peer_fields_are_implemented_or_refused_and_unknown_ones_logged(srv):
         assert r.status_code == 400, (name, r.text)
         assert r.json()["error"]["param"] == name and r.json()["error"]["code"] == "unsupported_parameter"
         # Sent with its default it asks for nothing, and is accepted.
-    for name, value in (("logit_bias", None), ("use_beam_search", False), ("echo", False), ("priority", 0)):
+    for name, value in (("logit_bias", None), ("use_beam_search", False), ("echo", False), ("lora_path", None)):
         assert _post(srv, "/v1/chat/completions", {**body, name: value}).status_code == 200, name
     # The same inside messages: OpenAI's deprecated function_call is refused, reasoning is rendered.
     said = {"role": "assistant", "content": "ok", "function_call": {"name": "f", "arguments": "{}"}}

@@ -266,3 +266,119 @@ def test_a_mooncake_pair_through_the_router(chat_model, tmp_path):
             router.stop()
         for s in (pre, dec):
             s.stop()
+
+
+def test_session_turns_through_the_router(pd_pair):
+    """A streaming session through PD: router 0.3.2 does not forward ``/open_session`` (404 from the
+    router), so the session is opened on the decode server and its turns go through the router, which
+    posts the same body (input + session_params) to both sides. Each turn equals the same session's
+    turn served whole on the decode server (fp32 greedy), a later turn moves only what the session's
+    KV lacks and reports that KV as cached; a turn too long for the context is decode's 400 and ends
+    prefill's half at once (no bootstrap timeout), an aborted turn leaves the session as it was, and
+    closing on decode frees it. Both sides' books clean."""
+    pre, dec, router, _ = pd_pair
+    r = httpx.post(router.url + "/open_session", json={}, timeout=30)
+    assert r.status_code == 404, (r.status_code, r.text)  # what router 0.3.2 does today
+    sid = httpx.post(dec.url + "/open_session", json={}, timeout=30).json()
+    ref = httpx.post(dec.url + "/open_session", json={}, timeout=30).json()  # served whole: the reference
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def turn(text: str, session: str, url: str, **kw) -> httpx.Response:
+        body = {"text": text, "sampling_params": sp, "session_params": {"id": session}, **kw}
+        return httpx.post(url + "/generate", json=body, timeout=60)
+
+    def one_turn(k: int, text: str) -> None:
+        want = turn(text, ref, dec.url).json()
+        before = pd_stats(dec)["tokens"]
+        via = turn(text, sid, router.url)
+        assert via.status_code == 200, via.text
+        got = via.json()
+        assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], k
+        meta, wmeta = got["meta_info"], want["meta_info"]
+        assert meta["prompt_tokens"] == wmeta["prompt_tokens"], (meta, wmeta)
+        assert meta["cached_tokens"] == wmeta["cached_tokens"], (meta, wmeta)
+        moved = pd_stats(dec)["tokens"] - before
+        assert moved == meta["prompt_tokens"] - meta["cached_tokens"], (k, moved, meta)
+        if k:
+            assert meta["cached_tokens"] > 0 and moved <= len(text) + 4, (k, moved, meta)
+
+    one_turn(0, "The first turn of a session")
+    one_turn(1, " and then a second turn")
+    session = next(s for s in dec.info()["sessions"] if s["id"] == sid)
+    timeouts = pd_stats(pre)["transfers_timed_out"]
+    # Too long: the conversation would pass the context (1024); the input alone would not.
+    t0 = time.monotonic()
+    r = turn("y" * 1000, sid, router.url)
+    # The router answers decode's 400 in its own shape (code decode_bad_request), with our message.
+    assert r.status_code == 400, (r.status_code, r.text)
+    assert "the context is 1024" in r.json()["error"]["message"], r.text
+    # Abort a turn on decode (/abort_request by the rid the router passes to both sides).
+    long_sp = {**sp, "max_new_tokens": 600}
+    body = {"text": " abort me", "sampling_params": long_sp, "session_params": {"id": sid}, "rid": "pd-sess-x"}
+    with cf.ThreadPoolExecutor(1) as ex:
+        f = ex.submit(httpx.post, router.url + "/generate", json=body, timeout=60)
+        deadline = time.monotonic() + 30
+        while not any(s["busy_rid"] == "pd-sess-x" for s in dec.info()["sessions"]):
+            assert time.monotonic() < deadline and not f.done(), "the turn never reached decode"
+            time.sleep(0.02)
+        a = httpx.post(dec.url + "/abort_request", json={"rid": "pd-sess-x"}, timeout=10)
+        assert a.status_code == 200, a.text
+        r = f.result()
+    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "abort", r.text
+    clean(pre, dec)
+    assert time.monotonic() - t0 < 30
+    assert pd_stats(pre)["transfers_timed_out"] == timeouts  # prefill's halves were told, not timed out
+    assert next(s for s in dec.info()["sessions"] if s["id"] == sid) == session  # as turn 2 left it
+    one_turn(2, " a third turn, streamed or not, the same")
+    streamed = httpx.post(router.url + "/generate", json={"text": " four", "sampling_params": sp,
+                          "session_params": {"id": sid}, "stream": True}, timeout=60)  # fmt: skip
+    want = turn(" four", ref, dec.url).json()
+    last = [ln for ln in streamed.text.splitlines() if ln.startswith("data: {")][-1]
+    assert httpx.Response(200, content=last[6:]).json()["output_ids"] == want["output_ids"]
+    for s in (sid, ref):
+        assert httpx.post(dec.url + "/close_session", json={"session_id": s}, timeout=30).status_code == 200
+    assert pre.info()["sessions"] == []
+    clean(pre, dec)
+    assert dec.info()["memory"]["kv_session"] == 0
+
+
+def test_a_pair_with_tiers_and_a_draft_model_through_the_router(chat_model, tmp_path):
+    """Both servers with the hierarchical cache (small pools, so prompts leave them for L2) and a
+    draft model (the target itself: drafts nearly all accepted), behind the router. Greedy output
+    equals one server's, turn after turn; a prompt prefill's pool dropped is loaded from its L2 and
+    counted as cached by the OpenAI client; both servers' books clean, L2 included."""
+    bport = free_port()
+    both = ("--max-total-tokens", "256", "--enable-hierarchical-cache", "--hicache-ratio", "8",
+            "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", chat_model)  # fmt: skip
+    pre = Server(chat_model, *ENGINE_ARGS, *both, "--disaggregation-mode", "prefill",
+                 "--disaggregation-bootstrap-port", str(bport), log_path=str(tmp_path / "prefill.log"))  # fmt: skip
+    dec = Server(chat_model, *ENGINE_ARGS, *both, "--page-size", "4", "--disaggregation-mode", "decode",
+                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+    one = Server(chat_model, *ENGINE_ARGS, log_path=str(tmp_path / "one.log"))
+    router = None
+    try:
+        for s in (pre, dec, one):
+            s.wait_healthy()
+        router = Router(["--pd-disaggregation", "--prefill", pre.url, str(bport), "--decode", dec.url],
+                        str(tmp_path / "router.log"))  # fmt: skip
+        routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        plain = openai.OpenAI(base_url=one.url + "/v1", api_key="none", max_retries=0)
+        topics = [f"Topic {i}: " + f"tell me everything about item number {i} " * 6 for i in range(6)]
+        usages = []
+        for content in [*topics, topics[0]]:
+            kw = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 8,
+                  "temperature": 0}  # fmt: skip
+            got = routed.chat.completions.create(**kw)
+            assert got.choices[0].message.content == plain.chat.completions.create(**kw).choices[0].message.content
+            usages.append(got.usage)
+        assert usages[0].prompt_tokens_details.cached_tokens == 0
+        assert usages[-1].prompt_tokens_details.cached_tokens >= 64, usages[-1]
+        assert pre.info()["memory"]["hicache"]["l2_hit_tokens"] >= 64
+        assert dec.info()["memory"]["hicache"]["backed_up_pages"] > 0  # received KV entered its tiers
+        assert pd_stats(dec)["transfers_ok"] == len(topics) + 1
+        clean(pre, dec, one)
+    finally:
+        if router is not None:
+            router.stop()
+        for s in (pre, dec, one):
+            s.stop()

@@ -86,3 +86,44 @@ def test_the_store_keeps_the_most_recently_used():
         s.delete("resp_a")
     with pytest.raises(ValidationError):  # not a response id at all: a 400, not a 404
         s.get("a")
+
+
+def test_reasoning_is_an_item_before_the_answer():
+    """With a reasoning parser: OpenAI's reasoning item (summary empty, the text as reasoning_text
+    content) streamed before the message, done before it opens; given back as reasoning_content."""
+    b = OutputBuilder()
+    events = []
+    for kw in (dict(text="", thought="W"), dict(text="", thought="Why"), dict(text="", thought="Why", thought_done=True),
+               dict(text="O", thought="Why", thought_done=True),
+               dict(text="OK", thought="Why", thought_done=True, final=True)):  # fmt: skip
+        events += b.update(kw.pop("text"), None, kw.pop("final", False), **kw)
+    assert [e["type"] for e in events] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done",
+    ]  # fmt: skip
+    assert [e["delta"] for e in events if e["type"] == "response.reasoning_text.delta"] == ["W", "hy"]
+    r, m = b.items
+    assert r["type"] == "reasoning" and r["summary"] == [] and r["status"] == "completed"
+    assert r["content"] == [{"type": "reasoning_text", "text": "Why"}] and m["content"][0]["text"] == "OK"
+    assert output_messages(b.items) == [{"role": "assistant", "content": "OK", "reasoning_content": "Why"}]
+    # ... and an input reasoning item sent back reaches the next assistant message the same way.
+    items = [{"role": "user", "content": "q"}, r, {"type": "message", "role": "assistant", "content": "OK"}]
+    back = input_messages(items, reasoning=True)
+    assert back[1] == {"role": "assistant", "content": "OK", "reasoning_content": "Why"}
+    with pytest.raises(ValidationError) as e:
+        input_messages([{"type": "reasoning", "content": "Why"}], reasoning=True)
+    assert e.value.param == "input.0.content"
+    with pytest.raises(ValidationError) as e:  # a server without a reasoning parser has none to take back
+        input_messages(items)
+    assert e.value.param == "input.1.type" and "--reasoning-parser" in e.value.message
+
+
+def test_reasoning_cut_off_is_the_only_item():
+    b = OutputBuilder()
+    b.update("", None, True, status="incomplete", thought="Wh", thought_done=True)
+    assert [it["type"] for it in b.items] == ["reasoning"]
+    assert output_messages(b.items) == [{"role": "assistant", "content": "", "reasoning_content": "Wh"}]

@@ -54,14 +54,18 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
     k = knobs(tmp_path)
     cfg = EngineConfig.from_flat(**k["draft"], disaggregation_mode="Decode")
     assert cfg.spec.speculative_algorithm == "STANDALONE" and cfg.disagg.disaggregation_mode == "decode"
-    with pytest.raises(ValidationError, match=r"draft model .* does not work with PD disaggregation"):
+    assert set(compat.active_features(cfg, "cpu")) >= {"draft", "pd"}  # the predicates see them
+    cfg = EngineConfig.from_flat(**k["quantized"], dtype="FP32")
+    assert cfg.model.explicit_quantization == "int4" and cfg.model.dtype == "float32"
+    with pytest.raises(ValidationError, match=r"int8/int4 weights .* does not work with float32"):
         cfg.check()
     with pytest.raises(ValidationError, match="does not work with"):
-        Engine(**k["draft"], disaggregation_mode="prefill")  # the offline API goes through the same check
+        Engine(quantization="Int8", dtype="fp32")  # the offline API goes through the same check
     cfg = EngineConfig.from_flat(dtype="BF16", quantization="None", attention_backend=" Torch ",
                                  disaggregation_mode="null", hicache_write_policy="WRITE_BACK")  # fmt: skip
     assert (cfg.model.dtype, cfg.model.quantization, cfg.kernels.attention_backend) == ("bfloat16", None, "torch")
     assert cfg.disagg.disaggregation_mode is None and cfg.hicache.hicache_write_policy == "write_back"
+    assert EngineConfig.from_flat(schedule_policy=" LPM ").scheduler.schedule_policy == "lpm"
     for bad, param in (
         ({"speculative_algorithm": "eagle"}, "speculative_algorithm"),
         ({"dtype": "float16"}, "dtype"),
@@ -74,6 +78,9 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
         ({"request_timeout_s": float("nan")}, "request_timeout_s"),
         ({"request_timeout_s": float("inf")}, "request_timeout_s"),
         ({"max_queued_prefill_tokens": 0}, "max_queued_prefill_tokens"),
+        ({"schedule_policy": "lof"}, "schedule_policy"),
+        ({"priority_scheduling_preemption_threshold": -1}, "priority_scheduling_preemption_threshold"),
+        ({"schedule_policy": "lpm", "enable_prefix_cache": False}, "schedule_policy"),
     ):
         with pytest.raises(ValidationError) as e:
             EngineConfig.from_flat(**bad).check()
@@ -105,9 +112,14 @@ def test_the_readme_matrix_is_the_table():
     assert m.group(1).strip() == compat.markdown_matrix().strip(), "regenerate: python -m kvledger.compat"
 
 
-def test_a_session_turn_is_refused_with_the_tables_reason_under_pd():
+def test_a_request_level_refusal_names_the_tables_reason(monkeypatch):
+    """A request-level feature is refused with the table's reason where the engine has a feature it
+    does not combine with (none is left today: PD x session turns works since issue 35)."""
+    compat.check_request(EngineConfig.from_flat(disaggregation_mode="decode"), "sessions")  # works
+    pair = frozenset({"pd", "sessions"})
+    monkeypatch.setitem(compat.REFUSED, pair, compat.Refusal(compat.NOT_YET, "a reason"))
     cfg = EngineConfig.from_flat(disaggregation_mode="decode")
     with pytest.raises(ValidationError, match="session turns do not work with PD disaggregation") as e:
         compat.check_request(cfg, "sessions")
-    assert e.value.param == "session_params"
+    assert "a reason" in str(e.value) and e.value.param == "session_params"
     compat.check_request(EngineConfig(), "sessions")  # no PD: fine

@@ -43,6 +43,14 @@ class SamplingParams:
     # together; past it the request ends through the release path with a 503 (None: no limit of its own;
     # the server's --request-timeout-s, if set, still applies: the shorter one wins).
     timeout: float | None = None
+    # Nor is this: the request's place in the queue under --enable-priority-scheduling (SGLang's field
+    # and convention: larger is more important unless --schedule-low-priority-values-first); ignored
+    # otherwise. None: the least important value.
+    priority: int | None = None
+    # Nor this (SGLang's ``require_reasoning``): the output begins with the model's reasoning, so a
+    # grammar above starts only once the reasoning's end marker (``</think>``) is generated. Needs a
+    # server with a reasoning parser (``--reasoning-parser``), which knows the marker's token ids.
+    require_reasoning: bool = False
 
     @property
     def wants_logprobs(self) -> bool:

@@ -16,6 +16,7 @@ from ..errors import ValidationError
 from .sampling import GRAMMAR_KINDS, SamplingParams
 
 MAX_SEED = 2**63 - 1
+MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1  # SGLang's int priorities, as a 64-bit integer
 MAX_CACHE_SALT_LEN = 1024  # vLLM's bound, for each of cache_salt and extra_key
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a mistake (or a string of digits), not a deadline
 DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens  # /generate's and the offline Engine's (SGLang: 128)
@@ -29,6 +30,7 @@ class Limits:
     max_stop_string_len: int = 256
     max_top_logprobs: int = 20
     max_stop_token_ids: int = 64
+    reasoning_parser: str | None = None  # the server's --reasoning-parser (require_reasoning needs one)
 
 
 _FIELDS = {f.name for f in fields(SamplingParams)}
@@ -156,7 +158,12 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         p.cache_salt = salt
     if d.get("timeout") is not None:
         p.timeout = validate_timeout(d["timeout"])
-    for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim"):
+    if d.get("priority") is not None:
+        v = d["priority"]
+        if not _is_int(v) or not MIN_PRIORITY <= v <= MAX_PRIORITY:
+            raise _bad("priority", f"priority must be an integer in [-2**63, 2**63-1], got {v!r}")
+        p.priority = v
+    for flag in ("ignore_eos", "logprobs", "skip_special_tokens", "no_stop_trim", "require_reasoning"):
         if d.get(flag) is not None:
             if not isinstance(d[flag], bool):
                 raise _bad(flag, f"{flag} must be a boolean")
@@ -191,6 +198,11 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
             except json.JSONDecodeError as e:
                 raise _bad(k, f"json_schema is not valid JSON: {e}", "invalid_grammar") from None
         setattr(p, k, v)
+    if p.require_reasoning and limits.reasoning_parser is None:
+        raise _bad(
+            "require_reasoning",
+            "require_reasoning needs a server started with --reasoning-parser (it knows the reasoning's end marker)",
+        )
     return p
 
 

@@ -3,6 +3,7 @@ tier) or must be sent elsewhere, modelled on vLLM's ``KVConnectorBase_V1``.
 
 Scheduler side (rank 0, with the books):
   * ``check_request(req)``: refuse a request before it is queued (a room already in use).
+  * ``request_refused(req, why)``: an earlier check refused it (PD: tell the other side at once).
   * ``request_queued(req)``: the request is in the waiting queue (every refusal is behind it): a
     connector may start fetching its KV (the hierarchical cache's L3 prefetch).
   * ``get_num_new_matched_tokens(req, num_computed)`` -> ``(n, load_async)``: how many tokens beyond
@@ -12,6 +13,8 @@ Scheduler side (rank 0, with the books):
     With ``n > 0`` the scheduler allocates pages for them (they are the request's PRIVATE pages,
     owner ``req X [waiting for kv]`` while they arrive).
   * ``update_state_after_alloc(req, pages, n)``: where those tokens go.
+  * ``cached_external_tokens(req, n)``: how many of them ``cached_tokens`` counts (a tier's hit yes,
+    a transfer no: ``external_tokens_are_cached``).
   * ``build_connector_meta(sched_out)``: what the worker side needs for this step.
   * ``step_finished()``: the step's forward is over (or failed); take in finished async work.
   * ``has_pending``: async work in flight that the engine must keep stepping for (not idle).
@@ -25,20 +28,42 @@ Worker side (every rank, with the KV tensors):
     ``save_kv_layer(layer, kv_buffer)`` (the per-layer calls from the attention op), ``wait_for_save()``;
   * ``get_finished()`` -> ``(rids done sending, rids done receiving)``, reported to the scheduler in
     ``ModelRunnerOutput``.
-``NoOpConnector`` is today's behaviour: nothing to load, nothing to send.
+``NoOpConnector`` is today's behaviour: nothing to load, nothing to send. ``MultiConnector``
+(``multi.py``) makes several one (PD with the hierarchical cache).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
+
+
+class Received(NamedTuple):
+    """What the remote side computed for a request besides its KV (PD: prefill's first token)."""
+
+    tokens: list[int]
+    logprobs: list
+    top_logprobs: list
+    # Prompt tokens the remote side served from its own cache (PD: prefill's prefix match). KV that
+    # arrives by transfer is not a cache hit; what the remote side did not compute is.
+    cached_tokens: int = 0
 
 
 class KVConnector:
     """Base class; every method has the no-op behaviour, so a connector overrides what it needs."""
 
+    # Whether tokens loaded through this connector count as cached (``meta_info.cached_tokens``,
+    # OpenAI's ``prompt_tokens_details.cached_tokens``): a host or file tier's hit is a cache hit;
+    # KV computed by a remote prefill and transferred is not.
+    external_tokens_are_cached: bool = True
+
     # -- scheduler side ---------------------------------------------------------------------------------
     def check_request(self, req) -> None:
         """Refuse ``req`` before it is queued (raise a KVLedgerError); the last check of a submit."""
+        return None
+
+    def request_refused(self, req, why: str) -> None:
+        """``req`` was refused before it was queued (by a check before ``check_request``, whose own
+        refusal is not reported); a connector may tell a peer waiting for it (PD: the other side)."""
         return None
 
     def request_queued(self, req) -> None:
@@ -54,6 +79,11 @@ class KVConnector:
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
         return None
+
+    def cached_external_tokens(self, req, num_external_tokens: int) -> int:
+        """How many of the ``num_external_tokens`` just matched for ``req`` count as cached (a
+        composite answers for the connector that matched them)."""
+        return num_external_tokens if self.external_tokens_are_cached else 0
 
     def build_connector_meta(self, sched_out) -> Any:
         return None
@@ -72,9 +102,9 @@ class KVConnector:
         """Wait for the async work in flight (before a flush); False if it did not end in time."""
         return True
 
-    def received_output(self, req) -> tuple[list[int], list, list] | None:
-        """Tokens the remote side already sampled for ``req`` (PD: prefill's first token), as
-        ``(tokens, logprobs, top_logprobs)``, taken once its load is reported done."""
+    def received_output(self, req) -> Received | None:
+        """Tokens the remote side already sampled for ``req`` (PD: prefill's first token), taken once
+        its load is reported done, with how much of the prompt it served from its own cache."""
         return None
 
     # -- worker side ------------------------------------------------------------------------------------

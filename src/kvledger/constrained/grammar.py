@@ -22,6 +22,7 @@ from ..common.sampling import GRAMMAR_KINDS, SamplingParams
 from ..errors import ValidationError
 from .bitmask import bitmask_width
 from .keywords import unsupported_keywords
+from .reasoning import ReasoningGate
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,13 @@ class GrammarBackend:
     """xgrammar's compiler for one tokenizer; made on the first constrained request (importing
     xgrammar and indexing the vocabulary takes ~2 s, which a server that never sees one skips)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(
+        self, tokenizer, vocab_size: int, stop_token_ids: list[int], reasoning_end_ids: list[int] | None = None
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
+        self.reasoning_end_ids = reasoning_end_ids  # --reasoning-parser: where a reasoning request's grammar starts
         self._compiler = None
 
     def _xgr(self):
@@ -134,9 +138,20 @@ class GrammarBackend:
             log.info("structured outputs ready in %.2fs (xgrammar)", time.perf_counter() - t0)
         return xgr
 
-    def new_state(self, spec: GrammarSpec) -> GrammarState:
+    def new_state(self, spec: GrammarSpec, after_reasoning: bool = False):
         """Compile (or take from the cache) and start a matcher; ValidationError if it does not compile
-        or uses a keyword that is not enforced."""
+        or uses a keyword that is not enforced. ``after_reasoning`` (a request's ``require_reasoning``):
+        the matcher starts once the reasoning's end marker is generated (a ``ReasoningGate`` around it)."""
+        state = self._new_state(spec)
+        if not after_reasoning:
+            return state
+        if self.reasoning_end_ids is None:  # validation refuses this first; a direct caller gets the same
+            raise ValidationError(
+                "require_reasoning needs a server started with --reasoning-parser", param="require_reasoning"
+            )
+        return ReasoningGate(state, self.reasoning_end_ids)
+
+    def _new_state(self, spec: GrammarSpec) -> GrammarState:
         if spec.kind == "json_schema" and spec.source != ANY_JSON:
             grammar = json_schema_grammar(json.loads(spec.source), "json_schema", "json_schema")
         else:

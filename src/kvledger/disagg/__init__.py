@@ -14,8 +14,9 @@ from ..connector import KVConnector
 from ..memory.pools import KVBuffer
 
 
-def make_connector(cfg: EngineConfig, kv: KVBuffer, abort) -> KVConnector | None:
-    """The connector for ``cfg.disagg.disaggregation_mode`` (None when it is off)."""
+def make_connector(cfg: EngineConfig, kv: KVBuffer, abort, limits=None) -> KVConnector | None:
+    """The connector for ``cfg.disagg.disaggregation_mode`` (None when it is off); ``limits``: the
+    engine's, for a prompt a claim carries (a session turn's, ``prefill.py``)."""
     if not cfg.disagg.enabled:
         return None
     host = cfg.disagg.disaggregation_bind_host or "127.0.0.1"
@@ -35,6 +36,7 @@ def make_connector(cfg: EngineConfig, kv: KVBuffer, abort) -> KVConnector | None
             cfg.disagg.disaggregation_bootstrap_timeout_s,
             abort,
             data,
+            limits,
         )
     from .decode import DecodeConnector
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from ..connector import KVConnector
+from ..connector import KVConnector, Received
 from ..errors import ConflictError
 from ..memory.pools import KVBuffer
 from . import kv_copy, wire
@@ -56,6 +56,7 @@ class _RecvJob:
 
 
 class DecodeConnector(KVConnector):
+    external_tokens_are_cached = False  # prefill computed (or cached) them: it says which in Done
     def __init__(
         self, kv: KVBuffer, page_size: int, default_port: int, timeout_s: float, abort: AbortFn, data=None
     ):
@@ -92,6 +93,14 @@ class DecodeConnector(KVConnector):
                 raise ConflictError(f"bootstrap_room {d.room} is already in use", param="bootstrap_room")
             self._live[d.room] = req.rid
 
+    def request_refused(self, req, why: str) -> None:
+        d = req.disagg
+        if d is None or d.fake:
+            return
+        # Refused here (a session turn too long, its session busy or gone, the queue full): the
+        # prefill side's request for this room would otherwise wait out its bootstrap timeout.
+        self.io.post(("send", self._addr(d), wire.Fail(d.room, f"the decode server refused the request: {why}")))
+
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
         if req.disagg is None or req.output_ids or req.rid in self._received:
             return 0, False  # a direct request, or one retracted after its KV came: computed here
@@ -99,7 +108,10 @@ class DecodeConnector(KVConnector):
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
         d = req.disagg
-        start, end = req.kv_len, req.kv_len + num_external_tokens
+        # The rest of the prompt: what decode's own cache (its prefix match, a tier's load before
+        # this part) does not hold.
+        end = len(req.input_ids)
+        start = end - num_external_tokens
         if d.fake:
             # A health check: no KV moves. The pages hold whatever they held, so the request's KV
             # must never reach the prefix cache.
@@ -119,7 +131,11 @@ class DecodeConnector(KVConnector):
             job.direct = True
         with self._lock:
             self._jobs[d.room] = job
-        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids), self.layout, target)
+        # A session turn's prompt is the session's history + its input: only this side knows it, so
+        # the claim carries it (prefill was sent the turn's input alone). ``start`` is what the
+        # session's borrowed pages already hold; prefill sends the rest.
+        tokens = list(req.input_ids) if req.session is not None else None
+        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids), self.layout, target, tokens)
         self.io.post(("send", job.addr, claim))
 
     def received_output(self, req):
@@ -127,7 +143,9 @@ class DecodeConnector(KVConnector):
             done = self._first.pop(req.rid, None)
         if done is None:
             return None
-        return [done.first_token], [done.logprob], [done.top_logprobs]
+        # A peer's number is clamped to the prompt: it only ever feeds a usage figure.
+        cached = min(max(done.cached_tokens, 0), len(req.input_ids))
+        return Received([done.first_token], [done.logprob], [done.top_logprobs], cached)
 
     def request_finished(self, req) -> bool:
         d = req.disagg

@@ -15,6 +15,11 @@ Ledger: a finished request whose KV waits to be sent keeps its slot and pages in
 path when ``get_finished`` reports it (acknowledged, the decode side gave up, or the bootstrap
 timeout passed). Its KV is then committed to the prefix cache like any finished request's.
 
+A session turn (``session_params``: the session is the decode server's) is a plain request here
+whose prompt is the one decode's claim carries -- the session's history + the input this side was
+sent -- taken before admission (``_take_prompt``); prefill computes all of it and sends what decode's
+session lacks. Prefill never holds a session.
+
 The bootstrap endpoint is a ZMQ ROUTER bound at ``--disaggregation-bind-host`` :
 ``--disaggregation-bootstrap-port``; decode servers connect to it (see ``wire.py``).
 """
@@ -75,8 +80,10 @@ class PrefillConnector(KVConnector):
         timeout_s: float,
         abort: AbortFn | None = None,
         data=None,
+        limits=None,
     ):
         self.kv, self.page_size, self.timeout_s = kv, page_size, timeout_s
+        self.limits = limits  # the engine's Limits: a prompt a claim carries is checked against them
         self.abort = abort or (lambda *a: None)
         self.data = data  # a MooncakeData (mooncake.py), or None: KV goes as KVData frames
         self.layout = kv_copy.layout_of(kv)
@@ -89,7 +96,7 @@ class PrefillConnector(KVConnector):
         self._claims: dict[int, _Claim] = {}  # room -> claimed before its request finished
         # Rooms the decode side gave up on before their request finished here (or arrived): kept for
         # one timeout, so the request does not hold its KV for nobody.
-        self._gone: dict[int, float] = {}
+        self._gone: dict[int, tuple[float, str]] = {}  # room -> (when, decode's reason)
         # Rooms whose request ended here without KV to send before any claim came (aborted, timed
         # out): a late claim is answered at once with why, instead of waiting out its timeout.
         self._ended: dict[int, tuple[str, float]] = {}
@@ -129,15 +136,61 @@ class PrefillConnector(KVConnector):
         d = req.disagg
         if d is None or d.fake:
             return True
+        why = None  # a session turn's claim refused: the request ends (502)
+        first = False  # ... noticed for the first time (abort once)
+        gone = None  # decode gave up before this request arrived (its reason): it will never claim
         with self._lock:
-            if d.room in self._claims or d.room in self._jobs:
-                return True
-            gone = self._gone.get(d.room) is not None and d.room not in self._aborting
-            if gone:
+            pending = self._claims.get(d.room)
+            if pending is not None and req.prompt_from_claim:
+                why = self._take_prompt(req, pending.claim)
+                if why is None:
+                    return True
+                first = d.room not in self._aborting
                 self._aborting.add(d.room)
-        if gone:  # decode gave up before this request arrived: it will never claim
-            self.abort(req.rid, "the decode server gave up this bootstrap room", 502, "kv_transfer_failed")
+            elif pending is not None or d.room in self._jobs:
+                return True
+            else:
+                if d.room in self._gone and d.room not in self._aborting:
+                    gone = self._gone[d.room][1]
+                    self._aborting.add(d.room)
+        if first:
+            # The claim stays: the request's end answers it with a Fail naming this reason.
+            self.stats.frames_refused += 1
+            log.warning("PD prefill: refused the claim for room %d: %s", d.room, why)
+            self.abort(req.rid, f"refused the decode server's claim: {why}", 502, "kv_transfer_refused")
+        elif gone is not None:
+            self.abort(req.rid, f"the decode server gave up this bootstrap room: {gone}", 502, "kv_transfer_failed")
         return False
+
+    def _take_prompt(self, req, claim: wire.Claim) -> str | None:
+        """A session turn (the session lives on decode): its prompt is the one the claim carries, the
+        session's history + this request's input. Checked as a peer's input (its length and crc, the
+        vocabulary, the context, and that it ends with the input this request was sent), then it
+        replaces the request's prompt before anything is held. Returns why it is refused, or None."""
+        ids = claim.tokens
+        if ids is None:
+            return "a session turn's claim must carry its prompt (a decode server of an older version?)"
+        if len(ids) != claim.num_tokens or wire.tokens_crc(ids) != claim.tokens_crc:
+            return "the claim's prompt does not match its length and checksum"
+        lim = self.limits
+        if lim is not None:
+            if len(ids) >= lim.context_length:
+                return f"the claim's prompt of {len(ids)} tokens does not fit the context ({lim.context_length})"
+            if any(type(t) is not int or not 0 <= t < lim.vocab_size for t in ids):
+                return "the claim's prompt has token ids outside the vocabulary"
+        n = len(req.input_ids)
+        if n > len(ids) or ids[len(ids) - n :] != req.input_ids:
+            return "the claim's prompt does not end with this request's input"
+        req.input_ids = list(ids)
+        req.prompt_from_claim = False  # taken: a retracted request is admitted again as it is now
+        return None
+
+    def request_refused(self, req, why: str) -> None:
+        d = req.disagg
+        if d is None or d.fake:
+            return
+        # Refused before it was queued: a claim for its room (now or later) is answered at once.
+        self.io.post(("finished", d.room, f"the prefill server refused the request: {why}"))
 
     def request_finished(self, req) -> bool:
         d = req.disagg
@@ -159,7 +212,14 @@ class PrefillConnector(KVConnector):
                 ok = False  # decode already gave up: nothing to keep
             if ok:
                 top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-                first = wire.Done(d.room, len(req.input_ids), req.output_ids[0], req.output_logprobs[0], top)
+                first = wire.Done(
+                    d.room,
+                    len(req.input_ids),
+                    req.output_ids[0],
+                    req.output_logprobs[0],
+                    top,
+                    cached_tokens=req.cached_tokens,
+                )
                 crc = wire.tokens_crc(req.input_ids)
                 self._jobs[d.room] = _SendJob(
                     req.rid, d.room, list(req.pages), len(req.input_ids), crc, first
@@ -227,7 +287,7 @@ class PrefillConnector(KVConnector):
                     del self._jobs[msg.room]
                     self._job_done(job, "failed")
                 else:  # not finished yet, or not even arrived (the router posts to both at once)
-                    self._gone[msg.room] = time.monotonic()
+                    self._gone[msg.room] = (time.monotonic(), msg.reason)
                     rid = self._live.get(msg.room)
                     if rid is not None and msg.room not in self._aborting:
                         # Waiting for the claim (or computing for nobody): end it now.
@@ -354,7 +414,7 @@ class PrefillConnector(KVConnector):
                 log.warning("PD prefill: room %d: no decode server claimed it in %.0fs", room, t)
                 msg = f"no decode server claimed bootstrap room {room} in {t:.0f}s"
                 self.abort(rid, msg, 502, "kv_transfer_timeout")
-            for room, at in list(self._gone.items()):
+            for room, (at, _) in list(self._gone.items()):
                 if now - at > t:
                     del self._gone[room]
             for room, (_, at) in list(self._ended.items()):

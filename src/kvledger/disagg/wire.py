@@ -7,7 +7,12 @@ count, head_dim]`` in the sender's dtype; its length must equal ``count * Layout
 Never pickle: a peer is another machine.
 
 decode -> prefill: ``Claim`` (I hold pages for this room: send me tokens ``start..num_tokens``),
-``Ack`` (all received: free yours), ``Fail`` (this room is off: I aborted).
+``Ack`` (all received: free yours), ``Fail`` (this room is off: I aborted, or refused the request).
+A session turn's claim carries its whole prompt (``tokens``): the session lives on the decode side,
+so only decode knows the history the turn's input is appended to; prefill computes the KV of all of
+it (its own prefix cache helps) and sends ``start..num_tokens``, what decode's session lacks.
+
+Version 2: ``Claim.tokens`` (version 1 had no way to send a prompt the prefill side was not given).
 prefill -> decode: ``KVData`` + payload, ``Done`` (the last KV frame sent; here is the first sampled
 token), ``Fail`` (this room will never be sent: the prefill failed, or the claim was refused).
 """
@@ -20,8 +25,10 @@ from typing import Union
 import msgspec
 
 MAGIC = b"KVL"
-VERSION = 1
-MAX_HEADER_BYTES = 4 * 1024 * 1024  # a Mooncake claim lists its pages (8 bytes or so per page)
+VERSION = 2
+# A Mooncake claim lists its pages (8 bytes or so per page), a session turn's its prompt (up to 5 per
+# token): either fits a context of several hundred thousand tokens.
+MAX_HEADER_BYTES = 4 * 1024 * 1024
 
 
 class WireError(Exception):
@@ -61,6 +68,9 @@ class Claim(msgspec.Struct, tag="claim"):
     tokens_crc: int  # crc32 of the prompt's token ids: the same prompt on both sides
     layout: Layout
     mooncake: MooncakeTarget | None = None  # None: send the KV as KVData frames
+    # A session turn's whole prompt (the session's tokens up to its offset + the turn's input), which
+    # the prefill side computes instead of the body it was sent; None: the body's prompt.
+    tokens: list[int] | None = None
 
 
 class KVData(msgspec.Struct, tag="kv"):
@@ -76,6 +86,7 @@ class Done(msgspec.Struct, tag="done"):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     direct: bool = False  # the KV was written into decode's pages by Mooncake (no KVData frames)
+    cached_tokens: int = 0  # prompt tokens prefill took from its own cache (the rest it computed)
 
 
 class Ack(msgspec.Struct, tag="ack"):

@@ -13,12 +13,14 @@ import torch
 
 from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
+from ..common.reasoning import REASONING_FORMATS
 from ..compat import check_request
 from ..config import EngineConfig
-from ..connector import KVConnector
+from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
+from ..constrained.reasoning import reasoning_end_ids
 from ..disagg import make_connector
-from ..errors import ValidationError
+from ..errors import ConflictError, KVLedgerError, ModelLoadError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
 from ..model import LlamaModel, load_model
@@ -26,7 +28,7 @@ from ..model.loader import LoadedModel, default_model_path
 from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
 from ..parallel.shard import check_tp, local_config, shard_weights
-from ..scheduler import ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
+from ..scheduler import PAUSE_MODES, ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager
 from ..spec.setup import make_proposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
@@ -38,6 +40,7 @@ from .resources import (
     resolve_quantization,
 )
 from .runner import ModelRunner
+from .weights import check_reload_supported, checkpoint_shapes, load_replacement
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +127,27 @@ def _tp_gather(cfg: EngineConfig):
     return gather
 
 
+def pd_with_tiers(cfg: EngineConfig, tiers: KVConnector, transfer: KVConnector) -> list[KVConnector]:
+    """PD with the hierarchical cache: the order a ``MultiConnector`` asks them in, the tiers first on
+    both sides. Prefill loads a prefix from L2/L3 before it computes the rest (the transfer comes
+    after the request finished); decode loads what its tiers hold past its L1 prefix, and the
+    transfer brings the rest of the prompt."""
+    return [tiers, transfer]
+
+
 def build_worker_connector(cfg: EngineConfig, rank: int, runner: ModelRunner) -> KVConnector | None:
     """A worker rank's side of the KV connector: the hierarchical cache's data movement for its heads
-    (None without the hierarchy). Its L3 keys are its own (``tp{rank}/{size}`` in their namespace)."""
+    (None without the hierarchy). Its L3 keys are its own (``tp{rank}/{size}`` in their namespace).
+    With PD too, rank 0's connector is a ``MultiConnector`` whose metadata is one per connector: the
+    transport has no worker side here (a no-op in its place)."""
     if not cfg.hicache.enable_hierarchical_cache:
         return None
     model = runner.model
     path = cfg.model.model or default_model_path()  # what ``build_runner`` loaded
-    return build_worker_side(
+    worker = build_worker_side(
         cfg, path, model.quantization, model.cfg, model.dtype, runner.kv_buffer, rank, _tp_gather(cfg)
     )
+    return MultiConnector(pd_with_tiers(cfg, worker, NoOpConnector()), cfg.cache.page_size) if cfg.disagg.enabled else worker
 
 
 class EngineCore:
@@ -162,6 +176,7 @@ class EngineCore:
             loaded = loaded or load_model(cfg.model.model)
             t_read = time.monotonic() - t0
             mc = loaded.config
+            self.weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
             check_tp(mc, cfg.parallel.tp_size)
             self.dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
             self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
@@ -200,18 +215,30 @@ class EngineCore:
             holdings=lambda: self.scheduler.holdings(),
             tiers=tiers,
         )
-        runner = _runner(self.cfg, self.model, device)
+        runner = self.runner = _runner(self.cfg, self.model, device)
+        hicache = None
         if tiers is not None:
             if connector is not None:
                 raise ValidationError(
                     "the hierarchical cache is a KV connector itself; pass one or the other"
                 )
             tiers.bind(runner.kv_buffer)
-            connector = HiCacheConnector(tiers, _tp_gather(cfg))
-            self.kv_manager.ledger.tiers = TierBooks(tiers, connector)
-        if connector is None and cfg.disagg.disaggregation_mode is not None:
-            # The connector reaches the scheduler (built below) only through its thread-safe abort.
-            connector = make_connector(cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a))
+            connector = hicache = HiCacheConnector(tiers, _tp_gather(cfg))
+            self.kv_manager.ledger.tiers = TierBooks(tiers, hicache)
+        # The PD transport (None without PD); it reaches the scheduler (built below) only through its
+        # thread-safe abort.
+        self.disagg_connector = (
+            make_connector(
+                cfg, runner.kv_buffer, lambda *a: self.scheduler.abort(*a), self._limits(cfg, mc, context)
+            )
+            if cfg.disagg.enabled and (connector is None or hicache is not None)
+            else None
+        )
+        if self.disagg_connector is not None:
+            connector = (
+                self.disagg_connector if hicache is None
+                else MultiConnector(pd_with_tiers(cfg, hicache, self.disagg_connector), ps)
+            )  # fmt: skip
         self.connector = connector
         self.last_step_ran = False
         self.executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
@@ -229,18 +256,13 @@ class EngineCore:
             self.tokenizer,
             mc.vocab_size,
             sorted(eos),
+            self._reasoning_end_ids(),
         )
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
         )
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
-        self.limits = Limits(
-            vocab_size=mc.vocab_size,
-            context_length=context,
-            max_stop_strings=cfg.scheduler.max_stop_strings,
-            max_stop_string_len=cfg.scheduler.max_stop_string_len,
-            max_top_logprobs=cfg.scheduler.max_top_logprobs,
-        )
+        self.limits = self._limits(cfg, mc, context)
         if cfg.kernels.enable_torch_compile:
             self.model.enable_compile()
             self._warm_up_compile()
@@ -282,6 +304,16 @@ class EngineCore:
             self.step()
         self.flush_cache()
         log.info("torch.compile: ready in %.1fs", time.monotonic() - t0)
+
+    def _reasoning_end_ids(self) -> list[int] | None:
+        """The token ids of the reasoning's end marker (``--reasoning-parser``), where grammars begin."""
+        name = self.cfg.model.reasoning_parser
+        if name is None:
+            return None
+        try:
+            return reasoning_end_ids(self.tokenizer, REASONING_FORMATS[name].end)
+        except ValueError as e:
+            raise ValidationError(f"--reasoning-parser {name}: {e}", param="reasoning_parser") from None
 
     def _decode_raw(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
@@ -334,17 +366,28 @@ class EngineCore:
             out.finished_recving |= one.finished_recving
         return out
 
+    @staticmethod
+    def _limits(cfg: EngineConfig, mc, context: int) -> Limits:
+        return Limits(
+            vocab_size=mc.vocab_size,
+            context_length=context,
+            max_stop_strings=cfg.scheduler.max_stop_strings,
+            max_stop_string_len=cfg.scheduler.max_stop_string_len,
+            max_top_logprobs=cfg.scheduler.max_top_logprobs,
+            reasoning_parser=cfg.model.reasoning_parser,
+        )
+
     # -- requests ---------------------------------------------------------------------------------------
     def make_request(
         self, input_ids, sampling: dict | None, rid: str | None = None, pooling: PoolingParams | None = None
     ) -> Req:
         """Validate (the engine's copy of the one validation, the authority) and build a request.
         With ``pooling`` it computes its prompt and answers with an embedding or label logprobs
-        (``common/pooling.py``): no token is drawn, whatever ``sampling`` says but its cache salt and
-        timeout."""
+        (``common/pooling.py``): no token is drawn, whatever ``sampling`` says but its cache salt,
+        timeout and priority."""
         if pooling is not None:
             validate_pooling(pooling, self.limits.vocab_size)
-            sampling = {k: v for k, v in (sampling or {}).items() if k in ("cache_salt", "timeout")}
+            sampling = {k: v for k, v in (sampling or {}).items() if k in ("cache_salt", "timeout", "priority")}
             sampling["max_new_tokens"] = 0
         ids, params = validate_request(input_ids, sampling, self.limits)
         rid = rid if rid is not None else uuid.uuid4().hex
@@ -353,48 +396,63 @@ class EngineCore:
         req = Req(rid=rid, input_ids=ids, params=params, pooling=pooling)
         spec = grammar_spec(params)
         if spec is not None:  # compiled here: one that does not compile is refused before it holds anything
-            req.grammar = self.grammars.new_state(spec)
+            req.grammar = self.grammars.new_state(spec, after_reasoning=params.require_reasoning)
         return req
 
     def submit(self, req: Req, session_params: dict | None = None) -> None:
         """Queue a validated request; with ``session_params`` it becomes a turn of that session.
-        Every refusal (409, 429, a session's 400/404/409) happens before anything is held."""
-        self.scheduler.check_submit(req)
-        if req.pooling is not None:
+        Every refusal (409, 429, a session's 400/404/409) happens before anything is held; a PD
+        request refused here is reported to its connector, which tells the other side at once."""
+        try:
+            self.scheduler.check_submit(req)
+            if req.pooling is not None:
+                if session_params is not None:
+                    raise ValidationError(
+                        "an embedding or score request cannot be a session turn: it keeps no KV for a next turn",
+                        param="session_params",
+                    )
+                req.disagg = None  # computed here, whatever the server's PD role: there is nothing to send
+            if req.disagg is not None:
+                self._disagg_params(req, session_params)
             if session_params is not None:
-                raise ValidationError(
-                    "an embedding or score request cannot be a session turn: it keeps no KV for a next turn",
-                    param="session_params",
-                )
-            req.disagg = None  # computed here, whatever the server's PD role: there is nothing to send
-        if req.disagg is not None:
-            self._disagg_params(req, session_params)
-        if session_params is not None:
-            s = (
-                self.sessions.sessions.get(session_params.get("id"))
-                if isinstance(session_params, dict)
-                else None
-            )
-            if s is not None and s.busy_rid is not None:
-                # The busy turn may be on its way out (a client that disconnected and retried at once):
-                # let pending aborts finish first. Between steps this is a safe point.
-                self.scheduler.settle()
-            self.sessions.attach(req, session_params, self.limits.context_length)
+                check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature
+                if req.disagg is not None and self._pd_mode == "prefill":
+                    # A session turn through PD, prefill's half: the session is decode's. The request is a
+                    # plain one whose prompt decode's claim supplies (``disagg/prefill.py``).
+                    self.sessions.check_params(req, session_params)
+                else:
+                    self._attach(req, session_params)
+        except KVLedgerError as e:
+            if self.connector is not None and req.disagg is not None:
+                self.connector.request_refused(req, e.message)
+            raise
         if self.connector is not None:
             self.connector.check_request(req)  # last: it may take the request's room
         self.scheduler.submit(req)
 
+    @property
+    def _pd_mode(self) -> str | None:
+        return self.cfg.disagg.disaggregation_mode
+
+    def _attach(self, req: Req, session_params: dict) -> None:
+        s = self.sessions.sessions.get(session_params.get("id")) if isinstance(session_params, dict) else None
+        if s is not None and s.busy_rid is not None:
+            # The busy turn may be on its way out (a client that disconnected and retried at once):
+            # let pending aborts finish first. Between steps this is a safe point.
+            self.scheduler.settle()
+        self.sessions.attach(req, session_params, self.limits.context_length)
+
     def _disagg_params(self, req: Req, session_params: dict | None) -> None:
         """A request with a bootstrap room on a PD server: prefill computes the prompt and one token;
         decode takes the prompt's KV and that token, so it computes no prompt logprobs (the router
-        prepends prefill's). On a server that is neither, the room is ignored."""
-        mode = self.cfg.disagg.disaggregation_mode
+        prepends prefill's). On a server that is neither, the room is ignored. A session turn on
+        prefill takes its prompt from decode's claim (the session and its history are decode's)."""
+        mode = self._pd_mode
         if mode is None:
             req.disagg = None
             return
-        if session_params is not None:
-            check_request(self.cfg, "sessions")  # PD x session turns: the compatibility table's refusal
         if mode == "prefill":
+            req.prompt_from_claim = session_params is not None and not req.disagg.fake
             req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
         else:
             req.params = dataclasses.replace(req.params, logprob_start_len=-1)
@@ -419,10 +477,67 @@ class EngineCore:
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.scheduler.abort(rid, message)
 
+    # -- pause and weight updates (RL trainers) ------------------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> int:
+        """Stop computing until ``continue_generation`` (``Scheduler.pause`` for the modes); requests
+        that arrive meanwhile wait in the queue. Returns how many requests are held paused."""
+        if mode not in PAUSE_MODES:
+            raise ValidationError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        return self.scheduler.pause(mode)
+
+    def continue_generation(self) -> None:
+        self.scheduler.resume()
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> dict:
+        """Replace the weights with the checkpoint at ``model_path`` (same architecture and shapes,
+        ``weights.py``) without a restart. Refused (409) while any request holds KV: computed by
+        the old weights, it would be mixed with the new ones (pause with ``retract`` or ``abort``
+        first, or let the requests finish). On success the prefix cache is flushed and every
+        session's KV dropped (their tokens stay: the next turn recomputes), through the pools'
+        books; requests paused by retraction recompute with the new weights when generation
+        continues. Any failure leaves the old weights serving, and nothing changed."""
+        check_reload_supported(self.cfg)
+        s = self.scheduler
+        s.settle()  # requests already marked (a pause with mode abort) end first
+        held = len(s.running) + len(s.waiting_for_kv) + len(s.sending)
+        if held:
+            raise ConflictError(
+                f"{held} request(s) hold KV computed by the current weights; pause generation with "
+                f"mode retract or abort first, or let them finish",
+                code="busy",
+            )
+        t0 = time.monotonic()
+        loaded = load_replacement(model_path, load_format, self.model.cfg, self.weight_shapes)
+        try:
+            model = _sharded_model(self.cfg, loaded, self.model.net.comm, self.dtype, self.cfg.model.device)
+        except Exception as e:  # out of memory, a tensor the packing refuses: the old model stays
+            log.exception("building the model from %s failed", model_path)
+            raise ModelLoadError(
+                f"building the model from {model_path} failed ({type(e).__name__}: {e}); "
+                f"the old weights still serve"
+            ) from None
+        del loaded
+        self.model = self.runner.model = model
+        flushed = self.kv_manager.tree.flush()
+        dropped = self.sessions.session_kv.drop_all_kv()
+        self.cfg = self.cfg.replace(model=model_path)
+        self.info.model_path = model_path
+        self.info.weight_bytes = model.weight_bytes()
+        log.info(
+            "weights updated from %s in %.1fs: %d cached pages and %d session tokens of KV dropped; "
+            "%d request(s) paused", model_path, time.monotonic() - t0, flushed, dropped, len(s.reqs),
+        )  # fmt: skip
+        return {"num_paused_requests": len(s.reqs)}
+
     def connector_stats(self) -> dict | None:
         """The PD transport's counters (None without one)."""
-        stats = getattr(self.connector, "stats", None)
-        return None if stats is None else {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
+        stats = getattr(self.disagg_connector, "stats", None)
+        if stats is None:
+            return None
+        out = {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
+        if (addr := getattr(self.disagg_connector, "address", None)) is not None:
+            out["bootstrap"] = addr  # prefill: where its bootstrap port listens (host:port)
+        return out
 
     def shutdown(self, drain_timeout_s: float = SHUTDOWN_DRAIN_S) -> int:
         """Everything still running ends through the release path, then sessions close; returns

@@ -12,7 +12,7 @@ from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs
 from ..common.pooling import PoolingParams, label_scores, score_prompts
 from ..config import EngineConfig
-from ..errors import NotFoundError, ValidationError, error_for_status
+from ..errors import ConflictError, KVLedgerError, NotFoundError, ValidationError, error_for_status
 from ..scheduler import Req
 from .core import SHUTDOWN_DRAIN_S, EngineCore
 from .detok import TextState
@@ -150,6 +150,12 @@ class Engine:
         reqs, single = self._prepare(prompt, sampling_params, input_ids, rid)
         if session_params is not None and not single:
             raise ValidationError("a session turn takes a single prompt", param="session_params")
+        if self.core.scheduler.paused is not None:
+            # Waiting here would wait for ever: nothing else steps an offline engine.
+            raise ConflictError(
+                "generation is paused: call continue_generation() first, or queue with add_request",
+                code="generation_paused",
+            )
         if stream:
             if not single:
                 raise ValidationError("stream=True takes a single prompt", param="stream")
@@ -270,8 +276,37 @@ class Engine:
         return self._step()
 
     def run_until_idle(self) -> None:
+        """Step until nothing is left to do. While generation is paused, one step (it ends what an
+        abort or a pause with mode abort marked) and no more: paused requests stay."""
         while not self.core.scheduler.idle:
             self._step()
+            if self.core.scheduler.paused is not None:
+                return
+
+    # -- pause and weight updates (SGLang's shapes) -------------------------------------------------------
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating: ``abort`` ends every request (at the next step), ``retract`` requeues the
+        running ones (recomputed, with the same output, after ``continue_generation``), ``in_place``
+        keeps them where they are. Requests added meanwhile wait."""
+        with self._lock:
+            self.core.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        with self._lock:
+            self.core.continue_generation()
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
+        """New weights from ``model_path`` (same architecture and shapes) without a restart; the prefix
+        cache is flushed and sessions' KV dropped. As SGLang, when generation is not paused the
+        requests in flight finish first. Returns ``(success, message, num_paused_requests)``."""
+        with self._lock:
+            if self.core.scheduler.paused is None:
+                self.run_until_idle()
+            try:
+                n = self.core.update_weights_from_disk(model_path, load_format)["num_paused_requests"]
+            except KVLedgerError as e:
+                return False, e.message, 0
+        return True, f"Succeeded to update model weights from {model_path}.", n
 
     def flush_cache(self) -> bool:
         with self._lock:

@@ -67,10 +67,12 @@ class _Loop:
 
         was_busy = False
         while True:
-            idle = self.core.scheduler.idle
-            # Idle: wait for a message. Only waiting on KV (a transfer, an async save): check back
-            # soon, without spinning a core. Computing: just look.
-            wait_ms = 50 if idle else (0 if self.core.last_step_ran else 2)
+            s = self.core.scheduler
+            # Idle, or paused with nothing in transfer: wait for a message (a paused engine still
+            # steps to take in aborts and timeouts). Only waiting on KV (a transfer, an async
+            # save): check back soon, without spinning a core. Computing: just look.
+            resting = s.idle or (s.paused is not None and not s.has_pending_kv)
+            wait_ms = 50 if resting else (0 if self.core.last_step_ran else 2)
             if self.pull.poll(wait_ms):
                 while True:
                     try:
@@ -85,7 +87,7 @@ class _Loop:
                     if not self.handle(msg):
                         return
             now = time.monotonic()
-            if self.core.scheduler.idle and not was_busy:
+            if self.core.scheduler.idle and not was_busy and not self.core.scheduler.has_outputs:
                 if now - self.last_stats > STATS_INTERVAL_S:  # the heartbeat the watchdog listens for
                     self.last_stats = now
                     self.send(m.Outputs([], _stats(self.core)))
@@ -145,6 +147,11 @@ def _call(core, msg: m.Call) -> m.Reply:
         "close_session": lambda: core.close_session(args.get("session_id")) or True,
         "restore_sessions": lambda: core.restore_sessions(args.get("sessions") or []),
         "sessions": core.sessions.describe,
+        "pause_generation": lambda: core.pause_generation(args.get("mode")),
+        "continue_generation": lambda: core.continue_generation() or True,
+        "update_weights_from_disk": lambda: core.update_weights_from_disk(
+            args.get("model_path"), args.get("load_format")
+        ),
     }
     try:
         op = ops.get(msg.op)
@@ -161,6 +168,7 @@ def _stats(core) -> dict:
         "num_running": len(s.running),
         "num_waiting": len(s.waiting),
         "retractions": s.total_retractions,
+        "preemptions": s.policy.total_preemptions,
         "num_sessions": len(core.sessions.sessions),
         "memory": core.memory(),
         "disagg": core.connector_stats(),

@@ -71,6 +71,11 @@ class ModelRunner:
         samples from the same gathered logits."""
         self.page_table.apply(sched.page_writes)
         if not sched.reqs:  # only page-table changes (pages for KV a connector is loading)
+            if connector is not None:
+                # Loads that come with no forward (PD decode with tiers: a tier's part of the prompt,
+                # the rest arriving by transfer) are copied now, layer by layer as in a forward.
+                for layer in range(self.kv_buffer.k.shape[0]):
+                    connector.wait_for_layer_load(layer)
             return ModelRunnerOutput.empty(0) if sample else None
         batch = self.build(sched)
         hidden = None

@@ -123,6 +123,25 @@ class RadixCache:
             pages.extend(node.pages)
         return pages, node
 
+    def peek(self, tokens: list[int]) -> tuple[int, TreeNode]:
+        """What ``match_prefix`` would match, without touching the tree (no split, no access time, no
+        hit): the matched token count and the deepest node reached (a partly matched node counts; its
+        requests share at least a page with it). For ordering the waiting queue."""
+        node, at = self.root, 0
+        if not self.enabled:
+            return 0, node
+        while len(tokens) - at >= self.page_size:
+            child = node.children.get(self._child_key(tokens, at))
+            if child is None or not child.pages:
+                break
+            m = self._match_len(child.key, tokens, at)
+            if m == 0:
+                break
+            node, at = child, at + m
+            if m < len(child.key):
+                break
+        return at, node
+
     def insert(self, tokens: list[int], pages: list[int]) -> int:
         """Insert a page-aligned run; returns how many leading tokens were already cached in L1.
 

@@ -61,6 +61,20 @@ class SessionKV:
 
     def free_pages(self, s: Session) -> None:
         assert s.busy_rid is None, "a running turn borrows these pages"
+        self._free(s)
+
+    def drop_all_kv(self) -> int:
+        """Free every session's KV, keeping its tokens (the weights changed: the KV was computed by
+        the old ones), so that each session's next turn recomputes its whole history. The caller
+        guarantees that no turn holds a slot: a turn waiting in the queue (a retracted one) borrows
+        nothing until it is admitted, and then finds ``kv_len`` 0. Returns the tokens dropped."""
+        dropped = 0
+        for s in self.by_id.values():
+            dropped += s.kv_len
+            self._free(s)
+        return dropped
+
+    def _free(self, s: Session) -> None:
         self.kv_manager.free(s.pages, s.owner)
         if s.host:
             self.kv_manager.tiers.host_free(s.host, s.owner)

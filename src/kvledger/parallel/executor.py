@@ -62,6 +62,9 @@ def launch_workers(
 def join_group(cfg: EngineConfig, rank: int, addr: str) -> TPComm:
     import torch.distributed as dist
 
+    from .netif import choose_gloo_interface
+
+    choose_gloo_interface(addr)  # the interface the other ranks can reach, not the host name's
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{addr}",

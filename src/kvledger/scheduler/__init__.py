@@ -4,10 +4,11 @@ lifecycle (``sessions.py``) and the types that cross the executor seam (``output
 
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
 from .request import Req, ReqState
-from .scheduler import Scheduler
+from .scheduler import PAUSE_MODES, Scheduler
 from .sessions import SessionManager
 
 __all__ = [
+    "PAUSE_MODES",
     "ModelRunnerOutput",
     "Req",
     "ReqState",

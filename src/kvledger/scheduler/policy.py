@@ -5,6 +5,12 @@ running request is *retracted*: its memory goes back through the release path an
 then prefill chunks of admitted requests and of newly admitted ones within ``chunked_prefill_size``.
 Mixed mode puts both in one forward; unmixed, a prefill batch runs when there is prefill work that
 fits, else a decode batch. A progress guarantee retracts or ends requests that could never run.
+
+The waiting queue is ordered first (``queue_order.py``). With priority scheduling, decodes run most
+important first, the victim of a retraction is the least important (then the newest), and a waiting
+request that does not fit (no slot, or not enough pages) *preempts*: running requests whose priority
+is lower by more than the threshold are retracted for it, least important first, when together they
+would make room (SGLang's rule); retraction keeps their output, so it ends as it would have.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..common import FinishReason
+from .queue_order import QueueOrder, may_preempt
 from .request import Req, ReqState
 
 log = logging.getLogger(__name__)
@@ -33,6 +40,16 @@ class BatchPolicy:
         self.s = sched  # the Scheduler: its queues, KVManager, connector, proposer, config
         self._admit_counter = itertools.count(1)
         self.deferred: set[str] = set()  # waiting requests a connector asked to wait this step
+        self.order = QueueOrder(sched.cfg.scheduler, sched.kv_manager.tree, sched.kv_manager.cache_key)
+        self.priorities = sched.cfg.scheduler.enable_priority_scheduling
+        self.total_preemptions = 0  # requests retracted for a more important one
+
+    @staticmethod
+    def _seniority(r: Req) -> tuple[int, int]:
+        """Decodes and prefill chunks run in ascending order (the most important, then the oldest);
+        retraction takes the max (the least important, then the newest). Without priority
+        scheduling every rank is 0: admission order alone, as before priorities."""
+        return r.priority_rank, r.admitted_seq
 
     # -- retraction --------------------------------------------------------------------------------
     def retract(self, req: Req) -> None:
@@ -90,7 +107,7 @@ class BatchPolicy:
         scheduled: list[Chunk] = []
         # Drafts share the step's token budget: verifying never makes a step bigger than a prefill one.
         budget = s.cfg.scheduler.chunked_prefill_size - len(decodes)
-        for req in sorted(decodes, key=lambda r: r.admitted_seq):
+        for req in sorted(decodes, key=self._seniority):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
             drafts = self._drafts(req, budget)
@@ -104,7 +121,7 @@ class BatchPolicy:
                     if not self.pages_coming_back():
                         self.mark_too_big(req)
                     break
-                victim = max(victims, key=lambda r: r.admitted_seq)
+                victim = max(victims, key=self._seniority)
                 scheduled = [c for c in scheduled if c.req is not victim]
                 self.retract(victim)
             else:
@@ -139,7 +156,9 @@ class BatchPolicy:
         s.waiting.remove(req)
         req.admitted_seq = next(self._admit_counter)
         if req.num_retractions == 0:
-            req.cached_tokens = req.kv_len + ext
+            # Transferred KV is not a cache hit (PD decode): the remote side's own hit is added when
+            # its KV arrives (``Scheduler._join_received``).
+            req.cached_tokens = req.kv_len + s.connector.cached_external_tokens(req, ext)
         if ext:
             s.connector.update_state_after_alloc(req, req.pages[req.kv_len // s.kv_manager.page_size :], ext)
         if ext and load_async:
@@ -155,7 +174,7 @@ class BatchPolicy:
     def schedule_prefills(self, budget: int, reserve_pages: int) -> list[Chunk]:
         s = self.s
         out: list[Chunk] = []
-        for req in sorted(s.running, key=lambda r: r.admitted_seq):
+        for req in sorted(s.running, key=self._seniority):
             if budget <= 0:
                 return out
             if req.kv_len < req.seq_len - 1 and req.to_finish is None:
@@ -165,11 +184,13 @@ class BatchPolicy:
                 out.append(Chunk(req, n))
                 budget -= n
         for req in list(s.waiting):
-            if budget <= 0 or len(s.running) + len(s.waiting_for_kv) >= s.cfg.scheduler.max_running_requests:
+            if budget <= 0 or req.to_finish is not None:
                 return out
-            if req.to_finish is not None:
+            if self._slots_full() and not self.preempt_for(req, budget, reserve_pages, slot=True):
                 return out
             chunk = self._admit(req, budget, reserve_pages)
+            if chunk is None and req.rid not in self.deferred and self.preempt_for(req, budget, reserve_pages):
+                chunk = self._admit(req, budget, reserve_pages)
             if chunk is None:
                 if req.rid in self.deferred:
                     continue  # its KV is still being fetched: the next one may go first
@@ -179,6 +200,52 @@ class BatchPolicy:
                 budget -= chunk.num_tokens
         return out
 
+    def _slots_full(self) -> bool:
+        s = self.s
+        return len(s.running) + len(s.waiting_for_kv) >= s.cfg.scheduler.max_running_requests
+
+    # -- preemption by priority ---------------------------------------------------------------------
+    def preempt_for(self, req: Req, budget: int, reserve_pages: int, slot: bool = False) -> bool:
+        """Make room for waiting ``req`` (a slot, or the pages of its next chunk) by retracting running
+        requests it may preempt, least important then newest first; only when together they would
+        make that room (else none is touched). True: something was retracted (admission is retried)."""
+        if not self.priorities:
+            return False
+        s = self.s
+        threshold = s.cfg.scheduler.priority_scheduling_preemption_threshold
+        victims = sorted(
+            (r for r in s.running if r.to_finish is None and may_preempt(req, r, threshold)),
+            key=self._seniority,
+            reverse=True,
+        )
+        if not victims or not s.connector.may_admit(req):
+            return False  # (a request its connector holds back would only take the room and wait)
+        if slot:
+            chosen = victims[:1]  # one slot is all a request needs
+        else:
+            # The pages its first chunk needs past what is cached, and what the victims' own pages
+            # give back (their borrowed prefix may stay locked by others: not counted).
+            kvm, ps = s.kv_manager, s.kv_manager.page_size
+            matched = self.order.tree.peek(kvm.cache_key(req)[: req.reuse_limit])[0] if req.session is None else 0
+            need = -(-(matched + min(budget, req.seq_len - matched)) // ps) - matched // ps
+            short = need + reserve_pages - kvm.available_pages()
+            chosen = []
+            for v in victims:
+                if short <= 0:
+                    break
+                chosen.append(v)
+                short -= len(v.pages) - v.num_tree_pages
+            if short > 0:
+                return False  # SGLang's rule too: preempt only when it makes the room
+        for v in chosen:
+            log.info(
+                "request %s (priority %s) preempts %s (priority %s)", req.rid, req.params.priority, v.rid,
+                v.params.priority,
+            )
+            self.retract(v)
+            self.total_preemptions += 1
+        return True
+
     # -- the batch ----------------------------------------------------------------------------------
     def _schedule_once(self) -> list[Chunk]:
         s = self.s
@@ -186,13 +253,16 @@ class BatchPolicy:
         budget = s.cfg.scheduler.chunked_prefill_size
         if s.cfg.scheduler.enable_mixed_chunk:
             batch = self.schedule_decodes(decodes) if decodes else []
-            return batch + self.schedule_prefills(max(budget - len(batch), 1), len(s.running))
+            batch += self.schedule_prefills(max(budget - len(batch), 1), len(s.running))
+            return [c for c in batch if c.req.state is not ReqState.WAITING]  # preempted meanwhile
         batch = self.schedule_prefills(budget, len(decodes))
+        batch = [c for c in batch if c.req.state is not ReqState.WAITING]  # preempted meanwhile
         return batch or (self.schedule_decodes(decodes) if decodes else [])
 
     def schedule(self) -> list[Chunk]:
         s = self.s
         self.deferred.clear()
+        self.order.sort(s.waiting)
         batch = self._schedule_once()
         # Progress guarantee: running requests that all wait for pages (say, several long prompts
         # admitted chunk by chunk) would wait forever. Retract the newest until the oldest can move.
@@ -202,7 +272,7 @@ class BatchPolicy:
                 if not self.pages_coming_back():
                     self.mark_too_big(live[0])
                 break
-            self.retract(max(live, key=lambda r: r.admitted_seq))
+            self.retract(max(live, key=self._seniority))
             batch = self._schedule_once()
         if (
             not batch

@@ -73,11 +73,18 @@ class Req:
     input_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)
     num_retractions: int = 0
     admitted_seq: int = 0  # admission order (retraction picks the newest)
+    arrival_seq: int = 0  # arrival order at the scheduler (fcfs; kept through retractions)
+    # Smaller is more important (scheduler/queue_order.py: the priority as the queue sorts it); 0 for
+    # every request without priority scheduling.
+    priority_rank: int = 0
     session: object | None = None  # the Session this request is a turn of (memory/session_kv.py)
     session_offset: int = 0
     spec: SpecState = field(default_factory=SpecState)
     grammar: object | None = None  # structured outputs: its GrammarState (constrained/grammar.py)
     disagg: DisaggParams | None = None  # PD: the room its KV goes to / comes from (disagg/)
+    # PD prefill, a session turn: the session is decode's, so the prompt is the one decode's claim
+    # carries (history + this input), taken before admission (``disagg/prefill.py``).
+    prompt_from_claim: bool = False
     # time.monotonic() past which the request ends with a 503 (its timeout or the server's); None: never.
     deadline: float | None = None
     timeout_s: float = 0.0  # the limit that set the deadline (named in the message)

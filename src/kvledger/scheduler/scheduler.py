@@ -6,6 +6,10 @@ batch (``policy.py``) and describe it as a ``SchedulerOutput``.
 stop checks in ``stop.py``, rejected drafts given back with ``truncate``); SAFE POINT again; the
 ledger check (every step in strict mode) and the idle audit. Returns the step's ``RequestOutput``s.
 
+Paused (``pause``: SGLang's ``/pause_generation``), ``schedule()`` still takes in aborts and
+timeouts and finishes what they marked, but picks no batch: nothing is admitted or computed until
+``resume``.
+
 Causes never free memory themselves: they call ``Req.mark_finish``. ``_finish`` is the one release
 path: it tells every registered component (``release_hooks``, the KV connector), then
 ``KVManager.release`` commits or frees the request's KV, then the final output is emitted.
@@ -28,7 +32,7 @@ from ..common.pooling import normalized
 from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
 from ..constrained import bitmask_width
-from ..errors import ConflictError, OverloadedError
+from ..errors import ConflictError, OverloadedError, ServiceUnavailable
 from ..memory import Holding, KVManager
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
 from .policy import BatchPolicy, Chunk
@@ -70,6 +74,7 @@ class Scheduler:
         self.proposer = proposer  # drafts for speculative decoding: ``propose(req) -> list[int]``
         self.stop = StopChecker(eos_token_ids, context_length, decode)
         self.policy = BatchPolicy(self)
+        self._arrivals = itertools.count(1)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.waiting_for_kv: list[Req] = []
@@ -85,6 +90,7 @@ class Scheduler:
         self._last_audit = 0.0
         self._was_busy = False
         self.clock: Callable[[], float] = time.monotonic  # request deadlines (a test may drive it)
+        self.paused: str | None = None  # the pause mode (PAUSE_MODES) while generation is paused
 
     # -- intake ---------------------------------------------------------------------------------------
     def check_submit(self, req: Req) -> None:
@@ -99,6 +105,13 @@ class Scheduler:
             raise OverloadedError(
                 f"the waiting queue is full ({sc.max_queued_requests} requests); retry later",
                 code="queue_full",
+            )
+        if req.params.priority is not None and not sc.enable_priority_scheduling and sc.abort_on_priority_when_disabled:
+            raise ServiceUnavailable(  # SGLang's answer (503) under --abort-on-priority-when-disabled
+                "using priority is disabled for this server (no --enable-priority-scheduling); send the "
+                "request without a priority",
+                param="priority",
+                code="priority_disabled",
             )
         budget = sc.max_queued_prefill_tokens
         if budget is not None and self.waiting:
@@ -115,6 +128,8 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         """Queue a validated request (call ``check_submit`` first). On the engine's thread."""
         self.reqs[req.rid] = req
+        req.arrival_seq = next(self._arrivals)
+        req.priority_rank = self.policy.order.rank(req)
         limits = [t for t in (req.params.timeout, self.cfg.scheduler.request_timeout_s) if t is not None]
         if limits:
             req.timeout_s = min(limits)
@@ -149,6 +164,34 @@ class Scheduler:
         for r in [r for r in itertools.chain(self.running, self.waiting, self.waiting_for_kv) if r.to_finish]:
             self._finish(r)
 
+    # -- pause ----------------------------------------------------------------------------------------
+    def pause(self, mode: str) -> int:
+        """Stop stepping requests until ``resume``; between steps only (a safe point).
+
+        ``abort``: every request is marked, and ends at the next step's safe point through the
+        release path (finish reason abort; that step's update emits the outputs). ``retract``: every
+        running request is retracted as when the pool runs short (its computed KV committed to the
+        prefix cache; a session turn's own pages freed) and requeued in its order, its output so far
+        kept, to be recomputed on resume. ``in_place``: requests keep their slots and KV where they
+        are. Requests waiting on a KV connector are left to it. Returns how many requests the engine
+        holds paused."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"unknown pause mode {mode!r}")
+        self.paused = mode
+        if mode == "abort":
+            for r in self.reqs.values():
+                r.mark_finish(FinishReason("abort", "aborted by /pause_generation (mode abort)"))
+            return 0
+        if mode == "retract":
+            # Newest first: each goes to the front of the queue, so the oldest ends up first.
+            for r in sorted(self.running, key=lambda r: r.admitted_seq, reverse=True):
+                self.policy.retract(r)
+        return len(self.reqs)
+
+    def resume(self) -> None:
+        """Generation continues where ``pause`` left it (retracted requests are admitted again)."""
+        self.paused = None
+
     # -- ledger view ----------------------------------------------------------------------------------
     def holdings(self) -> Iterable[Holding]:
         yield from self.kv_manager.sessions.holdings()
@@ -161,6 +204,12 @@ class Scheduler:
             bool(self.running or self.waiting or self.waiting_for_kv or self.sending)
             or not self._inbox.empty()
         )
+
+    @property
+    def has_outputs(self) -> bool:
+        """Outputs of requests finished between steps (a control call settled them), not yet emitted:
+        the next step's ``update`` returns them."""
+        return bool(self._outputs)
 
     @property
     def idle(self) -> bool:
@@ -220,7 +269,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.settle()
         self.last_stats = StepStats()
-        chunks = self.policy.schedule()
+        chunks = [] if self.paused else self.policy.schedule()
         out = SchedulerOutput([self._scheduled(c) for c in chunks], self.kv_manager.take_page_writes())
         out.connector_meta = self.connector.build_connector_meta(out)
         if chunks:
@@ -408,8 +457,9 @@ class Scheduler:
         if got is None:
             req.kv_len = min(req.kv_len, req.seq_len - 1)
             return
-        tokens, logprobs, tops = got
-        n = self.stop.append(req, tokens, logprobs, tops)
+        # Served from a cache: decode's own prefix match, or prefill's where it reached further.
+        req.cached_tokens = max(req.cached_tokens, got.cached_tokens)
+        n = self.stop.append(req, got.tokens, got.logprobs, got.top_logprobs)
         if req.grammar is not None:
             self._advance_grammar(req, n)
         req.kv_len = req.seq_len - 1
@@ -433,6 +483,7 @@ class Scheduler:
 
 
 TIMEOUT_CODE = "request_timeout"
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's; its default is abort
 
 
 def _timed_out(req: Req) -> FinishReason:

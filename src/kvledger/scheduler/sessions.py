@@ -86,8 +86,8 @@ class SessionManager:
         return gone
 
     # -- turns --------------------------------------------------------------------------------------------
-    def attach(self, req, params: dict, context_length: int) -> None:
-        """Make ``req`` a turn of the session named in ``params`` (its prompt becomes history + input)."""
+    def check_params(self, req, params: dict) -> None:
+        """What a turn may ask, checked where the session is not held (PD prefill) as where it is."""
         if not isinstance(params, dict):
             raise ValidationError("session_params must be an object", param="session_params")
         unknown = set(params) - {"id", "offset", "replace", "rid"}
@@ -108,6 +108,10 @@ class SessionManager:
                 "prompt logprobs (logprob_start_len) are not supported on session turns",
                 param="logprob_start_len",
             )
+
+    def attach(self, req, params: dict, context_length: int) -> None:
+        """Make ``req`` a turn of the session named in ``params`` (its prompt becomes history + input)."""
+        self.check_params(req, params)
         sid = params.get("id")
         s = self.sessions.get(sid) if isinstance(sid, str) else None
         if s is None or s.closing:

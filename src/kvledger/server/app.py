@@ -25,6 +25,7 @@ from ..errors import KVLedgerError
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from . import handlers
 from .auth import AuthMiddleware
+from .control import Control
 from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
@@ -34,11 +35,26 @@ from .pooling_api import PoolingServing
 from .responses import ResponseStore
 from .responses_api import ResponsesServing
 from .routes import ROUTERS
+from .session_journal import SessionJournal
 from .session_store import SessionStore
 from .state import ServerState
 from .tools import make_parser
 
 log = logging.getLogger("kvledger.server")
+
+
+async def reopen_journaled(client: EngineClient, store: SessionStore) -> None:
+    """Re-open on the engine the sessions a previous process left in ``--session-journal`` (tokens,
+    no KV: their next turns recompute), one at a time so that one the engine refuses (another model's
+    tokens) is dropped alone."""
+    n = 0
+    for rec in store.snapshot():
+        try:
+            n += await client.call("restore_sessions", sessions=[rec])
+        except KVLedgerError as e:
+            log.warning("session journal: %r not re-opened (%s)", rec["id"], e.message)
+            store.closed(rec["id"])
+    log.warning("re-opened %d session(s) from the session journal; their next turns recompute", n)
 
 
 def create_app(cfg: ServerConfig) -> FastAPI:
@@ -55,9 +71,14 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         srv.tokenizer, srv.name, srv.started = tokenizer, name, time.time()
         srv.limits = Limits(**client.limits)
         srv.sessions = SessionStore(
-            client.engine_config["max_sessions"], client.engine_config["session_timeout_s"]
+            client.engine_config["max_sessions"],
+            client.engine_config["session_timeout_s"],
+            SessionJournal(cfg.session_journal) if cfg.session_journal else None,
         )
-        srv.gen = GenerationService(client, tokenizer, srv.metrics, srv.sessions)
+        if srv.sessions.load_journal():  # a previous process of this server held sessions
+            await reopen_journaled(client, srv.sessions)
+        srv.gen = GenerationService(client, tokenizer, srv.metrics, srv.sessions, srv.gate)
+        srv.control = Control(client, srv.gate)
 
         async def restore_sessions() -> None:
             records = srv.sessions.snapshot()
@@ -74,6 +95,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             tokenizer,
             cfg.max_n,
             make_parser(cfg.tool_call_parser),
+            cfg.engine.model.reasoning_parser,
         )
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.pooling = PoolingServing(
@@ -125,6 +147,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         finish, then abort the rest (they end with finish_reason abort and a clear message)."""
         srv.draining = True
         srv.stop_requested.set()
+        await srv.gate.shut_down()  # requests held by a pause get a 503
         client = srv.client
         if client is None:
             return

@@ -6,7 +6,8 @@ so the generation service can record who started each request without every rout
 
 Rules:
 - ``/health`` and ``/metrics`` are open.
-- Admin paths (the page map, the dashboard, ``/flush_cache``) need the admin key when one is
+- Admin paths (the page map, the dashboard, ``/flush_cache``, pausing and continuing generation,
+  updating weights) need the admin key when one is
   configured (a valid user key gets 403); otherwise they are guarded like every other path.
 - Every other path needs the user key (or the admin key) when ``--api-key`` is set.
 - Aborting a request that is not the caller's own needs the admin key (``may_abort``).
@@ -28,7 +29,10 @@ from fastapi.responses import JSONResponse
 from ..errors import error_body
 
 OPEN_PATHS = {"/health", "/metrics"}
-ADMIN_PATHS = {"/dashboard", "/memory/pages", "/flush_cache"}
+ADMIN_PATHS = {
+    "/dashboard", "/memory/pages", "/flush_cache",
+    "/pause_generation", "/continue_generation", "/update_weights_from_disk",
+}  # fmt: skip
 
 ADMIN, USER, ANONYMOUS, INTERNAL = "admin", "user", "anonymous", "internal"
 _principal: contextvars.ContextVar[str] = contextvars.ContextVar("kvledger_principal", default=ANONYMOUS)

@@ -69,6 +69,7 @@ class EngineClient:
         self.streams: dict[str, asyncio.Queue] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
+        self._blocking_calls = 0  # control calls in flight during which the engine does not step
         self._tasks: list[asyncio.Task] = []
         self._ready_event = asyncio.Event()
         self._closing = False
@@ -204,6 +205,7 @@ class EngineClient:
             wd = self.watchdog_timeout_s
             if (
                 wd
+                and not self._blocking_calls
                 and self.ready
                 and self.proc is not None
                 and self.proc.is_alive()
@@ -324,9 +326,18 @@ class EngineClient:
         if self.ready and self.push is not None:
             await self.push.send(m.encode(m.AbortRequest(rid, message)))
 
-    async def call(self, op: str, wait_s: float = 30.0, **args) -> Any:
+    async def call(self, op: str, wait_s: float = 30.0, *, blocking: bool = False, **args) -> Any:
+        """A control operation. ``blocking``: the engine does not step while it runs it (a weight
+        load), so the watchdog waits for its reply instead of reading the silence as a stall."""
         self._check_ready()
-        return await self.call_unchecked(op, wait_s, **args)
+        if not blocking:
+            return await self.call_unchecked(op, wait_s, **args)
+        self._blocking_calls += 1
+        try:
+            return await self.call_unchecked(op, wait_s, **args)
+        finally:
+            self._blocking_calls -= 1
+            self.last_msg = time.monotonic()
 
     async def call_unchecked(self, op: str, wait_s: float = 30.0, **args) -> Any:
         """``call`` before the engine is marked ready (``on_restart`` uses it)."""

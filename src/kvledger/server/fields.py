@@ -38,8 +38,7 @@ KNOWN_OPENAI = frozenset(
         "no_logs", "conversation_id", "routing_key",  # SGLang: logging, tracking, routing hints
     }
 )  # fmt: skip
-# SGLang's reasoning switches change nothing without a reasoning parser (see CHAT_REFUSED).
-KNOWN_CHAT = KNOWN_OPENAI | {"separate_reasoning", "stream_reasoning"}
+KNOWN_CHAT = KNOWN_OPENAI
 KNOWN_GENERATE = KNOWN_OPENAI | {
     "log_metrics", "bootstrap_pair_key", "decode_tp_size", "received_time",
     "model",  # SGLang's router adds it to what it forwards to /generate
@@ -61,8 +60,8 @@ _OPENAI_REFUSED: Refused = {
     "vllm_xargs": _NONE, "repetition_detection": _NONE, "thinking_token_budget": (None, -1),
     "stream_interval": _NONE, "prompt_embeds": _NONE, "mm_processor_kwargs": _EMPTY,
     "media_io_kwargs": _EMPTY, "routed_experts_prompt_start": (None, 0),
-    # SGLang (and vLLM's priority / session_id, which mean other things there)
-    "priority": (None, 0), "session_id": _NONE, "session_params": _NONE, "lora_path": _NONE,
+    # SGLang (and vLLM's session_id, which means another thing there)
+    "session_id": _NONE, "session_params": _NONE, "lora_path": _NONE,
     "return_hidden_states": _OFF, "return_routed_experts": _OFF, "routed_experts_start_len": (None, 0),
     "return_cached_tokens_details": _OFF, "custom_logit_processor": _NONE, "custom_params": _NONE,
     "custom_labels": _NONE, "images_config": _NONE, "ngram_corpus_id": _NONE,
@@ -75,9 +74,8 @@ CHAT_REFUSED: Refused = {
     **_OPENAI_REFUSED,
     "add_special_tokens": _OFF,  # the chat template writes the special tokens
     "echo": _OFF, "chat_template": _NONE,  # vLLM: no client-supplied Jinja
-    # No reasoning parser, as SGLang without --reasoning-parser: reasoning is never split from content
-    # (separate_reasoning / stream_reasoning are known fields: either value changes nothing), and asking
-    # for it to be dropped (vLLM's include_reasoning: false) is refused.
+    # Dropping the reasoning from the answer (vLLM's include_reasoning: false) is not implemented:
+    # with --reasoning-parser it is split into reasoning_content (SGLang's separate_reasoning).
     "include_reasoning": (None, True), "reasoning": _NONE,
     "return_prompt_token_ids": _OFF, "return_meta_info": _OFF, "input_ids": _NONE, "task": _NONE,
     "max_dynamic_patch": _NONE, "min_dynamic_patch": _NONE, "use_audio_in_video": _OFF,
@@ -92,7 +90,7 @@ RESPONSES_REFUSED: Refused = {
     "prompt_cache_options": _NONE,
     # vLLM / SGLang extras on their Responses bodies
     "top_k": (None, -1, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "seed": _NONE,
-    "stop": _EMPTY, "ignore_eos": _OFF, "priority": (None, 0), "request_id": _NONE, "cache_salt": _NONE,
+    "stop": _EMPTY, "ignore_eos": _OFF, "request_id": _NONE, "cache_salt": _NONE,
     "enable_response_messages": _OFF, "previous_input_messages": _EMPTY, "skip_special_tokens": (None, True),
     "include_stop_str_in_output": _OFF, "logit_bias": _EMPTY, "mm_processor_kwargs": _EMPTY,
     "chat_template_kwargs": _EMPTY, "structured_outputs": _NONE, "kv_transfer_params": _NONE,
@@ -118,9 +116,9 @@ GENERATE_REFUSED: Refused = {
     "use_audio_in_video": _OFF, "token_ids_logprob": _EMPTY, "return_hidden_states": _OFF,
     "return_routed_experts": _OFF, "return_indexer_topk": _OFF, "routed_experts_start_len": (None, 0),
     "modalities": _EMPTY, "lora_path": _NONE, "lora_id": _NONE, "custom_logit_processor": _NONE,
-    "positional_embed_overrides": _NONE, "require_reasoning": _OFF, "routed_dp_rank": (None, 0),
+    "positional_embed_overrides": _NONE, "routed_dp_rank": (None, 0),
     "data_parallel_rank": (None, 0), "disagg_prefill_dp_rank": (None, 0), "background": _OFF,
-    "priority": _NONE, "custom_labels": _NONE, "return_bytes": _OFF, "return_entropy": _OFF,
+    "custom_labels": _NONE, "return_bytes": _OFF, "return_entropy": _OFF,
     "external_trace_header": _NONE, "need_wait_for_mm_inputs": _OFF, "num_items_assigned": _NONE,
     "max_dynamic_patch": _NONE, "min_dynamic_patch": _NONE, "image_max_dynamic_patch": _NONE,
     "video_max_dynamic_patch": _NONE, "multi_item_delimiter_indices": _NONE,

@@ -17,6 +17,7 @@ from ..common.pooling import PoolingParams
 from ..engine.detok import TextState
 from ..errors import KVLedgerError
 from .auth import current_principal
+from .control import GenerationGate
 from .engine_client import EngineClient
 from .metrics import Metrics
 from .session_store import SessionStore
@@ -88,8 +89,11 @@ class GenState:
 class GenerationService:
     """Runs requests against the engine for the HTTP handlers."""
 
-    def __init__(self, client: EngineClient, tokenizer, metrics: Metrics, sessions: SessionStore):
+    def __init__(
+        self, client: EngineClient, tokenizer, metrics: Metrics, sessions: SessionStore, gate: GenerationGate
+    ):
         self.client = client
+        self.gate = gate  # new requests wait here while generation is paused or weights update
         self.sessions = sessions
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -123,6 +127,7 @@ class GenerationService:
             st.prompt = PromptLogprobs(input_ids, params.logprob_start_len, params.top_logprobs)
         t0 = time.monotonic()
         last = None
+        await self.gate.wait_open()  # holds nothing while it waits (a client may leave meanwhile)
         q = await self.client.submit(rid, input_ids, params, session_params, disagg, pooling)
         self.owners[rid] = owner or current_principal()
         try:

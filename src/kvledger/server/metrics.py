@@ -31,6 +31,9 @@ class Metrics:
             "kvledger_aborted_requests", "Aborted requests by reason", ["reason"], registry=r
         )
         self.retractions = Gauge("kvledger_retractions", "Retractions since the engine started", registry=r)
+        self.preemptions = Gauge(
+            "kvledger_preemptions", "Retractions for a higher-priority request since the engine started", registry=r
+        )
         self.ttft = Histogram(
             "kvledger_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -108,6 +111,7 @@ class Metrics:
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.retractions.set(stats.get("retractions", 0))
+        self.preemptions.set(stats.get("preemptions", 0))
         self.sessions.set(stats.get("num_sessions", 0))
         pd = stats.get("disagg")
         if pd:

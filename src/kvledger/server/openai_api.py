@@ -7,16 +7,19 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..common import SamplingParams, cache_salt_of, parse_prompts, validate_request
 from ..common.disagg import parse_disagg
 from ..common.prompts import split_openai_prompt
+from ..common.reasoning import REASONING_FORMATS
 from ..common.sampling import GRAMMAR_KINDS
 from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
 from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
+from .reasoning import ReasoningParser
 from .tool_grammar import tool_call_grammar
 from .tools import ToolParser, check_tools, make_parser, render_messages
 
@@ -68,6 +71,7 @@ def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, t
         "no_stop_trim": any(trims) if trims else None,
         "cache_salt": cache_salt_of(body.cache_salt, body.extra_key),
         "timeout": body.timeout,
+        "priority": body.priority,
     }
     return {k: v for k, v in d.items() if v is not None}
 
@@ -119,6 +123,16 @@ def matched_stop(st: GenState) -> int | str | None:
     return st.finish.matched if st.finish is not None and st.finish.type == "stop" else None
 
 
+@dataclass
+class ChatJob:
+    """One chat request, ready to run: what ``/v1/chat/completions`` and ``/v1/responses`` share."""
+
+    ids: list[int]
+    params: SamplingParams
+    tools: ToolParser | None  # None without tools
+    reasoning: ReasoningParser | None  # None without a reasoning parser, or with separate_reasoning false
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -129,9 +143,11 @@ class OpenAIServing:
         tokenizer,
         max_n: int,
         tool_parser: ToolParser | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.gen = gen
         self.tool_parser = tool_parser or make_parser("hermes")
+        self.reasoning_format = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
         template = getattr(tokenizer, "chat_template", None) or ""
         self.template_has_tools = "tools" in template
         self.name = name
@@ -244,12 +260,10 @@ class OpenAIServing:
             kwargs["documents"] = body.documents
         return (not body.continue_final_message) if agp is None else agp, kwargs
 
-    def chat_job(
-        self, body: ChatRequest, max_param: str | None = None
-    ) -> tuple[list[int], SamplingParams, ToolParser | None]:
-        """One chat request's prompt ids, sampling params and tool parser (None without tools):
-        the chat path that ``/v1/chat/completions`` and ``/v1/responses`` share. ``max_param`` names
-        the length field in errors (default: the chat field the body used)."""
+    def chat_job(self, body: ChatRequest, max_param: str | None = None) -> ChatJob:
+        """One chat request's prompt ids, sampling params, tool and reasoning parsers: the chat path
+        that ``/v1/chat/completions`` and ``/v1/responses`` share. ``max_param`` names the length
+        field in errors (default: the chat field the body used)."""
         self._check_common(body)
         top = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
@@ -268,6 +282,13 @@ class OpenAIServing:
             calls = tool_call_grammar(self.tool_parser, tools, forced, body.parallel_tool_calls is not False)
             if calls is not None:
                 sp["ebnf"] = calls
+        reasoning = None
+        if self.reasoning_format is not None:
+            thinking = self.reasoning_format.thinking(self._template_options(body)[1])
+            if thinking:  # the output begins with reasoning: a grammar starts after it (SGLang's rule)
+                sp["require_reasoning"] = True
+            if body.separate_reasoning:
+                reasoning = ReasoningParser(self.reasoning_format, thinking, body.stream_reasoning)
         # Without max_tokens a chat answer may use all the context leaves (OpenAI, SGLang, vLLM).
         ids, params = validate_request(
             self.chat_input(body, tools=tools),
@@ -277,12 +298,15 @@ class OpenAIServing:
             max_param=max_param,
             prompt_name="messages",
         )
-        return ids, params, self.tool_parser if tools else None
+        return ChatJob(ids, params, self.tool_parser if tools else None, reasoning)
 
     async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
-        ids, params, parser = self.chat_job(body)
+        job = self.chat_job(body)
         base = body.rid or body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._run(base, [(ids, params)] * body.n, body, disconnected, chat=True, tools=parser)
+        return await self._run(
+            base, [(job.ids, job.params)] * body.n, body, disconnected, chat=True, tools=job.tools,
+            reasoning=job.reasoning,
+        )  # fmt: skip
 
     # -- shared --------------------------------------------------------------------------------------------
     def token_text(self, t: int) -> str:
@@ -331,6 +355,7 @@ class OpenAIServing:
         disconnected,
         chat: bool,
         tools: ToolParser | None = None,
+        reasoning: ReasoningParser | None = None,
     ):
         # PD: the router's bootstrap room(s), one per choice; validated before anything runs.
         rooms = parse_disagg(body.model_extra, len(jobs))
@@ -358,15 +383,19 @@ class OpenAIServing:
                     "matched_stop": matched_stop(st),
                 }
                 if chat:
-                    content, calls = tools.split(st.visible, final=True) if tools else (st.visible, None)
-                    # reasoning_content: null as SGLang and vLLM answer without a reasoning parser
-                    # (their clients read it; the openai SDK raises for a field the answer lacks).
-                    c["message"] = {"role": "assistant", "content": st.visible, "reasoning_content": None}
+                    # reasoning_content: null without reasoning, as SGLang and vLLM answer (their
+                    # clients read it; the openai SDK raises for a field the answer lacks).
+                    text, thought = st.visible, None
+                    if reasoning is not None:
+                        part = reasoning.split(text, final=True)
+                        text, thought = part.content, part.reasoning or None
+                    content, calls = tools.split(text, final=True) if tools else (text, None)
+                    c["message"] = {"role": "assistant", "content": text, "reasoning_content": thought}
                     if calls:
                         c["message"] = {
                             "role": "assistant",
                             "content": content or None,
-                            "reasoning_content": None,
+                            "reasoning_content": thought,
                             "tool_calls": [call.to_openai() for call in calls],
                         }
                         c["finish_reason"] = "tool_calls"
@@ -401,7 +430,7 @@ class OpenAIServing:
                     t.cancel()
                 raise refused
         echo_texts = [self._echo_text(j, ids, body) for j, (ids, _) in enumerate(jobs)] if echo else None
-        return self._stream(base, jobs, model, created, chat, usage, queue, tasks, early, tools, echo_texts)
+        return self._stream(base, jobs, model, created, chat, usage, queue, tasks, early, tools, echo_texts, reasoning)
 
     def _pump(self, jobs, rids, rooms) -> tuple[asyncio.Queue, list[asyncio.Task]]:
         """One task per choice, putting ``(choice, state, error)`` on one queue; a final
@@ -448,18 +477,19 @@ class OpenAIServing:
         }
 
     async def _stream(
-        self, base, jobs, model, created, chat, usage, queue, tasks, early, tools=None, echo=None
+        self, base, jobs, model, created, chat, usage, queue, tasks, early, tools=None, echo=None, reasoning=None
     ) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage, continuous_usage, n = usage
 
         def chunk(
-            i: int, delta_text: str | None, st: GenState | None, fr=None, lp=None, role=False, calls=None
-        ) -> dict:
+            i: int, delta_text: str | None, st: GenState | None, fr=None, lp=None, role=False, calls=None,
+            thought: str | None = None,
+        ) -> dict:  # fmt: skip
             c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": fr}
             c["matched_stop"] = matched_stop(st) if fr is not None and st is not None else None
             if chat:
-                delta: dict[str, Any] = {"reasoning_content": None}  # as in the message (SGLang's deltas)
+                delta: dict[str, Any] = {"reasoning_content": thought}  # as in the message (SGLang's deltas)
                 if role:
                     delta["role"] = "assistant"
                 if delta_text is not None:
@@ -476,6 +506,7 @@ class OpenAIServing:
             return out
 
         shown = [0] * len(jobs)
+        thought_shown = [0] * len(jobs)
         calls_sent = [0] * len(jobs)
         tok_shown = [0] * len(jobs)
         final: list[GenState | None] = [None] * len(jobs)
@@ -505,11 +536,21 @@ class OpenAIServing:
                     continue
                 if not echoed[i] and not (st.output_ids or st.finished):
                     continue  # the echo waits until the whole prompt is scored
-                text, calls = tools.split(st.visible, st.finished) if tools else (st.visible, None)
+                text, new_thought = st.visible, ""
+                if reasoning is not None:
+                    part = reasoning.split(text, st.finished)
+                    text = part.content
+                    if reasoning.stream or part.closed or st.finished:  # stream_reasoning false: whole, once
+                        new_thought = (part.reasoning or "")[thought_shown[i] :]
+                        thought_shown[i] += len(new_thought)
+                text, calls = tools.split(text, st.finished) if tools else (text, None)
                 new_text = text[shown[i] :]
                 shown[i] = max(shown[i], len(text))
                 new_tokens = len(st.output_ids) - tok_shown[i]
                 lp = self._logprobs(st, chat, tok_shown[i], echo=not echoed[i])
+                if new_thought:  # the reasoning first (with this step's logprobs), then the answer's text
+                    yield sse(chunk(i, None, st, lp=lp, thought=new_thought))
+                    lp = None
                 if not echoed[i]:  # the first chunk of an echoed completion begins with the prompt
                     new_text, echoed[i] = echo[i] + new_text, True
                 tok_shown[i] = len(st.output_ids)

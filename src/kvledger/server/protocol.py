@@ -29,6 +29,8 @@ class GenerateRequest(_Strict):
     session_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # prefix-cache isolation (vLLM); SGLang's extra_key is the same idea
     extra_key: str | None = None
+    priority: int | None = None  # SGLang's: used under --enable-priority-scheduling, ignored otherwise
+    require_reasoning: bool = False  # SGLang: the output begins with reasoning; a grammar starts after it
 
     refused_fields: ClassVar[fields.Refused] = fields.GENERATE_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_GENERATE
@@ -74,6 +76,7 @@ class _OpenAICommon(_Strict):
     cache_salt: str | None = None
     extra_key: str | None = None  # SGLang: isolates the prefix cache like cache_salt
     timeout: float | None = None  # seconds, queued and running together (sampling.SamplingParams.timeout)
+    priority: int | None = None  # SGLang's convention (vLLM's is reversed); ignored without priority scheduling
 
 
 class CompletionRequest(_OpenAICommon):
@@ -116,6 +119,10 @@ class ChatRequest(_OpenAICommon):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     reasoning_effort: str | None = None  # passed to the template (enable_thinking: not "none")
+    # SGLang's, with --reasoning-parser (no effect without one): false keeps the reasoning in content;
+    # stream_reasoning false sends it in one delta once complete instead of as it comes.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     refused_fields: ClassVar[fields.Refused] = fields.CHAT_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_CHAT
@@ -138,6 +145,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     store: bool = True
     user: str | None = None  # a tag: no effect
+    priority: int | None = None  # vLLM's and SGLang's extra (as on chat)
 
     refused_fields: ClassVar[fields.Refused] = fields.RESPONSES_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
@@ -215,6 +223,27 @@ class RidBody(_Strict):
     rid: str
 
     refused_fields: ClassVar[fields.Refused] = {"abort_all": (None, False)}  # SGLang's
+
+
+class PauseGenerationBody(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"  # SGLang's modes and default
+
+
+class ContinueGenerationBody(_Strict):
+    known_fields: ClassVar[frozenset[str]] = frozenset({"torch_empty_cache"})  # a CUDA allocator hint
+
+
+class UpdateWeightsBody(_Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+
+    # SGLang's other fields: a weight version tag, async or partial updates, keeping the stale cache.
+    refused_fields: ClassVar[fields.Refused] = {
+        "weight_version": (None,), "is_async": (None, False), "keep_pause": (None, False),
+        "token_step": (None, 0), "flush_cache": (None, True), "manifest": (None,),
+    }  # fmt: skip
+    known_fields: ClassVar[frozenset[str]] = frozenset({"torch_empty_cache", "recapture_cuda_graph"})
 
 
 class OpenSessionBody(_Strict):

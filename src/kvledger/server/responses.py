@@ -54,9 +54,11 @@ def _str_field(item: dict, key: str, param: str) -> str:
     return v
 
 
-def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def input_messages(inp: str | list[dict[str, Any]], reasoning: bool = False) -> list[dict[str, Any]]:
     """``input`` (a string, or message / function_call / function_call_output items) as chat messages.
-    Function calls after an assistant message (or each other) join it as its ``tool_calls``."""
+    Function calls after an assistant message (or each other) join it as its ``tool_calls``. With
+    ``reasoning`` (a server with a reasoning parser, whose answers have them) reasoning items are
+    taken too: the next assistant message's ``reasoning_content``."""
     if isinstance(inp, str):
         if not inp:
             raise ValidationError("input must not be empty", param="input", code="empty_prompt")
@@ -64,9 +66,13 @@ def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not inp:
         raise ValidationError("input must not be empty", param="input", code="empty_prompt")
     msgs: list[dict[str, Any]] = []
+    thought = None  # a reasoning item's text, given to the assistant message that follows it
     for i, item in enumerate(inp):
         p = f"input.{i}"
         kind = item.get("type", "message")
+        if kind == "reasoning" and reasoning:  # an earlier response's reasoning item, sent back
+            thought = _reasoning_text(item, p)
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in INPUT_ROLES:
@@ -88,11 +94,30 @@ def input_messages(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             msgs.append({"role": "tool", "tool_call_id": _str_field(item, "call_id", p), "content": out})
         else:
             raise ValidationError(
-                f"{p}.type {kind!r} is not supported (message, function_call, function_call_output)",
+                f"{p}.type {kind!r} is not supported (message, function_call, function_call_output"
+                + (", reasoning)" if reasoning else "; reasoning with --reasoning-parser)"),
                 param=f"{p}.type",
                 code="unsupported_parameter",
             )
+        if thought is not None and msgs[-1]["role"] == "assistant":
+            msgs[-1]["reasoning_content"], thought = thought, None
+    if thought is not None:
+        msgs.append({"role": "assistant", "content": "", "reasoning_content": thought})
     return msgs
+
+
+def _reasoning_text(item: dict, param: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content parts (else its summary's texts)."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(
+        isinstance(x, dict) and x.get("type") in ("reasoning_text", "summary_text") and isinstance(x.get("text"), str)
+        for x in parts
+    ):
+        raise ValidationError(
+            f"{param}.content must be a list of {{\"type\": \"reasoning_text\", \"text\": string}}",
+            param=f"{param}.content",
+        )
+    return "".join(x["text"] for x in parts)
 
 
 def chat_tools(tools: list[Any] | None) -> list[dict] | None:
@@ -188,7 +213,8 @@ class ResponseStore:
 # -- output items and events -----------------------------------------------------------------------------
 @dataclass
 class OutputBuilder:
-    """The output items of one response as its completion grows: a message item for text and a
+    """The output items of one response as its completion grows: a reasoning item first where the
+    chat path split reasoning off (``--reasoning-parser``), then a message item for text and a
     function_call item per call, in the order they appear, each done before the next is added (text
     after the calls, which a parser releases at the end, is a second message). ``update`` returns
     the stream events from the last update to this one; the whole answer uses only ``items``."""
@@ -198,6 +224,9 @@ class OutputBuilder:
     _start: int = 0  # where its text begins in the completion's text
     _shown: int = 0  # the completion's text given out so far
     _calls: int = 0
+    _reasoning: dict[str, Any] | None = None  # the open reasoning item
+    _thought: str = ""  # its text given out so far
+    _thought_closed: bool = False
 
     def _open_message(self) -> list[dict]:
         self._message = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
@@ -226,13 +255,54 @@ class OutputBuilder:
             {"type": "response.output_item.done", "output_index": i, "item": copy.deepcopy(m)},
         ]  # fmt: skip
 
-    def update(self, text: str, calls: list[ToolCall] | None, final: bool, status: str = "completed") -> list[dict]:
-        """Take the completion's visible text and complete calls so far (``final``: all of it)."""
+    def _reason(self, thought: str) -> list[dict]:
+        """The reasoning item's events for ``thought`` (the reasoning so far): opened at its first
+        text, a delta for what is new. OpenAI's shape: ``summary`` empty, the text in ``content``."""
         events: list[dict] = []
+        if self._reasoning is None:
+            self._reasoning = {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": [],
+                               "status": "in_progress"}  # fmt: skip
+            self.items.append(self._reasoning)
+            i = len(self.items) - 1
+            events += [
+                {"type": "response.output_item.added", "output_index": i, "item": copy.deepcopy(self._reasoning)},
+                {"type": "response.content_part.added", "item_id": self._reasoning["id"], "output_index": i,
+                 "content_index": 0, "part": {"type": "reasoning_text", "text": ""}},
+            ]  # fmt: skip
+        delta, self._thought = thought[len(self._thought) :], thought
+        if delta:
+            events.append({"type": "response.reasoning_text.delta", "item_id": self._reasoning["id"],
+                           "output_index": self.items.index(self._reasoning), "content_index": 0, "delta": delta})  # fmt: skip
+        return events
+
+    def _close_reasoning(self, status: str) -> list[dict]:
+        r, i = self._reasoning, self.items.index(self._reasoning)
+        part = {"type": "reasoning_text", "text": self._thought}
+        r["content"], r["status"] = [part], status
+        self._reasoning, self._thought_closed = None, True
+        return [
+            {"type": "response.reasoning_text.done", "item_id": r["id"], "output_index": i, "content_index": 0,
+             "text": self._thought},
+            {"type": "response.content_part.done", "item_id": r["id"], "output_index": i, "content_index": 0,
+             "part": part},
+            {"type": "response.output_item.done", "output_index": i, "item": copy.deepcopy(r)},
+        ]  # fmt: skip
+
+    def update(
+        self, text: str, calls: list[ToolCall] | None, final: bool, status: str = "completed",
+        thought: str | None = None, thought_done: bool = False,
+    ) -> list[dict]:  # fmt: skip
+        """Take the completion's visible text and complete calls so far (``final``: all of it), and
+        its reasoning so far (``thought``; ``thought_done``: all of it)."""
+        events: list[dict] = []
+        new_calls = (calls or [])[self._calls :]
+        if thought and not self._thought_closed and not self._shown and not self._calls:  # before anything else
+            events += self._reason(thought)
+        if self._reasoning is not None and (thought_done or final or len(text) > self._shown or new_calls):
+            events += self._close_reasoning("completed" if thought_done or not final else status)
         if self._message is None and self._calls:  # text after the calls: without the separator
             rest = text[self._shown :]
             self._shown += len(rest) - len(rest.lstrip())
-        new_calls = (calls or [])[self._calls :]
         if len(text) > self._shown or (final and not self.items and not new_calls):
             if self._message is None:
                 events += self._open_message()
@@ -264,7 +334,11 @@ class OutputBuilder:
 def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's output items as the chat messages a next turn's prompt continues from."""
     msgs: list[dict[str, Any]] = []
+    thought = None  # a reasoning item's text: the next assistant message's reasoning_content
     for it in items:
+        if it["type"] == "reasoning":
+            thought = "".join(part["text"] for part in it["content"])
+            continue
         if it["type"] == "message":
             msgs.append({"role": "assistant", "content": it["content"][0]["text"] if it["content"] else ""})
         else:
@@ -273,6 +347,10 @@ def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        if thought is not None:
+            msgs[-1]["reasoning_content"], thought = thought, None
+    if thought is not None:  # it stopped while reasoning
+        msgs.append({"role": "assistant", "content": "", "reasoning_content": thought})
     return msgs
 
 

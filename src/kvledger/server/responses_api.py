@@ -12,7 +12,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from ..errors import KVLedgerError, ValidationError
 from .generation import GenState
-from .openai_api import OpenAIServing
+from .openai_api import ChatJob, OpenAIServing
 from .protocol import ChatRequest, ResponsesRequest
 from .responses import (
     OutputBuilder,
@@ -27,7 +27,6 @@ from .responses import (
     output_messages,
     usage,
 )
-from .tools import ToolParser
 
 STATUS = {"stop": "completed", "length": "incomplete", "abort": "failed"}  # by finish type
 ITEM_STATUS = {"completed": "completed", "incomplete": "incomplete", "failed": "incomplete"}  # its items
@@ -49,6 +48,17 @@ def sse_event(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
+def _parts(job: ChatJob, st: GenState) -> dict[str, Any]:
+    """A completion so far as the output builder takes it: reasoning (split off where the server has
+    a reasoning parser), then the answer's text and tool calls."""
+    text, thought, done = st.visible, None, False
+    if job.reasoning is not None:
+        part = job.reasoning.split(text, st.finished)
+        text, thought, done = part.content, part.reasoning, part.closed
+    text, calls = job.tools.split(text, st.finished) if job.tools else (text, None)
+    return {"text": text, "calls": calls, "thought": thought, "thought_done": done}
+
+
 class ResponsesServing:
     """Creates responses on ``chat``'s path and keeps the stored ones in ``store``."""
 
@@ -63,25 +73,25 @@ class ResponsesServing:
         self.store.delete(rid)
         return {"id": rid, "object": "response", "deleted": True}
 
-    def _job(self, body: ResponsesRequest) -> tuple[list[dict], list[int], Any, ToolParser | None]:
-        """The conversation so far (without instructions), prompt ids, sampling params and tool parser."""
+    def _job(self, body: ResponsesRequest) -> tuple[list[dict], ChatJob]:
+        """The conversation so far (without instructions) and the chat job (prompt ids, sampling
+        params, tool and reasoning parsers)."""
         if body.max_output_tokens is not None and body.max_output_tokens < 1:  # no prompt scoring here
             raise ValidationError("max_output_tokens must be at least 1", param="max_output_tokens")
         prev = body.previous_response_id
         conversation = list(self.store.get(prev).conversation) if prev is not None else []
-        conversation += input_messages(body.input)
+        conversation += input_messages(body.input, reasoning=self.chat.reasoning_format is not None)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
             chat = ChatRequest.model_validate({
                 "model": body.model, "messages": system + conversation, "max_completion_tokens": body.max_output_tokens,
                 "temperature": body.temperature, "top_p": body.top_p, "tools": chat_tools(body.tools),
                 "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
-                "response_format": chat_response_format(body.text),
+                "response_format": chat_response_format(body.text), "priority": body.priority,
             })  # fmt: skip
         except PydanticValidationError as e:  # a converted value of the wrong type: the client's input
             raise ValidationError(f"input: {e.errors()[0]['msg']}", param="input") from None
-        ids, params, parser = self.chat.chat_job(chat, max_param="max_output_tokens")
-        return conversation, ids, params, parser
+        return conversation, self.chat.chat_job(chat, max_param="max_output_tokens")
 
     def _response(self, body: ResponsesRequest, rid: str, created: int, status: str, output, use) -> dict:
         fmt = (body.text or {}).get("format") or {"type": "text"}
@@ -113,19 +123,19 @@ class ResponsesServing:
 
     async def _create(self, body: ResponsesRequest, disconnected) -> dict | AsyncIterator[str]:
         self.chat.check_model(body.model)
-        conversation, ids, params, parser = self._job(body)
+        conversation, job = self._job(body)
+        ids = job.ids
         rid = new_id("resp")
         created = now()
         if not body.stream:
-            st = await self.chat.gen.collect(ids, params, rid, disconnected=disconnected)
+            st = await self.chat.gen.collect(ids, job.params, rid, disconnected=disconnected)
             err = st.error()
             if err is not None:
                 raise err
             out = OutputBuilder()
-            text, calls = parser.split(st.visible, True) if parser else (st.visible, None)
-            out.update(text, calls, final=True, status=ITEM_STATUS[STATUS.get(st.finish.type, "completed")])
+            out.update(**_parts(job, st), final=True, status=ITEM_STATUS[STATUS.get(st.finish.type, "completed")])
             return self._finish(body, rid, created, conversation, ids, st, out)
-        states = self.chat.gen.stream(ids, params, rid)
+        states = self.chat.gen.stream(ids, job.params, rid)
         try:
             first = await anext(states)  # a request the engine refuses is answered with its status
         except BaseException:
@@ -135,9 +145,9 @@ class ResponsesServing:
         if err is not None and not first.output_ids:
             await states.aclose()
             raise err
-        return self._events(body, rid, created, conversation, ids, parser, first, states)
+        return self._events(body, rid, created, conversation, job, first, states)
 
-    async def _events(self, body, rid, created, conversation, ids, parser, first, states) -> AsyncIterator[str]:
+    async def _events(self, body, rid, created, conversation, job, first, states) -> AsyncIterator[str]:
         seq = 0
 
         def ev(event: dict) -> str:
@@ -161,14 +171,13 @@ class ResponsesServing:
                     failed["error"] = {"code": err["code"] or err["type"], "message": err["message"]}
                     yield ev({"type": "response.failed", "response": failed})
                     return
-                text, calls = parser.split(st.visible, st.finished) if parser else (st.visible, None)
                 status = ITEM_STATUS[STATUS.get(st.finish.type, "completed")] if st.finished else "completed"
-                for event in out.update(text, calls, st.finished, status):
+                for event in out.update(**_parts(job, st), final=st.finished, status=status):
                     yield ev(event)
                 if st.finished:
                     break
                 st = await anext(states)
-            resp = self._finish(body, rid, created, conversation, ids, st, out)
+            resp = self._finish(body, rid, created, conversation, job.ids, st, out)
             if resp["error"] is not None:
                 yield ev({"type": "error", "param": None, **resp["error"]})
             yield ev({"type": f"response.{resp['status']}", "response": resp})

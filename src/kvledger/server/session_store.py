@@ -11,6 +11,10 @@ abort, error or a crash leaves it as it was.
 
 Bounded: at most ``max_sessions`` records (the engine's cap; expired ones pruned, then the least
 recently used dropped), each at most ``context_length`` tokens as 4-byte ints.
+
+With a ``SessionJournal`` (``--session-journal DIR``) every record is mirrored to a file as it changes,
+so the records also survive the front's own death: a server started on the same directory loads them
+(``load_journal``) and re-opens them on its engine before it serves.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import time
 from array import array
 from dataclasses import dataclass, field
+
+from .session_journal import SessionJournal
 
 
 @dataclass
@@ -31,20 +37,43 @@ class SessionRecord:
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int, default_timeout_s: float | None):
+    def __init__(
+        self, max_sessions: int, default_timeout_s: float | None, journal: SessionJournal | None = None
+    ):
         self.max_sessions = max_sessions
         self.default_timeout_s = default_timeout_s
         self.records: dict[str, SessionRecord] = {}
+        self.journal = journal
+
+    def load_journal(self) -> list[str]:
+        """Take the journal's sessions as this store's records (at start); returns their ids."""
+        if self.journal is None:
+            return []
+        for sid, timeout, tokens in self.journal.load():
+            self.records[sid] = SessionRecord(timeout, tokens)
+        self._trim()
+        return list(self.records)
 
     def opened(self, sid: str, timeout: float | None) -> None:
         self.prune()
-        self.records[sid] = SessionRecord(timeout if timeout is not None else self.default_timeout_s)
+        self.records[sid] = rec = SessionRecord(timeout if timeout is not None else self.default_timeout_s)
+        self._saved(sid, rec)
+        self._trim()
+
+    def _trim(self) -> None:
         while len(self.records) > self.max_sessions:
-            oldest = min(self.records, key=lambda k: self.records[k].last_used)
-            del self.records[oldest]
+            self._drop(min(self.records, key=lambda k: self.records[k].last_used))
+
+    def _saved(self, sid: str, rec: SessionRecord) -> None:
+        if self.journal is not None:
+            self.journal.write(sid, rec.timeout_s, rec.tokens)
+
+    def _drop(self, sid: str) -> None:
+        if self.records.pop(sid, None) is not None and self.journal is not None:
+            self.journal.remove(sid)
 
     def closed(self, sid: str) -> None:
-        self.records.pop(sid, None)
+        self._drop(sid)
 
     def turn_ended(self, session_params: dict, input_ids: list[int], finish, output_ids: list[int]) -> None:
         """Apply the engine's commit rule to the front's copy of the session."""
@@ -63,11 +92,12 @@ class SessionStore:
         rec.tokens.extend(input_ids)
         rec.tokens.extend(output_ids)
         rec.last_used = time.monotonic()
+        self._saved(sid, rec)
 
     def prune(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for sid in [s for s, r in self.records.items() if r.expired(now)]:
-            del self.records[sid]
+            self._drop(sid)
 
     def snapshot(self) -> list[dict]:
         """What the new engine needs to re-open every live session (``restore_sessions``)."""

@@ -12,6 +12,7 @@ from fastapi import Request
 from ..common import Limits
 from ..config import ServerConfig
 from ..errors import ServiceUnavailable
+from .control import Control, GenerationGate
 from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
@@ -35,6 +36,8 @@ class ServerState:
     responses: ResponsesServing | None = None
     pooling: PoolingServing | None = None
     sessions: SessionStore | None = None
+    gate: GenerationGate = field(default_factory=GenerationGate)  # paused / updating weights
+    control: Control | None = None
     draining: bool = False
     # Set by the first SIGTERM/SIGINT: a start-up in progress stops waiting for the engine.
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)

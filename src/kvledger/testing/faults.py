@@ -3,7 +3,9 @@
 * ``KVLEDGER_TEST_FAULT_RIDS=a,b``: a forward holding one of these requests raises, as a kernel bug
   would (the executor is wrapped; the engine must contain the fault to those requests);
 * ``KVLEDGER_TEST_CRASH_ON_RID=r``: the engine process exits when ``r`` arrives (the front survives);
-* ``KVLEDGER_TEST_STALL_RID=r``: the engine process hangs when ``r`` arrives (the watchdog fires).
+* ``KVLEDGER_TEST_STALL_RID=r``: the engine process hangs when ``r`` arrives (the watchdog fires);
+* ``KVLEDGER_TEST_STEP_DELAY_S=t``: every forward takes at least ``t`` seconds more, as on a slow
+  device (a test's pause or abort then lands mid-generation however fast the machine is).
 """
 
 from __future__ import annotations
@@ -28,9 +30,23 @@ class FaultyExecutor(Executor):
         return self.inner.execute_model(sched)
 
 
+class SlowExecutor(Executor):
+    def __init__(self, inner: Executor, delay_s: float):
+        self.inner = inner
+        self.delay_s = delay_s
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if sched.reqs:
+            time.sleep(self.delay_s)
+        return self.inner.execute_model(sched)
+
+
 def wrap_executor(executor: Executor) -> Executor:
     rids = {r for r in os.environ.get("KVLEDGER_TEST_FAULT_RIDS", "").split(",") if r}
-    return FaultyExecutor(executor, rids) if rids else executor
+    if rids:
+        executor = FaultyExecutor(executor, rids)
+    delay = float(os.environ.get("KVLEDGER_TEST_STEP_DELAY_S") or 0)
+    return SlowExecutor(executor, delay) if delay > 0 else executor
 
 
 def engine_process_hook() -> Callable[[str], None] | None:

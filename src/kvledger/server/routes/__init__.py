@@ -1,6 +1,9 @@
 """The front's routes, one router per API: native (SGLang), OpenAI, sessions, admin and health,
-tokenizer, and the ledger's live view."""
+tokenizer, generation control (pause, continue, weight updates), and the ledger's live view."""
 
-from . import admin, ledger_view, native, openai, sessions, tokenizer
+from . import admin, control, ledger_view, native, openai, sessions, tokenizer
 
-ROUTERS = [native.router, openai.router, sessions.router, admin.router, tokenizer.router, ledger_view.router]
+ROUTERS = [
+    native.router, openai.router, sessions.router, admin.router, control.router, tokenizer.router,
+    ledger_view.router,
+]  # fmt: skip

@@ -74,10 +74,13 @@ async def server_info(request: Request):
         "server_config": server,
         "memory": await client.call("memory"),
         "sessions": await client.call("sessions"),
+        "generation_paused": srv.gate.paused,  # the pause mode, or None
         "engine_restarts": client.restarts,
         "engine_pid": client.pid,
         "server_pid": os.getpid(),
         "served_model_name": srv.name,
+        "reasoning_parser": srv.cfg.engine.model.reasoning_parser,  # SGLang's server_args name
+        "tool_call_parser": srv.cfg.tool_call_parser,
         "dp_size": 1,
         "disaggregation_mode": client.info.get("disaggregation_mode") or "null",
         "disaggregation": (client.stats or {}).get("disagg"),
@@ -134,6 +137,11 @@ async def health_generate(request: Request):
     on a PD server with SGLang's fake bootstrap room)."""
     srv = state(request)
     client = srv.live_client()
+    if srv.gate.closed:
+        # Paused by an operator, or loading weights: a generation would wait for the continue.
+        # The engine answering a control call (after the update, if one runs) is its liveness.
+        await client.call("memory", HEALTH_GENERATE_TIMEOUT_S)
+        return Response(status_code=200)
     ids, params = validate_request(list(HEALTH_CHECK_IDS), dict(HEALTH_CHECK_SAMPLING), srv.limits)
     rid = f"health-{uuid.uuid4().hex}"
     fake = health_check_disagg(bool(client.info.get("disaggregation_mode")))

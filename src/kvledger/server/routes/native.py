@@ -33,6 +33,12 @@ async def generate(request: Request):
         if sp.get("cache_salt") is not None:
             raise ValidationError("give cache_salt once, at the top level", param="cache_salt")
         sp["cache_salt"] = salt
+    if body.priority is not None:
+        if sp.get("priority") is not None:
+            raise ValidationError("give priority once, at the top level", param="priority")
+        sp["priority"] = body.priority
+    if body.require_reasoning:  # SGLang's: a grammar starts after the reasoning (needs --reasoning-parser)
+        sp["require_reasoning"] = True
     if body.return_logprob:
         sp["logprobs"] = True
         if body.top_logprobs_num:

@@ -88,6 +88,8 @@ def model_card(request: Request) -> dict:
         "max_model_len": srv.limits.context_length,
         "root": srv.client.info.get("model_path") if srv.client else None,
         "parent": None,
+        # How its reasoning is answered (--reasoning-parser; None: left in content).
+        "reasoning_parser": srv.cfg.engine.model.reasoning_parser,
     }
 
 
