@@ -159,6 +159,9 @@ class Conversation:
 class Workload:
     def __init__(self, target, ref, rng, exact: bool, tokenizer):
         self.t, self.ref, self.rng, self.exact, self.tok = target, ref, rng, exact, tokenizer
+        # Embeddings and scores draw from a stream of their own (seeded from ``rng``'s state without
+        # consuming it), so the rest of the workload is what it would be without them.
+        self.pool_rng = random.Random(hash(rng.getstate()[1][:8]))
         self.ctx = min(e.core.limits.context_length for e in target.engines)
         self.prefixes = [self._tokens(n) for n in (8, 24, 60, 120) if n < self.ctx // 2]
         self.jobs: dict[str, Job] = {}
@@ -177,6 +180,7 @@ class Workload:
     def run(self, steps: int, idle_every: float = 0.01) -> Counter:
         for i in range(steps):
             self._arrivals(health=i == steps // 2)  # one health check in the middle at least
+            self._pooling_arrival()
             self.t.step()
             self.stats["steps"] += 1
             self._after_step()
@@ -222,8 +226,6 @@ class Workload:
             )
         elif r < 0.30:
             self._session_op()
-        elif r < 0.36 and len(self.live) < 16:
-            self._submit(self._pooling_job(self._prompt()))
         elif r < 0.65 and len(self.live) < 16:
             prompt = self._prompt()
             job = self._job(prompt, self.rng.randint(1, min(32, self.ctx - len(prompt))))
@@ -267,18 +269,27 @@ class Workload:
             p["priority"] = self.prio_rng.randrange(4)
         return Job(f"r{next(self.ids)}", prompt, p, kind)
 
-    def _pooling_job(self, prompt: list[int]) -> Job:
-        """An embedding (last or mean pooling) or label-token logprobs (/v1/score): no token drawn."""
-        if self.rng.random() < 0.7:
-            pooling = PoolingParams(embed=self.rng.choice(["last", "mean"]))
+    def _pooling_arrival(self) -> None:
+        """Now and then an embedding (last or mean pooling) or label-token logprobs (/v1/score): no
+        token drawn; a short or long prompt, often after a shared prefix."""
+        g = self.pool_rng
+        if g.random() >= 0.06 or len(self.live) >= 16:
+            return
+        limit = self.ctx - 2
+        prompt = [g.randrange(3, 256) for _ in range(g.choice([1, 3, 20, 40, limit // 2, limit - g.randrange(8)]))]
+        if self.prefixes and g.random() < 0.5:
+            prompt = (g.choice(self.prefixes) + prompt)[:limit]
+        if g.random() < 0.7:
+            pooling = PoolingParams(embed=g.choice(["last", "mean"]))
         else:
-            pooling = PoolingParams(label_token_ids=[self.rng.randrange(3, 256) for _ in range(3)])
+            pooling = PoolingParams(label_token_ids=[g.randrange(3, 256) for _ in range(3)])
         kind = "embed" if pooling.embed else "score"
-        return Job(f"p{next(self.ids)}", prompt, {"max_new_tokens": 0}, kind, pooling=pooling)
+        self._submit(Job(f"p{next(self.ids)}", prompt, {"max_new_tokens": 0}, kind, pooling=pooling))
 
     def _submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> bool:
-        job.fate = self.rng.choice(FATES) if job.kind != "health" else self.rng.choice(["none"] * 5 + ["cut"])
-        job.cut_at = self.rng.randint(1, max(1, job.params["max_new_tokens"] - 1))
+        rng = self.pool_rng if job.pooling is not None else self.rng
+        job.fate = rng.choice(FATES) if job.kind != "health" else rng.choice(["none"] * 5 + ["cut"])
+        job.cut_at = rng.randint(1, max(1, job.params["max_new_tokens"] - 1))
         try:
             self.t.submit(job, session, new)
         except OverloadedError:
@@ -355,7 +366,7 @@ class Workload:
     def _abort(self, job: Job) -> None:
         job.aborted = True
         with contextlib.suppress(NotFoundError):  # finished meanwhile
-            self.t.abort(job, self.rng)
+            self.t.abort(job, self.pool_rng if job.pooling is not None else self.rng)
 
     @staticmethod
     def _abort_due(job: Job, req) -> bool:
