@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import sys
 
+from .common.pooling import POOLING_METHODS
 from .config import (
     ATTENTION_BACKENDS,
     DISAGGREGATION_MODES,
@@ -284,6 +285,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
     p.add_argument("--max-stored-responses", type=int, default=d.max_stored_responses,
                    help="responses kept for previous_response_id and GET /v1/responses/{id} (an LRU)")  # fmt: skip
+    p.add_argument("--pooling", default=d.pooling, choices=list(POOLING_METHODS),
+                   help="/v1/embeddings and /v1/rerank: the last token's final hidden state, or the mean of all")  # fmt: skip
     p.add_argument("--session-journal", default=d.session_journal, metavar="DIR",
                    help="keep open sessions in DIR so that they survive a restart of this server")  # fmt: skip
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,

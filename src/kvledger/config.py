@@ -477,6 +477,8 @@ class ServerConfig:
     max_n: int = 16
     max_stored_responses: int = 1024
     """/v1/responses kept for previous_response_id and GET (the least recently used go first)."""
+    pooling: str = "last"
+    """How /v1/embeddings and /v1/rerank pool the final-norm hidden states: last (token) or mean."""
     watchdog_timeout_s: float = 60.0
     """An engine step that makes no progress for this long is killed and the engine restarted."""
     grace_period_s: float = 10.0

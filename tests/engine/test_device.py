@@ -103,6 +103,12 @@ def test_the_forward_keeps_every_tensor_on_the_model_device(tiny_loaded, page_si
         batch.logit_index = torch.arange(batch.num_tokens, device=dev)  # every row through the head
         logits = model.forward(batch, kv)
         assert logits.device == dev and logits.shape == (batch.num_tokens, mc.vocab_size)
+    # Pooling: the pooled rows' final-norm hidden states, on the device too.
+    pooled = [ScheduledReq("e", 1, 0, [1, 2, 3, 4, 5], pool_from=0), ScheduledReq("f", 2, 6, [7, 8, 9], pool_from=2)]
+    batch = runner.build(SchedulerOutput(pooled, []))
+    assert batch.pool_index.device == dev
+    logits, hidden = model.forward_pooled(batch, kv)
+    assert hidden.device == dev and hidden.shape == (6, mc.hidden_size)
 
 
 # --- on a CUDA device (only where one is present) ---------------------------------------------------

@@ -5,7 +5,7 @@ over ``compat.FEATURES`` less ``REFUSED`` and ``EXCLUSIVE``), so a pair lifted f
 here as soon as its row is gone. Each configuration runs a random workload on the tiny chat model
 (``tests/fuzz/workload.py``: shared prefixes, long and short prompts, streams cut, aborts of queued
 requests, health checks, session turns with offsets and aborted or too-long turns, grammars, n>1, stop
-strings, retraction under a small pool) with strict books after every step, the idle audit at random
+strings, embeddings and label scores, retraction under a small pool) with strict books after every step, the idle audit at random
 points and after, and, in fp32, every deterministic output equal to the plain engine's. PD rows run a
 prefill and a decode engine; TP rows start worker processes (gone after).
 
@@ -107,5 +107,6 @@ def test_combination(row, chat_model, chat_loaded, draft_models, reference, tmp_
     stats = run_row(row, seed, STEPS, chat_model, chat_loaded, draft_models, reference, str(tmp_path))
     print(combos.row_id(row), dict(stats))
     assert stats["idle_audits"] >= 1 and stats["kind_health"] >= 1
+    assert stats["kind_embed"] + stats["kind_score"] >= 1
     if "sessions" in row:
         assert stats["turns"] >= 1

@@ -5,7 +5,8 @@ SGLang's router drives one) step by step with what a server sees: shared prefixe
 prompts, greedy, seeded and unseeded sampling, stop strings and stop tokens, grammars, n>1, streams
 cut mid-generation, aborts of queued and of prefilling requests, aborts after the end, health checks
 (the request /health_generate sends), session turns with offsets, aborted and too-long turns,
-sessions closed while busy, all in a pool small enough to retract.
+sessions closed while busy, embeddings and label scores (no decode; on a PD pair, sent to one side
+without a room), all in a pool small enough to retract.
 
 The engines are strict: the books are checked after every step (rank 0's pages and slots, and the L2
 tier's), a violation raises there. At random idle points and at the end every engine is audited
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from kvledger import ValidationError
 from kvledger.common.disagg import DisaggParams
 from kvledger.common.health import HEALTH_CHECK_IDS, HEALTH_CHECK_SAMPLING, health_check_disagg
+from kvledger.common.pooling import PoolingParams
 from kvledger.errors import NotFoundError, OverloadedError
 from tests.helpers import assert_idle_clean
 
@@ -49,11 +51,12 @@ class Job:
     result: dict | None = None
     prefill: dict | None = None  # a PD pair's prefill side's result
     answer: dict | None = None  # ... and its decode side's (the result once both are in)
+    pooling: PoolingParams | None = None  # an embedding or score request (kind "embed" / "score")
 
     def deterministic(self, pd: bool) -> bool:
         """Its output is a function of its prompt and parameters (a PD health check's token is not:
         decode never receives the fake room's KV)."""
-        return self.kind != "sampled" and not (pd and self.kind == "health")
+        return self.kind not in ("sampled", "embed", "score") and not (pd and self.kind == "health")
 
 
 class Single:
@@ -68,8 +71,9 @@ class Single:
 
     def submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> None:
         self.eng.add_request(
-            new if new is not None else job.prompt, job.params, rid=job.rid, session_params=session
-        )
+            new if new is not None else job.prompt, job.params, rid=job.rid, session_params=session,
+            pooling=job.pooling,
+        )  # fmt: skip
 
     def abort(self, job: Job, rng) -> None:
         self.eng.abort(job.rid)
@@ -105,6 +109,11 @@ class PDPair:
         return DisaggParams("127.0.0.1", self.port, self.last_room)
 
     def submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> None:
+        if job.pooling is not None:  # no decode: computed on the side it reaches, no room
+            assert session is None
+            self.dec.add_request(job.prompt, job.params, rid=job.rid, pooling=job.pooling)
+            job.prefill = {"pooling": "not sent to prefill"}
+            return
         room = self.room(job)
         body = new if new is not None else job.prompt
         self.dec.add_request(body, job.params, rid=job.rid, session_params=session, disagg=room)
@@ -150,6 +159,9 @@ class Conversation:
 class Workload:
     def __init__(self, target, ref, rng, exact: bool, tokenizer):
         self.t, self.ref, self.rng, self.exact, self.tok = target, ref, rng, exact, tokenizer
+        # Embeddings and scores draw from a stream of their own (seeded from ``rng``'s state without
+        # consuming it), so the rest of the workload is what it would be without them.
+        self.pool_rng = random.Random(hash(rng.getstate()[1][:8]))
         self.ctx = min(e.core.limits.context_length for e in target.engines)
         self.prefixes = [self._tokens(n) for n in (8, 24, 60, 120) if n < self.ctx // 2]
         self.jobs: dict[str, Job] = {}
@@ -168,6 +180,7 @@ class Workload:
     def run(self, steps: int, idle_every: float = 0.01) -> Counter:
         for i in range(steps):
             self._arrivals(health=i == steps // 2)  # one health check in the middle at least
+            self._pooling_arrival()
             self.t.step()
             self.stats["steps"] += 1
             self._after_step()
@@ -256,9 +269,27 @@ class Workload:
             p["priority"] = self.prio_rng.randrange(4)
         return Job(f"r{next(self.ids)}", prompt, p, kind)
 
+    def _pooling_arrival(self) -> None:
+        """Now and then an embedding (last or mean pooling) or label-token logprobs (/v1/score): no
+        token drawn; a short or long prompt, often after a shared prefix."""
+        g = self.pool_rng
+        if g.random() >= 0.06 or len(self.live) >= 16:
+            return
+        limit = self.ctx - 2
+        prompt = [g.randrange(3, 256) for _ in range(g.choice([1, 3, 20, 40, limit // 2, limit - g.randrange(8)]))]
+        if self.prefixes and g.random() < 0.5:
+            prompt = (g.choice(self.prefixes) + prompt)[:limit]
+        if g.random() < 0.7:
+            pooling = PoolingParams(embed=g.choice(["last", "mean"]))
+        else:
+            pooling = PoolingParams(label_token_ids=[g.randrange(3, 256) for _ in range(3)])
+        kind = "embed" if pooling.embed else "score"
+        self._submit(Job(f"p{next(self.ids)}", prompt, {"max_new_tokens": 0}, kind, pooling=pooling))
+
     def _submit(self, job: Job, session: dict | None = None, new: list[int] | None = None) -> bool:
-        job.fate = self.rng.choice(FATES) if job.kind != "health" else self.rng.choice(["none"] * 5 + ["cut"])
-        job.cut_at = self.rng.randint(1, max(1, job.params["max_new_tokens"] - 1))
+        rng = self.pool_rng if job.pooling is not None else self.rng
+        job.fate = rng.choice(FATES) if job.kind != "health" else rng.choice(["none"] * 5 + ["cut"])
+        job.cut_at = rng.randint(1, max(1, job.params["max_new_tokens"] - 1))
         try:
             self.t.submit(job, session, new)
         except OverloadedError:
@@ -335,7 +366,7 @@ class Workload:
     def _abort(self, job: Job) -> None:
         job.aborted = True
         with contextlib.suppress(NotFoundError):  # finished meanwhile
-            self.t.abort(job, self.rng)
+            self.t.abort(job, self.pool_rng if job.pooling is not None else self.rng)
 
     @staticmethod
     def _abort_due(job: Job, req) -> bool:
@@ -397,6 +428,9 @@ class Workload:
             res = job.result
             assert res is not None, job.rid
             fr = res["meta_info"]["finish_reason"]
+            if job.pooling is not None:
+                self._check_pooled(job, res, wrong)
+                continue
             out = res["output_ids"]
             self.stats[f"finish_{fr['type']}"] += 1
             if fr["type"] == "abort" and not job.aborted:
@@ -430,6 +464,26 @@ class Workload:
         assert not wrong, f"{len(wrong)} of {len(self.jobs)} wrong:\n" + "\n".join(wrong[:10])
 
 
+    def _check_pooled(self, job: Job, res: dict, wrong: list[str]) -> None:
+        """An embedding or score: there unless aborted; in fp32 equal to the reference engine's."""
+        fr = res["meta_info"]["finish_reason"]
+        self.stats[f"finish_{fr['type']}"] += 1
+        got = res.get("embedding") if job.kind == "embed" else res.get("label_logprobs")
+        if fr["type"] == "abort":
+            if not job.aborted and (self.t.pd or TOO_BIG not in (fr.get("message") or "")):
+                wrong.append(f"{job.rid} aborted unasked: {fr}")
+            assert got is None, job.rid
+            return
+        assert got is not None and res["meta_info"]["completion_tokens"] == 0, (job.rid, res)
+        if job.kind == "embed":
+            assert abs(sum(x * x for x in got) - 1) < 1e-3, job.rid  # L2-normalised
+        if not self.exact:
+            return
+        want = self.ref.pooled(job.prompt, job.pooling)
+        if len(got) != len(want) or any(abs(a - b) > 1e-4 for a, b in zip(got, want)):
+            wrong.append(f"{job.rid} ({job.kind} {job.pooling}, {len(job.prompt)} tokens) differs")
+
+
 def _key(prompt: list[int], params: dict) -> tuple:
     # A priority changes when a request runs, never what it generates: one reference output for all.
     return tuple(prompt), json.dumps({k: v for k, v in params.items() if k != "priority"}, sort_keys=True)
@@ -441,6 +495,16 @@ class Reference:
     def __init__(self, eng):
         self.eng = eng
         self.memo: dict[tuple, list[int]] = {}
+
+    def pooled(self, prompt: list[int], pooling: PoolingParams) -> list[float]:
+        """The plain engine's embedding, or its label-token logprobs, for ``prompt``."""
+        key = (tuple(prompt), pooling.embed, tuple(pooling.label_token_ids or ()))
+        if key not in self.memo:
+            rid = self.eng.add_request(prompt, None, pooling=pooling)
+            self.eng.run_until_idle()
+            res = self.eng.result(rid)
+            self.memo[key] = res["embedding"] if pooling.embed else res["label_logprobs"]
+        return self.memo[key]
 
     def output(self, prompt: list[int], params: dict) -> list[int]:
         return self.outputs([(prompt, params)])[_key(prompt, params)]

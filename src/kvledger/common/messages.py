@@ -15,6 +15,7 @@ import msgspec
 
 from .disagg import DisaggParams
 from .outputs import RequestOutput
+from .pooling import PoolingParams
 from .sampling import SamplingParams
 
 
@@ -24,6 +25,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     sampling: SamplingParams
     session_params: dict[str, Any] | None = None
     disagg: DisaggParams | None = None  # PD: the request's bootstrap room
+    pooling: PoolingParams | None = None  # an embedding or score request (no decode)
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

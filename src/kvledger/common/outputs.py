@@ -62,6 +62,9 @@ class RequestOutput(msgspec.Struct):
     # Prompt logprobs computed this step, in prompt order (token 0's None is not sent).
     input_logprobs: list[float] = []
     input_top_logprobs: list[TopLogprobs | None] = []
+    # A pooling request's answer, on its final output (common/pooling.py).
+    embedding: list[float] | None = None
+    label_logprobs: list[float] | None = None
 
     @classmethod
     def final(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common import FinishReason, Limits, RequestOutput, validate_request
+from ..common.pooling import PoolingParams, validate_pooling
 from ..common.reasoning import REASONING_FORMATS
 from ..compat import check_request
 from ..config import EngineConfig
@@ -362,6 +363,12 @@ class EngineCore:
                     out.prompt_top_logprobs = [[] for _ in sched.reqs]
                 out.prompt_logprobs[i] = one.prompt_logprobs[0]
                 out.prompt_top_logprobs[i] = one.prompt_top_logprobs[0]
+            if one.pooled is not None:
+                out.pooled = out.pooled or [None] * len(sched.reqs)
+                out.pooled[i] = one.pooled[0]
+            if one.label_logprobs is not None:
+                out.label_logprobs = out.label_logprobs or [None] * len(sched.reqs)
+                out.label_logprobs[i] = one.label_logprobs[0]
             out.finished_sending |= one.finished_sending
             out.finished_recving |= one.finished_recving
         return out
@@ -378,13 +385,22 @@ class EngineCore:
         )
 
     # -- requests ---------------------------------------------------------------------------------------
-    def make_request(self, input_ids, sampling: dict | None, rid: str | None = None) -> Req:
-        """Validate (the engine's copy of the one validation, the authority) and build a request."""
+    def make_request(
+        self, input_ids, sampling: dict | None, rid: str | None = None, pooling: PoolingParams | None = None
+    ) -> Req:
+        """Validate (the engine's copy of the one validation, the authority) and build a request.
+        With ``pooling`` it computes its prompt and answers with an embedding or label logprobs
+        (``common/pooling.py``): no token is drawn, whatever ``sampling`` says but its cache salt,
+        timeout and priority."""
+        if pooling is not None:
+            validate_pooling(pooling, self.limits.vocab_size)
+            sampling = {k: v for k, v in (sampling or {}).items() if k in ("cache_salt", "timeout", "priority")}
+            sampling["max_new_tokens"] = 0
         ids, params = validate_request(input_ids, sampling, self.limits)
         rid = rid if rid is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise ValidationError("rid must be a non-empty string of at most 256 characters", param="rid")
-        req = Req(rid=rid, input_ids=ids, params=params)
+        req = Req(rid=rid, input_ids=ids, params=params, pooling=pooling)
         spec = grammar_spec(params)
         if spec is not None:  # compiled here: one that does not compile is refused before it holds anything
             req.grammar = self.grammars.new_state(spec, after_reasoning=params.require_reasoning)
@@ -396,6 +412,13 @@ class EngineCore:
         request refused here is reported to its connector, which tells the other side at once."""
         try:
             self.scheduler.check_submit(req)
+            if req.pooling is not None:
+                if session_params is not None:
+                    raise ValidationError(
+                        "an embedding or score request cannot be a session turn: it keeps no KV for a next turn",
+                        param="session_params",
+                    )
+                req.disagg = None  # computed here, whatever the server's PD role: there is nothing to send
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from ..common import FinishReason, RequestOutput, meta_info, parse_prompts
 from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs
+from ..common.pooling import PoolingParams, label_scores, score_prompts
 from ..config import EngineConfig
-from ..errors import ConflictError, KVLedgerError, NotFoundError, ValidationError
+from ..errors import ConflictError, KVLedgerError, NotFoundError, ValidationError, error_for_status
 from ..scheduler import Req
 from .core import SHUTDOWN_DRAIN_S, EngineCore
 from .detok import TextState
@@ -29,9 +30,16 @@ class _Track:
     spec_verify_ct: int = 0
     version: int = 0
     prompt: PromptLogprobs | None = None
+    embedding: list[float] | None = None
+    label_logprobs: list[float] | None = None
 
     def result(self) -> dict:
         p = self.req.params
+        if self.req.pooling is not None:  # SGLang's encode() answer: the embedding and meta_info
+            meta = meta_info(self.req.rid, len(self.req.input_ids), [], self.cached_tokens, self.finish)
+            if self.req.pooling.embed is not None:
+                return {"embedding": self.embedding, "meta_info": meta}
+            return {"label_logprobs": self.label_logprobs, "meta_info": meta}
         meta = meta_info(
             self.req.rid,
             len(self.req.input_ids),
@@ -70,7 +78,7 @@ class Engine:
         return self.core.tokenizer
 
     # -- requests ---------------------------------------------------------------------------------------
-    def _prepare(self, prompt, sampling_params, input_ids, rid) -> tuple[list[Req], bool]:
+    def _prepare(self, prompt, sampling_params, input_ids, rid, pooling=None) -> tuple[list[Req], bool]:
         ids_list, single = parse_prompts(prompt, input_ids, self.core.tokenizer, text_param="prompt")
         n = len(ids_list)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
@@ -80,7 +88,7 @@ class Engine:
         if len(rids) != n:
             raise ValidationError(f"{len(rids)} rids for {n} prompts", param="rid")
         # Validate everything before submitting anything: a bad item allocates nothing for any item.
-        reqs = [self.core.make_request(ids, sp, r) for ids, sp, r in zip(ids_list, sps, rids)]
+        reqs = [self.core.make_request(ids, sp, r, pooling) for ids, sp, r in zip(ids_list, sps, rids)]
         if len({r.rid for r in reqs}) != len(reqs):
             raise ValidationError("duplicate rid in one call", param="rid")
         return reqs, single
@@ -112,6 +120,7 @@ class Engine:
             t.spec_verify_ct = o.spec_verify_ct
             if o.finished:
                 t.finish = o.finish_reason
+                t.embedding, t.label_logprobs = o.embedding, o.label_logprobs
             t.version += 1
 
     def _step(self) -> list[RequestOutput]:
@@ -152,6 +161,48 @@ class Engine:
                 raise ValidationError("stream=True takes a single prompt", param="stream")
             self._submit(reqs, session_params)
             return self._stream(reqs[0].rid)
+        results = self._run(reqs, session_params)
+        return results[0] if single else results
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        pooling: str = "last",
+        rid: str | list[str] | None = None,
+    ):
+        """Embeddings (SGLang's ``Engine.encode``): ``{"embedding", "meta_info"}`` per prompt, the
+        final-norm hidden states pooled (``last`` or ``mean``) and L2-normalised; batched through the
+        scheduler like any request, with no decode."""
+        reqs, single = self._prepare(prompt, None, input_ids, rid, PoolingParams(embed=pooling))
+        results = self._run(reqs)
+        return results[0] if single else results
+
+    def score(
+        self,
+        query: str | list[int] | None = None,
+        items: str | list[str] | list[list[int]] | None = None,
+        label_token_ids: list[int] | None = None,
+        apply_softmax: bool = False,
+        item_first: bool = False,
+    ) -> list[list[float]]:
+        """SGLang's ``Engine.score``: per item, the probability of each label token right after
+        ``query + item`` (``item + query`` with ``item_first``); with ``apply_softmax`` normalised over
+        the label tokens."""
+        prompts = score_prompts(query, items, item_first, self.core.tokenizer)
+        text, ids = (prompts, None) if prompts and isinstance(prompts[0], str) else (None, prompts)
+        if not prompts:
+            return []
+        reqs, _ = self._prepare(text, None, ids, None, PoolingParams(label_token_ids=label_token_ids))
+        out = []
+        for r in self._run(reqs):
+            if r["label_logprobs"] is None:
+                raise error_for_status(503, r["meta_info"]["finish_reason"].get("message") or "aborted")
+            out.append(label_scores(r["label_logprobs"], apply_softmax))
+        return out
+
+    def _run(self, reqs: list[Req], session_params: dict | None = None) -> list[dict]:
+        """Submit ``reqs`` and step until all have finished; their results in order."""
         self._submit(reqs, session_params)
         try:
             while any(self._tracks[r.rid].finish is None for r in reqs):
@@ -164,7 +215,7 @@ class Engine:
                     while self._tracks[r.rid].finish is None:
                         self._step()
                 self._tracks.pop(r.rid, None)
-        return results[0] if single else results
+        return results
 
     def _stream(self, rid: str) -> Iterator[dict]:
         seen = 0
@@ -193,10 +244,12 @@ class Engine:
         rid: str | None = None,
         session_params: dict | None = None,
         disagg: DisaggParams | None = None,
+        pooling: PoolingParams | None = None,
     ) -> str:
         """Queue one request without waiting (drive it with ``step``); returns its rid. ``disagg``:
-        its bootstrap room on a PD engine (``disagg/``)."""
-        reqs, _ = self._prepare(None, sampling_params, input_ids, rid)
+        its bootstrap room on a PD engine (``disagg/``); ``pooling``: an embedding or score request
+        (its result is ``encode``'s, or ``{"label_logprobs", "meta_info"}``)."""
+        reqs, _ = self._prepare(None, sampling_params, input_ids, rid, pooling)
         reqs[0].disagg = disagg
         self._submit(reqs, session_params)
         return reqs[0].rid

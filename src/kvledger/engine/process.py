@@ -47,7 +47,7 @@ class _Loop:
             if self.on_add is not None:
                 self.on_add(msg.rid)
             try:
-                req = core.make_request(msg.input_ids, dataclasses.asdict(msg.sampling), msg.rid)
+                req = core.make_request(msg.input_ids, dataclasses.asdict(msg.sampling), msg.rid, msg.pooling)
                 req.disagg = msg.disagg
                 core.submit(req, msg.session_params)
             except KVLedgerError as e:

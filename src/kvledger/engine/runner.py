@@ -28,6 +28,7 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         out_loc: list[torch.Tensor] = []
         logit_index: list[int] = []
+        pool_index: list[int] = []
         rows, prefix, ext, seq = [], [], [], []
         t = 0
         for r in sched.reqs:
@@ -43,6 +44,10 @@ class ModelRunner:
             if r.prompt_lp_targets:
                 first = t - n + r.prompt_lp_offset
                 logit_index.extend(range(first, first + len(r.prompt_lp_targets)))
+            if r.label_token_ids:
+                logit_index.append(t - 1 - r.num_draft)
+            if r.pool_from >= 0:
+                pool_index.extend(range(t - n + r.pool_from, t - r.num_draft))
             if r.sampling is not None:
                 logit_index.extend(range(t - 1 - r.num_draft, t))
         return ForwardBatch(
@@ -56,6 +61,7 @@ class ModelRunner:
             logit_index=torch.tensor(logit_index, dtype=torch.int64),
             req_to_token=table,
             page_size=self.page_table.page_size,
+            pool_index=torch.tensor(pool_index, dtype=torch.int64) if pool_index else None,
         ).to(table.device)
 
     def execute(
@@ -72,15 +78,23 @@ class ModelRunner:
                     connector.wait_for_layer_load(layer)
             return ModelRunnerOutput.empty(0) if sample else None
         batch = self.build(sched)
-        logits = self.model.forward(batch, self.kv_buffer, connector)
-        return self._sample(sched, logits) if sample else None
+        hidden = None
+        if batch.pool_index is None:
+            logits = self.model.forward(batch, self.kv_buffer, connector)
+        else:
+            logits, hidden = self.model.forward_pooled(batch, self.kv_buffer, connector)
+        return self._sample(sched, logits, hidden) if sample else None
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self, sched: SchedulerOutput, logits: torch.Tensor, hidden: torch.Tensor | None = None
+    ) -> ModelRunnerOutput:
         out = ModelRunnerOutput.empty(len(sched.reqs))
+        if hidden is not None:
+            self._pooled(sched, hidden, out)
         # Sampling (penalties, grammar bitmasks, seeded generators) runs on the host: one copy of the
         # sampled rows' logits per step, and the same draws on every device.
         logits = logits.cpu()
-        if any(r.prompt_lp_targets for r in sched.reqs):
+        if any(r.prompt_lp_targets or r.label_token_ids for r in sched.reqs):
             logits = self._prompt_logprobs(sched, logits, out)
         rows: list[SamplingRow] = []
         masked_rows: list[int] = []
@@ -107,14 +121,28 @@ class ModelRunner:
         return out
 
     @staticmethod
+    def _pooled(sched: SchedulerOutput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Each pooling request's rows of ``hidden`` (in batch order), summed in float64 on the host."""
+        hidden = hidden.double().cpu()
+        out.pooled = [None] * len(sched.reqs)
+        k = 0
+        for i, r in enumerate(sched.reqs):
+            if r.pool_from >= 0:
+                m = r.num_tokens - r.num_draft - r.pool_from
+                out.pooled[i] = hidden[k : k + m].sum(0).numpy()
+                k += m
+
+    @staticmethod
     def _prompt_logprobs(
         sched: SchedulerOutput, logits: torch.Tensor, out: ModelRunnerOutput
     ) -> torch.Tensor:
-        """Take the prompt-logprob rows out of ``logits`` (each request's come before its sampling
-        rows), fill ``out.prompt_logprobs``, and return the sampling rows alone."""
+        """Take the prompt-logprob rows and label rows out of ``logits`` (each request's come before
+        its sampling rows), fill ``out.prompt_logprobs`` and ``out.label_logprobs``, and return the
+        sampling rows alone."""
         n = len(sched.reqs)
         out.prompt_logprobs = [[] for _ in range(n)]
         out.prompt_top_logprobs = [[] for _ in range(n)]
+        out.label_logprobs = [None] * n
         keep: list[int] = []
         k = 0
         for i, r in enumerate(sched.reqs):
@@ -129,6 +157,10 @@ class ModelRunner:
                 else:
                     out.prompt_top_logprobs[i] = [None] * m
                 k += m
+            if r.label_token_ids:
+                lp = torch.log_softmax(logits[k].float(), dim=-1)
+                out.label_logprobs[i] = lp[torch.tensor(r.label_token_ids, dtype=torch.long)].tolist()
+                k += 1
             if r.sampling is not None:
                 keep.extend(range(k, k + r.num_draft + 1))
                 k += r.num_draft + 1

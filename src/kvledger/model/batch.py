@@ -28,14 +28,18 @@ class ForwardBatch:
     logit_index: torch.Tensor  # [R] int64, flat positions whose hidden state goes through the LM head
     req_to_token: torch.Tensor  # [slots, max_context] int64, the request-slot table (shared, not copied)
     page_size: int = 1  # locations come in pages of this many tokens (page p = p*ps ...)
+    # [P] int64, flat positions whose final-norm hidden state is returned too (pooling); None: none.
+    pool_index: torch.Tensor | None = None
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The host-built index tensors moved to the model's device (``req_to_token`` lives there)."""
         if device.type == "cpu":
             return self
-        for name in ("input_ids", "positions", "out_loc", "logit_index"):
-            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        for name in ("input_ids", "positions", "out_loc", "logit_index", "pool_index"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device, non_blocking=True))
         return self
 
     @property

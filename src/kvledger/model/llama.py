@@ -208,8 +208,14 @@ class _Net(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logit_index: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logit_index: torch.Tensor,
+        pool_index: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits of the ``logit_index`` rows; with ``pool_index``, also those rows' final-norm
+        hidden states (float32 ``[rows, hidden]``, what the LM head reads: pooling)."""
         cfg = self.cfg
         T = input_ids.shape[0]
         # The C++ kernels in eager forwards; a compiled graph keeps the torch ops (Inductor fuses them).
@@ -271,7 +277,11 @@ class _Net(nn.Module):
                 h, x = add_norm(h, delta, self.layers[i + 1].in_norm)
             else:
                 h = h + delta
-        return self._logits(h, logit_index)
+        logits = self._logits(h, logit_index)
+        if pool_index is None:
+            return logits
+        # Under tensor parallel ``h`` is whole on every rank (the last all-reduce), as is the norm.
+        return logits, _rms_norm(h[pool_index], self.norm, cfg.rms_norm_eps).float()
 
 
 class LlamaModel:
@@ -404,15 +414,39 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None) -> torch.Tensor:
         """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``.
         ``connector``: a KV connector's worker side, called per layer (see ``connector/base.py``)."""
+        assert batch.pool_index is None, "a batch that pools runs through forward_pooled"
+        return self._forward(batch, kv_buffer, connector)
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, plus the final-norm hidden states of the ``batch.pool_index`` rows (float32)."""
+        return self._forward(batch, kv_buffer, connector)
+
+    def _forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector):
         self.attn.prepare(batch)
+        pool = batch.pool_index
         # Only forwards that sample several rows go through the compiled graph: dynamo specializes
         # sizes 0 and 1, so routing single-request forwards there too would compile two more graphs
-        # (tens of seconds each) for little gain (one request is weight-bandwidth bound).
-        use = self.compiled is not None and batch.num_tokens > 1 and batch.logit_index.shape[0] > 1
+        # (tens of seconds each) for little gain (one request is weight-bandwidth bound). A forward
+        # that pools runs eager: its second output would be a second graph.
+        use = (
+            self.compiled is not None
+            and pool is None
+            and batch.num_tokens > 1
+            and batch.logit_index.shape[0] > 1
+        )
         net = self.compiled if use else self.net
         self.compiled_forwards += use
         meta = batch.attn_meta
-        if not use and connector is None and DECODE_IN_ONE_CALL and getattr(meta, "only_decodes", False):
+        if (
+            not use
+            and pool is None
+            and connector is None
+            and DECODE_IN_ONE_CALL
+            and getattr(meta, "only_decodes", False)
+        ):
             plan = self.net.decode_plan
             if plan is not None and batch.num_tokens <= plan.max_rows:
                 self.one_call_forwards += 1
@@ -424,4 +458,6 @@ class LlamaModel:
             attention_context(self.handle, self.attn, kv_buffer, batch, connector),
             sdpa_backends(self.device),
         ):
-            return net(batch.input_ids, batch.positions, batch.logit_index)
+            if pool is None:
+                return net(batch.input_ids, batch.positions, batch.logit_index)
+            return net(batch.input_ids, batch.positions, batch.logit_index, pool)

@@ -33,6 +33,10 @@ class ScheduledReq:
     prompt_lp_targets: list[int] | None = None
     prompt_lp_offset: int = 0
     prompt_lp_top: int = 0  # top logprobs per prompt position
+    # Pooling (common/pooling.py): the final-norm hidden states of rows ``pool_from..`` of this chunk
+    # come back summed (-1: none); the logprobs of ``label_token_ids`` at the chunk's last row.
+    pool_from: int = -1
+    label_token_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +69,8 @@ class ModelRunnerOutput:
     errors: list[str | None] | None = None
     prompt_logprobs: list[list[float]] | None = None  # per request, for its prompt_lp_targets
     prompt_top_logprobs: list[list[TopLogprobs | None]] | None = None
+    pooled: list[np.ndarray | None] | None = None  # per request: the sum of its pooled rows (float64)
+    label_logprobs: list[list[float] | None] | None = None  # per request: for its label_token_ids
     finished_sending: set[str] = field(default_factory=set)  # connector: async saves done
     finished_recving: set[str] = field(default_factory=set)  # connector: KV loads done
 

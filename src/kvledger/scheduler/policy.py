@@ -88,8 +88,8 @@ class BatchPolicy:
     # -- decodes ------------------------------------------------------------------------------------
     def _drafts(self, req: Req, budget: int) -> list[int]:
         proposer = self.s.proposer
-        if proposer is None or budget <= 0:
-            return []
+        if proposer is None or budget <= 0 or req.params.max_new_tokens == 0:
+            return []  # (a request that draws no token, scoring or pooling, has nothing to verify)
         limit = max(min(self.s.context_length - req.seq_len - 1, budget), 0)  # never past the context
         if not getattr(proposer, "writes_kv", False):
             return _before_grammar_end(req, proposer.propose(req)[:limit])

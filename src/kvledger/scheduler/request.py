@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..common import FinishReason, SamplingParams
 from ..common.disagg import DisaggParams
 from ..common.outputs import TopLogprobs
+from ..common.pooling import PoolingParams
 
 
 class ReqState(enum.Enum):
@@ -87,6 +88,11 @@ class Req:
     # time.monotonic() past which the request ends with a 503 (its timeout or the server's); None: never.
     deadline: float | None = None
     timeout_s: float = 0.0  # the limit that set the deadline (named in the message)
+    # --- a request without decode (common/pooling.py): an embedding or label logprobs ---
+    pooling: PoolingParams | None = None
+    pooled: object | None = None  # numpy float64: the last position's hidden state, or the mean's sum
+    pooled_count: int = 0  # positions [0, pooled_count) are in ``pooled`` (mean pooling)
+    label_logprobs: list[float] | None = None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -108,6 +114,10 @@ class Req:
         logits to sample from), and none at or past the position that computes a wanted prompt
         logprob (a cached prefix has no logits: vLLM #5344)."""
         n = len(self.fill_ids) - 1
+        if self.pooling is not None and self.pooling.mean:
+            # Mean pooling needs every position's hidden state, and a cached prefix has none: only what
+            # is already summed (before a retraction) may come from the cache.
+            n = min(n, self.pooled_count)
         t = self.next_prompt_logprob
         return n if t is None else min(n, t - 1)
 

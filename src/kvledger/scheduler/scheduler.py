@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..common import FinishReason, RequestOutput
+from ..common.pooling import normalized
 from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
 from ..constrained import bitmask_width
@@ -134,7 +135,7 @@ class Scheduler:
             req.timeout_s = min(limits)
             req.deadline = self.clock() + req.timeout_s
         self.waiting.append(req)
-        if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None:
+        if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None and req.pooling is None:
             req.mark_finish(FinishReason("length"))  # nothing to compute (scoring still runs the prompt)
         else:
             self.connector.request_queued(req)
@@ -239,6 +240,10 @@ class Scheduler:
         req.finish_reason = reason
         out = RequestOutput.final(req.rid, reason, len(req.input_ids), len(req.output_ids), req.cached_tokens)
         out.spec_verify_ct = req.spec.verify_ct
+        if req.pooling is not None and reason.type != "abort":
+            if req.pooled is not None:
+                out.embedding = normalized(req.pooled, req.pooled_count, req.pooling.mean)
+            out.label_logprobs = req.label_logprobs
         self._outputs.append(out)
         if hold and req.slot is not None:
             req.state = ReqState.SENDING  # released when the connector reports the save done
@@ -300,7 +305,23 @@ class Scheduler:
                 sr.prompt_lp_top = req.params.top_logprobs
         if req.params.max_new_tokens == 0:
             sr.sampling = None  # scoring only: the prompt's logprobs, no token drawn
+        if req.pooling is not None:
+            self._pooling_rows(req, sr, b)
         return sr
+
+    @staticmethod
+    def _pooling_rows(req: Req, sr: ScheduledReq, b: int) -> None:
+        """Which rows of a pooling request's chunk come back: mean pooling every position not yet
+        summed (a chunk after a retraction may start before ``pooled_count``); the last position's
+        hidden state, or its label logprobs, in the chunk that reaches the prompt's end."""
+        p, a = req.pooling, sr.start
+        if p.mean:
+            sr.pool_from = max(req.pooled_count - a, 0)
+        elif b == req.seq_len:
+            if p.embed is not None:
+                sr.pool_from = sr.num_tokens - 1
+            else:
+                sr.label_token_ids = p.label_token_ids
 
     def _min_tokens_mask(self, req: Req, rows: int, mask: np.ndarray | None) -> np.ndarray | None:
         """Below min_new_tokens the stop tokens are not drawn: their bits cleared in the rows of
@@ -340,6 +361,8 @@ class Scheduler:
             new_input = len(result.prompt_logprobs[i])
             req.input_logprobs.extend(result.prompt_logprobs[i])
             req.input_top_logprobs.extend(result.prompt_top_logprobs[i])
+        if req.pooling is not None:
+            self._take_pooled(req, sr, result, i)
         if not tokens:
             req.kv_len = fed_end - sr.num_draft
             if req.params.max_new_tokens == 0 and req.kv_len >= req.seq_len:
@@ -359,6 +382,21 @@ class Scheduler:
         if fed_end > req.kv_len:
             self.kv_manager.truncate(req, req.kv_len)  # rejected drafts' positions go back to the pool
         self._outputs.append(self._output(req, n, new_input))
+
+    @staticmethod
+    def _take_pooled(req: Req, sr: ScheduledReq, result: ModelRunnerOutput, i: int) -> None:
+        """Mean pooling adds this chunk's rows to the sum (positions ``start + pool_from`` to the chunk's
+        end); last pooling keeps the last position's; a score keeps the label logprobs."""
+        if sr.pool_from >= 0 and result.pooled is not None and result.pooled[i] is not None:
+            end = sr.start + sr.num_tokens
+            if req.pooling.mean:
+                assert sr.start + sr.pool_from == req.pooled_count, "mean pooling skipped positions"
+                req.pooled = result.pooled[i] if req.pooled is None else req.pooled + result.pooled[i]
+            else:
+                req.pooled = result.pooled[i]
+            req.pooled_count = end
+        if sr.label_token_ids and result.label_logprobs is not None:
+            req.label_logprobs = result.label_logprobs[i]
 
     @staticmethod
     def _output(req: Req, n: int, new_input: int) -> RequestOutput:

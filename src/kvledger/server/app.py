@@ -31,6 +31,7 @@ from .generation import GenerationService
 from .metrics import Metrics
 from .middleware import BodyLimitMiddleware
 from .openai_api import OpenAIServing
+from .pooling_api import PoolingServing
 from .responses import ResponseStore
 from .responses_api import ResponsesServing
 from .routes import ROUTERS
@@ -97,6 +98,10 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             cfg.engine.model.reasoning_parser,
         )
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
+        srv.pooling = PoolingServing(
+            srv.gen, srv.openai.check_model, name, srv.limits, tokenizer, cfg.pooling,
+            client.engine_config["max_running_requests"],
+        )  # fmt: skip
         srv.client = client  # last: the routes take a server with a client as started
         log.info("serving %s on http://%s:%d", name, cfg.host, cfg.port)
 

@@ -21,6 +21,7 @@ import zmq.asyncio
 from ..common import FinishReason, RequestOutput, SamplingParams
 from ..common import messages as m
 from ..common.disagg import DisaggParams
+from ..common.pooling import PoolingParams
 from ..config import EngineConfig
 from ..engine.process import engine_main, ipc_paths
 from ..errors import ConflictError, ModelLoadError, ServiceUnavailable, error_for_status
@@ -307,6 +308,7 @@ class EngineClient:
         params: SamplingParams,
         session_params: dict | None = None,
         disagg: DisaggParams | None = None,
+        pooling: PoolingParams | None = None,
     ) -> asyncio.Queue:
         """Send a request; its outputs arrive on the returned queue. The front's one duplicate-rid
         check (streams are keyed by rid); the engine checks again, as the authority."""
@@ -317,7 +319,7 @@ class EngineClient:
             )
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
-        await self.push.send(m.encode(m.AddRequest(rid, input_ids, params, session_params, disagg)))
+        await self.push.send(m.encode(m.AddRequest(rid, input_ids, params, session_params, disagg, pooling)))
         return q
 
     async def abort(self, rid: str, message: str = "aborted by the client") -> None:

@@ -98,6 +98,19 @@ RESPONSES_REFUSED: Refused = {
     "session_id": _NONE, "lora_path": _NONE, "rid": _NONE,
 }  # fmt: skip
 
+# vLLM's and SGLang's extras on their pooling bodies (embeddings, score, rerank) not implemented here.
+_POOLING_REFUSED: Refused = {
+    "truncate_prompt_tokens": (None, -1), "priority": (None, 0), "normalize": (None, True),
+    "use_activation": (None, True), "softmax": _NONE, "activation": _NONE, "mm_processor_kwargs": _EMPTY,
+    "embed_dtype": (None, "float32"), "endianness": (None, "native", "little"), "dimensions_from": _NONE,
+    "lora_path": _NONE, "additional_data": _NONE, "encoding_format_options": _NONE, "messages": _NONE,
+    "chat_template": _NONE, "chat_template_kwargs": _EMPTY, "add_generation_prompt": _OFF,
+    "continue_final_message": _OFF, "image": _NONE, "routed_dp_rank": (None, 0),
+}  # fmt: skip
+EMBEDDINGS_REFUSED: Refused = {**_POOLING_REFUSED, "add_special_tokens": (None, True)}
+SCORE_REFUSED: Refused = {**_POOLING_REFUSED, "text_1": _NONE, "text_2": _NONE, "data_1": _NONE, "data_2": _NONE}
+RERANK_REFUSED: Refused = {**_POOLING_REFUSED, "instruct": _NONE, "instruction": _NONE}
+
 GENERATE_REFUSED: Refused = {
     "input_embeds": _NONE, "image_data": _EMPTY, "video_data": _EMPTY, "audio_data": _EMPTY,
     "use_audio_in_video": _OFF, "token_ids_logprob": _EMPTY, "return_hidden_states": _OFF,

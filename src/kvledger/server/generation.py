@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from ..common import FinishReason, RequestOutput, SamplingParams, meta_info
 from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs, TopLogprobs
+from ..common.pooling import PoolingParams
 from ..engine.detok import TextState
 from ..errors import KVLedgerError
 from .auth import current_principal
@@ -40,6 +41,8 @@ class GenState:
     finish: FinishReason | None = None
     visible: str = ""
     prompt: PromptLogprobs | None = None  # scoring: the prompt's logprobs as they arrive
+    embedding: list[float] | None = None  # a pooling request's answer (common/pooling.py)
+    label_logprobs: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,6 +65,7 @@ class GenState:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         if out.finished:
             self.finish = out.finish_reason
+            self.embedding, self.label_logprobs = out.embedding, out.label_logprobs
         return verified
 
     def native(self, return_logprob: bool, token_text=None) -> dict:
@@ -110,10 +114,12 @@ class GenerationService:
         session_params: dict | None = None,
         owner: str | None = None,
         disagg: DisaggParams | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[GenState]:
         """Yield the request's state after each batch of new tokens; the last one is finished.
         ``owner`` is who may abort it besides the admin (default: the calling principal);
-        ``disagg`` its bootstrap room in PD mode."""
+        ``disagg`` its bootstrap room in PD mode; ``pooling`` makes it an embedding or score request
+        (its answer on the final state)."""
         rid = rid or uuid.uuid4().hex
         text = TextState(self.tokenizer, params.skip_special_tokens, params.stop, not params.no_stop_trim)
         st = GenState(rid, params, text, len(input_ids))
@@ -122,7 +128,7 @@ class GenerationService:
         t0 = time.monotonic()
         last = None
         await self.gate.wait_open()  # holds nothing while it waits (a client may leave meanwhile)
-        q = await self.client.submit(rid, input_ids, params, session_params, disagg)
+        q = await self.client.submit(rid, input_ids, params, session_params, disagg, pooling)
         self.owners[rid] = owner or current_principal()
         try:
             while st.finish is None:
@@ -164,13 +170,21 @@ class GenerationService:
             m.aborted.labels("timeout" if st.finish.code == "request_timeout" else reason).inc()
 
     async def collect(
-        self, input_ids, params, rid=None, disconnected=None, session_params=None, owner=None, disagg=None
+        self,
+        input_ids,
+        params,
+        rid=None,
+        disconnected=None,
+        session_params=None,
+        owner=None,
+        disagg=None,
+        pooling=None,
     ) -> GenState:
         """Run to completion. ``disconnected`` is polled; if it turns true the request is aborted."""
 
         async def run() -> GenState:
             last = None
-            async for state in self.stream(input_ids, params, rid, session_params, owner, disagg):
+            async for state in self.stream(input_ids, params, rid, session_params, owner, disagg, pooling):
                 last = state
             return last
 

@@ -151,6 +151,52 @@ class ResponsesRequest(_Strict):
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
 
 
+class EmbeddingRequest(_Strict):
+    """OpenAI's ``POST /v1/embeddings`` (``input``: a string, strings, token ids or lists of them)."""
+
+    model: str | None = None
+    input: Any = None  # checked by the one prompt parser (pooling_api.py), so errors name "input"
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # refused: the model is not Matryoshka-trained
+    user: str | None = None  # a tag: no effect
+    rid: str | None = None
+    request_id: str | None = None  # vLLM's name for rid
+    cache_salt: str | None = None
+    extra_key: str | None = None
+
+    refused_fields: ClassVar[fields.Refused] = fields.EMBEDDINGS_REFUSED
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
+
+
+class ScoreRequest(_Strict):
+    """SGLang's ``POST /v1/score``: per item, the probabilities of ``label_token_ids`` right after
+    ``query + item`` (``item + query`` with ``item_first``)."""
+
+    model: str | None = None
+    query: str | list[Any] | None = None
+    items: str | list[Any] | None = None
+    label_token_ids: list[Any] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+
+    refused_fields: ClassVar[fields.Refused] = fields.SCORE_REFUSED
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
+
+
+class RerankRequest(_Strict):
+    """``POST /v1/rerank`` (SGLang's and vLLM's fields): ``documents`` ordered by their relevance to
+    ``query``, here the cosine similarity of their embeddings."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = None  # None or 0 (vLLM's default): all of them
+    return_documents: bool = True
+
+    refused_fields: ClassVar[fields.Refused] = fields.RERANK_REFUSED
+    known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
+
+
 class TokenizeRequest(_Strict):
     """vLLM's and SGLang's /tokenize: a ``prompt`` or chat ``messages``."""
 

@@ -17,6 +17,7 @@ from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
 from .openai_api import OpenAIServing
+from .pooling_api import PoolingServing
 from .responses_api import ResponsesServing
 from .session_store import SessionStore
 
@@ -33,6 +34,7 @@ class ServerState:
     gen: GenerationService | None = None
     openai: OpenAIServing | None = None
     responses: ResponsesServing | None = None
+    pooling: PoolingServing | None = None
     sessions: SessionStore | None = None
     gate: GenerationGate = field(default_factory=GenerationGate)  # paused / updating weights
     control: Control | None = None

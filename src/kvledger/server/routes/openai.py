@@ -1,4 +1,5 @@
-"""The OpenAI API: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/models``."""
+"""The OpenAI API: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/v1/models``;
+``/v1/embeddings`` and the pooling peers' ``/v1/score`` and ``/v1/rerank``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..handlers import parse_body
-from ..protocol import ChatRequest, CompletionRequest, ResponsesRequest
+from ..protocol import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ResponsesRequest,
+    ScoreRequest,
+)
 from ..state import state
 
 router = APIRouter()
@@ -35,6 +43,21 @@ async def chat(request: Request):
 @router.post("/v1/responses")
 async def create_response(request: Request):
     return await _serve(request, ResponsesRequest, "create", api="responses")
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    return await _serve(request, EmbeddingRequest, "embeddings", api="pooling")
+
+
+@router.post("/v1/score")
+async def score(request: Request):
+    return await _serve(request, ScoreRequest, "score", api="pooling")
+
+
+@router.post("/v1/rerank")
+async def rerank(request: Request):
+    return await _serve(request, RerankRequest, "rerank", api="pooling")
 
 
 @router.get("/v1/responses/{response_id}")

@@ -1,0 +1,181 @@
+"""``/v1/embeddings`` (OpenAI), ``/v1/score`` (SGLang) and ``/v1/rerank`` (SGLang's and vLLM's
+fields, vLLM's answer): requests that run their prompt and end, with no decode
+(``common/pooling.py``). Every input is parsed and validated before any is submitted, so a bad one
+allocates nothing for any of them."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from ..common import Limits, SamplingParams, cache_salt_of, parse_prompts, validate_request
+from ..common.pooling import PoolingParams, label_scores, score_prompts, validate_pooling
+from ..common.prompts import split_openai_prompt
+from ..errors import ValidationError
+from .generation import GenerationService, GenState
+from .protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+
+MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request (also documents, items)
+RERANK_SCORE = "cosine_similarity"  # what /v1/rerank's relevance_score is (no cross-encoder here)
+
+
+class PoolingServing:
+    def __init__(
+        self,
+        gen: GenerationService,
+        check_model,
+        name: str,
+        limits: Limits,
+        tokenizer,
+        pooling: str,
+        max_in_flight: int,
+    ):
+        self.gen = gen
+        self.max_in_flight = max_in_flight
+        self.check_model = check_model
+        self.name = name
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.pooling = pooling  # --pooling: last | mean
+
+    # -- shared ------------------------------------------------------------------------------------------
+    def _prompts(self, text, ids, param: str, sampling: dict | None = None) -> list[tuple[list[int], SamplingParams]]:
+        """Parse and validate every prompt (the one validation) before anything is submitted."""
+        many = text if isinstance(text, list) else ids
+        if isinstance(many, list) and len(many) > MAX_INPUTS:
+            raise ValidationError(f"at most {MAX_INPUTS} inputs per request", param=param, code="too_many_inputs")
+        prompts, _ = parse_prompts(text, ids, self.tokenizer, text_param=param)
+        jobs = []
+        for i, p in enumerate(prompts):
+            try:
+                jobs.append(validate_request(p, {**(sampling or {}), "max_new_tokens": 0}, self.limits))
+            except ValidationError as e:
+                where = param if len(prompts) == 1 else f"{param}.{i}"
+                raise ValidationError(e.message, param=where, code=e.code) from None
+        return jobs
+
+    async def _run(self, base: str, jobs, pooling: PoolingParams, disconnected) -> list[GenState]:
+        # At most --max-running-requests of one call in the engine at a time: a batch larger than the
+        # waiting queue (--max-queued-requests) is fed to it, not refused by it with 429s.
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(i: int, ids: list[int], p: SamplingParams) -> GenState:
+            async with gate:
+                return await self.gen.collect(ids, p, f"{base}-{i}", disconnected=disconnected, pooling=pooling)
+
+        tasks = [asyncio.ensure_future(one(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
+        try:
+            states = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:  # one failed or the client left: the rest are aborted, not left running
+                t.cancel()
+        for st in states:
+            err = st.error()
+            if err is not None:
+                raise err
+        return states
+
+    @staticmethod
+    def _usage(jobs) -> dict[str, int]:
+        n = sum(len(ids) for ids, _ in jobs)
+        return {"prompt_tokens": n, "total_tokens": n}
+
+    # -- /v1/embeddings ----------------------------------------------------------------------------------
+    async def embeddings(self, body: EmbeddingRequest, disconnected) -> dict[str, Any]:
+        self.check_model(body.model)
+        if body.dimensions is not None:
+            raise ValidationError(
+                "dimensions is not supported: this model was not trained for Matryoshka embeddings, so a "
+                "truncated embedding would be a poor one; leave dimensions out",
+                param="dimensions",
+                code="unsupported_parameter",
+            )
+        if body.input is None:
+            raise ValidationError("input is required", param="input")
+        try:
+            text, ids = split_openai_prompt(body.input)
+        except ValidationError as e:
+            raise ValidationError(e.message.replace("prompt", "input"), param="input", code=e.code) from None
+        salt = cache_salt_of(body.cache_salt, body.extra_key)
+        jobs = self._prompts(text, ids, "input", {"cache_salt": salt} if salt else None)
+        base = body.rid or body.request_id or f"embd-{uuid.uuid4().hex}"
+        states = await self._run(base, jobs, PoolingParams(embed=self.pooling), disconnected)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(st.embedding, body.encoding_format)}
+            for i, st in enumerate(states)
+        ]
+        return {
+            "id": base,
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.name,
+            "data": data,
+            "usage": self._usage(jobs),
+        }
+
+    # -- /v1/score ---------------------------------------------------------------------------------------
+    async def score(self, body: ScoreRequest, disconnected) -> dict[str, Any]:
+        self.check_model(body.model)
+        if body.label_token_ids is None:
+            raise ValidationError("label_token_ids is required", param="label_token_ids")
+        pooling = validate_pooling(PoolingParams(label_token_ids=body.label_token_ids), self.limits.vocab_size)
+        prompts = score_prompts(body.query, body.items, body.item_first)
+        if not prompts:
+            return {"scores": [], "model": self.name, "object": "scoring", "usage": self._usage([])}
+        text, ids = (prompts, None) if isinstance(prompts[0], str) else (None, prompts)
+        jobs = self._prompts(text, ids, "items")
+        states = await self._run(f"score-{uuid.uuid4().hex}", jobs, pooling, disconnected)
+        return {
+            "scores": [label_scores(st.label_logprobs, body.apply_softmax) for st in states],
+            "model": self.name,
+            "object": "scoring",
+            "usage": {**self._usage(jobs), "completion_tokens": 0},
+        }
+
+    # -- /v1/rerank --------------------------------------------------------------------------------------
+    async def rerank(self, body: RerankRequest, disconnected) -> dict[str, Any]:
+        self.check_model(body.model)
+        if body.top_n is not None and body.top_n < 0:
+            raise ValidationError("top_n must be 0 (all) or a positive integer", param="top_n")
+        base = f"rerank-{uuid.uuid4().hex}"
+        if not body.documents:
+            return self._ranked(base, body, [], [])
+        jobs = self._prompts([body.query], None, "query") + self._prompts(body.documents, None, "documents")
+        states = await self._run(base, jobs, PoolingParams(embed=self.pooling), disconnected)
+        q = np.asarray(states[0].embedding, dtype=np.float64)
+        # Both are L2-normalised: the cosine is their dot product.
+        scores = [float(np.dot(q, np.asarray(st.embedding, dtype=np.float64))) for st in states[1:]]
+        return self._ranked(base, body, scores, jobs)
+
+    def _ranked(self, base: str, body: RerankRequest, scores: list[float], jobs) -> dict[str, Any]:
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])
+        if body.top_n:
+            order = order[: body.top_n]
+        results = []
+        for i in order:
+            r: dict[str, Any] = {"index": i, "relevance_score": scores[i]}
+            if body.return_documents:
+                r["document"] = {"text": body.documents[i]}
+            results.append(r)
+        return {
+            "id": base,
+            "model": self.name,
+            "results": results,
+            "usage": self._usage(jobs),
+            # Not a cross-encoder's relevance: the cosine similarity of the query's and each
+            # document's embedding (--pooling), said in every answer.
+            "score_type": RERANK_SCORE,
+            "pooling": self.pooling,
+        }
+
+
+def _encode(v: list[float], fmt: str) -> list[float] | str:
+    """``base64``: the little-endian float32 bytes, as openai-python decodes them."""
+    if fmt == "base64":
+        return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+    return v
