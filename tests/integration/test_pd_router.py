@@ -109,6 +109,32 @@ def test_output_through_the_router_equals_one_server(pd_pair):
     clean(pre, dec)
 
 
+def test_a_five_turn_chat_through_the_router_equals_one_server(pd_pair):
+    """A conversation as a chat client sends it (the whole history each turn): fp32 greedy answers
+    through the router equal the decode server's own (no room: served whole, as one server), every
+    later turn moves only what decode's prefix cache lacks, and the prompt's usage is one server's."""
+    pre, dec, router, _ = pd_pair
+    routed = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    whole = openai.OpenAI(base_url=dec.url + "/v1", api_key="none", max_retries=0)
+    hist: list[dict] = []
+    for k, text in enumerate(["Hi there", "Tell me more", "Why is that", "And then what", "Sum it up"]):
+        hist.append({"role": "user", "content": text})
+        kw = {"model": "default", "messages": hist, "max_tokens": 12, "temperature": 0}
+        moved = pd_stats(dec)["tokens"]
+        got = routed.chat.completions.create(**kw)
+        moved = pd_stats(dec)["tokens"] - moved
+        want = whole.chat.completions.create(**kw)
+        assert got.choices[0].message.content == want.choices[0].message.content, k
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens, k
+        cached = got.usage.prompt_tokens_details.cached_tokens
+        # Decode's cache holds every prompt prefill's does (it also served each turn whole), so what
+        # a cache served is decode's own match, and the transfer moved exactly the rest.
+        assert moved == got.usage.prompt_tokens - cached, (k, moved, got.usage)
+        assert (cached > 0) == (k > 0), (k, got.usage)
+        hist.append({"role": "assistant", "content": got.choices[0].message.content})
+    clean(pre, dec)
+
+
 def test_health_generate_on_both_sides_leaks_nothing(pd_pair):
     """Seed 003: SGLang's PD health check (fake bootstrap host 2.2.2.2, room 0) on the decode side
     ends on the prebuilt path; on the prefill side it computes and sends nothing."""

@@ -182,7 +182,9 @@ def test_wrong_types_are_400(qsrv, field, value):
 
 
 def test_the_parser_is_shown(qsrv):
-    assert oai(qsrv).models.list().data[0].model_extra["reasoning_parser"] == "qwen3"
+    card = oai(qsrv).models.list().data[0].model_extra
+    assert card["reasoning_parser"] == "qwen3" and card["pooling"] == "last" and card["tool_call_parser"] == "hermes"
+    assert card["priority_scheduling"] is False
     info = httpx.get(qsrv.url + "/get_server_info").json()
     assert info["reasoning_parser"] == "qwen3" and info["engine_config"]["reasoning_parser"] == "qwen3"
 

@@ -139,8 +139,8 @@ def reference(server, body: dict) -> list[int]:
 
 
 def test_pd_across_two_hosts(hosts, chat_model, server, tmp_path):
-    """Through the router across the link: one server's output. Then kill -9 of decode while a
-    transfer is in flight (prefill frees within its timeout and serves on), a new decode server, and
+    """Through the router across the link: one server's output. Then kill -9 of decode, holding a
+    session's KV, while a transfer is in flight (prefill frees within its timeout and serves on), a new decode server, and
     kill -9 of prefill while a transfer is in flight (decode frees within its timeout, serves on)."""
     pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
     pre, dec = start_prefill(hosts, chat_model, tmp_path, 31000), start_decode(hosts, chat_model, tmp_path, 31002)
@@ -159,8 +159,13 @@ def test_pd_across_two_hosts(hosts, chat_model, server, tmp_path):
     pre.wait_idle_clean()
     dec.wait_idle_clean()
 
-    # Kill -9 of decode after its claim: prefill computes the KV for a peer that is gone, holds it
-    # unacknowledged, and frees it within its bootstrap timeout.
+    # Decode holds a session's KV (a turn through the router; the session opened on decode).
+    sid = hosts.b.post(dec.url + "/open_session", json={}).json()
+    turn = hosts.a.post(router + "/generate", json={**BODY, "session_params": {"id": sid}})
+    assert turn.status_code == 200 and turn.json()["output_ids"] == reference(server, BODY), turn.text
+    assert dec.info()["memory"]["kv_session"] > 0
+    # Kill -9 of decode (holding that session) after its claim: prefill computes the KV for a peer
+    # that is gone, holds it unacknowledged, and frees it within its bootstrap timeout.
     decode_half(hosts, dec, bport, 77, LONG)
     dec.kill9()
     prefill_half(hosts, pre, bport, 77, LONG)  # whatever it answers: its half ran

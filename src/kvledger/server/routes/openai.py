@@ -90,6 +90,11 @@ def model_card(request: Request) -> dict:
         "parent": None,
         # How its reasoning is answered (--reasoning-parser; None: left in content).
         "reasoning_parser": srv.cfg.engine.model.reasoning_parser,
+        # What the other endpoints do with this model: tool calls' format, how /v1/embeddings and
+        # /v1/rerank pool, whether a request's priority orders the queue.
+        "tool_call_parser": srv.cfg.tool_call_parser,
+        "pooling": srv.cfg.pooling,
+        "priority_scheduling": srv.cfg.engine.scheduler.enable_priority_scheduling,
     }
 
 
