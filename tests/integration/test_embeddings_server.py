@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.helpers import hf_model
-from tests.integration.conftest import started_server
+from tests.integration.conftest import ENGINE_ARGS, started_server
+from tests.server_harness import Server
 
 TOL = 1e-5
 LONG = "The quick brown fox jumps over the lazy dog while the cat watches. " * 3  # > a 64-token chunk
@@ -225,13 +226,20 @@ def test_a_batch_larger_than_the_queue(srv, client, chat_hf):
         assert close(out.data[i].embedding, hf_embedding(chat_hf, tokenize(srv, texts[i])))
 
 
-def test_a_client_that_leaves_mid_batch_leaves_nothing_running(srv):
+def test_a_client_that_leaves_mid_batch_leaves_nothing_running(chat_model, tmp_path):
     """The batch's requests in the engine are aborted through the release path, and those not yet
-    submitted never are (the srv fixture then finds the books clean)."""
-    before = requests_seen(srv)
-    texts = [f"{i} " + "lorem ipsum " * 50 for i in range(200)]
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(srv.url + "/v1/embeddings", json={"input": texts}, timeout=1.5)
-    time.sleep(3)
-    srv.wait_idle_clean(timeout=30)
-    assert requests_seen(srv) - before <= 2 * 8  # at most --max-running-requests at a time ever went in
+    submitted never are. Every forward is slowed (a test hook) so that the client surely leaves with
+    most of the batch unsubmitted: on a quiet machine the tiny model could otherwise finish all 200
+    inside the client's 1.5 s, and the test would prove nothing."""
+    s = Server(chat_model, *ENGINE_ARGS, log_path=str(tmp_path / "slow.log"), env={"KVLEDGER_TEST_STEP_DELAY_S": "0.05"})
+    try:
+        s.wait_healthy()
+        before = requests_seen(s)
+        texts = [f"{i} " + "lorem ipsum " * 50 for i in range(200)]
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(s.url + "/v1/embeddings", json={"input": texts}, timeout=1.5)
+        time.sleep(3)
+        s.wait_idle_clean(timeout=30)
+        assert requests_seen(s) - before <= 2 * 8  # at most --max-running-requests at a time ever went in
+    finally:
+        s.stop()

@@ -62,16 +62,16 @@ def launch_workers(
 def join_group(cfg: EngineConfig, rank: int, addr: str) -> TPComm:
     import torch.distributed as dist
 
-    from .netif import choose_gloo_interface
+    from .netif import gloo_interface
 
-    choose_gloo_interface(addr)  # the interface the other ranks can reach, not the host name's
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{addr}",
-        rank=rank,
-        world_size=cfg.parallel.tp_size,
-        timeout=datetime.timedelta(seconds=cfg.parallel.dist_timeout_s),
-    )
+    with gloo_interface(addr):  # the interface the other ranks can reach, not the host name's
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{addr}",
+            rank=rank,
+            world_size=cfg.parallel.tp_size,
+            timeout=datetime.timedelta(seconds=cfg.parallel.dist_timeout_s),
+        )
     return TPComm(rank, cfg.parallel.tp_size)
 
 

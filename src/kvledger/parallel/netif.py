@@ -47,6 +47,23 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def gloo_interface(rendezvous: str):
+    """``GLOO_SOCKET_IFNAME`` set to the interface that reaches ``rendezvous`` (``host:port``) while
+    the group forms, unless the user set it; the environment is restored after, so a process that
+    joins a group (a test, an engine in-process) does not hand its choice to the processes it starts
+    later (another machine's namespace, another group)."""
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    name = choose_gloo_interface(rendezvous)
+    try:
+        yield name
+    finally:
+        if before is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = before
+
+
 def choose_gloo_interface(rendezvous: str) -> str | None:
     """Set ``GLOO_SOCKET_IFNAME`` to the interface that reaches ``rendezvous`` (``host:port``) unless
     it is set already; returns the interface used (None: left to gloo)."""
