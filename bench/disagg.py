@@ -199,6 +199,30 @@ def wait_up(url: str, path: str = "/v1/models", timeout: float = 300) -> None:
     raise TimeoutError(url)
 
 
+SERVE = [sys.executable, "-m", "kvledger", "serve", "--log-level", "warning", "--page-size", "16"]
+
+
+def router_cmd() -> list[str]:
+    return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]  # fmt: skip
+
+
+def start_pd(procs: Procs, tag: str = "") -> tuple[str, str]:
+    """A prefill and a decode server (half the cores each) behind SGLang's router in PD mode;
+    returns (router URL, decode URL)."""
+    bport, pport, dport, rport = free_port(), free_port(), free_port(), free_port()
+    threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
+    procs.start(f"prefill{tag}", [*SERVE, *threads, "--port", str(pport), "--disaggregation-mode", "prefill",
+                                  "--disaggregation-bootstrap-port", str(bport)])  # fmt: skip
+    procs.start(f"decode{tag}", [*SERVE, *threads, "--port", str(dport), "--disaggregation-mode", "decode"])
+    wait_up(f"http://127.0.0.1:{pport}")
+    wait_up(f"http://127.0.0.1:{dport}")
+    procs.start(f"router{tag}", [*router_cmd(), "--port", str(rport), "--pd-disaggregation", "--prefill",
+                                 f"http://127.0.0.1:{pport}", str(bport), "--decode", f"http://127.0.0.1:{dport}"])  # fmt: skip
+    wait_up(f"http://127.0.0.1:{rport}", "/health")
+    return f"http://127.0.0.1:{rport}", f"http://127.0.0.1:{dport}"
+
+
 def bench(url: str, label: str, args, out: Path) -> dict:
     path = out / f"{label}.json"
     cmd = [sys.executable, "-m", "kvledger", "bench", "--base-url", url, "--label", label,
@@ -210,40 +234,28 @@ def bench(url: str, label: str, args, out: Path) -> dict:
 
 
 def end_to_end(args, out: Path) -> list[dict]:
-    py = [sys.executable, "-m", "kvledger", "serve", "--log-level", "warning", "--page-size", "16"]
-    router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-              "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]  # fmt: skip
     rows = []
     procs = Procs(out)
     try:
         port = free_port()
-        procs.start("single", [*py, "--port", str(port)])
+        procs.start("single", [*SERVE, "--port", str(port)])
         wait_up(f"http://127.0.0.1:{port}")
         rows.append({"system": "one server", **bench(f"http://127.0.0.1:{port}", "single", args, out)})
         procs.stop()
 
         port = free_port()
-        procs.start("dp2", [*py, "--port", str(port), "--dp-size", "2", "--router-policy", "round_robin"])
+        procs.start("dp2", [*SERVE, "--port", str(port), "--dp-size", "2", "--router-policy", "round_robin"])
         wait_up(f"http://127.0.0.1:{port}")
         rows.append(
             {"system": "DP 2 replicas + router", **bench(f"http://127.0.0.1:{port}", "dp2", args, out)}
         )
         procs.stop()
 
-        bport, pport, dport, rport = free_port(), free_port(), free_port(), free_port()
-        threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
-        procs.start("prefill", [*py, *threads, "--port", str(pport), "--disaggregation-mode", "prefill",
-                                "--disaggregation-bootstrap-port", str(bport)])  # fmt: skip
-        procs.start("decode", [*py, *threads, "--port", str(dport), "--disaggregation-mode", "decode"])
-        wait_up(f"http://127.0.0.1:{pport}")
-        wait_up(f"http://127.0.0.1:{dport}")
-        procs.start("router", [*router, "--port", str(rport), "--pd-disaggregation", "--prefill",
-                               f"http://127.0.0.1:{pport}", str(bport), "--decode", f"http://127.0.0.1:{dport}"])  # fmt: skip
-        wait_up(f"http://127.0.0.1:{rport}", "/health")
+        rurl, durl = start_pd(procs)
         rows.append(
-            {"system": "PD prefill + decode + router", **bench(f"http://127.0.0.1:{rport}", "pd", args, out)}
+            {"system": "PD prefill + decode + router", **bench(rurl, "pd", args, out)}
         )
-        info = httpx.get(f"http://127.0.0.1:{dport}/get_server_info", timeout=10).json()["disaggregation"]
+        info = httpx.get(f"{durl}/get_server_info", timeout=10).json()["disaggregation"]
         rows[-1]["pd_decode_stats"] = info
     finally:
         procs.stop()
@@ -302,33 +314,19 @@ def conversation(url: str, turns: int, max_tokens: int, decode_url: str | None =
 
 
 def multi_turn(args, out: Path) -> dict:
-    py = [sys.executable, "-m", "kvledger", "serve", "--log-level", "warning", "--page-size", "16"]
-    router = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-              "--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]  # fmt: skip
     procs = Procs(out)
     result = {}
     try:
         port = free_port()
-        procs.start("single-turns", [*py, "--port", str(port)])
+        procs.start("single-turns", [*SERVE, "--port", str(port)])
         wait_up(f"http://127.0.0.1:{port}")
         print("one server:", flush=True)
         result["one server"] = conversation(f"http://127.0.0.1:{port}", args.turns, args.turn_tokens)
         procs.stop()
 
-        bport, pport, dport, rport = free_port(), free_port(), free_port(), free_port()
-        threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
-        procs.start("prefill-turns", [*py, *threads, "--port", str(pport), "--disaggregation-mode", "prefill",
-                                      "--disaggregation-bootstrap-port", str(bport)])  # fmt: skip
-        procs.start("decode-turns", [*py, *threads, "--port", str(dport), "--disaggregation-mode", "decode"])
-        wait_up(f"http://127.0.0.1:{pport}")
-        wait_up(f"http://127.0.0.1:{dport}")
-        procs.start("router-turns", [*router, "--port", str(rport), "--pd-disaggregation", "--prefill",
-                                     f"http://127.0.0.1:{pport}", str(bport), "--decode", f"http://127.0.0.1:{dport}"])  # fmt: skip
-        wait_up(f"http://127.0.0.1:{rport}", "/health")
+        rurl, durl = start_pd(procs, "-turns")
         print("PD through the router:", flush=True)
-        result["PD"] = conversation(
-            f"http://127.0.0.1:{rport}", args.turns, args.turn_tokens, decode_url=f"http://127.0.0.1:{dport}"
-        )
+        result["PD"] = conversation(rurl, args.turns, args.turn_tokens, decode_url=durl)
         result["same_text"] = [r["prompt_tokens"] for r in result["PD"]] == [
             r["prompt_tokens"] for r in result["one server"]
         ]

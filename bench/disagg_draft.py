@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,10 +32,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from hicache_draft import best_ms, random_draft  # noqa: E402
+from hicache_draft import best_ms, target_and_draft  # noqa: E402
 
 from kvledger.memory import KVBuffer  # noqa: E402
-from kvledger.model import LlamaModel, load_model  # noqa: E402
+from kvledger.model import LlamaModel  # noqa: E402
 from kvledger.spec.draft_model import DraftModelProposer  # noqa: E402
 
 LOOPBACK_BYTES_S = 1.2e9  # the built-in transport at 1,024 tokens (bench/RESULTS.md)
@@ -68,11 +67,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
-    t_loaded = load_model(None, load_tokenizer=False)
-    target = LlamaModel(t_loaded.config, dict(t_loaded.weights), dtype=dtype)
-    with tempfile.TemporaryDirectory() as d:
-        d_loaded = load_model(random_draft(d, t_loaded.config, args.draft_layers), load_tokenizer=False)
-        draft = LlamaModel(d_loaded.config, dict(d_loaded.weights), dtype=dtype)
+    t_loaded, target, draft = target_and_draft(dtype, args.draft_layers)
     tb, db = kv_bytes(target), kv_bytes(draft)
     print(f"target {t_loaded.config.name} ({t_loaded.config.num_layers} layers, {tb:,} B/token of KV), draft "
           f"{args.draft_layers} layers of its width ({db:,} B/token), {args.dtype}, {torch.get_num_threads()} "

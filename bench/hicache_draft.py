@@ -76,6 +76,17 @@ def costs(model: LlamaModel, p: int, page_size: int, reps: int) -> tuple[float, 
     return fwd, copy, host.page_bytes
 
 
+def target_and_draft(dtype: torch.dtype, draft_layers: int):
+    """SmolLM2 (the default model) and a random draft of ``draft_layers`` layers of its width, as
+    ``LlamaModel``s; returns ``(target's LoadedModel, target, draft)``."""
+    t_loaded = load_model(None, load_tokenizer=False)
+    target = LlamaModel(t_loaded.config, dict(t_loaded.weights), dtype=dtype)
+    with tempfile.TemporaryDirectory() as d:
+        d_loaded = load_model(random_draft(d, t_loaded.config, draft_layers), load_tokenizer=False)
+        draft = LlamaModel(d_loaded.config, dict(d_loaded.weights), dtype=dtype)
+    return t_loaded, target, draft
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -89,11 +100,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(False)
-    t_loaded = load_model(None, load_tokenizer=False)
-    target = LlamaModel(t_loaded.config, dict(t_loaded.weights), dtype=dtype)
-    with tempfile.TemporaryDirectory() as d:
-        d_loaded = load_model(random_draft(d, t_loaded.config, args.draft_layers), load_tokenizer=False)
-        draft = LlamaModel(d_loaded.config, dict(d_loaded.weights), dtype=dtype)
+    t_loaded, target, draft = target_and_draft(dtype, args.draft_layers)
     print(f"target {t_loaded.config.name} ({t_loaded.config.num_layers} layers), draft {args.draft_layers} "
           f"layers of its width, {args.dtype}, page size {args.page_size}, {torch.get_num_threads()} threads\n")  # fmt: skip
     print("| prefix | target prefill | target load-back | draft recompute | draft K/V copy | page bytes + draft |")

@@ -85,6 +85,30 @@ def assert_idle_clean(engine) -> None:
     assert m["leak_check"]["ok"], m
 
 
+def step_until(eng, cond, limit: int = 500) -> None:
+    """Step ``eng`` until ``cond()`` holds (checked before each step), at most ``limit`` steps."""
+    for _ in range(limit):
+        if cond():
+            return
+        eng.step()
+    raise AssertionError(f"condition not reached in {limit} steps")
+
+
+def record_drafts(eng) -> list[list[int]]:
+    """Every draft ``eng``'s proposer makes from now on, in order (wraps ``propose``)."""
+    proposer = eng.core.scheduler.proposer
+    seen: list[list[int]] = []
+    orig = proposer.propose
+
+    def propose(req, k):
+        drafts = orig(req, k)
+        seen.append(drafts)
+        return drafts
+
+    proposer.propose = propose
+    return seen
+
+
 def build_tiny_chat_model(path: str, seed: int = 5) -> str:
     """A tiny random Llama with a real byte-level tokenizer and a chat template (vocab 260)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

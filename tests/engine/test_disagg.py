@@ -17,7 +17,7 @@ import zmq
 from kvledger.common.disagg import FAKE_BOOTSTRAP_HOST, DisaggParams
 from kvledger.disagg import wire
 from kvledger.disagg.mooncake import available as mooncake_missing
-from tests.helpers import assert_idle_clean
+from tests.helpers import assert_idle_clean, record_drafts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # The built-in transport always; Mooncake's engine where it is installed (.ci/run installs it).
@@ -759,19 +759,6 @@ def test_session_turns_through_pd_equal_one_engine_and_move_only_their_suffix(pd
 
 
 # -- PD with a draft model: decode recomputes the draft's prompt K/V -----------------------------------
-def _record_drafts(eng) -> list[list[int]]:
-    proposer = eng.core.scheduler.proposer
-    seen: list[list[int]] = []
-    orig = proposer.propose
-
-    def propose(req, k):
-        drafts = orig(req, k)
-        seen.append(drafts)
-        return drafts
-
-    proposer.propose = propose
-    return seen
-
 
 @pytest.mark.parametrize("prefill_has_it", [True, False])
 def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_llama, prefill_has_it):
@@ -789,10 +776,10 @@ def test_pd_with_a_draft_model_equals_one_engine_without(pd, make_engine, tiny_l
     plain = make_engine()
     refs = [plain.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts]
     cold = make_engine(page_size=4, enable_prefix_cache=False, **draft)
-    cold_drafts = _record_drafts(cold)
+    cold_drafts = record_drafts(cold)
     assert [cold.generate(input_ids=p, sampling_params=sp)["output_ids"] for p in prompts] == refs
     pre, dec, port = pd(prefill_kw=draft if prefill_has_it else None, decode_kw=draft)
-    drafts = _record_drafts(dec)
+    drafts = record_drafts(dec)
     for rnd in range(2):
         for i, p in enumerate(prompts):  # one at a time: each request's drafts in order
             n = 10 * rnd + i

@@ -20,7 +20,7 @@ import pytest
 from kvledger import Engine, ValidationError
 from kvledger.errors import OverloadedError
 from kvledger.hicache.storage import FileStorage, PageHasher, load_or_create_salt
-from tests.helpers import assert_idle_clean
+from tests.helpers import assert_idle_clean, record_drafts
 from tests.server_harness import process_alive
 
 G = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
@@ -587,19 +587,6 @@ def test_tp2_a_bad_file_on_one_rank_is_a_miss_on_every_rank(baseline, tp_engines
 
 
 # -- a draft model: its K/V is recomputed, never moved ----------------------------------------------
-def _record_drafts(eng) -> list[list[int]]:
-    proposer = eng.core.scheduler.proposer
-    seen: list[list[int]] = []
-    orig = proposer.propose
-
-    def propose(req, k):
-        drafts = orig(req, k)
-        seen.append(drafts)
-        return drafts
-
-    proposer.propose = propose
-    return seen
-
 
 def test_draft_model_with_the_hierarchy(make_engine, baseline, tiny_llama, tmp_path):
     """Pages loaded back from L2 and L3 carry no draft K/V (they are fresh L1 pages); the draft
@@ -610,7 +597,7 @@ def test_draft_model_with_the_hierarchy(make_engine, baseline, tiny_llama, tmp_p
     ref = make_engine(page_size=PS, max_total_tokens=L1, enable_prefix_cache=False, **draft)
     d = str(tmp_path / "l3")
     eng = _hier(make_engine, hicache_ratio=2, hicache_storage_backend="file", hicache_storage_dir=d, **draft)
-    ref_drafts, drafts = _record_drafts(ref), _record_drafts(eng)
+    ref_drafts, drafts = record_drafts(ref), record_drafts(eng)
     assert _run(eng, prompts) == baseline(prompts) == _run(ref, prompts)
     assert drafts == ref_drafts and len(drafts) >= 2 * len(prompts)  # every request drafted
     h = _hc(eng)
@@ -620,7 +607,7 @@ def test_draft_model_with_the_hierarchy(make_engine, baseline, tiny_llama, tmp_p
     assert_idle_clean(eng)
     eng.shutdown()
     again = _hier(make_engine, hicache_storage_backend="file", hicache_storage_dir=d, **draft)
-    again_drafts = _record_drafts(again)
+    again_drafts = record_drafts(again)
     got = again.generate(input_ids=prompts[0], sampling_params=G)
     assert got["output_ids"] == baseline(prompts)[0] and got["meta_info"]["cached_tokens"] >= 96
     assert again_drafts == ref_drafts[: len(again_drafts)]

@@ -17,7 +17,7 @@ from kvledger.config import EngineConfig
 from kvledger.engine.weights import check_reload_supported
 from kvledger.errors import ConflictError, ValidationError
 from kvledger.model.linear import Linear
-from tests.helpers import assert_idle_clean, build_tiny_model
+from tests.helpers import assert_idle_clean, build_tiny_model, step_until
 from tests.unit.test_loader import write_gguf
 
 G = {"temperature": 0, "ignore_eos": True}
@@ -39,14 +39,6 @@ def _greedy(eng, prompt, n):
     return eng.generate(input_ids=prompt, sampling_params={**G, "max_new_tokens": n})
 
 
-def _step_until(eng, cond, limit=500):
-    for _ in range(limit):
-        if cond():
-            return
-        eng.step()
-    raise AssertionError("condition not reached")
-
-
 def _outputs(eng, rid):
     return len(eng.core.scheduler.reqs[rid].output_ids)
 
@@ -57,7 +49,7 @@ def test_retract_pause_then_continue_gives_the_uninterrupted_output(make_engine)
     eng = make_engine()
     a = eng.add_request(A, {**G, "max_new_tokens": 40})
     b = eng.add_request(B, {**G, "max_new_tokens": 30})
-    _step_until(eng, lambda: _outputs(eng, a) >= 10 and _outputs(eng, b) >= 5)
+    step_until(eng, lambda: _outputs(eng, a) >= 10 and _outputs(eng, b) >= 5)
     eng.pause_generation("retract")
     s = eng.core.scheduler
     m = eng.memory()
@@ -82,7 +74,7 @@ def test_in_place_pause_keeps_slots_and_kv_and_resumes(make_engine):
     want = _greedy(make_engine(), A, 40)["output_ids"]
     eng = make_engine()
     a = eng.add_request(A, {**G, "max_new_tokens": 40})
-    _step_until(eng, lambda: _outputs(eng, a) >= 10)
+    step_until(eng, lambda: _outputs(eng, a) >= 10)
     eng.pause_generation("in_place")
     req = eng.core.scheduler.reqs[a]
     slot, pages, n = req.slot, list(req.pages), len(req.output_ids)
@@ -99,7 +91,7 @@ def test_abort_pause_ends_every_request_through_the_release_path(make_engine):
     eng = make_engine(max_running_requests=1)
     a = eng.add_request(A, {**G, "max_new_tokens": 40})
     b = eng.add_request(B, {**G, "max_new_tokens": 8})  # queued behind a
-    _step_until(eng, lambda: _outputs(eng, a) >= 3)
+    step_until(eng, lambda: _outputs(eng, a) >= 3)
     eng.pause_generation()  # SGLang's default mode: abort
     eng.step()
     for rid in (a, b):
@@ -151,7 +143,7 @@ def test_update_weights_while_retract_paused_recomputes_with_the_new_weights(mak
     fresh = Engine(model=new_weights, dtype="float32", page_size=16, max_total_tokens=4096, strict_memory=True)
     eng = make_engine()
     a = eng.add_request(A, {**G, "max_new_tokens": 30})
-    _step_until(eng, lambda: _outputs(eng, a) >= 10)
+    step_until(eng, lambda: _outputs(eng, a) >= 10)
     eng.pause_generation("retract")
     kept = list(eng.core.scheduler.reqs[a].output_ids)
     ok, message, paused = eng.update_weights_from_disk(new_weights)
@@ -176,7 +168,7 @@ def test_a_retracted_session_turn_recomputes_its_history_on_the_new_weights(make
     first = eng.generate(input_ids=A, sampling_params={**G, "max_new_tokens": 20}, session_params={"id": sid})
     history = A + first["output_ids"]
     rid = eng.add_request(B, {**G, "max_new_tokens": 24}, session_params={"id": sid})
-    _step_until(eng, lambda: _outputs(eng, rid) >= 5)
+    step_until(eng, lambda: _outputs(eng, rid) >= 5)
     eng.pause_generation("retract")
     kept = list(eng.core.scheduler.reqs[rid].output_ids)
     assert eng.sessions()[0]["busy_rid"] == rid and eng.sessions()[0]["kv_tokens"] > 0
@@ -211,7 +203,7 @@ def test_update_weights_refusals_leave_the_old_weights_serving(make_engine, othe
     assert e.value.code == "shape_mismatch" and e.value.param == "model_path"
     # Requests holding KV of the current weights: refused (409), in place or running.
     a = eng.add_request(A, {**G, "max_new_tokens": 16})
-    _step_until(eng, lambda: _outputs(eng, a) >= 2)
+    step_until(eng, lambda: _outputs(eng, a) >= 2)
     for paused in (None, "in_place"):
         if paused:
             eng.pause_generation(paused)

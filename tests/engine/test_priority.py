@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.errors import ServiceUnavailable, ValidationError
+from tests.helpers import step_until
 
 G = {"temperature": 0.0, "ignore_eos": True}
 LOW = list(range(3, 40))
@@ -17,14 +18,6 @@ HIGH = list(range(50, 70))
 def _alone(make_engine, ids, n, **kw):
     eng = make_engine(**kw)
     return eng.generate(input_ids=ids, sampling_params={**G, "max_new_tokens": n})["output_ids"]
-
-
-def _step_until(eng, cond, limit=500):
-    for _ in range(limit):
-        if cond():
-            return
-        eng.step()
-    raise AssertionError("condition never met")
 
 
 def _running(eng) -> list[str]:
@@ -40,7 +33,7 @@ def test_high_priority_preempts_a_decoding_request_whose_output_is_unchanged(mak
     high_alone = _alone(make_engine, HIGH, 8, **kw)
     eng = make_engine(enable_priority_scheduling=True, **kw)
     low = eng.add_request(LOW, {**G, "max_new_tokens": 30, "priority": 0}, rid="low")
-    _step_until(eng, lambda: len(eng.core.scheduler.reqs["low"].output_ids) >= 10)  # mid-decode
+    step_until(eng, lambda: len(eng.core.scheduler.reqs["low"].output_ids) >= 10)  # mid-decode
     high = eng.add_request(HIGH, {**G, "max_new_tokens": 8, "priority": 100}, rid="high")
     eng.step()
     assert _running(eng) == ["high"]  # preempted at once
@@ -59,7 +52,7 @@ def test_preemption_when_the_pool_is_full(make_engine):
     low_alone = _alone(make_engine, LOW, 40, **kw)
     eng = make_engine(enable_priority_scheduling=True, **kw)
     eng.add_request(LOW, {**G, "max_new_tokens": 40, "priority": 1}, rid="low")
-    _step_until(eng, lambda: len(eng.core.scheduler.reqs["low"].output_ids) >= 20)
+    step_until(eng, lambda: len(eng.core.scheduler.reqs["low"].output_ids) >= 20)
     eng.add_request(list(range(60, 100)), {**G, "max_new_tokens": 4, "priority": 50}, rid="high")
     eng.step()
     assert "high" in _running(eng) and "low" not in _running(eng)
@@ -74,7 +67,7 @@ def test_no_preemption_within_the_threshold_or_without_the_flag(make_engine):
     for flags, hi in (({"enable_priority_scheduling": True}, 10), ({}, 1000)):
         eng = make_engine(max_running_requests=1, **flags)
         eng.add_request(LOW, {**G, "max_new_tokens": 12, "priority": 0}, rid="low")
-        _step_until(eng, lambda e=eng: len(e.core.scheduler.reqs["low"].output_ids) >= 3)
+        step_until(eng, lambda e=eng: len(e.core.scheduler.reqs["low"].output_ids) >= 3)
         eng.add_request(HIGH, {**G, "max_new_tokens": 2, "priority": hi}, rid="high")
         eng.step()
         assert _running(eng) == ["low"]
@@ -89,11 +82,11 @@ def test_low_priority_values_first_and_a_request_without_priority(make_engine):
     priority is the least important (preempted by any, preempts none)."""
     eng = make_engine(max_running_requests=1, enable_priority_scheduling=True, schedule_low_priority_values_first=True)
     eng.add_request(LOW, {**G, "max_new_tokens": 12}, rid="none")  # no priority
-    _step_until(eng, lambda: len(eng.core.scheduler.reqs["none"].output_ids) >= 2)
+    step_until(eng, lambda: len(eng.core.scheduler.reqs["none"].output_ids) >= 2)
     eng.add_request(HIGH, {**G, "max_new_tokens": 12, "priority": 50}, rid="p50")
     eng.step()
     assert _running(eng) == ["p50"]
-    _step_until(eng, lambda: len(eng.core.scheduler.reqs["p50"].output_ids) >= 2)
+    step_until(eng, lambda: len(eng.core.scheduler.reqs["p50"].output_ids) >= 2)
     eng.add_request([7] * 9, {**G, "max_new_tokens": 2, "priority": 0}, rid="p0")
     eng.step()
     assert _running(eng) == ["p0"]
@@ -140,7 +133,7 @@ def test_preempted_session_turn_leaves_its_session_as_before(make_engine):
     held = eng.memory()["kv_session"]
     before = (list(sess.tokens), list(sess.pages), sess.kv_len)
     eng.add_request([9, 9, 9], {**G, "max_new_tokens": 20, "priority": 0}, rid="turn", session_params={"id": sid})
-    _step_until(eng, lambda: len(eng.core.scheduler.reqs["turn"].output_ids) >= 6)
+    step_until(eng, lambda: len(eng.core.scheduler.reqs["turn"].output_ids) >= 6)
     eng.add_request(HIGH, {**G, "max_new_tokens": 6, "priority": 99}, rid="high")
     eng.step()
     assert _running(eng) == ["high"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvledger.errors import OverloadedError, ValidationError
-from tests.helpers import assert_idle_clean
+from tests.helpers import assert_idle_clean, step_until
 
 G = {"temperature": 0, "ignore_eos": True}
 
@@ -33,14 +33,6 @@ def _engine(make_engine, **kw):
 
 def _ref(make_engine, prompt, n):
     return make_engine().generate(input_ids=prompt, sampling_params={**G, "max_new_tokens": n})["output_ids"]
-
-
-def _step_until(eng, cond, limit=500):
-    for _ in range(limit):
-        if cond():
-            return
-        eng.step()
-    raise AssertionError("condition not reached")
 
 
 def test_queued_request_times_out_with_503_and_holds_nothing(make_engine):
@@ -73,7 +65,7 @@ def test_running_request_times_out_keeping_its_output(make_engine):
     sched = eng.core.scheduler
     rid = eng.add_request(long_prompt, {**G, "max_new_tokens": 200, "timeout": 2.5})
     nb = eng.add_request(nb_prompt, {**G, "max_new_tokens": 40})
-    _step_until(eng, lambda: len(sched.reqs[rid].output_ids) >= 6)
+    step_until(eng, lambda: len(sched.reqs[rid].output_ids) >= 6)
     clock.t += 2.5
     eng.step()
     res = eng.result(rid)
@@ -187,7 +179,7 @@ def test_timed_out_session_turn_leaves_the_session_as_it_was(make_engine):
     held = eng.memory()["kv_session"]
     rid = eng.add_request(t2, {**G, "max_new_tokens": 100, "timeout": 1}, session_params={"id": sid})
     sched = eng.core.scheduler
-    _step_until(eng, lambda: len(sched.reqs[rid].output_ids) >= 3)
+    step_until(eng, lambda: len(sched.reqs[rid].output_ids) >= 3)
     clock.t += 1.0
     eng.step()
     assert eng.result(rid)["meta_info"]["finish_reason"]["type"] == "abort"

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from kvledger.server.dp_launcher import port_free
 from tests.integration.conftest import ENGINE_ARGS
 from tests.server_harness import Server, free_port
 
@@ -29,7 +30,7 @@ class DP:
 
     def __init__(self, model: str, log_path: str):
         self.port = free_port()
-        while not all(_free(self.port + i) for i in (1, 2, 3)):
+        while not all(port_free(self.port + i) for i in (1, 2, 3)):
             self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.replicas = [f"http://127.0.0.1:{self.port + 1 + i}" for i in range(2)]
@@ -75,16 +76,6 @@ class DP:
         finally:
             self.log.close()
 
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def _clean(url: str) -> None:

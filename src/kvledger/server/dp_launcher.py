@@ -40,7 +40,7 @@ log = logging.getLogger("kvledger.dp")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -64,7 +64,7 @@ def check_dp(dp_size: int, port: int, policy: str) -> list[int]:
             param="dp_size",
         ) from None
     ports = [port + 1 + i for i in range(dp_size + 1)]
-    busy = [p for p in ports if not _port_free(p)]
+    busy = [p for p in ports if not port_free(p)]
     if busy:
         raise ValidationError(f"--dp-size {dp_size} needs ports {ports}; in use: {busy}", param="port")
     return ports
