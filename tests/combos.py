@@ -48,7 +48,8 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "hicache": {"enable_hierarchical_cache": True},
         # Every request sparse, with a budget small enough that long ones select and evict pages.
         "hisparse": {"enable_hisparse": True, "hisparse_min_context": 0, "hisparse_top_k_pages": 2,
-                     "hisparse_hot_pages": 5, "hisparse_sink_pages": 1, "hisparse_recent_pages": 2},
+                     "hisparse_hot_pages": 5, "hisparse_sink_pages": 1, "hisparse_recent_pages": 2,
+                     "page_size": 16},  # (whole pages: at least 8)
         "no_prefix_cache": {"enable_prefix_cache": False},
         "mixed_chunk": {"enable_mixed_chunk": True},
         "cpu_attention": {"attention_backend": "CPU"},
