@@ -204,8 +204,11 @@ def row_id(row: Row) -> str:
 
 
 def exact(row: Row) -> bool:
-    """Greedy and seeded outputs of this configuration are token-exact to the fp32 plain engine's."""
-    return "fp32" in row and "cuda" not in row
+    """Greedy and seeded outputs of this configuration are token-exact to the fp32 plain engine's.
+    HiSparse's knob reads 5 pages of a sequence's many (its point: selection and LRU eviction under
+    every other feature), which changes outputs; with every page selected it is exact, which
+    tests/engine/test_hisparse.py checks."""
+    return "fp32" in row and "cuda" not in row and "hisparse" not in row
 
 
 def _pick(rng: random.Random | None, choices: list):

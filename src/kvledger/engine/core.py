@@ -221,7 +221,9 @@ class EngineCore:
             tiers=tiers,
         )
         runner = self.runner = _runner(self.cfg, self.model, device)
-        if cfg.hisparse.enable_hisparse:
+        if cfg.hisparse.enable_hisparse and cfg.disagg.disaggregation_mode == "prefill":
+            log.info("HiSparse is decode-side: off on this prefill server (its requests never decode)")
+        elif cfg.hisparse.enable_hisparse:
             # HiSparse: the host pool's books here, its K/V with the runner (this process: no TP).
             num_host = max(1, int(num_pages * cfg.hisparse.hisparse_host_ratio))
             sparse = self.kv_manager.sparse = SparseKV(self.kv_manager, cfg.hisparse, num_host, context)

@@ -112,8 +112,10 @@ class BatchPolicy:
         for req in sorted(decodes, key=self._seniority):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
-            if req.sparse is not None and not req.sparse.active:
-                s.kv_manager.sparse.begin(req)  # its first decode: from here on sparse
+            if req.sparse is not None and not req.sparse.active and req.kv_len >= len(req.input_ids):
+                # Its first decode (the prompt's attention was dense, its last token included): sparse
+                # from here on.
+                s.kv_manager.sparse.begin(req)
             drafts = self._drafts(req, budget)
             budget -= len(drafts)
             while not s.kv_manager.allocate(req, 1, num_lookahead_tokens=len(drafts)):
