@@ -343,7 +343,7 @@ def rows_table(rows: list[dict]) -> str:
         if "error" in r:
             out.append(f"| {r['system']} | {r['client']} | {r['concurrency']} | {r['error']} |" + " |" * 6)
             continue
-        cpu = f"{f(r['client_cpu_s'])} / {f(r['client_run_cpu_s'])}"
+        cpu = " / ".join("-" if v is None else f"{v:.2f}" for v in (r["client_cpu_s"], r["client_run_cpu_s"]))
         out.append(
             f"| {r['system']} | {r['client']} | {r['concurrency']} | {f(r['output_tok_s'])} | "
             f"{f(r['input_tok_s'])} | {f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])} | "
@@ -699,6 +699,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one client run")
     p.add_argument("--out", default=str(HERE / "out"))
+    # Accepted as before; the clients now always run without progress bars (their logs are files).
+    p.add_argument("--no-progress", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -762,6 +764,7 @@ def main(argv: list[str] | None = None) -> int:
         r = start(system, free_port(), out, args.cores, label)
         if isinstance(r, str):
             report["skipped"][label] = r
+            report.setdefault("did_not_start", []).append(label)  # asked for and there: a failure
             log.warning("skipping %s: %s", label, r)
             continue
         entry: dict = {"version": system.version, "command": r.command, "log": str(r.log_path)}
@@ -806,8 +809,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(md)
     rows = random_rows + prefill_rows + shared_rows
-    failed = any("error" in e for e in report["systems"].values()) or any(
-        "error" in r or r["failed"] for r in rows
+    failed = (
+        bool(report.get("did_not_start"))
+        or any("error" in e for e in report["systems"].values())
+        or any("error" in r or r["failed"] for r in rows)
     )
     return 1 if failed else 0
 

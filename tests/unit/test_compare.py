@@ -194,11 +194,11 @@ def test_rows_from_both_clients(compare):
     table = compare.rows_table([kv, vl, bad]).splitlines()
     assert len(table) == 5
     assert (
-        "| kvledger | kvledger bench | 8 | 256 | 260 | 80.0 / 150 | - | 28.0 / 60.0 | 0 | 2.5 / 1.2 |"
+        "| kvledger | kvledger bench | 8 | 256 | 260 | 80.0 / 150 | - | 28.0 / 60.0 | 0 | 2.50 / 1.25 |"
         in table
     )
     assert (
-        "| vllm-cpu | vllm bench serve | 32 | 794 | 794 | 141 / 400 | 55.0 | 54.0 / 90.0 | 1 | 6.0 / 3.5 |"
+        "| vllm-cpu | vllm bench serve | 32 | 794 | 794 | 141 / 400 | 55.0 | 54.0 / 90.0 | 1 | 6.00 / 3.50 |"
         in table
     )
     assert table[4].startswith("| llama-server | vllm bench serve | 1 | exit 1 |")
