@@ -220,3 +220,15 @@ def test_one_token_rows_have_no_gaps(compare):
     row = compare.row_from_vllm("vllm-cpu", {**VLLM_SUMMARY, "result": result}, 1.0, "cmd")
     assert row["tpot_p50_ms"] is None and row["itl_p50_ms"] is None and row["itl_p99_ms"] is None
     assert row["ttft_p50_ms"] == 141.0
+
+
+def test_a_peer_that_does_not_start_fails_the_run(compare, tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'version: 0' && exit 0\necho boom; exit 3\n")
+    fake.chmod(0o755)
+    common = ["--model", str(tmp_path / "m.gguf"), "--quick", "--cores", "0", "--systems", "llama-server"]
+    assert compare.main([*common, "--llama-server", str(fake), "--out", str(tmp_path / "a")]) == 1
+    rep = (tmp_path / "a" / "compare.json").read_text()
+    assert "exited with 3: boom" in rep and '"did_not_start": [\n    "llama-server"' in rep
+    # Not given at all: only a skip.
+    assert compare.main([*common, "--out", str(tmp_path / "b")]) == 0
