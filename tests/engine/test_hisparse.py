@@ -232,3 +232,47 @@ def test_quest_picks_the_page_whose_keys_answer_the_query():
         # sink page 0, the needle, the recent page n-2; the current page is read from hot[0]
         assert pages[0, h, -1] == 40 and counts[0] == 4 * ps
     assert np.all(st.where[0][st.where[0] >= 0] >= 1)
+
+
+def test_pd_decode_kv_lands_in_host_pages(make_engine):
+    """On a PD decode server the KV prefill sends is written straight into the request's host pages
+    (``req X [hisparse staging]`` until it is in; no KV-pool page holds it). A prompt whose start decode
+    has cached mixes both at the first sparse step. fp32, every page selected: output equals a dense
+    engine's. An abort while the KV is on its way frees everything."""
+    from tests.engine.test_disagg import drive, free_port, room
+
+    port = free_port()
+    pre = make_engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                      disaggregation_bind_host="127.0.0.1")  # fmt: skip
+    dec = make_engine(disaggregation_mode="decode", disaggregation_bootstrap_port=port, **ALL_PAGES)
+    try:
+        ps = prompts(3, (41, 130, 70), seed=3)
+        shared = ps[1][:64] + [9, 8, 7] * 10  # starts like ps[1]: decode's cache will hold 64 tokens
+        ps.append(shared)
+        sp = {**SP, "max_new_tokens": 8}
+        want = outputs(make_engine(), ps, sp)
+        assert dec.generate(input_ids=ps[1], sampling_params=sp)["output_ids"] == want[1]  # served whole
+        for i, p in enumerate(ps):
+            pre.add_request(p, sp, rid=f"p{i}", disagg=room(port, 300 + i))
+            dec.add_request(p, sp, rid=f"d{i}", disagg=room(port, 300 + i))
+        dec.step()  # admitted: claims sent, nothing arrived yet
+        held = {h.owner for h in dec.core.scheduler.holdings()}
+        assert "req d0 [hisparse staging]" in held, held
+        assert all(len(h.own_pages) == 0 for h in dec.core.scheduler.holdings()
+                   if h.owner == "req d0 [waiting for kv]")  # fmt: skip
+        res = drive([pre, dec], {id(pre): [f"p{i}" for i in range(4)], id(dec): [f"d{i}" for i in range(4)]})
+        assert [res[f"d{i}"]["output_ids"] for i in range(4)] == want
+        assert res["d3"]["meta_info"]["cached_tokens"] >= 64  # decode's own prefix hit, then the rest sent
+        sparse = dec.memory()["hisparse"]
+        assert sparse["requests_landed_in_host"] == 4
+        # An abort while its KV is on its way (prefill never runs it).
+        dec.add_request(ps[0], sp, rid="gone", disagg=room(port, 399))
+        dec.step()
+        dec.abort("gone")
+        res = drive([dec], {id(dec): ["gone"]})
+        assert res["gone"]["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        for eng in (pre, dec):
+            eng.core.disagg_connector.timeout_s = 0.2
+            eng.run_until_idle()
+            eng.core.disagg_connector.close()

@@ -62,6 +62,7 @@ class _RecvJob:
     # on the ranks; ``first`` is prefill's Done, reported with the request once placed.
     staged: torch.Tensor | None = None
     first: wire.Done | None = None
+    to_host: bool = False  # HiSparse: ``locs`` are host-pool locations (``host_sink.write``)
 
 
 class DecodeConnector(KVConnector):
@@ -81,6 +82,7 @@ class DecodeConnector(KVConnector):
         self.data = data  # a MooncakeData (mooncake.py): claims ask prefill to write the pages directly
         self.timeout_s, self.abort = timeout_s, abort
         self.heads = heads  # tensor parallel: rank 0's part of placing every rank's heads (tp.py)
+        self.host_sink = None  # HiSparse's SparseWorker (model/hisparse.py): KV may land in its host pool
         self.layout = kv_copy.layout_of(kv, kv_heads)
         self._to_place: list[_RecvJob] = []  # received whole, not placed yet (tensor parallel)
         self._placing: list[_RecvJob] = []  # ... placed by the step being run
@@ -122,6 +124,12 @@ class DecodeConnector(KVConnector):
         # prefill side's request for this room would otherwise wait out its bootstrap timeout.
         self.io.post(("send", self._addr(d), wire.Fail(d.room, f"the decode server refused the request: {why}")))
 
+    @property
+    def lands_in_host(self) -> bool:
+        """KV for a HiSparse request can be written into its host pages (the built-in transport, one
+        rank; Mooncake writes registered KV-pool memory, and TP stages heads per rank)."""
+        return self.host_sink is not None and self.data is None and self.heads is None
+
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int, bool]:
         if req.disagg is None or req.output_ids or req.rid in self._received:
             return 0, False  # a direct request, or one retracted after its KV came: computed here
@@ -142,10 +150,12 @@ class DecodeConnector(KVConnector):
                 self._recv_done.add(req.rid)
             return
         ps = self.page_size
-        locs = kv_copy.locations(req.pages, ps, start, end)
+        to_host = req.sparse is not None and req.sparse.host_from is not None  # (``lands_in_host``)
+        locs = kv_copy.locations(req.sparse.host if to_host else req.pages, ps, start, end)
         job = _RecvJob(
             req.rid, d.room, self._addr(d), start, end, locs, time.monotonic() + self.timeout_s, start
         )
+        job.to_host = to_host
         target = None
         if self.data is not None:
             target = self.data.target(req.pages[start // ps : -(-end // ps)], ps)
@@ -324,7 +334,10 @@ class DecodeConnector(KVConnector):
             if job.cancelled:
                 return
             a = msg.start - job.start
-            if self.heads is None:
+            if job.to_host:  # HiSparse: into the request's host pages
+                blk = kv_copy.from_bytes(payload, self.kv.k.dtype, self.layout, msg.count)
+                self.host_sink.write(job.locs[a : a + msg.count], blk)
+            elif self.heads is None:
                 kv_copy.scatter(self.kv, job.locs[a : a + msg.count], payload, self.layout)
             else:  # tensor parallel: staged whole until a step places each rank's heads
                 if job.staged is None:

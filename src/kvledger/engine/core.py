@@ -254,6 +254,8 @@ class EngineCore:
             else None
         )
         if self.disagg_connector is not None:
+            if runner.sparse is not None and hasattr(self.disagg_connector, "host_sink"):
+                self.disagg_connector.host_sink = runner.sparse  # (decode side: KV lands in host pages)
             connector = (
                 self.disagg_connector if hicache is None
                 else MultiConnector(pd_with_tiers(cfg, hicache, self.disagg_connector), ps)

@@ -39,6 +39,7 @@ class SparseBegin:
     host_pages: list[int]  # every reserved host page of the request (the first ones get the prompt)
     hot_pages: list[int]
     kv_len: int
+    in_host_from: int | None = None  # pages from this one on are in host already (PD: sent there)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class SparseHold:
     hot: list[int]
     active: bool = False  # decoding sparsely: its KV is in ``host``, its dense pages given back
     begun_len: int = 0  # kv_len at ``begin`` (the dense pages' extent, given back after that step)
+    host_from: int | None = None  # PD decode: KV from this page on was sent into ``host`` directly
 
 
 class HostPagePool(IdPool):
@@ -89,6 +91,7 @@ class SparseKV:
         self._begins: list[SparseBegin] = []
         self.begun: list[tuple] = []  # (req, hold) begun this step: dense pages go after the step
         self.total_begun = 0
+        self.total_landed = 0  # PD decode: requests whose KV was sent into their host pages
 
     # -- which requests ----------------------------------------------------------------------------
     def eligible(self, req) -> bool:
@@ -134,6 +137,21 @@ class SparseKV:
         req.sparse = SparseHold(host, hot)
         return True
 
+    # -- KV that a PD prefill server sends ---------------------------------------------------------------
+    def land(self, req) -> list[int]:
+        """``req``'s KV past what the KV pool holds (its prefix match) arrives straight into its host
+        pages (``req X [hisparse staging]`` until it is in): the pages the connector writes, indexed
+        by sequence page like ``req.pages``."""
+        req.sparse.host_from = len(req.pages)
+        self.total_landed += 1
+        return req.sparse.host
+
+    def ready(self, req) -> bool:
+        """Whether ``req``'s next step may be its first sparse one: it has its first output token (the
+        prompt's attention was dense to its end), or its KV is in host pages already (PD)."""
+        h = req.sparse
+        return h is not None and not h.active and (req.kv_len >= len(req.input_ids) or h.host_from is not None)
+
     # -- the first sparse step --------------------------------------------------------------------------
     def begin(self, req) -> None:
         """``req``'s next step is its first decode: the worker copies its KV to the host pages before
@@ -142,7 +160,9 @@ class SparseKV:
         h = req.sparse
         ps = self.page_size
         n = -(-req.kv_len // ps)
-        self._begins.append(SparseBegin(req.slot, list(req.pages[:n]), list(h.host), list(h.hot), req.kv_len))
+        self._begins.append(
+            SparseBegin(req.slot, list(req.pages[:n]), list(h.host), list(h.hot), req.kv_len, h.host_from)
+        )
         h.active, h.begun_len = True, req.kv_len
         self.begun.append((req, h))
         self.total_begun += 1
@@ -165,7 +185,8 @@ class SparseKV:
         for req, h in self.begun:
             # (A request retracted after its begin and admitted again in the same step has a new hold.)
             if req.sparse is h and req.to_finish is None and req.slot is not None:
-                self.kvm.give_back_dense(req, h.begun_len)
+                # (What the KV pool held: all of it, or only decode's own prefix match under PD.)
+                self.kvm.give_back_dense(req, min(h.begun_len, len(req.pages) * self.page_size))
         self.begun.clear()
 
     # -- the one release path -----------------------------------------------------------------------------
@@ -200,7 +221,10 @@ class SparseKV:
         h = req.sparse
         if h is not None:
             yield Holding(owner=f"req {req.rid} [hisparse hot]", kind="hisparse_hot", own_pages=h.hot)
-            yield Holding(owner=f"req {req.rid} [hisparse host]", kind="hisparse_host", own_pages=(),
+            # (The request's state by its ledger label: memory/ does not import the scheduler.)
+            staging = h.host_from is not None and req.state.ledger_label == "waiting for kv"
+            state = "staging" if staging else "host"
+            yield Holding(owner=f"req {req.rid} [hisparse {state}]", kind="hisparse_host", own_pages=(),
                           sparse_host_pages=h.host)  # fmt: skip
 
 
@@ -248,6 +272,7 @@ class SparseBooks:
             "host_held": self._held(holdings) * ps,
             "hot_held": sum(len(h.own_pages) for h in holdings if h.kind == "hisparse_hot") * ps,
             "requests_begun": self.sparse.total_begun,
+            "requests_landed_in_host": self.sparse.total_landed,
             "top_k_pages": cfg.hisparse_top_k_pages,
             "hot_pages": cfg.hisparse_hot_pages,
             "min_context": cfg.hisparse_min_context,

@@ -70,11 +70,20 @@ class SparseWorker:
         if missing:
             raise RuntimeError(f"HiSparse rows without a sparse state: slots {missing}")
 
+    def write(self, locs: torch.Tensor, blk: torch.Tensor) -> None:
+        """KV arriving from a PD prefill server, straight into host pages: ``blk`` ``[2, layers, heads,
+        len(locs), head_dim]`` at host locations ``locs`` (``page * page_size + offset``)."""
+        pages, offs = locs // self.page_size, locs % self.page_size
+        self.host_k[pages, :, :, offs] = blk[0].permute(2, 0, 1, 3)
+        self.host_v[pages, :, :, offs] = blk[1].permute(2, 0, 1, 3)
+
     def _begin(self, b, kv_buffer) -> None:
-        """Copy the first ``b.kv_len`` tokens' KV from the KV pool into the host pages, summarise each
-        page's keys, and put the partial last page into ``hot[0]`` (the step writes after it)."""
+        """Copy the first ``b.kv_len`` tokens' KV from the KV pool into the host pages (those from page
+        ``b.in_host_from`` on are there already: KV a PD prefill server sent), summarise each page's
+        keys, and put the partial last page into ``hot[0]`` (the step writes after it)."""
         ps, d, kvh = self.page_size, self.head_dim, self.kv_heads
         n = -(-b.kv_len // ps)
+        m = n if b.in_host_from is None else min(n, b.in_host_from)  # pages still in the KV pool
         reserved = len(b.host_pages)
         st = _SlotState(
             torch.tensor(b.host_pages, dtype=torch.int64),
@@ -85,23 +94,26 @@ class SparseWorker:
             np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int64),
         )
         if n:
-            dense = torch.tensor(b.dense_pages[:n], dtype=torch.int64)
+            dense = torch.tensor(b.dense_pages[:m], dtype=torch.int64)
             host = st.host[:n]
             valid = b.kv_len - (n - 1) * ps  # tokens of the last page
             for layer in range(self.layers):
-                kc = kv_buffer.k[layer].view(kvh, -1, ps, d).index_select(1, dense)  # [KVH, n, ps, D]
-                vc = kv_buffer.v[layer].view(kvh, -1, ps, d).index_select(1, dense)
-                self.host_k[host, layer] = kc.transpose(0, 1)
-                self.host_v[host, layer] = vc.transpose(0, 1)
-                kf = kc.float()
+                if m:
+                    kc = kv_buffer.k[layer].view(kvh, -1, ps, d).index_select(1, dense)  # [KVH, m, ps, D]
+                    vc = kv_buffer.v[layer].view(kvh, -1, ps, d).index_select(1, dense)
+                    self.host_k[host[:m], layer] = kc.transpose(0, 1)
+                    self.host_v[host[:m], layer] = vc.transpose(0, 1)
+                kf = self.host_k[host, layer].transpose(0, 1).float()  # [KVH, n, ps, D]
                 lo, hi = kf.amin(2), kf.amax(2)  # [KVH, n, D]
                 last = kf[:, n - 1, :valid]
                 lo[:, n - 1], hi[:, n - 1] = last.amin(1), last.amax(1)
                 st.summary[layer, :, :n] = torch.cat([lo, hi], -1)
             if valid < ps:
-                w, src = st.hot[0] * ps, b.dense_pages[n - 1] * ps
-                kv_buffer.k[:, :, w : w + ps] = kv_buffer.k[:, :, src : src + ps]
-                kv_buffer.v[:, :, w : w + ps] = kv_buffer.v[:, :, src : src + ps]
+                w = st.hot[0] * ps
+                last_host = int(st.host[n - 1])
+                for layer in range(self.layers):
+                    kv_buffer.k[layer, :, w : w + ps] = self.host_k[last_host, layer]
+                    kv_buffer.v[layer, :, w : w + ps] = self.host_v[last_host, layer]
         self.slots[b.slot] = st
 
     # -- one layer of a forward ------------------------------------------------------------------------

@@ -112,10 +112,8 @@ class BatchPolicy:
         for req in sorted(decodes, key=self._seniority):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
-            if req.sparse is not None and not req.sparse.active and req.kv_len >= len(req.input_ids):
-                # Its first decode (the prompt's attention was dense, its last token included): sparse
-                # from here on.
-                s.kv_manager.sparse.begin(req)
+            if req.sparse is not None and s.kv_manager.sparse.ready(req):
+                s.kv_manager.sparse.begin(req)  # its first decode: sparse from here on
             drafts = self._drafts(req, budget)
             budget -= len(drafts)
             while not s.kv_manager.allocate(req, 1, num_lookahead_tokens=len(drafts)):
@@ -157,9 +155,12 @@ class BatchPolicy:
         # side's first output token (PD decode: ``Scheduler._join_received``).
         ext = min(ext, req.seq_len - req.kv_len - (0 if load_async else 1))
         n = min(budget, req.seq_len - req.kv_len - ext)
+        # HiSparse on a PD decode server: the KV prefill sends lands in the request's host pages.
+        to_host = bool(ext and load_async and req.sparse is not None and getattr(s.connector, "lands_in_host", False))
+        ext_pages = 0 if to_host else ext
         # Leave room for the running requests' next tokens, or admission would only cause retraction.
-        fits = s.kv_manager.available_pages() - s.kv_manager.pages_needed(req, n + ext) >= reserve_pages
-        if not fits or not s.kv_manager.allocate(req, ext + (0 if load_async else n)):
+        fits = s.kv_manager.available_pages() - s.kv_manager.pages_needed(req, n + ext_pages) >= reserve_pages
+        if not fits or not s.kv_manager.allocate(req, ext_pages + (0 if load_async else n)):
             s.kv_manager.release(req, commit=False, final=False)
             return None
         s.waiting.remove(req)
@@ -169,7 +170,8 @@ class BatchPolicy:
             # its KV arrives (``Scheduler._join_received``).
             req.cached_tokens = req.kv_len + s.connector.cached_external_tokens(req, ext)
         if ext:
-            s.connector.update_state_after_alloc(req, req.pages[req.kv_len // s.kv_manager.page_size :], ext)
+            pages = s.kv_manager.sparse.land(req) if to_host else req.pages
+            s.connector.update_state_after_alloc(req, pages[req.kv_len // s.kv_manager.page_size :], ext)
         if ext and load_async:
             req.num_external_tokens = ext
             req.state = ReqState.WAITING_FOR_KV  # joins running when the connector reports the load
