@@ -232,7 +232,7 @@ def test_one_layer_of_a_mixed_batch_equals_the_torch_backend(page_size):
     table.apply(writes)
     sched = SchedulerOutput([ScheduledReq(str(s), s, pre, [5] * n) for s, pre, n in reqs])
     runner = ModelRunner.__new__(ModelRunner)
-    runner.page_table = table
+    runner.page_table, runner.sparse = table, None
     batch = runner.build(sched)
     t = batch.num_tokens
     q = torch.randn(t, heads, d).to(bf16) * 2
