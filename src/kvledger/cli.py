@@ -183,6 +183,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hicache-prefetch-timeout", dest="hicache_prefetch_timeout_s", type=float,
                    default=d.hicache_prefetch_timeout_s,
                    help="seconds a queued request waits for its L3 prefetch")  # fmt: skip
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-paths; needed for /load_lora_adapter)")  # fmt: skip
+    p.add_argument("--lora-paths", nargs="+", default=d.lora_paths, metavar="NAME=PATH",
+                   help="LoRA adapters (peft directories) loaded at start: name=path, or path (name: its basename)")  # fmt: skip
+    p.add_argument("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
+                   help="most distinct adapters among running requests (the base model takes none)")  # fmt: skip
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank accepted")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

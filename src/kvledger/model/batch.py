@@ -31,6 +31,8 @@ class ForwardBatch:
     # [P] int64, flat positions whose final-norm hidden state is returned too (pooling); None: none.
     pool_index: torch.Tensor | None = None
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
+    # The LoRA adapter of each row (``lora.LoraBatch``: rows grouped per adapter); None: all base model.
+    lora: Any = None
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The host-built index tensors moved to the model's device (``req_to_token`` lives there)."""
