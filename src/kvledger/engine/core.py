@@ -714,4 +714,4 @@ class EngineCore:
         return [{"rank": 0, **self.model.compile_stats()}, *self.executor.worker_stats()]
 
     def info_dict(self) -> dict:
-        return dataclasses.asdict(self.info)
+        return {**dataclasses.asdict(self.info), "loras": self.lora_list()}
