@@ -27,11 +27,13 @@ import json
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
@@ -131,6 +133,7 @@ class LoraLayer:
         self.device = device
         self.dtype = dtype
         self.weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # adapter -> (A [R, in], B [out, R])
+        self._stacks: OrderedDict[tuple[str, ...], tuple | None] = OrderedDict()
 
     def stacked(self, adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``adapter``'s A and block-diagonal B over this projection's segments (None: untouched)."""
@@ -157,45 +160,74 @@ class LoraLayer:
             torch.cat(Bs, dim=1).to(self.device).contiguous(),
         )
 
+    def _stack(self, names: tuple[str, ...]):
+        """The adapters ``names``' A and B side by side (``[sum R, in]``, ``[out, sum R]``) and which
+        adapter each of the ``sum R`` columns belongs to; None when none targets this projection.
+        Kept for the last few adapter sets (a batch's set changes only as requests come and go)."""
+        if names in self._stacks:
+            self._stacks.move_to_end(names)
+            return self._stacks[names]
+        As, Bs, cols = [], [], []
+        for i, name in enumerate(names):
+            ab = self.weights.get(name)
+            if ab is not None:
+                As.append(ab[0])
+                Bs.append(ab[1])
+                cols += [i] * ab[0].shape[0]
+        st = None
+        if As:
+            col = torch.tensor(cols, dtype=torch.int64, device=self.device)
+            st = (torch.cat(As), torch.cat(Bs, dim=1).contiguous(), col, tuple(cols))
+        self._stacks[names] = st
+        if len(self._stacks) > STACKS_KEPT:
+            self._stacks.popitem(last=False)
+        return st
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = current()
         if batch is None:
             return y
-        for name, rows in batch.groups:
-            ab = self.weights.get(name)
-            if ab is None:
-                continue  # this adapter does not target this projection
-            a, b = ab
-            xs = x[rows].float()
-            d = (xs @ a.t()) @ b.t()
-            y[rows] = (y[rows].float() + d).to(y.dtype)  # the delta added in float32
-        return y
+        st = self._stack(batch.names)
+        if st is None:
+            return y
+        a, b, col, key = st
+        # Every row through every present adapter's A (one matmul), each row keeping only its own
+        # adapter's columns (the base model's rows: none), then one matmul through the Bs.
+        d = F.linear(F.linear(x.float(), a) * batch.mask(col, key), b)
+        if y.dtype == torch.float32:
+            return y.add_(d)
+        return y.copy_(y.float().add_(d))  # the delta added in float32, rounded once (base rows: exact)
+
+
+STACKS_KEPT = 4
 
 
 @dataclass
 class LoraBatch:
-    """A forward's adapter rows: ``groups`` = (adapter, its rows: a slice or an index tensor)."""
+    """A forward's adapters: ``names`` those present (in order of first row), ``owner`` each row's
+    index into them (-1: the base model)."""
 
-    groups: list[tuple[str, slice | torch.Tensor]]
+    names: tuple[str, ...]
+    owner: torch.Tensor
+    _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, per_req: Sequence[str | None], lens: Sequence[int], device) -> LoraBatch | None:
         """From each request's adapter (None: the base model) and token count; None without adapters."""
         if not any(per_req):
             return None
-        rows: dict[str, list[int]] = {}
-        t = 0
-        for name, n in zip(per_req, lens):
-            if name is not None:
-                rows.setdefault(name, []).extend(range(t, t + n))
-            t += n
-        groups: list[tuple[str, slice | torch.Tensor]] = []
-        for name, ix in rows.items():
-            if ix[-1] - ix[0] + 1 == len(ix):  # one run of rows: a view, no gather
-                groups.append((name, slice(ix[0], ix[-1] + 1)))
-            else:
-                groups.append((name, torch.tensor(ix, dtype=torch.int64, device=device)))
-        return cls(groups)
+        names = tuple(dict.fromkeys(n for n in per_req if n is not None))
+        index = {n: i for i, n in enumerate(names)}
+        owner = [index[n] if n is not None else -1 for n, k in zip(per_req, lens) for _ in range(k)]
+        return cls(names, torch.tensor(owner, dtype=torch.int64, device=device))
+
+    def mask(self, col: torch.Tensor, key: tuple) -> torch.Tensor:
+        """``[rows, columns]`` 1.0 where the column belongs to the row's adapter (once per layout:
+        the layers of one model share a handful)."""
+        m = self._masks.get(key)
+        if m is None:
+            m = self._masks[key] = (self.owner[:, None] == col[None, :]).float()
+        return m
 
 
 _local = threading.local()  # engines in one process step in their own threads
@@ -252,6 +284,7 @@ class LoraSet:
         if adapter.weights and max(layer for layer, _ in adapter.weights) >= len(self.layers) // len(FUSED):
             raise _bad(f"LoRA adapter {adapter.name!r} has more layers than the base model")
         for L, ab in stacked:
+            L._stacks.clear()
             if ab is not None:
                 L.weights[adapter.name] = ab
 
@@ -265,4 +298,5 @@ class LoraSet:
     def remove(self, name: str) -> None:
         self.adapters.pop(name)
         for L in self.layers:
+            L._stacks.clear()
             L.weights.pop(name, None)
