@@ -195,3 +195,39 @@ def test_adapters_over_quantized_base_weights():
         assert torch.equal(y[2:], base[2:])
         want = base[:2].float() + torch.cat([torch.zeros(2, 64), (x[:2].float() @ a.t()) @ b.t()], dim=1)
         assert torch.equal(y[:2], want.bfloat16())
+
+
+def test_adapters_serve_on_after_a_weight_update(make_engine, tiny_llama, adapters, references):
+    """``/update_weights_from_disk`` builds a new model: the adapters are put on its projections."""
+    eng = make_engine(lora_paths=_paths(adapters))
+    ok, message, _ = eng.update_weights_from_disk(tiny_llama)
+    assert ok, message
+    for name in ("attn", "all", None):
+        out = eng.generate(input_ids=PROMPTS[2], sampling_params={**G, "lora_path": name} if name else G)
+        assert out["output_ids"] == references[(name, 2)], name
+
+
+def test_pd_transfers_are_namespaced_by_adapter(make_engine, adapters, references):
+    """Prefill and decode both serve the adapters: a request of an adapter decodes what its merged
+    model answers (the KV prefilled under it); a decode request of another adapter than the one its
+    room was prefilled with is refused the KV (the claim's checksum folds the adapter in)."""
+    from tests.engine.test_disagg import drive, free_port, room
+
+    port = free_port()
+    common = dict(lora_paths=_paths(adapters), disaggregation_bootstrap_port=port)
+    pre = make_engine(disaggregation_mode="prefill", disaggregation_bind_host="127.0.0.1", page_size=16, **common)
+    dec = make_engine(disaggregation_mode="decode", page_size=4, **common)
+    try:
+        for i, (pname, dname) in enumerate([("attn", "attn"), ("all", "all"), ("all", "attn")]):
+            pre.add_request(PROMPTS[3], {**G, "lora_path": pname}, rid=f"p{i}", disagg=room(port, 200 + i))
+            dec.add_request(PROMPTS[3], {**G, "lora_path": dname}, rid=f"d{i}", disagg=room(port, 200 + i))
+        res = drive([pre, dec], {id(pre): ["p0", "p1", "p2"], id(dec): ["d0", "d1", "d2"]})
+        assert res["d0"]["output_ids"] == references[("attn", 3)]
+        assert res["d1"]["output_ids"] == references[("all", 3)]
+        fin = res["d2"]["meta_info"]["finish_reason"]
+        assert fin["type"] == "abort" and "differs" in fin["message"], fin
+    finally:
+        for eng in (pre, dec):
+            eng.core.disagg_connector.timeout_s = 0.2
+            eng.run_until_idle()
+            eng.core.disagg_connector.close()
