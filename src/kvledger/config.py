@@ -433,7 +433,9 @@ class LoraSettings:
 
     def check(self) -> None:
         _positive(self, "max_loras_per_batch", "max_lora_rank")
-        self.named_paths()
+        for name, path in self.named_paths().items():  # what they hold is read (and checked) at start
+            if not os.path.isdir(path):
+                raise ValidationError(f"lora_paths: {name}={path} is not a directory", param="lora_paths")
 
 
 @dataclass

@@ -231,3 +231,19 @@ def test_pd_transfers_are_namespaced_by_adapter(make_engine, adapters, reference
             eng.core.disagg_connector.timeout_s = 0.2
             eng.run_until_idle()
             eng.core.disagg_connector.close()
+
+
+def test_bad_lora_flags_are_refused_before_anything_starts(tmp_path):
+    from kvledger.config import EngineConfig
+
+    for paths in ([f"a={tmp_path}/missing"], ["a=" + str(tmp_path), "a=" + str(tmp_path)], ["=x"]):
+        with pytest.raises(ValidationError):
+            EngineConfig.from_flat(lora_paths=paths).check()
+    cfg = EngineConfig.from_flat(lora_paths=[str(tmp_path)], max_loras_per_batch=2)
+    cfg.check()
+    assert cfg.lora.enable_lora and cfg.lora.named_paths() == {tmp_path.name: str(tmp_path)}
+    with pytest.raises(ValidationError):
+        EngineConfig.from_flat(enable_lora=True, max_lora_rank=0).check()
+    for other in ({"tp_size": 2}, {"enable_torch_compile": True}):  # the table's refusals, with reasons
+        with pytest.raises(ValidationError, match="LoRA adapters"):
+            EngineConfig.from_flat(enable_lora=True, **other).check()
