@@ -46,6 +46,10 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "ngram": {"speculative_algorithm": "ngram"},
         "pd": {"disaggregation_mode": "PREFILL"},
         "hicache": {"enable_hierarchical_cache": True},
+        # Every request sparse, with a budget small enough that long ones select and evict pages.
+        "hisparse": {"enable_hisparse": True, "hisparse_min_context": 0, "hisparse_top_k_pages": 2,
+                     "hisparse_hot_pages": 5, "hisparse_sink_pages": 1, "hisparse_recent_pages": 2,
+                     "page_size": 16},  # (whole pages: at least 8)
         "no_prefix_cache": {"enable_prefix_cache": False},
         "mixed_chunk": {"enable_mixed_chunk": True},
         "cpu_attention": {"attention_backend": "CPU"},
@@ -201,8 +205,11 @@ def row_id(row: Row) -> str:
 
 
 def exact(row: Row) -> bool:
-    """Greedy and seeded outputs of this configuration are token-exact to the fp32 plain engine's."""
-    return "fp32" in row and "cuda" not in row
+    """Greedy and seeded outputs of this configuration are token-exact to the fp32 plain engine's.
+    HiSparse's knob reads 5 pages of a sequence's many (its point: selection and LRU eviction under
+    every other feature), which changes outputs; with every page selected it is exact, which
+    tests/engine/test_hisparse.py checks."""
+    return "fp32" in row and "cuda" not in row and "hisparse" not in row
 
 
 def _pick(rng: random.Random | None, choices: list):
@@ -248,6 +255,9 @@ def engine_settings(row: Row, draft_model: str, tmp_dir: str, rng: random.Random
                 hicache_storage_dir=f"{tmp_dir}/l3",
                 hicache_prefetch_threshold=8,
             )
+    if "hisparse" in row:
+        s["page_size"] = _pick(rng, [8, 16])  # HiSparse selects whole pages
+        s["hisparse_host_ratio"] = _pick(rng, [4.0, 2.0])
     s["max_total_tokens"] -= s["max_total_tokens"] % s["page_size"]
     return s
 
@@ -260,6 +270,8 @@ def pd_settings(base: dict, port: int, rng: random.Random | None = None) -> tupl
                   disaggregation_waiting_timeout_s=60.0)  # fmt: skip
     pre = {**base, **common, "disaggregation_mode": "prefill", "disaggregation_bind_host": "127.0.0.1"}
     dec = {**base, **common, "disaggregation_mode": "decode", "page_size": _pick(rng, [16, 1, 4])}
+    if base.get("enable_hisparse"):
+        dec["page_size"] = base["page_size"]  # HiSparse selects whole pages
     if base.get("tp_size", 1) > 1:
         # One process holds one TP group (torch.distributed's default group): one side keeps its
         # ranks, the other runs whole, so the transfer splits or joins heads (tests/integration/

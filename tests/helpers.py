@@ -83,6 +83,9 @@ def assert_idle_clean(engine) -> None:
     assert m["kv_session"] == held, (m, engine.sessions())
     assert all(s["busy_rid"] is None for s in engine.sessions())
     assert m["leak_check"]["ok"], m
+    if "hisparse" in m:  # HiSparse: no host or hot page held, the worker's slot states all dropped
+        assert m["hisparse"]["host_held"] == 0 and m["kv_hisparse_hot"] == 0, m
+        assert not engine.core.runner.sparse.slots, engine.core.runner.sparse.slots
 
 
 def step_until(eng, cond, limit: int = 500) -> None:

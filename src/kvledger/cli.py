@@ -75,7 +75,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="compile the forward with torch.compile (faster decode; compiles at start-up)",
     )
     p.add_argument("--page-size", type=int, default=None,
-                   help=f"tokens per KV page (default {d.page_size}; 16 with --enable-hierarchical-cache)")  # fmt: skip
+                   help=f"tokens per KV page (default {d.page_size}; 16 with --enable-hierarchical-cache or "
+                   "--enable-hisparse)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=REASONING_PARSERS,
@@ -183,6 +184,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hicache-prefetch-timeout", dest="hicache_prefetch_timeout_s", type=float,
                    default=d.hicache_prefetch_timeout_s,
                    help="seconds a queued request waits for its L3 prefetch")  # fmt: skip
+    p.add_argument("--enable-hisparse", action="store_true",
+                   help="sparse decode attention for long prompts: the whole KV in a host pool, the pages "
+                   "each step reads (Quest's choice) in a per-request hot budget")  # fmt: skip
+    p.add_argument("--hisparse-top-k-pages", type=int, default=d.hisparse_top_k_pages,
+                   help="pages each layer and KV head reads besides the sink and recent ones")  # fmt: skip
+    p.add_argument("--hisparse-hot-pages", type=int, default=d.hisparse_hot_pages,
+                   help="KV-pool pages per sparse request (at least sink + recent + top-k)")  # fmt: skip
+    p.add_argument("--hisparse-min-context", type=int, default=d.hisparse_min_context,
+                   help="prompts shorter than this attend densely")  # fmt: skip
+    p.add_argument("--hisparse-sink-pages", type=int, default=d.hisparse_sink_pages,
+                   help="the first pages every step reads")  # fmt: skip
+    p.add_argument("--hisparse-recent-pages", type=int, default=d.hisparse_recent_pages,
+                   help="the last pages every step reads (the one being written included)")  # fmt: skip
+    p.add_argument("--hisparse-host-ratio", type=float, default=d.hisparse_host_ratio,
+                   help="the HiSparse host pool's size as a multiple of the KV pool")  # fmt: skip
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (implied by --lora-paths; needed for /load_lora_adapter)")  # fmt: skip
     p.add_argument("--lora-paths", nargs="+", default=d.lora_paths, metavar="NAME=PATH",
@@ -197,7 +213,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.section_of()
     values = {k: v for k, v in vars(args).items() if k in names}
     if values.get("page_size") is None:
-        values["page_size"] = 16 if values.get("enable_hierarchical_cache") else EngineConfig().cache.page_size
+        paged = values.get("enable_hierarchical_cache") or values.get("enable_hisparse")
+        values["page_size"] = 16 if paged else EngineConfig().cache.page_size
     if values.get("disaggregation_bind_host") is None and getattr(args, "host", None):
         values["disaggregation_bind_host"] = args.host  # bootstrap where the HTTP server listens
     cfg = EngineConfig.from_flat(**values)

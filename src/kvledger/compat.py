@@ -45,6 +45,8 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.disagg.enabled),
     Feature("hicache", "hierarchical cache", "--enable-hierarchical-cache", "enable_hierarchical_cache",
             lambda c, d: c.hicache.enable_hierarchical_cache),
+    Feature("hisparse", "HiSparse", "--enable-hisparse", "enable_hisparse",
+            lambda c, d: c.hisparse.enable_hisparse),
     Feature("no_prefix_cache", "prefix cache off", "--disable-prefix-cache", "enable_prefix_cache",
             lambda c, d: not c.cache.enable_prefix_cache),
     Feature("mixed_chunk", "mixed chunks", "--enable-mixed-chunk", "enable_mixed_chunk",
@@ -83,6 +85,12 @@ REFUSED: dict[frozenset[str], Refusal] = {
     # A CUDA device: the CPU-only pieces.
     frozenset({"cuda", "tp"}): Refusal(NOT_YET, "tensor parallel's collectives are CPU shared memory and gloo"),
     frozenset({"cuda", "pd"}): Refusal(NOT_YET, "the KV transfer reads and writes host memory"),
+    frozenset({"cuda", "hisparse"}): Refusal(
+        NOT_YET, "the page choice and the hot-page copies run on the host, over a host-memory KV pool"
+    ),
+    frozenset({"tp", "hisparse"}): Refusal(
+        NOT_YET, "the host pool and the page choice live in rank 0's process; each rank would keep its heads' share"
+    ),
     frozenset({"cuda", "cpu_attention"}): Refusal(NO_MEANING, "the cpu attention backend is C++ CPU kernels"),
     frozenset({"cuda", "int8_batch"}): Refusal(NO_MEANING, "int8 batches are oneDNN's CPU int8 linear"),
     frozenset({"cuda", "quantized"}): Refusal(

@@ -184,6 +184,45 @@ class HiCacheSettings:
 
 
 @dataclass
+class HiSparseSettings:
+    """Sparse decode attention over a hot page budget (SGLang's HiSparse), pages chosen as Quest does."""
+
+    enable_hisparse: bool = False
+    """A request whose prompt has at least hisparse_min_context tokens decodes sparsely: its whole KV
+    lives in a host pool, and each step attention reads only the selected pages, kept in a fixed
+    budget of hot pages in the KV pool (``memory/sparse_kv.py``, ``model/hisparse.py``)."""
+    hisparse_top_k_pages: int = 16
+    """Pages each layer and KV head reads besides the sink and recent ones (Quest's bound picks them)."""
+    hisparse_hot_pages: int = 32
+    """KV-pool pages per sparse request: one takes the page being written, the rest cache selected
+    pages (LRU per layer and KV head). At least sink + recent + top-k."""
+    hisparse_min_context: int = 2048
+    """Shorter prompts attend densely."""
+    hisparse_sink_pages: int = 1
+    """The first pages are always read (attention sinks)."""
+    hisparse_recent_pages: int = 2
+    """The last pages are always read (the one being written included)."""
+    hisparse_host_ratio: float = 2.0
+    """The host pool's size as a multiple of the KV pool."""
+
+    def check(self) -> None:
+        if not self.enable_hisparse:
+            return
+        _positive(self, "hisparse_top_k_pages", "hisparse_hot_pages", "hisparse_recent_pages")
+        _positive(self, "hisparse_min_context", "hisparse_sink_pages", allow_zero=True)
+        if not self.hisparse_host_ratio > 0:
+            raise ValidationError("hisparse_host_ratio must be > 0", param="hisparse_host_ratio")
+        need = self.hisparse_sink_pages + self.hisparse_recent_pages + self.hisparse_top_k_pages
+        if self.hisparse_hot_pages < need:
+            raise ValidationError(
+                f"hisparse_hot_pages ({self.hisparse_hot_pages}) must hold the pages a step reads: sink "
+                f"{self.hisparse_sink_pages} + recent {self.hisparse_recent_pages} + top-k "
+                f"{self.hisparse_top_k_pages} = {need}",
+                param="hisparse_hot_pages",
+            )
+
+
+@dataclass
 class SchedulerSettings:
     """Admission, batching, sessions and per-request limits."""
 
@@ -446,6 +485,7 @@ class EngineConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
     hicache: HiCacheSettings = field(default_factory=HiCacheSettings)
+    hisparse: HiSparseSettings = field(default_factory=HiSparseSettings)
     scheduler: SchedulerSettings = field(default_factory=SchedulerSettings)
     parallel: ParallelSettings = field(default_factory=ParallelSettings)
     spec: SpeculativeSettings = field(default_factory=SpeculativeSettings)
@@ -454,7 +494,7 @@ class EngineConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
 
     SECTIONS: ClassVar[tuple[str, ...]] = (
-        "model", "cache", "hicache", "scheduler", "parallel", "spec", "disagg", "kernels", "lora",
+        "model", "cache", "hicache", "hisparse", "scheduler", "parallel", "spec", "disagg", "kernels", "lora",
     )  # fmt: skip
 
     # -- the flat view: one name per flag ----------------------------------------------------------------
@@ -493,6 +533,12 @@ class EngineConfig:
 
         for s in self.SECTIONS:
             getattr(self, s).check()
+        if self.hisparse.enable_hisparse and self.cache.page_size < 8:
+            raise ValidationError(
+                f"HiSparse selects whole pages: --page-size {self.cache.page_size} makes every token a page "
+                "(use 16, Quest's, or more)",
+                param="page_size",
+            )
         device = resolve_device(self.model.device)
         check_combinations(self, device)
         return device

@@ -91,7 +91,7 @@ def test_compare_script_runs_kvledger_and_transformers(chat_model, tmp_path):
     cmd = [sys.executable, str(ROOT / "bench" / "compare.py"), "--model", chat_model, "--dtype", "float32"]
     cmd += ["--systems", "kvledger,transformers,llama-server", "--concurrency", "1,2", "--num-prompts", "2"]
     cmd += ["--input-len", "16", "--output-len", "4", "--shared-prefix-len", "48", "--shared-questions", "3"]
-    cmd += ["--shared-concurrency", "2", "--out", str(tmp_path), "--no-progress"]
+    cmd += ["--shared-concurrency", "2", "--prefill-len", "32", "--out", str(tmp_path), "--cores", "0"]
     cmd += ["--kvledger-args", "--max-total-tokens 2048 --strict-memory"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -101,13 +101,23 @@ def test_compare_script_runs_kvledger_and_transformers(chat_model, tmp_path):
     for entry in rep["systems"].values():
         assert "error" not in entry, entry
         assert entry["version"] and entry["rss_mb"] > 0
+        # every server pinned to the cores given, with as many threads
+        assert entry["command"].startswith("taskset -c 0 ") or " taskset -c 0 " in entry["command"]
+    assert "--num-threads 1" in rep["systems"]["kvledger"]["command"]
     assert rep["systems"]["kvledger"]["kv_capacity_tokens"] == 2048
     for name in ("kvledger", "transformers"):
-        runs = rep["systems"][name]["random"]["runs"]
-        assert [r["failed"] for r in runs] == [0, 0] and all(
-            r["total_output_tokens"] == 4 * r["requests"] for r in runs
-        )
-    shared = rep["systems"]["kvledger"]["shared_prefix"]["runs"][0]
+        rows = [row for row in rep["random"] if row["system"] == name]
+        assert [row["concurrency"] for row in rows] == [1, 2]
+        for row in rows:
+            assert row["client"] == "kvledger bench" and row["failed"] == 0
+            assert row["total_output_tokens"] == 4 * row["requests"]
+            # the client's own CPU time, whole process and timed part, and its exact command line
+            assert row["client_cpu_s"] > row["client_run_cpu_s"] > 0
+            assert row["client_command"].startswith("taskset -c 0 ")
+        (pre,) = [row for row in rep["prefill"] if row["system"] == name]
+        assert pre["completed"] == 4 and pre["ttft_p50_ms"] > 0
+    (shared,) = [row for row in rep["shared_prefix"] if row["system"] == "kvledger"]
     assert shared["completed"] == 3
     assert (tmp_path / "compare.png").stat().st_size > 1000
-    assert "## Random workload" in (tmp_path / "compare.md").read_text()
+    md = (tmp_path / "compare.md").read_text()
+    assert "## Random workload" in md and "client CPU s" in md and "--num-threads 1" in md

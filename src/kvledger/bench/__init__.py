@@ -112,9 +112,11 @@ def _run_level(args, requests: list[BenchRequest], settings: RunSettings, label:
         asyncio.run(run_requests(warm, settings, desc="warm-up"))
     level = settings.concurrency
     n = max(args.num_prompts, level)
+    cpu0 = time.process_time()
     results, wall = asyncio.run(run_requests(requests[:n], settings, desc=f"{label} c={level}"))
     summary = summarize(results, wall)
-    summary.update(concurrency=level, request_rate=args.request_rate)
+    # The client shares the machine with the server it drives: what it spent is part of the figure.
+    summary.update(concurrency=level, request_rate=args.request_rate, client_cpu_s=time.process_time() - cpu0)
     log.info(
         "%s c=%d: %.1f output tok/s, TTFT p50 %.0f ms, ITL p50 %.1f ms, %d failed",
         label, level, summary["output_tok_s"], summary["ttft_ms"]["p50"] or 0, summary["itl_ms"]["p50"] or 0,

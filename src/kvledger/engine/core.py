@@ -23,7 +23,9 @@ from ..disagg import make_connector, make_worker_side
 from ..errors import ConflictError, KVLedgerError, ModelLoadError, NotFoundError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
+from ..memory.sparse_kv import SparseBooks, SparseKV
 from ..model import LlamaModel, load_model
+from ..model.hisparse import SparseWorker
 from ..model.loader import LoadedModel, default_model_path
 from ..model.lora import LoraSet, read_adapter
 from ..parallel.comm import Comm, rank_threads
@@ -227,6 +229,16 @@ class EngineCore:
             tiers=tiers,
         )
         runner = self.runner = _runner(self.cfg, self.model, device)
+        if cfg.hisparse.enable_hisparse and cfg.disagg.disaggregation_mode == "prefill":
+            log.info("HiSparse is decode-side: off on this prefill server (its requests never decode)")
+        elif cfg.hisparse.enable_hisparse:
+            # HiSparse: the host pool's books here, its K/V with the runner (this process: no TP).
+            num_host = max(1, int(num_pages * cfg.hisparse.hisparse_host_ratio))
+            sparse = self.kv_manager.sparse = SparseKV(self.kv_manager, cfg.hisparse, num_host, context)
+            self.kv_manager.ledger.sparse = SparseBooks(sparse)
+            runner.sparse = SparseWorker(
+                cfg.hisparse, num_host, mc.num_layers, lc.num_kv_heads, mc.head_dim, ps, self.dtype
+            )
         hicache = None
         if tiers is not None:
             if connector is not None:
@@ -338,7 +350,7 @@ class EngineCore:
         self.sessions.expire()
         sched = self.scheduler.schedule()
         self.last_step_ran = bool(sched.reqs)  # False: nothing to compute (waiting on a connector)
-        pending = sched.reqs or sched.page_writes or self.scheduler.has_pending_kv
+        pending = sched.reqs or sched.page_writes or sched.hisparse or self.scheduler.has_pending_kv
         result = self._execute(sched) if pending else None
         return self.scheduler.update(sched, result)
 

@@ -20,6 +20,7 @@ class ModelRunner:
         self.kv_buffer = kv_buffer
         self.page_table = page_table
         self.sampler = Sampler(seed)
+        self.sparse = None  # model/hisparse.py SparseWorker, with --enable-hisparse
 
     def build(self, sched: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled requests; every request that samples puts ``1 + num_draft``
@@ -62,6 +63,8 @@ class ModelRunner:
             logit_index=torch.tensor(logit_index, dtype=torch.int64),
             req_to_token=table,
             page_size=self.page_table.page_size,
+            sparse_worker=self.sparse,
+            sparse_rows=frozenset(sched.hisparse.rows) if sched.hisparse is not None else frozenset(),
             pool_index=torch.tensor(pool_index, dtype=torch.int64) if pool_index else None,
             lora=lora_mod.LoraBatch.of([r.lora for r in sched.reqs], ext, table.device),
         ).to(table.device)
@@ -72,6 +75,8 @@ class ModelRunner:
         """One step; a tensor-parallel worker rank runs the forward only (``sample=False``): rank 0
         samples from the same gathered logits."""
         self.page_table.apply(sched.page_writes)
+        if sched.hisparse is not None:
+            self.sparse.apply(sched.hisparse, self.kv_buffer)  # copies to host before the forward
         if not sched.reqs:  # only page-table changes (pages for KV a connector is loading)
             if connector is not None:
                 # Loads that come with no forward (PD decode with tiers: a tier's part of the prompt,

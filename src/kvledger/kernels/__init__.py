@@ -109,7 +109,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake(lib + "decode_attention")
-    def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None):
+    def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None, head_stride=0):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake(lib + "decode_layers")

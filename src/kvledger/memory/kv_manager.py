@@ -62,6 +62,7 @@ class KVManager:
             self.tree = RadixCache(page_size, self._free_evicted, enabled=enable_prefix_cache)
         self.ledger = Ledger(self.pages, self.slots, self.tree, holdings, strict)
         self.sessions = SessionKV(self)
+        self.sparse = None  # memory/sparse_kv.py SparseKV: HiSparse's books, when it is on
         self.double_frees = 0
         self._page_writes: list[PageWrite] = []
 
@@ -98,6 +99,8 @@ class KVManager:
 
     def pages_needed(self, req, n: int) -> int:
         """Pages to add so that ``req`` has room for ``n`` tokens past its computed KV."""
+        if req.sparse is not None and req.sparse.active:
+            return 0  # its KV goes to its reserved host pages (and its hot write page)
         return max(0, -(-(req.kv_len + n) // self.page_size) - len(req.pages))
 
     @staticmethod
@@ -147,6 +150,9 @@ class KVManager:
     def allocate(self, req, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
         """Make sure pages exist for ``req``'s next ``num_new_tokens`` plus ``num_lookahead_tokens``
         (speculative drafts, KV arriving from a connector), evicting cache if needed. All or nothing."""
+        if req.sparse is not None and req.sparse.active:
+            self.sparse.write_page(req, num_new_tokens + num_lookahead_tokens)
+            return True
         need = self.pages_needed(req, num_new_tokens + num_lookahead_tokens)
         if need == 0:
             return True
@@ -177,17 +183,29 @@ class KVManager:
         ``commit`` (an aborted turn, KV that must not be reused) every private page is freed.
         ``final``: the request ends here (False for a retraction or a failed admission).
         """
+        if req.sparse is not None:
+            # Its host and hot pages (HiSparse). Once it decodes sparsely its dense pages are gone
+            # (the prompt cached at its first decode); its decoded KV lived in host pages only.
+            commit = commit and not req.sparse.active
+            self.sparse.release(req)
         if req.session is not None:
             self.sessions.release_turn(req, commit, final)
             return
         if req.slot is None:
             assert not req.pages
             return
-        ps = self.page_size
         owner = f"req {req.rid}"
+        self._return_pages(req, commit, req.kv_len, owner)
+        self.reset(req, owner)
+
+    def _return_pages(self, req, commit: bool, kv_len: int, owner: str) -> None:
+        """``req``'s pages go back: with ``commit`` its first ``kv_len`` tokens' page-aligned KV into
+        the tree (duplicates, the partial page and over-allocation freed), else its private pages
+        freed; its lock on the borrowed prefix ends."""
+        ps = self.page_size
         first_private = req.num_tree_pages
         if commit and self.tree.enabled:
-            aligned = req.kv_len // ps
+            aligned = kv_len // ps
             self.free(req.pages[aligned:], owner)  # partial page and over-allocation
             present = self.tree.insert(self.cache_key(req)[: aligned * ps], req.pages[:aligned]) // ps
             # [num_tree_pages, present): someone else cached the same tokens meanwhile -> duplicates.
@@ -195,8 +213,17 @@ class KVManager:
             self.pages.set_owner(req.pages[max(present, first_private) : aligned], "radix")
         else:
             self.free(req.pages[first_private:], owner)
-        self.tree.dec_lock(req.prefix_node)  # type: ignore[arg-type]
-        self.reset(req, owner)
+        if req.prefix_node is not None:
+            self.tree.dec_lock(req.prefix_node)  # type: ignore[arg-type]
+
+    def give_back_dense(self, req, kv_len: int) -> None:
+        """A request now decoding sparsely (HiSparse) gives back its dense pages, its first ``kv_len``
+        tokens (the prompt, copied to its host pages) cached as a finished prompt's would be; it keeps
+        its slot, its host pages and its hot pages."""
+        self._return_pages(req, req.kv_trusted, kv_len, f"req {req.rid}")
+        req.pages = []
+        req.num_tree_pages = 0
+        req.prefix_node = None
 
     def reset(self, req, owner: str) -> None:
         """Forget a request's memory fields once its pages are accounted for; frees its slot."""

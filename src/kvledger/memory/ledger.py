@@ -3,7 +3,8 @@ recomputed from first principles when idle.
 
 Page states: FREE (in the pool's free list), CACHED (in the radix tree; evictable when unlocked,
 protected otherwise), PRIVATE (one live request's computed-but-uncached tail, over-allocation
-included), SESSION (held by one streaming session). A request slot is free, used by one live request,
+included), SESSION (held by one streaming session), HISPARSE_HOT (a sparse-decoding request's hot
+buffer, ``memory/sparse_kv.py``; its host pages are in their own pool, checked by ``SparseBooks``). A request slot is free, used by one live request,
 or held by one session. Live requests *borrow* cached pages (the tree still owns them; the request's
 lock keeps them protected).
 """
@@ -31,13 +32,14 @@ class Holding:
     """What one live request or session holds, as the ledger sees it."""
 
     owner: str  # e.g. "req abc" or "session s1"
-    kind: str  # "request" | "session"
+    kind: str  # "request" | "session" | "hisparse_hot" | "hisparse_host"
     own_pages: Sequence[int]  # PRIVATE (request) or SESSION (session) pages
     borrowed_pages: Sequence[int] = ()  # pages read, owned by someone else
     slot: int | None = None
     borrowed_from: str | None = None  # None: the radix tree (under a lock); else the owning session
     host_pages: Sequence[int] = ()  # L2 pages (hierarchical cache): a demoted idle session's KV
     kv_tokens: int | None = None  # a session: the tokens whose KV its L1 pages hold (exactly their pages)
+    sparse_host_pages: Sequence[int] = ()  # HiSparse host-pool pages (a sparse request's KV history)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class AuditReport:
     double_slots: dict[int, list[str]] = field(default_factory=dict)
     leaked_host_pages: dict[int, str] = field(default_factory=dict)  # L2 (hierarchical cache)
     double_host_pages: dict[int, list[str]] = field(default_factory=dict)
+    leaked_sparse_host_pages: dict[int, str] = field(default_factory=dict)  # HiSparse's host pool
+    double_sparse_host_pages: dict[int, list[str]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
     def _parts(self) -> tuple:
@@ -58,6 +62,8 @@ class AuditReport:
             self.double_slots,
             self.leaked_host_pages,
             self.double_host_pages,
+            self.leaked_sparse_host_pages,
+            self.double_sparse_host_pages,
             self.problems,
         )
 
@@ -85,6 +91,8 @@ class AuditReport:
         show("request slots with several owners", self.double_slots)
         show("leaked L2 pages (last owner)", self.leaked_host_pages)
         show("L2 pages with several owners", self.double_host_pages)
+        show("leaked HiSparse host pages (last owner)", self.leaked_sparse_host_pages)
+        show("HiSparse host pages with several owners", self.double_sparse_host_pages)
         parts.extend(self.problems[:limit])
         return "; ".join(parts) if parts else "ok"
 
@@ -112,14 +120,17 @@ class Ledger:
         self.reclaimed_pages = 0
         self.last_report: AuditReport | None = None
         self.tiers = None  # hicache/books.py TierBooks: the L2 tier's books, when the hierarchy is on
+        self.sparse = None  # memory/sparse_kv.py SparseBooks: HiSparse's host pool, when it is on
 
     # -- figures ----------------------------------------------------------------------------------
     def page_counts(self) -> dict[str, int]:
-        private = session = 0
+        private = session = hot = 0
         slots_used = 0
         for h in self.holdings():
             if h.kind == "session":
                 session += len(h.own_pages)
+            elif h.kind == "hisparse_hot":
+                hot += len(h.own_pages)
             else:
                 private += len(h.own_pages)
             slots_used += h.slot is not None
@@ -129,6 +140,7 @@ class Ledger:
             "cached_protected": self.tree.protected_pages,
             "private": private,
             "session": session,
+            "hisparse_hot": hot,
             "slots_used": slots_used,
         }
 
@@ -144,9 +156,11 @@ class Ledger:
             "kv_cached_protected": c["cached_protected"] * ps,
             "kv_private": c["private"] * ps,
             "kv_session": c["session"] * ps,
+            **({"kv_hisparse_hot": c["hisparse_hot"] * ps} if self.sparse is not None else {}),
             "req_slots_total": self.slots.num_slots,
             "req_slots_free": self.slots.num_free,
             **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
+            **({"hisparse": self.sparse.figures(list(self.holdings()))} if self.sparse is not None else {}),
             "leak_check": {"ok": self.violations == 0, "checks": self.checks, "violations": self.violations},
             # The audits' cost: the last one's and all of them together.
             "audit": {
@@ -157,7 +171,8 @@ class Ledger:
 
     def page_runs(self) -> list[dict]:
         """The pool as runs of consecutive pages with one owner: ``{start, count, kind, owner}``, kind
-        one of free / cached_evictable / cached_protected / private / session (the figures' names),
+        one of free / cached_evictable / cached_protected / private / session / hisparse_hot (the
+        figures' names),
         or ``unowned`` for a page nobody's books hold (a leak; its owner is the last one on record).
         The counts of each kind times the page size are the figures' ``kv_*`` (same instant)."""
         n = self.pages.num_pages
@@ -170,7 +185,7 @@ class Ledger:
             for p in node.pages:
                 kind[p], owner[p] = k, node.owner
         for h in self.holdings():
-            k = "session" if h.kind == "session" else "private"
+            k = h.kind if h.kind in ("session", "hisparse_hot") else "private"
             for p in h.own_pages:
                 kind[p], owner[p] = k, h.owner
         runs: list[dict] = []
@@ -188,13 +203,16 @@ class Ledger:
     # -- the cheap check (every step in strict mode) -----------------------------------------------
     def check_conservation(self) -> None:
         c = self.page_counts()
-        total = c["free"] + c["cached_evictable"] + c["cached_protected"] + c["private"] + c["session"]
+        total = (
+            c["free"] + c["cached_evictable"] + c["cached_protected"] + c["private"] + c["session"]
+            + c["hisparse_hot"]
+        )  # fmt: skip
         problems = []
         if total != self.pages.num_pages:
             problems.append(
                 f"page conservation broken: free {c['free']} + cached_evictable {c['cached_evictable']} + "
                 f"cached_protected {c['cached_protected']} + private {c['private']} + session {c['session']}"
-                f" = {total} != total {self.pages.num_pages}"
+                f" + hisparse_hot {c['hisparse_hot']} = {total} != total {self.pages.num_pages}"
             )
         if self.slots.num_free + c["slots_used"] != self.slots.num_slots:
             problems.append(
@@ -203,6 +221,8 @@ class Ledger:
             )
         if self.tiers is not None:
             problems.extend(self.tiers.conservation_problems(list(self.holdings())))
+        if self.sparse is not None:
+            problems.extend(self.sparse.conservation_problems(list(self.holdings())))
         if problems:
             report = self.audit(count=False)
             report.problems[:0] = problems
@@ -243,7 +263,7 @@ class Ledger:
         holdings = list(self.holdings())
         session_pages: dict[str, set[int]] = {}
         for h in holdings:
-            owners.add(h.owner if h.kind == "session" else f"private to {h.owner}", h.own_pages)
+            owners.add(h.owner if h.kind != "request" else f"private to {h.owner}", h.own_pages)
             if h.kind == "session":
                 session_pages[h.owner] = set(h.own_pages)
             if h.slot is not None:
@@ -266,6 +286,8 @@ class Ledger:
         classify(slot_owners, self.slots.last_owner, report.leaked_slots, report.double_slots)
         if self.tiers is not None:
             self.tiers.audit(report, holdings)
+        if self.sparse is not None:
+            self.sparse.audit(report, holdings)
         if count:
             self.checks += 1
             self.last_audit_seconds = time.perf_counter() - t0
@@ -291,6 +313,8 @@ class Ledger:
             self.slots.free(s, by="ledger reclaim")
         if self.tiers is not None:
             self.tiers.reclaim(report)
+        if self.sparse is not None:
+            self.sparse.reclaim(report)
 
 
 class _Owners:

@@ -53,6 +53,7 @@ class _TorchMeta:
     dec_len0: int = 0  # sequence length of the first decode (used when there is only one)
     dec_k_buf: torch.Tensor | None = None  # gather buffers shared by all layers of one forward
     dec_v_buf: torch.Tensor | None = None
+    sparse: tuple | None = None  # HiSparse decodes: (flat token index tensor, slots, sequence lengths)
 
 
 @dataclass
@@ -64,6 +65,8 @@ class BatchSplit:
     dec_lens: list[int]  # sequence length (the new token included)
     sdpa_ext: list  # extends for SDPA: (tok_start, n, kv_idx [S], mask [n, S] or None: plain causal)
     kernel_ext: list[list[int]]  # extends for a backend's kernel: [rows, tok_starts, prefixes, new tokens]
+    # HiSparse decodes (``batch.sparse_rows``): flat token index, request-slot row, sequence length
+    sparse: tuple[list[int], list[int], list[int]] = ((), (), ())  # type: ignore[assignment]
 
 
 class TorchAttention:
@@ -83,10 +86,13 @@ class TorchAttention:
     def split(batch: ForwardBatch, in_kernel: Callable[[int, int], bool] | None = None) -> BatchSplit:
         """The batch's decodes and extends (see ``BatchSplit``); ``in_kernel(prefix, new)`` picks the
         extends a backend runs in its own kernel (the rest go to SDPA)."""
-        sp = BatchSplit([], [], [], [], [[], [], [], []])
+        sp = BatchSplit([], [], [], [], [[], [], [], []], ([], [], []))
         start = 0
         for row, pre, n, s in zip(batch.req_rows, batch.prefix_lens, batch.extend_lens, batch.seq_lens):
-            if n == 1:
+            if n == 1 and row in batch.sparse_rows:
+                for col, v in zip(sp.sparse, (start, row, s)):
+                    col.append(v)
+            elif n == 1:
                 sp.dec_tok.append(start)
                 sp.dec_rows.append(row)
                 sp.dec_lens.append(s)
@@ -114,6 +120,7 @@ class TorchAttention:
         sp = self.split(batch)
         dec_tok, dec_rows, dec_lens = sp.dec_tok, sp.dec_rows, sp.dec_lens
         meta = _TorchMeta(None, None, None, sp.sdpa_ext)
+        meta.sparse = self.sparse_meta(sp)
         if dec_tok:
             ps = batch.page_size
             dev = batch.req_to_token.device
@@ -133,6 +140,26 @@ class TorchAttention:
             )
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
         batch.attn_meta = meta
+
+    @staticmethod
+    def sparse_meta(sp: BatchSplit) -> tuple | None:
+        tok, rows, lens = sp.sparse
+        return (torch.tensor(tok), list(rows), list(lens)) if tok else None
+
+    def sparse_decode(self, layer: int, q, k, v, kv_buffer, batch, out: torch.Tensor, sparse: tuple) -> None:
+        """HiSparse rows (their new K/V already stored): the worker chooses and fills their pages, then
+        attention reads those pages only; into ``out``'s rows (any shape with those rows first)."""
+        tok, rows, lens = sparse
+        pages, counts = batch.sparse_worker.select(layer, q[tok], k[tok], v[tok], rows, lens, kv_buffer)
+        o = self.attend_pages(q[tok], kv_buffer.k[layer], kv_buffer.v[layer], pages, counts, batch.page_size)
+        out[tok] = o.view(out[tok].shape)
+
+    def attend_pages(self, q, k_cache, v_cache, pages: torch.Tensor, counts: list[int], page_size: int):
+        """Attention of ``q`` ``[R, H, D]`` over each row's and KV head's ``pages`` (``[R, KVH, P]``,
+        ``counts`` tokens); ``[R, H * D]``."""
+        from .hisparse import SparseWorker
+
+        return SparseWorker.attend_torch(q, k_cache, v_cache, pages, counts, page_size, self.scale)
 
     @staticmethod
     def store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> None:
@@ -201,6 +228,8 @@ class TorchAttention:
                 if only_decodes:
                     return o.permute(1, 0, 2, 3).reshape(bd, self.num_heads * d)
                 out[meta.dec_tok] = o.permute(1, 0, 2, 3).reshape(bd, self.num_heads, d)
+        if meta.sparse is not None:
+            self.sparse_decode(layer, q, k, v, kv_buffer, batch, out, meta.sparse)
         self.extend(out, q, k_cache, v_cache, meta.ext)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

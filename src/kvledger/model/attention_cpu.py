@@ -80,6 +80,7 @@ class _CpuMeta:
     flash: tuple[torch.Tensor, ...] | None  # the same columns, extends for the bf16 flash kernel
     long_ext: list  # long extends, for SDPA: BatchSplit.sdpa_ext
     only_decodes: bool
+    sparse: tuple | None = None  # HiSparse decodes (TorchAttention.sparse_meta)
 
 
 class CpuAttention(TorchAttention):
@@ -108,6 +109,7 @@ class CpuAttention(TorchAttention):
             tuple(torch.tensor(col, dtype=i64) for col in long) if long[0] else None,
             sp.sdpa_ext,
             not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) == batch.num_tokens,
+            self.sparse_meta(sp),
         )
 
     def forward(self, layer, q, k, v, kv_buffer, batch):
@@ -130,4 +132,16 @@ class CpuAttention(TorchAttention):
             self.flash_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale)
         if meta.long_ext:
             self.extend(out.view_as(q), q, k_cache, v_cache, meta.long_ext)
+        if meta.sparse is not None:
+            self.sparse_decode(layer, q, k, v, kv_buffer, batch, out, meta.sparse)
         return out
+
+    def attend_pages(self, q, k_cache, v_cache, pages, counts, page_size):
+        """The decode kernel over a per-KV-head table of the selected pages (read in place)."""
+        from .hisparse import SparseWorker
+
+        r, _, p = pages.shape
+        table = SparseWorker.token_table(pages, page_size)
+        rows = torch.arange(r, dtype=torch.int64)
+        lens = torch.tensor(counts, dtype=torch.int64)
+        return self.op(q, k_cache, v_cache, table, rows, lens, self.scale, None, None, None, p * page_size)

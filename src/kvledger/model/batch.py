@@ -30,6 +30,9 @@ class ForwardBatch:
     page_size: int = 1  # locations come in pages of this many tokens (page p = p*ps ...)
     # [P] int64, flat positions whose final-norm hidden state is returned too (pooling); None: none.
     pool_index: torch.Tensor | None = None
+    # HiSparse (model/hisparse.py): the SparseWorker, and the request slots whose decode attends sparsely.
+    sparse_worker: Any = None
+    sparse_rows: frozenset[int] = frozenset()
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
     # The LoRA adapter of each row (``lora.LoraBatch``: rows grouped per adapter); None: all base model.
     lora: Any = None

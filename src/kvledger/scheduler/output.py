@@ -49,6 +49,7 @@ class SchedulerOutput:
     reqs: list[ScheduledReq] = field(default_factory=list)
     page_writes: list[PageWrite] = field(default_factory=list)  # page-table changes, applied first
     connector_meta: Any = None  # from KVConnector.build_connector_meta, for its worker side
+    hisparse: Any = None  # memory/sparse_kv.py SparseStep: HiSparse's copies and sparse rows (or None)
 
     @property
     def num_tokens(self) -> int:
@@ -56,7 +57,7 @@ class SchedulerOutput:
 
     def subset(self, i: int) -> SchedulerOutput:
         """Request ``i`` alone (fault isolation reruns a failed step request by request)."""
-        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta)
+        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta, self.hisparse)
 
 
 @dataclass

@@ -90,6 +90,8 @@ class BatchPolicy:
         proposer = self.s.proposer
         if proposer is None or budget <= 0 or req.params.max_new_tokens == 0:
             return []  # (a request that draws no token, scoring or pooling, has nothing to verify)
+        if req.sparse is not None:
+            return []  # HiSparse attends one new token sparsely; a verify would need sparse extends
         limit = max(min(self.s.context_length - req.seq_len - 1, budget), 0)  # never past the context
         if not getattr(proposer, "writes_kv", False):
             return _before_grammar_end(req, proposer.propose(req)[:limit])
@@ -110,6 +112,10 @@ class BatchPolicy:
         for req in sorted(decodes, key=self._seniority):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
+            if req.sparse is not None and not req.sparse.active and req.kv_len >= len(req.input_ids):
+                # Its first decode (the prompt's attention was dense, its last token included): sparse
+                # from here on.
+                s.kv_manager.sparse.begin(req)
             drafts = self._drafts(req, budget)
             budget -= len(drafts)
             while not s.kv_manager.allocate(req, 1, num_lookahead_tokens=len(drafts)):
@@ -138,6 +144,9 @@ class BatchPolicy:
             self.deferred.add(req.rid)
             return None
         if not s.kv_manager.admit(req):
+            return None
+        if s.kv_manager.sparse is not None and not s.kv_manager.sparse.reserve(req):
+            s.kv_manager.release(req, commit=False, final=False)
             return None
         ext, load_async = s.connector.get_num_new_matched_tokens(req, req.kv_len)
         if ext is None:

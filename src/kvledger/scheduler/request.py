@@ -65,6 +65,7 @@ class Req:
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported)
     num_external_tokens: int = 0  # tokens a KV connector is loading (WAITING_FOR_KV)
     kv_trusted: bool = True  # False: KV that no forward or verified transfer wrote (never cached)
+    sparse: object | None = None  # HiSparse: its host and hot pages (memory/sparse_kv.py SparseHold)
     # --- bookkeeping ---
     output_logprobs: list[float | None] = field(default_factory=list)
     output_top_logprobs: list[TopLogprobs | None] = field(default_factory=list)

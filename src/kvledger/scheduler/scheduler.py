@@ -32,8 +32,9 @@ from ..common.pooling import normalized
 from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
 from ..constrained import bitmask_width
-from ..errors import ConflictError, OverloadedError, ServiceUnavailable
+from ..errors import ConflictError, OverloadedError, ServiceUnavailable, ValidationError
 from ..memory import Holding, KVManager
+from ..memory.sparse_kv import SparseKV
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
 from .policy import BatchPolicy, Chunk
 from .request import Req, ReqState, SpecState
@@ -113,6 +114,9 @@ class Scheduler:
                 param="priority",
                 code="priority_disabled",
             )
+        sparse = self.kv_manager.sparse
+        if sparse is not None and (why := sparse.too_big(req)):
+            raise ValidationError(why, param="max_tokens", code="hisparse_host_pool_too_small")
         budget = sc.max_queued_prefill_tokens
         if budget is not None and self.waiting:
             # A prompt longer than the budget is still taken when nothing waits: refusing it would be
@@ -197,6 +201,8 @@ class Scheduler:
         yield from self.kv_manager.sessions.holdings()
         for r in itertools.chain(self.running, self.waiting_for_kv, self.sending.values()):
             yield self.kv_manager.holding(r)
+            if r.sparse is not None:
+                yield from SparseKV.holdings(r)
 
     @property
     def has_requests(self) -> bool:
@@ -213,7 +219,9 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.has_requests and not self.connector.has_pending
+        # (HiSparse's ends still queued for the worker: one more step drops the slots' state.)
+        sparse = self.kv_manager.sparse
+        return not self.has_requests and not self.connector.has_pending and not (sparse and sparse.has_pending)
 
     @property
     def has_pending_kv(self) -> bool:
@@ -271,6 +279,9 @@ class Scheduler:
         self.last_stats = StepStats()
         chunks = [] if self.paused else self.policy.schedule()
         out = SchedulerOutput([self._scheduled(c) for c in chunks], self.kv_manager.take_page_writes())
+        if self.kv_manager.sparse is not None:
+            rows = [c.req.slot for c in chunks if c.req.sparse is not None and c.req.sparse.active]
+            out.hisparse = self.kv_manager.sparse.take_step(rows)
         out.connector_meta = self.connector.build_connector_meta(out)
         if chunks:
             self._was_busy = True
@@ -343,6 +354,8 @@ class Scheduler:
             for i, sr in enumerate(sched.reqs):
                 self._apply(self.reqs[sr.rid], sr, result, i)
             self._connector_done(result)
+        if self.kv_manager.sparse is not None:
+            self.kv_manager.sparse.drop_begun()  # their prompt KV is in host pages now
         self.connector.step_finished()
         self.settle()
         self._check_books()

@@ -142,10 +142,12 @@ void rope_(at::Tensor& x, const at::Tensor& pos, const at::Tensor& cos, const at
 // [B, KVH, D] and out_loc [B], the new tokens' K/V are first written into their pages.
 // Work items are (request, KV head, KV range): the H/KVH query heads of one KV head share each K/V
 // read; long contexts are split so that every thread has work, and the partial softmaxes merged.
+// head_stride > 0: each KV head reads its own run of the row, h's tokens from h * head_stride (HiSparse:
+// the pages each KV head selected).
 at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& table,
                             const at::Tensor& rows, const at::Tensor& lens, double scale,
                             const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
-                            const c10::optional<at::Tensor>& out_loc) {
+                            const c10::optional<at::Tensor>& out_loc, int64_t head_stride) {
   check_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, head_dim]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -162,10 +164,13 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
               "rows and lens must be int64 [batch]");
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(head_stride >= 0 && (head_stride == 0 || head_stride * KVH <= table.size(1)),
+              "head_stride ", head_stride, " does not fit ", KVH, " kv heads in a row of ", table.size(1));
+  const int64_t row_len = head_stride > 0 ? head_stride : table.size(1);
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(rp[b] >= 0 && rp[b] < table.size(0), "row ", rp[b], " outside req_to_token");
-    TORCH_CHECK(lp[b] >= 0 && lp[b] <= table.size(1), "length ", lp[b], " outside req_to_token");
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= row_len, "length ", lp[b], " outside req_to_token");
     max_len = std::max(max_len, lp[b]);
   }
   const bool write = k_new.has_value();
@@ -214,7 +219,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
         const int64_t t0 = std::min(lp[b], s * chunk), t1 = std::min(lp[b], t0 + chunk);
         float* pm = partial.data() + i * part;
         k.attend(qp + b * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
-                 tp + rp[b] * ts + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm, pm + G, pm + 2 * G);
+                 tp + rp[b] * ts + h * head_stride + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm, pm + G, pm + 2 * G);
       }
     });
     T* o = ptr<T>(out);
@@ -529,7 +534,7 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
     const c10::optional<at::Tensor> k_new = qkv.narrow(1, qs, kvs).view({B, kvh, hd});
     const c10::optional<at::Tensor> v_new = qkv.narrow(1, qs + kvs, kvs).view({B, kvh, hd});
     at::Tensor kc = k_all.select(0, l), vc = v_all.select(0, l);
-    at::Tensor o = decode_attention(q, kc, vc, table, rows, lens, scale, k_new, v_new, out_loc);
+    at::Tensor o = decode_attention(q, kc, vc, table, rows, lens, scale, k_new, v_new, out_loc, 0);
     x = add_rms_norm(h, proj(o, 4 * l + 1), post_norms[l], eps);
     at::Tensor d = proj(silu_mul(proj(x, 4 * l + 2)), 4 * l + 3);
     if (l + 1 < layers) {
@@ -554,7 +559,8 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def(
       "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
-      "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None) -> Tensor");
+      "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
+      "int head_stride=0) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n) -> Tensor");
   m.def(

@@ -1,0 +1,254 @@
+"""HiSparse's books (the scheduler side): a request that decodes sparsely keeps its whole KV in a host
+pool and only a fixed budget of hot pages in the KV pool.
+
+Who owns what, per sparse request (``SparseHold``)::
+
+    host pages   ``req X [hisparse host]``  its KV history, page i of the sequence in ``host[i]``;
+                                            reserved at admission for prompt + max new tokens (every
+                                            decoded token is backed up too: SGLang's overflow bug)
+    hot pages    ``req X [hisparse hot]``   KV-pool pages: ``hot[0]`` takes the page being written,
+                                            ``hot[1:]`` hold the pages attention selected (per layer
+                                            and KV head; the worker's LRU maps say which)
+    dense pages  (as any request's)         the prompt's KV until the first decode step has copied it
+                                            to the host pages (``begin``); then cached or freed
+
+The pages are taken at admission, so the hot-buffer budget gates admission like any page. Everything
+goes back on the one release path (``KVManager.release`` calls ``release``): finish (a PD
+prebuilt finish and ``/health_generate`` included, seed 003), abort, retraction, an admission that
+does not complete. The worker's per-slot state (LRU maps, page summaries) is dropped by an ``ends``
+entry of the next step before any ``begins`` (a reused request slot starts clean).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..errors import MemoryLedgerError
+from .ledger import AuditReport, Holding
+from .pools import IdPool
+
+
+@dataclass(slots=True)
+class SparseBegin:
+    """The worker copies ``kv_len`` tokens of KV from the KV-pool ``dense_pages`` into ``host_pages``
+    (and the partial last page into ``hot[0]``) and starts the slot's sparse state."""
+
+    slot: int
+    dense_pages: list[int]
+    host_pages: list[int]  # every reserved host page of the request (the first ones get the prompt)
+    hot_pages: list[int]
+    kv_len: int
+
+
+@dataclass
+class SparseStep:
+    """HiSparse's share of a step (``SchedulerOutput.hisparse``): applied before the forward, ends first."""
+
+    ends: list[int] = field(default_factory=list)  # request slots whose sparse state goes
+    begins: list[SparseBegin] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # slots whose decode this step attends sparsely
+
+    def __bool__(self) -> bool:
+        return bool(self.ends or self.begins or self.rows)
+
+
+@dataclass
+class SparseHold:
+    host: list[int]
+    hot: list[int]
+    active: bool = False  # decoding sparsely: its KV is in ``host``, its dense pages given back
+    begun_len: int = 0  # kv_len at ``begin`` (the dense pages' extent, given back after that step)
+
+
+class HostPagePool(IdPool):
+    """The host pool's page ids (their K/V live on the worker side, ``model/hisparse.py``)."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.num_ids = n
+
+    def alloc_many(self, n: int, owner: str) -> list[int] | None:
+        return self._take(n, owner)
+
+    def free_many(self, ids: list[int], by: str) -> list[int]:
+        """Returns the ids that were already free (double frees; the caller reports them)."""
+        return self._give_back(ids, by)
+
+
+class SparseKV:
+    """Admission's reservation, the first sparse step, and the release of a sparse request's pages."""
+
+    def __init__(self, kv_manager, cfg, num_host_pages: int, context_length: int):
+        self.kvm = kv_manager
+        self.cfg = cfg  # HiSparseSettings
+        self.page_size = kv_manager.page_size
+        self.context_length = context_length
+        self.host = HostPagePool(num_host_pages)
+        self._ends: list[int] = []
+        self._begins: list[SparseBegin] = []
+        self.begun: list[tuple] = []  # (req, hold) begun this step: dense pages go after the step
+        self.total_begun = 0
+
+    # -- which requests ----------------------------------------------------------------------------
+    def eligible(self, req) -> bool:
+        """Long enough, decodes, and not a session turn (a turn's KV goes to its session dense)."""
+        return (
+            len(req.input_ids) >= self.cfg.hisparse_min_context
+            and req.params.max_new_tokens > 0
+            and req.session is None
+            and req.pooling is None
+        )
+
+    def host_pages_needed(self, req) -> int:
+        tokens = min(len(req.input_ids) + req.params.max_new_tokens, self.context_length)
+        return -(-tokens // self.page_size)
+
+    def too_big(self, req) -> str | None:
+        """Why ``req`` can never get its host room (checked before anything is held), or None."""
+        if not self.eligible(req):
+            return None
+        need = self.host_pages_needed(req)
+        if need > self.host.num_ids:
+            ps = self.page_size
+            return (
+                f"the HiSparse host pool ({self.host.num_ids * ps} tokens) cannot hold this request's prompt "
+                f"+ max new tokens ({need * ps} tokens in pages of {ps}); lower max_tokens or raise "
+                "--hisparse-host-ratio"
+            )
+        return None
+
+    # -- admission -----------------------------------------------------------------------------------
+    def reserve(self, req) -> bool:
+        """Host room for prompt + max new tokens and the hot pages, all or nothing. False: not now."""
+        if req.sparse is not None or not self.eligible(req):
+            return True
+        rid = req.rid
+        host = self.host.alloc_many(self.host_pages_needed(req), f"req {rid} [hisparse host]")
+        if host is None:
+            return False
+        hot = self.kvm._alloc_pages(self.cfg.hisparse_hot_pages, f"req {rid} [hisparse hot]")
+        if hot is None:
+            self.host.free_many(host, f"req {rid}")
+            return False
+        req.sparse = SparseHold(host, hot)
+        return True
+
+    # -- the first sparse step --------------------------------------------------------------------------
+    def begin(self, req) -> None:
+        """``req``'s next step is its first decode: the worker copies its KV to the host pages before
+        the forward, the step writes its new token into ``hot[0]``, and after the step its dense pages
+        are given back (``drop_begun``)."""
+        h = req.sparse
+        ps = self.page_size
+        n = -(-req.kv_len // ps)
+        self._begins.append(SparseBegin(req.slot, list(req.pages[:n]), list(h.host), list(h.hot), req.kv_len))
+        h.active, h.begun_len = True, req.kv_len
+        self.begun.append((req, h))
+        self.total_begun += 1
+
+    def write_page(self, req, num_tokens: int) -> None:
+        """Map the positions the next ``num_tokens`` go to (a page boundary: the next page) onto
+        ``hot[0]`` (the page table's entry is what the step's ``out_loc`` reads)."""
+        ps, h = self.page_size, req.sparse
+        if req.kv_len + num_tokens > len(h.host) * ps:
+            raise MemoryLedgerError(f"req {req.rid} writes past its reserved host pages")
+        first, last = req.kv_len // ps, (req.kv_len + num_tokens - 1) // ps
+        for p in range(first, last + 1):
+            if p == first and req.kv_len % ps and req.kv_len != h.begun_len:
+                continue  # mid-page: already mapped
+            self.kvm._map(req, p, [h.hot[0]])
+
+    def drop_begun(self) -> None:
+        """After a step: the begun requests' prompt KV now lives in host pages; their dense pages go
+        back (cached for later requests' prefix matches, as any finished prompt)."""
+        for req, h in self.begun:
+            # (A request retracted after its begin and admitted again in the same step has a new hold.)
+            if req.sparse is h and req.to_finish is None and req.slot is not None:
+                self.kvm.give_back_dense(req, h.begun_len)
+        self.begun.clear()
+
+    # -- the one release path -----------------------------------------------------------------------------
+    def release(self, req) -> None:
+        """Everything ``req``'s sparse hold owns goes back; the worker drops the slot's state next step."""
+        h = req.sparse
+        if h is None:
+            return
+        owner = f"req {req.rid}"
+        doubles = self.host.free_many(h.host, owner)
+        if doubles:
+            self.kvm.report_double_free(doubles, owner, tier="HiSparse host")
+        self.kvm.free(h.hot, owner)
+        if h.active and req.slot is not None:
+            self._ends.append(req.slot)
+            self._begins = [b for b in self._begins if b.slot != req.slot]
+        req.sparse = None
+
+    @property
+    def has_pending(self) -> bool:
+        """Ops the worker has not had yet (the slots' state of requests that ended)."""
+        return bool(self._ends or self._begins)
+
+    def take_step(self, rows: list[int]) -> SparseStep | None:
+        step = SparseStep(self._ends, self._begins, rows)
+        self._ends, self._begins = [], []
+        return step if step else None
+
+    # -- books --------------------------------------------------------------------------------------------
+    @staticmethod
+    def holdings(req) -> Iterable[Holding]:
+        h = req.sparse
+        if h is not None:
+            yield Holding(owner=f"req {req.rid} [hisparse hot]", kind="hisparse_hot", own_pages=h.hot)
+            yield Holding(owner=f"req {req.rid} [hisparse host]", kind="hisparse_host", own_pages=(),
+                          sparse_host_pages=h.host)  # fmt: skip
+
+
+class SparseBooks:
+    """The host pool's books for the ledger: conservation, the audit, production reclaim, figures."""
+
+    def __init__(self, sparse: SparseKV):
+        self.sparse = sparse
+
+    def _held(self, holdings: list[Holding]) -> int:
+        return sum(len(h.sparse_host_pages) for h in holdings)
+
+    def conservation_problems(self, holdings: list[Holding]) -> list[str]:
+        pool = self.sparse.host
+        held = self._held(holdings)
+        if pool.num_free + held != pool.num_ids:
+            return [f"HiSparse host conservation broken: free {pool.num_free} + held {held} != total {pool.num_ids}"]
+        return []
+
+    def audit(self, report: AuditReport, holdings: list[Holding]) -> None:
+        pool = self.sparse.host
+        owners: dict[int, list[str]] = {}
+        for p in pool.free_list():
+            owners.setdefault(p, []).append("free")
+        for h in holdings:
+            for p in h.sparse_host_pages:
+                owners.setdefault(p, []).append(h.owner)
+        for i in range(pool.num_ids):
+            o = owners.get(i)
+            if not o:
+                report.leaked_sparse_host_pages[i] = pool.last_owner[i]
+            elif len(o) > 1:
+                report.double_sparse_host_pages[i] = o
+
+    def reclaim(self, report: AuditReport) -> None:
+        if report.leaked_sparse_host_pages:
+            self.sparse.host.free_many(list(report.leaked_sparse_host_pages), "ledger reclaim")
+
+    def figures(self, holdings: list[Holding]) -> dict:
+        pool, ps = self.sparse.host, self.sparse.page_size
+        cfg = self.sparse.cfg
+        return {
+            "host_total": pool.num_ids * ps,
+            "host_free": pool.num_free * ps,
+            "host_held": self._held(holdings) * ps,
+            "hot_held": sum(len(h.own_pages) for h in holdings if h.kind == "hisparse_hot") * ps,
+            "requests_begun": self.sparse.total_begun,
+            "top_k_pages": cfg.hisparse_top_k_pages,
+            "hot_pages": cfg.hisparse_hot_pages,
+            "min_context": cfg.hisparse_min_context,
+        }

@@ -1,0 +1,231 @@
+"""HiSparse's data plane (the worker side): sparse decode attention over a hot page budget, with the
+whole KV history in a host pool.
+
+Per sparse request slot (``_SlotState``): the host pages that hold its KV (page i of the sequence in
+``host[i]``; the pool's K/V live here, ``[host pages, layers, kv heads, page_size, head_dim]``), a
+summary of each page's keys per layer and KV head (the element-wise min and max: Quest, Tang et al.
+2024), and per (layer, KV head) which page each hot slot holds, with LRU stamps. ``hot[0]`` is the
+page being written; ``hot[1:]`` cache the pages attention selected.
+
+Each decode step, per layer, for each sparse row: the new token's K/V (already stored in ``hot[0]``)
+is backed up to its host page and folded into that page's summary; the pages attention reads are
+chosen — the first ``sink`` pages, the last ``recent`` (the current one included) and the ``top_k``
+others whose Quest bound ``sum_d max(q_d min_d, q_d max_d)`` (summed over the KV head's query heads)
+is largest — misses are copied from host into the least recently used hot slots, and attention reads
+the selected hot pages in place through a per-KV-head page table (the C++ kernel, or the torch
+reference: a gather of whole pages, as its dense decode does). When a sequence has no more pages than
+``sink + recent + top_k`` every page is selected, in order: the same sums as dense attention.
+
+The scheduler's books (``memory/sparse_kv.py``) decide which pages each slot owns; this module only
+moves bytes where a step's ``SparseStep`` says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..memory.pools import zeroed_host_tensor
+
+_NEVER = np.iinfo(np.int64).max  # the stamp of a slot that must not be evicted this step
+
+
+@dataclass
+class _SlotState:
+    host: torch.Tensor  # int64 [reserved pages]: host page of each sequence page
+    hot: list[int]  # KV-pool pages: hot[0] the write page
+    summary: torch.Tensor  # float32 [layers, kv_heads, reserved pages, 2 * head_dim]: min | max of keys
+    where: np.ndarray  # int32 [layers, kv_heads, reserved pages]: hot slot holding the page, or -1
+    slot_page: np.ndarray  # int32 [layers, kv_heads, hot]: the page in each hot slot, or -1
+    stamp: np.ndarray  # int64 [layers, kv_heads, hot]: last step each hot slot was read (-1: never)
+    tick: int = 0
+
+
+class SparseWorker:
+    """The host pool's K/V and every sparse slot's state; ``apply`` a step's ops, ``attend`` a layer."""
+
+    def __init__(self, cfg, num_host_pages: int, num_layers: int, kv_heads: int, head_dim: int,
+                 page_size: int, dtype: torch.dtype):  # fmt: skip
+        shape = (num_host_pages, num_layers, kv_heads, page_size, head_dim)
+        # Zero pages from the OS as they are first touched: a host pool of gigabytes costs nothing idle.
+        self.host_k = zeroed_host_tensor(shape, dtype)
+        self.host_v = zeroed_host_tensor(shape, dtype)
+        self.layers, self.kv_heads, self.head_dim, self.page_size = num_layers, kv_heads, head_dim, page_size
+        self.sink, self.recent = cfg.hisparse_sink_pages, cfg.hisparse_recent_pages
+        self.top_k, self.num_hot = cfg.hisparse_top_k_pages, cfg.hisparse_hot_pages
+        self.slots: dict[int, _SlotState] = {}
+        self.hits = self.misses = 0  # hot-slot lookups of selected pages (not the write page)
+
+    # -- a step's ops ----------------------------------------------------------------------------------
+    def apply(self, step, kv_buffer) -> None:
+        """Ends first (a slot reused in this step starts clean), then begins."""
+        for slot in step.ends:
+            self.slots.pop(slot, None)
+        for b in step.begins:
+            self._begin(b, kv_buffer)
+        missing = [s for s in step.rows if s not in self.slots]
+        if missing:
+            raise RuntimeError(f"HiSparse rows without a sparse state: slots {missing}")
+
+    def _begin(self, b, kv_buffer) -> None:
+        """Copy the first ``b.kv_len`` tokens' KV from the KV pool into the host pages, summarise each
+        page's keys, and put the partial last page into ``hot[0]`` (the step writes after it)."""
+        ps, d, kvh = self.page_size, self.head_dim, self.kv_heads
+        n = -(-b.kv_len // ps)
+        reserved = len(b.host_pages)
+        st = _SlotState(
+            torch.tensor(b.host_pages, dtype=torch.int64),
+            list(b.hot_pages),
+            torch.zeros(self.layers, kvh, reserved, 2 * d, dtype=torch.float32),
+            np.full((self.layers, kvh, reserved), -1, dtype=np.int32),
+            np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int32),
+            np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int64),
+        )
+        if n:
+            dense = torch.tensor(b.dense_pages[:n], dtype=torch.int64)
+            host = st.host[:n]
+            valid = b.kv_len - (n - 1) * ps  # tokens of the last page
+            for layer in range(self.layers):
+                kc = kv_buffer.k[layer].view(kvh, -1, ps, d).index_select(1, dense)  # [KVH, n, ps, D]
+                vc = kv_buffer.v[layer].view(kvh, -1, ps, d).index_select(1, dense)
+                self.host_k[host, layer] = kc.transpose(0, 1)
+                self.host_v[host, layer] = vc.transpose(0, 1)
+                kf = kc.float()
+                lo, hi = kf.amin(2), kf.amax(2)  # [KVH, n, D]
+                last = kf[:, n - 1, :valid]
+                lo[:, n - 1], hi[:, n - 1] = last.amin(1), last.amax(1)
+                st.summary[layer, :, :n] = torch.cat([lo, hi], -1)
+            if valid < ps:
+                w, src = st.hot[0] * ps, b.dense_pages[n - 1] * ps
+                kv_buffer.k[:, :, w : w + ps] = kv_buffer.k[:, :, src : src + ps]
+                kv_buffer.v[:, :, w : w + ps] = kv_buffer.v[:, :, src : src + ps]
+        self.slots[b.slot] = st
+
+    # -- one layer of a forward ------------------------------------------------------------------------
+    def select(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+               slots: list[int], lens: list[int], kv_buffer) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
+        """For rows ``slots`` (sequence lengths ``lens``, the new token included, whose K/V
+        ``k_new``/``v_new`` ``[R, KVH, D]`` are in their write page): back up, choose pages, fill hot
+        slots. Returns the KV-pool pages each row's KV heads read, int64 ``[R, KVH, P]`` (rows with fewer
+        pages padded with their write page), and each row's token count over them."""
+        ps, d, kvh = self.page_size, self.head_dim, self.kv_heads
+        group = q.shape[1] // kvh
+        pages_out: list[np.ndarray] = []
+        counts: list[int] = []
+        for r, (slot, n_tok) in enumerate(zip(slots, lens)):
+            st = self.slots[slot]
+            pos = n_tok - 1
+            cur, off = pos // ps, pos % ps
+            hp = int(st.host[cur])
+            self.host_k[hp, layer, :, off] = k_new[r]
+            self.host_v[hp, layer, :, off] = v_new[r]
+            kf = k_new[r].float()
+            s = st.summary[layer, :, cur]
+            if off == 0:
+                s[:, :d], s[:, d:] = kf, kf
+            else:
+                torch.minimum(s[:, :d], kf, out=s[:, :d])
+                torch.maximum(s[:, d:], kf, out=s[:, d:])
+            n_pages = cur + 1
+            if n_pages <= self.sink + self.recent + self.top_k:
+                chosen = np.broadcast_to(np.arange(cur, dtype=np.int64), (kvh, cur))
+            else:
+                chosen = self._top_pages(st, layer, q[r].view(kvh, group, d), n_pages)
+            st.tick += 1
+            table = np.empty((kvh, chosen.shape[1] + 1), dtype=np.int64)
+            for h in range(kvh):
+                table[h, :-1] = self._place(st, layer, h, chosen[h], kv_buffer)
+            table[:, -1] = st.hot[0]
+            pages_out.append(table)
+            counts.append(chosen.shape[1] * ps + off + 1)
+        width = max(t.shape[1] for t in pages_out)
+        out = np.empty((len(slots), kvh, width), dtype=np.int64)
+        for r, t in enumerate(pages_out):
+            out[r, :, : t.shape[1]] = t
+            out[r, :, t.shape[1] :] = t[:, -1:]  # (padding past the row's count is never read)
+        return torch.from_numpy(out), counts
+
+    def _top_pages(self, st: _SlotState, layer: int, q: torch.Tensor, n_pages: int) -> np.ndarray:
+        """Per KV head the pages before the current one to read, ascending: sinks, the ``top_k`` middle
+        pages by Quest's bound, the recent ones. ``q``: ``[KVH, group, D]``."""
+        qf = q.float()
+        # max(q*lo, q*hi) = min(q, 0)*lo + max(q, 0)*hi, linear in both: the group's heads sum first.
+        qq = torch.cat([qf.clamp(max=0).sum(1), qf.clamp(min=0).sum(1)], -1)  # [KVH, 2D]
+        lo, hi = self.sink, n_pages - self.recent
+        scores = torch.bmm(st.summary[layer, :, lo:hi], qq.unsqueeze(-1)).squeeze(-1)  # [KVH, mid]
+        top = scores.topk(self.top_k, dim=-1).indices.numpy() + lo
+        top.sort(axis=1)
+        kvh = q.shape[0]
+        sinks = np.broadcast_to(np.arange(lo, dtype=np.int64), (kvh, lo))
+        recent = np.broadcast_to(np.arange(hi, n_pages - 1, dtype=np.int64), (kvh, n_pages - 1 - hi))
+        return np.concatenate([sinks, top, recent], axis=1)
+
+    def _place(self, st: _SlotState, layer: int, h: int, pages: np.ndarray, kv_buffer) -> np.ndarray:
+        """The KV-pool page holding each of ``pages`` for (layer, KV head h): hits where they are,
+        misses copied from host into the least recently used hot slots."""
+        where = st.where[layer, h]
+        js = where[pages].astype(np.int64)
+        miss = js < 0
+        n_miss = int(miss.sum())
+        self.hits += len(pages) - n_miss
+        if n_miss:
+            self.misses += n_miss
+            stamp = st.stamp[layer, h].copy()
+            stamp[0] = _NEVER  # the write page
+            stamp[js[~miss]] = _NEVER  # read this step
+            victims = np.argpartition(stamp, n_miss - 1)[:n_miss] if n_miss < len(stamp) else np.arange(len(stamp))
+            new_pages = pages[miss]
+            for page, j in zip(new_pages.tolist(), victims.tolist()):
+                old = st.slot_page[layer, h, j]
+                if old >= 0:
+                    where[old] = -1
+                st.slot_page[layer, h, j] = page
+                where[page] = j
+            ps, d = self.page_size, self.head_dim
+            hot = torch.tensor([st.hot[j] for j in victims.tolist()], dtype=torch.int64)
+            src = st.host[torch.from_numpy(new_pages)]
+            kv_buffer.k[layer, h].view(-1, ps, d).index_copy_(0, hot, self.host_k[src, layer, h])
+            kv_buffer.v[layer, h].view(-1, ps, d).index_copy_(0, hot, self.host_v[src, layer, h])
+            js[miss] = victims
+        st.stamp[layer, h, js] = st.tick
+        return np.asarray(st.hot, dtype=np.int64)[js]
+
+    # -- attention over the selected pages -----------------------------------------------------------
+    @staticmethod
+    def token_table(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+        """``[R, KVH, P]`` pages -> ``[R, KVH * P * page_size]`` token locations (a per-KV-head table for
+        the C++ kernel: head h's run starts at ``h * P * page_size``)."""
+        r, kvh, p = pages.shape
+        offs = torch.arange(page_size, dtype=torch.int64)
+        return (pages.unsqueeze(-1) * page_size + offs).view(r, kvh * p * page_size)
+
+    @staticmethod
+    def attend_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                     counts: list[int], page_size: int, scale: float) -> torch.Tensor:  # fmt: skip
+        """The torch reference over the selected pages: the same gather of whole pages and the same
+        math as ``TorchAttention``'s dense decode (so all pages selected gives its sums)."""
+        r, kvh, p = pages.shape
+        heads, d = q.shape[1], q.shape[2]
+        group = heads // kvh
+        ps = page_size
+        kd = torch.stack([k_cache[h].view(-1, ps * d).index_select(0, pages[:, h].flatten()) for h in range(kvh)])
+        vd = torch.stack([v_cache[h].view(-1, ps * d).index_select(0, pages[:, h].flatten()) for h in range(kvh)])
+        kd, vd = kd.view(kvh, r, p * ps, d), vd.view(kvh, r, p * ps, d)
+        if r == 1:
+            n = counts[0]
+            qd = q.view(1, kvh, group, d)
+            o = F.scaled_dot_product_attention(qd, kd[:, :, :n].transpose(0, 1), vd[:, :, :n].transpose(0, 1), scale=scale)
+            return o.reshape(1, heads * d)
+        lens = torch.tensor(counts)
+        valid = torch.arange(p * ps).unsqueeze(0) < lens.unsqueeze(1)
+        mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))[None, :, None, :]
+        qd = q.view(r, kvh, group, d).transpose(0, 1)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * scale + mask
+        probs = torch.softmax(scores, dim=-1).to(vd.dtype)
+        return torch.matmul(probs, vd).permute(1, 0, 2, 3).reshape(r, heads * d)
+
+    def live_slots(self) -> set[int]:
+        return set(self.slots)

@@ -1,0 +1,234 @@
+"""HiSparse (issue 31): sparse decode over a hot page budget with the KV history in a host pool.
+
+fp32: with every page selected the output is dense attention's (and transformers'), on both attention
+backends; the books name the host and hot pages while a request decodes and hold none once idle; every
+way a request ends gives them back (finish, abort before and after its first sparse step, retraction,
+a PD-less health check); admission reserves prompt + max new tokens of host room; a reused request slot
+starts clean; NGRAM drafts go on for dense rows and never for sparse ones. Quest's page choice finds
+the page whose keys answer the query.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvledger.common import FinishReason
+from kvledger.errors import ValidationError
+from tests.helpers import hf_greedy, step_until
+
+SP = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+ALL_PAGES = dict(enable_hisparse=True, hisparse_min_context=0, hisparse_top_k_pages=60, hisparse_hot_pages=64)
+SMALL = dict(enable_hisparse=True, hisparse_min_context=0, hisparse_top_k_pages=2, hisparse_hot_pages=6)
+
+
+def prompts(n: int, lens=(150, 300, 90, 513), seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 200) for _ in range(lens[i % len(lens)])] for i in range(n)]
+
+
+def outputs(eng, ps: list[list[int]], sp: dict = SP) -> list[list[int]]:
+    return [r["output_ids"] for r in eng.generate(input_ids=ps, sampling_params=sp)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_every_page_selected_is_dense_attention(make_engine, tiny_llama_hf, backend):
+    """top-k past the sequence's pages: every page read, in order, so the sums are dense attention's:
+    greedy output equals the dense engine's and transformers' token for token, batched."""
+    ps = prompts(4)
+    dense = outputs(make_engine(attention_backend=backend), ps)
+    eng = make_engine(attention_backend=backend, **ALL_PAGES)
+    assert outputs(eng, ps) == dense
+    assert dense[1] == hf_greedy(tiny_llama_hf, ps[1], SP["max_new_tokens"])
+    assert eng.memory()["hisparse"]["requests_begun"] == 4  # they did decode sparsely
+
+
+def test_sparse_rows_read_fewer_pages_and_both_backends_agree(make_engine):
+    """A small budget reads 5 of 33 pages: output differs from dense (the random model's attention is
+    flat), but both backends compute the same selection and the same tokens."""
+    ps = prompts(4)
+    torch_out = outputs(make_engine(attention_backend="torch", **SMALL), ps)
+    eng = make_engine(attention_backend="cpu", **SMALL)
+    assert outputs(eng, ps) == torch_out
+    w = eng.core.runner.sparse
+    assert w.misses > 0 and w.hits > 0
+
+
+def test_the_books_name_host_and_hot_pages_while_decoding(make_engine):
+    eng = make_engine(**SMALL)
+    eng.add_request(input_ids=prompts(1, (300,))[0], sampling_params={**SP, "max_new_tokens": 40}, rid="long")
+    core = eng.core
+    step_until(eng, lambda: core.scheduler.reqs.get("long") is not None and core.scheduler.reqs["long"].sparse
+               is not None and core.scheduler.reqs["long"].sparse.active and core.scheduler.reqs["long"].kv_len > 310)  # fmt: skip
+    m = eng.memory()
+    ps = 16
+    assert m["kv_hisparse_hot"] == SMALL["hisparse_hot_pages"] * ps
+    assert m["hisparse"]["host_held"] == -(-(300 + 40) // ps) * ps  # prompt + max new, reserved at admission
+    assert m["kv_private"] == 0  # its dense pages went back after the first sparse step
+    runs = core.page_map()["runs"]
+    hot = [r for r in runs if r["kind"] == "hisparse_hot"]
+    assert sum(r["count"] for r in hot) == SMALL["hisparse_hot_pages"]
+    assert all(r["owner"] == "req long [hisparse hot]" for r in hot)
+    assert eng.audit().ok
+    # The prompt's pages went to the prefix cache: a second request on it is a cache hit.
+    eng.run_until_idle()
+    again = eng.generate(input_ids=prompts(1, (300,))[0], sampling_params=SP)
+    assert again["meta_info"]["cached_tokens"] >= 288
+
+
+def test_a_leaked_host_page_is_found_by_the_audit(tiny_loaded):
+    """The host pool's books: a page nobody holds is a leak, named by its last owner (production mode
+    takes it back; the engine is made here, not by ``make_engine``, whose teardown wants no violation)."""
+    from kvledger import Engine
+
+    eng = Engine(loaded_model=tiny_loaded, dtype="float32", page_size=16, max_total_tokens=4096, **SMALL)
+    eng.generate(input_ids=prompts(1)[0], sampling_params=SP)
+    eng.run_until_idle()
+    sparse = eng.core.kv_manager.sparse
+    lost = sparse.host.alloc_many(2, "req ghost [hisparse host]")
+    report = eng.audit()
+    assert sorted(report.leaked_sparse_host_pages) == sorted(lost)
+    assert "req ghost [hisparse host]" in report.describe()
+    assert eng.core.kv_manager.sparse.host.num_free == sparse.host.num_ids  # production: reclaimed
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("when", ["prefill", "first_sparse_step", "decoding"])
+def test_abort_at_every_point_gives_everything_back(make_engine, when):
+    eng = make_engine(chunked_prefill_size=64, **SMALL)
+    eng.add_request(input_ids=prompts(1, (300,))[0], sampling_params={**SP, "max_new_tokens": 60}, rid="a")
+    eng.add_request(input_ids=prompts(1, (200,), seed=1)[0], sampling_params=SP, rid="b")
+    s = eng.core.scheduler
+
+    def at() -> bool:
+        r = s.reqs.get("a")
+        if r is None or r.sparse is None:
+            return False
+        if when == "prefill":
+            return 0 < r.kv_len < 300
+        if when == "first_sparse_step":
+            return r.sparse.active and r.pages  # begun: dense pages not yet given back
+        return r.sparse.active and r.kv_len > 320
+
+    if when == "first_sparse_step":
+        # Between schedule (begin) and update (dense pages go): it ends inside the step, holding both.
+        orig = s.update
+
+        def update(sched, result):
+            r = s.reqs.get("a")
+            if r is not None and r.sparse is not None and r.sparse.active and r.pages and r.to_finish is None:
+                r.mark_finish(FinishReason("abort", "aborted in its first sparse step", status=499))
+            return orig(sched, result)
+
+        s.update = update
+        eng.run_until_idle()
+    else:
+        step_until(eng, at)
+        eng.abort("a")
+        eng.run_until_idle()
+    assert eng.memory()["hisparse"]["host_held"] == 0
+
+
+def test_retraction_gives_sparse_pages_back_and_output_stays(make_engine):
+    """Running requests retracted mid-decode (pause with mode retract): their host and hot pages go back
+    through the release path; admitted again they recompute and go sparse again, and with every page
+    selected the output is still dense attention's."""
+    ps = prompts(3, (120, 200, 90))
+    dense = outputs(make_engine(), ps)
+    eng = make_engine(**ALL_PAGES)
+    for i, p in enumerate(ps):
+        eng.add_request(input_ids=p, sampling_params=SP, rid=f"r{i}")
+    s = eng.core.scheduler
+    step_until(eng, lambda: all(r.sparse is not None and r.sparse.active for r in s.running) and len(s.running) == 3)
+    eng.pause_generation(mode="retract")
+    eng.run_until_idle()
+    assert eng.memory()["hisparse"]["host_held"] == 0 and eng.memory()["kv_hisparse_hot"] == 0
+    assert not eng.core.runner.sparse.slots
+    eng.continue_generation()
+    eng.run_until_idle()
+    got = [eng.result(f"r{i}")["output_ids"] for i in range(3)]
+    assert got == dense
+    assert eng.memory()["hisparse"]["requests_begun"] == 6
+
+
+def test_admission_reserves_prompt_plus_max_new_tokens_of_host_room(make_engine):
+    """SGLang's overflow: every decoded token is backed up too. A request that can never fit is a 400
+    before anything is held; two that fit only one at a time run one after the other."""
+    eng = make_engine(max_total_tokens=1024, hisparse_host_ratio=0.5, **SMALL)  # host: 512 tokens
+    with pytest.raises(ValidationError, match="HiSparse host pool"):
+        eng.generate(input_ids=prompts(1, (300,))[0], sampling_params={**SP, "max_new_tokens": 300})
+    ps = prompts(2, (200, 210))
+    sp = {**SP, "max_new_tokens": 100}  # 300 tokens of host each: one at a time
+    dense = outputs(make_engine(), ps, sp)
+    out = eng.generate(input_ids=ps, sampling_params=[sp, sp])
+    assert len(out) == 2
+    held = eng.memory()["hisparse"]
+    assert held["host_held"] == 0 and held["requests_begun"] == 2
+    eng2 = make_engine(max_total_tokens=1024, hisparse_host_ratio=0.5,
+                       **{**ALL_PAGES, "hisparse_top_k_pages": 36, "hisparse_hot_pages": 40})  # fmt: skip
+    assert outputs(eng2, ps, sp) == dense
+
+
+def test_a_reused_request_slot_starts_clean(make_engine):
+    """Two slots, twelve requests: every slot is reused several times. Each request's sparse output
+    equals the same request alone on a fresh engine (dirty LRU maps or summaries would change it)."""
+    ps = prompts(12, (140, 260, 200, 330))
+    eng = make_engine(max_running_requests=2, **SMALL)
+    got = outputs(eng, ps)
+    for i in (0, 5, 11):
+        alone = make_engine(max_running_requests=1, **SMALL)
+        assert outputs(alone, [ps[i]]) == [got[i]], i
+        alone.shutdown()
+
+
+def test_ngram_drafts_for_dense_rows_never_sparse_ones(make_engine):
+    """Sparse rows decode one token a step (a verify would need sparse extends); the short prompt's
+    dense row still speculates. fp32 all-pages output equals plain dense decoding."""
+    ps = [list(range(10, 40)) * 10, [5, 6, 7, 8] * 4]  # a long repetitive prompt (sparse), a short one
+    dense = outputs(make_engine(), ps)
+    eng = make_engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+                      **{**ALL_PAGES, "hisparse_min_context": 100})  # fmt: skip
+    res = eng.generate(input_ids=ps, sampling_params=[SP, SP])
+    assert [r["output_ids"] for r in res] == dense
+    assert "spec_verify_ct" not in res[0]["meta_info"]  # the sparse row never drafted (0: left out)
+    assert res[1]["meta_info"]["spec_verify_ct"] > 0
+
+
+def test_settings_are_checked(make_engine):
+    with pytest.raises(ValidationError, match="must hold the pages a step reads"):
+        make_engine(enable_hisparse=True, hisparse_top_k_pages=8, hisparse_hot_pages=8)
+    with pytest.raises(ValidationError, match="selects whole pages"):
+        make_engine(enable_hisparse=True, page_size=1)
+    with pytest.raises(ValidationError, match="HiSparse"):
+        make_engine(enable_hisparse=True, tp_size=2)
+
+
+def test_quest_picks_the_page_whose_keys_answer_the_query():
+    """One page holds a key aligned with the query: its bound is the largest, so it is selected."""
+    from types import SimpleNamespace
+
+    from kvledger.memory.sparse_kv import SparseBegin, SparseStep
+    from kvledger.model.hisparse import SparseWorker
+
+    torch.manual_seed(0)
+    layers, kvh, d, ps, n_pages = 1, 2, 8, 4, 12
+    cfg = SimpleNamespace(hisparse_sink_pages=1, hisparse_recent_pages=2, hisparse_top_k_pages=1, hisparse_hot_pages=5)
+    w = SparseWorker(cfg, 32, layers, kvh, d, ps, torch.float32)
+    kv = SimpleNamespace(k=torch.randn(layers, kvh, 64 * ps, d) * 0.1, v=torch.randn(layers, kvh, 64 * ps, d))
+    q = torch.randn(1, 2 * kvh, d)
+    needle = {0: 6, 1: 3}  # per KV head, the page with the aligned key
+    for h, page in needle.items():
+        kv.k[0, h, page * ps + 1] = q[0, 2 * h] * 5
+    kv_len = n_pages * ps - 1
+    w.apply(SparseStep(begins=[SparseBegin(0, list(range(n_pages)), list(range(20)), [40, 41, 42, 43, 44], kv_len)]), kv)
+    pages, counts = w.select(0, q, torch.zeros(1, kvh, d), torch.zeros(1, kvh, d), [0], [kv_len + 1], kv)
+    st = w.slots[0]
+    for h, page in needle.items():
+        chosen = [int(st.slot_page[0, h, j]) for j in range(1, 5)]
+        assert page in chosen, (h, chosen)
+        # sink page 0, the needle, the recent page n-2; the current page is read from hot[0]
+        assert pages[0, h, -1] == 40 and counts[0] == 4 * ps
+    assert np.all(st.where[0][st.where[0] >= 0] >= 1)
