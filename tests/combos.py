@@ -60,6 +60,7 @@ def knobs(draft_model: str) -> dict[str, dict]:
         # Threshold 0: the workload's priorities (0-3) preempt whenever the slots or the pool are full.
         "priority": {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 0},
         "cache_aware_policy": {"schedule_policy": "LPM"},
+        "lora": {"enable_lora": True},  # its adapters: ``fuzz_adapters`` (start() adds them)
     }
 
 
@@ -241,6 +242,8 @@ def engine_settings(row: Row, draft_model: str, tmp_dir: str, rng: random.Random
         s["schedule_low_priority_values_first"] = _pick(rng, [False, True])
     if "cache_aware_policy" in row:
         s["schedule_policy"] = _pick(rng, ["lpm", "dfs-weight"])
+    if "lora" in row:
+        s["max_loras_per_batch"] = _pick(rng, [1, 2, 8])
     if "draft" in row or "ngram" in row:
         s["speculative_num_draft_tokens"] = rng.randint(2, 5) if rng else 4
     if "hicache" in row:
@@ -277,6 +280,32 @@ def pd_settings(base: dict, port: int, rng: random.Random | None = None) -> tupl
     return pre, dec
 
 
+_ADAPTERS: dict[str, dict[str, str]] = {}
+
+
+def fuzz_adapters(model: str) -> dict[str, str]:
+    """Two LoRA adapters of ``model`` as peft makes them (``B`` zero: no change to the output), so a
+    workload's adapter requests must answer what the plain reference answers while they take every
+    adapter path: their rows' deltas, the cache namespaced by adapter, ``--max-loras-per-batch``.
+    (What the adapters compute is checked against peft in tests/engine/test_lora.py.)"""
+    if model not in _ADAPTERS:
+        import tempfile
+
+        from peft import LoraConfig, get_peft_model
+
+        from tests.helpers import hf_model
+
+        d = tempfile.mkdtemp(prefix="kvledger-fuzz-lora-")
+        out = {}
+        for i, targets in enumerate((["q_proj", "v_proj"], ["o_proj", "gate_proj", "down_proj"])):
+            torch.manual_seed(i)
+            m = get_peft_model(hf_model(model), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+            m.save_pretrained(f"{d}/fz{i}")
+            out[f"fz{i}"] = f"{d}/fz{i}"
+        _ADAPTERS[model] = out
+    return _ADAPTERS[model]
+
+
 @dataclass
 class Started:
     """A configuration's engines: one, or a PD row's prefill and decode (``port``: its bootstrap)."""
@@ -303,6 +332,8 @@ def start(row: Row, model: str, loaded, draft_model: str, tmp_dir: str, rng: ran
           **overrides) -> Started:  # fmt: skip
     """Start ``row``'s engine(s) on ``model`` (a path: TP workers load it; ``loaded``: rank 0's copy)."""
     s = {**engine_settings(row, draft_model, tmp_dir, rng), **overrides}
+    if "lora" in row:
+        s["lora_paths"] = [f"{name}={path}" for name, path in fuzz_adapters(model).items()]
     if "pd" not in row:
         return Started([Engine(model=model, loaded_model=loaded, **s)])
     port = free_port()

@@ -210,3 +210,30 @@ def build_reasoning_chat_model(path: str, template: str = QWEN3_STYLE_TEMPLATE) 
     safetensors.torch.save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     fast.save_pretrained(path)
     return path
+
+
+def build_lora_adapter(base: str, path: str, seed: int, r: int = 4, targets=("q_proj", "v_proj"),
+                       alpha: int = 8, rslora: bool = False) -> str:  # fmt: skip
+    """A random peft LoRA adapter of the model at ``base`` saved to ``path`` (adapter_config.json,
+    adapter_model.safetensors). peft starts ``B`` at zero (no change); both matrices are drawn here,
+    large enough that greedy choices move."""
+    from peft import LoraConfig, get_peft_model
+
+    model = hf_model(base)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0,
+                     use_rslora=rslora, init_lora_weights=False)  # fmt: skip
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, cfg)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.3)
+    peft_model.save_pretrained(path)
+    return path
+
+
+def peft_merged(base: str, adapter: str):
+    """transformers + peft: ``adapter`` merged into the model at ``base`` (the reference)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(hf_model(base), adapter).merge_and_unload().eval()

@@ -199,6 +199,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the last pages every step reads (the one being written included)")  # fmt: skip
     p.add_argument("--hisparse-host-ratio", type=float, default=d.hisparse_host_ratio,
                    help="the HiSparse host pool's size as a multiple of the KV pool")  # fmt: skip
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (implied by --lora-paths; needed for /load_lora_adapter)")  # fmt: skip
+    p.add_argument("--lora-paths", nargs="+", default=d.lora_paths, metavar="NAME=PATH",
+                   help="LoRA adapters (peft directories) loaded at start: name=path, or path (name: its basename)")  # fmt: skip
+    p.add_argument("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
+                   help="most distinct adapters among running requests (the base model takes none)")  # fmt: skip
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank, help="the largest adapter rank accepted")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -64,6 +64,8 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.scheduler.enable_priority_scheduling),
     Feature("cache_aware_policy", "cache-aware queue order", "--schedule-policy lpm/dfs-weight",
             "schedule_policy", lambda c, d: c.scheduler.cache_aware_policy),
+    Feature("lora", "LoRA adapters", "--enable-lora / --lora-paths", "enable_lora",
+            lambda c, d: c.lora.enable_lora),
     Feature("sessions", "session turns", "session_params.id", "session_params", lambda c, d: False,
             request_level=True),
 )  # fmt: skip
@@ -94,6 +96,13 @@ REFUSED: dict[frozenset[str], Refusal] = {
     frozenset({"cuda", "quantized"}): Refusal(
         NOT_YET, "the weight-only int8/int4 kernels are CPU kernels (quantization auto serves a quantized "
         "file's weights in bfloat16 there)"
+    ),
+    # LoRA adapters: the deltas run in the projections' eager calls, on whole (unsharded) weights.
+    frozenset({"lora", "tp"}): Refusal(
+        NOT_YET, "adapter weights are not sharded: each rank would need its slice of every A and B"
+    ),
+    frozenset({"lora", "compile"}): Refusal(
+        NOT_YET, "the compiled graph has no LoRA deltas in it (adapter rows would need a graph per adapter set)"
     ),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(

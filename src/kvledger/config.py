@@ -433,6 +433,51 @@ class KernelSettings:
 
 
 @dataclass
+class LoraSettings:
+    """LoRA adapters of the base model, served side by side in one batch (``model/lora.py``)."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters (implied by ``--lora-paths``): without it ``/load_lora_adapter`` is refused."""
+    lora_paths: list[str] | None = None
+    """Adapters loaded at start: ``name=path`` or ``path`` (the name is then the directory's name);
+    each a peft adapter directory (adapter_config.json, adapter_model.safetensors)."""
+    max_loras_per_batch: int = 8
+    """Most distinct adapters among the running requests (the base model takes none of them): a
+    request of another adapter waits until one of those ends."""
+    max_lora_rank: int = 64
+    """The largest adapter rank accepted (at start and by ``/load_lora_adapter``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_paths, str):
+            self.lora_paths = [self.lora_paths]
+        if self.lora_paths:
+            self.lora_paths = list(self.lora_paths)
+            self.enable_lora = True
+
+    def named_paths(self) -> dict[str, str]:
+        """``--lora-paths`` as name -> path (checked: names unique and non-empty)."""
+        out: dict[str, str] = {}
+        for item in self.lora_paths or []:
+            if not isinstance(item, str) or not item.strip():
+                raise ValidationError(f"lora_paths entries are name=path or path, got {item!r}", param="lora_paths")
+            name, sep, path = item.partition("=")
+            if not sep:
+                path, name = item, os.path.basename(os.path.normpath(item))
+            if not name or not path:
+                raise ValidationError(f"lora_paths entry {item!r} needs a name and a path", param="lora_paths")
+            if name in out:
+                raise ValidationError(f"lora_paths names {name!r} twice", param="lora_paths")
+            out[name] = path
+        return out
+
+    def check(self) -> None:
+        _positive(self, "max_loras_per_batch", "max_lora_rank")
+        for name, path in self.named_paths().items():  # what they hold is read (and checked) at start
+            if not os.path.isdir(path):
+                raise ValidationError(f"lora_paths: {name}={path} is not a directory", param="lora_paths")
+
+
+@dataclass
 class EngineConfig:
     """Settings of the engine core, in sections. ``None`` values mean "derive a sensible value from
     the model and the machine"."""
@@ -446,9 +491,10 @@ class EngineConfig:
     spec: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     disagg: DisaggregationSettings = field(default_factory=DisaggregationSettings)
     kernels: KernelSettings = field(default_factory=KernelSettings)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
     SECTIONS: ClassVar[tuple[str, ...]] = (
-        "model", "cache", "hicache", "hisparse", "scheduler", "parallel", "spec", "disagg", "kernels",
+        "model", "cache", "hicache", "hisparse", "scheduler", "parallel", "spec", "disagg", "kernels", "lora",
     )  # fmt: skip
 
     # -- the flat view: one name per flag ----------------------------------------------------------------

@@ -175,6 +175,11 @@ class Workload:
         # Priorities (used where priority scheduling is on) come from their own generator, seeded from
         # the run's without drawing from it, so a seed's workload is the one it was before them.
         self.prio_rng = random.Random(rng.getstate()[1][0])
+        # LoRA adapters every engine serves (tests/combos.py's, which leave outputs unchanged); their
+        # draws too from a generator of their own.
+        served = [set(e.core.loras.adapters) if e.core.loras is not None else set() for e in target.engines]
+        self.adapters = sorted(set.intersection(*served))
+        self.lora_rng = random.Random(rng.getstate()[1][1])
 
     # -- the run -------------------------------------------------------------------------------------
     def run(self, steps: int, idle_every: float = 0.01) -> Counter:
@@ -229,6 +234,9 @@ class Workload:
         elif r < 0.65 and len(self.live) < 16:
             prompt = self._prompt()
             job = self._job(prompt, self.rng.randint(1, min(32, self.ctx - len(prompt))))
+            if self.adapters and self.lora_rng.random() < 0.5:
+                job.params["lora_path"] = self.lora_rng.choice(self.adapters)
+                self.stats["lora"] += 1
             for i in range(self.rng.choice([1] * 9 + [2, 3])):  # n > 1: one prompt, its params, n times
                 self._submit(Job(f"{job.rid}.{i}", job.prompt, job.params, job.kind))
                 self.stats["n>1"] += i == 1
@@ -487,8 +495,10 @@ class Workload:
 
 
 def _key(prompt: list[int], params: dict) -> tuple:
-    # A priority changes when a request runs, never what it generates: one reference output for all.
-    return tuple(prompt), json.dumps({k: v for k, v in params.items() if k != "priority"}, sort_keys=True)
+    # A priority changes when a request runs, never what it generates: one reference output for all;
+    # so does the fuzz's LoRA adapters (B = 0), whose rows must answer what the base model answers.
+    same = ("priority", "lora_path")
+    return tuple(prompt), json.dumps({k: v for k, v in params.items() if k not in same}, sort_keys=True)
 
 
 class Reference:
@@ -516,8 +526,9 @@ class Reference:
         items = list(todo.items())
         for i in range(0, len(items), 32):
             batch = items[i : i + 32]
-            outs = self.eng.generate(
-                input_ids=[p for _, (p, _) in batch], sampling_params=[sp for _, (_, sp) in batch]
+            outs = self.eng.generate(  # (the plain engine serves no adapter: ``_key``)
+                input_ids=[p for _, (p, _) in batch],
+                sampling_params=[{k: v for k, v in sp.items() if k != "lora_path"} for _, (_, sp) in batch],
             )
             for (k, _), o in zip(batch, outs):
                 self.memo[k] = o["output_ids"]

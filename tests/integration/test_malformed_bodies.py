@@ -13,7 +13,8 @@ HI = [{"role": "user", "content": "hi"}]
 VALID: dict[str, dict] = {
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0, "stop": ["x"],
                                                     "timeout": 30},
-                  "return_logprob": False, "top_logprobs_num": 0, "stream": False, "rid": None, "priority": None},
+                  "return_logprob": False, "top_logprobs_num": 0, "stream": False, "rid": None, "priority": None,
+                  "lora_path": None},
     "/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0, "n": 1,
                         "logprobs": None, "stop": None, "echo": False, "seed": 1, "top_p": 1.0,
                         "stream_options": None, "response_format": None, "cache_salt": None, "timeout": None,
@@ -40,6 +41,8 @@ VALID: dict[str, dict] = {
     "/continue_generation": {},
     "/update_weights_from_disk": {"model_path": "/no/such/checkpoint", "load_format": None,
                                   "abort_all_requests": False},
+    "/load_lora_adapter": {"lora_name": "x", "lora_path": "/no/such/adapter"},
+    "/unload_lora_adapter": {"lora_name": "no-such-adapter", "lora_int_id": None},
 }  # fmt: skip
 NESTED = {  # fields inside fields, replaced the same way
     "/generate": [("sampling_params", k) for k in ("max_new_tokens", "temperature", "stop", "top_k", "n",

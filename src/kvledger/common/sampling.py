@@ -39,6 +39,9 @@ class SamplingParams:
     # Not a sampling choice but it travels with them: requests with different salts never share
     # prefix-cache KV (vLLM's ``cache_salt``, SGLang's ``extra_key``); None shares with every unsalted one.
     cache_salt: str | None = None
+    # Nor is this: the LoRA adapter (by name) the request runs with; None: the base model. Its KV is
+    # cached under the adapter's namespace (``memory/cache_key.py``), never shared with another's.
+    lora_path: str | None = None
     # Nor is this: seconds the request may take from its arrival at the engine, queued and running
     # together; past it the request ends through the release path with a 503 (None: no limit of its own;
     # the server's --request-timeout-s, if set, still applies: the shorter one wins).

@@ -18,6 +18,7 @@ from .sampling import GRAMMAR_KINDS, SamplingParams
 MAX_SEED = 2**63 - 1
 MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1  # SGLang's int priorities, as a 64-bit integer
 MAX_CACHE_SALT_LEN = 1024  # vLLM's bound, for each of cache_salt and extra_key
+MAX_LORA_NAME_LEN = 256
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a mistake (or a string of digits), not a deadline
 DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens  # /generate's and the offline Engine's (SGLang: 128)
 
@@ -156,6 +157,11 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not isinstance(salt, str) or not 1 <= len(salt) <= 2 * MAX_CACHE_SALT_LEN + 8:
             raise _bad("cache_salt", f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_LEN} characters")
         p.cache_salt = salt
+    lora = d.get("lora_path")
+    if lora is not None:  # an adapter's name; the engine checks it is loaded
+        if not isinstance(lora, str) or not 1 <= len(lora) <= MAX_LORA_NAME_LEN:
+            raise _bad("lora_path", f"lora_path must be a LoRA adapter's name (1 to {MAX_LORA_NAME_LEN} characters)")
+        p.lora_path = lora
     if d.get("timeout") is not None:
         p.timeout = validate_timeout(d["timeout"])
     if d.get("priority") is not None:

@@ -187,7 +187,7 @@ class PrefillConnector(KVConnector):
         ids = claim.tokens
         if ids is None:
             return "a session turn's claim must carry its prompt (a decode server of an older version?)"
-        if len(ids) != claim.num_tokens or wire.tokens_crc(ids) != claim.tokens_crc:
+        if len(ids) != claim.num_tokens or wire.tokens_crc(ids, req.lora_key) != claim.tokens_crc:
             return "the claim's prompt does not match its length and checksum"
         lim = self.limits
         if lim is not None:
@@ -237,7 +237,7 @@ class PrefillConnector(KVConnector):
                     top,
                     cached_tokens=req.cached_tokens,
                 )
-                crc = wire.tokens_crc(req.input_ids)
+                crc = wire.tokens_crc(req.input_ids, req.lora_key)
                 job = _SendJob(req.rid, d.room, list(req.pages), len(req.input_ids), crc, first)
                 self._jobs[d.room] = job
                 claim = self._claims.get(d.room)

@@ -122,6 +122,9 @@ def decode(frame: bytes) -> Message:
         raise WireError(f"malformed header: {e}") from None
 
 
-def tokens_crc(ids: list[int]) -> int:
-    """A cheap check that both sides hold the same prompt (not a security boundary)."""
-    return zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids))
+def tokens_crc(ids: list[int], adapter: str | None = None) -> int:
+    """A cheap check that both sides hold the same prompt (not a security boundary) under the same
+    LoRA adapter (its fingerprint; None: the base model): KV computed under one adapter is never
+    handed to a request of another (refused as a prompt that differs)."""
+    crc = zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids))
+    return crc if adapter is None else zlib.crc32(b"lora:" + adapter.encode(), crc)

@@ -20,13 +20,14 @@ from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..constrained.reasoning import reasoning_end_ids
 from ..disagg import make_connector, make_worker_side
-from ..errors import ConflictError, KVLedgerError, ModelLoadError, ValidationError
+from ..errors import ConflictError, KVLedgerError, ModelLoadError, NotFoundError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
 from ..memory import KVBuffer, KVManager
 from ..memory.sparse_kv import SparseBooks, SparseKV
 from ..model import LlamaModel, load_model
 from ..model.hisparse import SparseWorker
 from ..model.loader import LoadedModel, default_model_path
+from ..model.lora import LoraSet, read_adapter
 from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
 from ..parallel.shard import check_tp, local_config, shard_weights
@@ -201,6 +202,13 @@ class EngineCore:
                 dist.destroy_process_group()
             raise
         self.tokenizer = loaded.tokenizer
+        # LoRA adapters (``model/lora.py``): None unless --enable-lora / --lora-paths.
+        self.loras: LoraSet | None = None
+        if cfg.lora.enable_lora:
+            self.loras = LoraSet(cfg.lora.max_lora_rank)
+            self.loras.attach(self.model)
+            for name, path in cfg.lora.named_paths().items():
+                self.loras.add(read_adapter(name, path, cfg.lora.max_lora_rank))
         ps = cfg.cache.page_size
         lc = self.model.cfg  # this rank's shapes (all of them on one rank)
         per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, self.dtype)
@@ -415,6 +423,8 @@ class EngineCore:
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise ValidationError("rid must be a non-empty string of at most 256 characters", param="rid")
         req = Req(rid=rid, input_ids=ids, params=params, pooling=pooling)
+        if params.lora_path is not None:
+            req.lora_key = self.lora_adapter(params.lora_path).fingerprint
         spec = grammar_spec(params)
         if spec is not None:  # compiled here: one that does not compile is refused before it holds anything
             req.grammar = self.grammars.new_state(spec, after_reasoning=params.require_reasoning)
@@ -436,6 +446,11 @@ class EngineCore:
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:
+                if req.params.lora_path is not None:
+                    raise ValidationError(
+                        "a session turn cannot run with a LoRA adapter (yet): a session's KV is not bound "
+                        "to one adapter", param="lora_path",
+                    )  # fmt: skip
                 check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature
                 if req.disagg is not None and self._pd_mode == "prefill":
                     # A session turn through PD, prefill's half: the session is decode's. The request is a
@@ -498,6 +513,55 @@ class EngineCore:
     def abort(self, rid: str, message: str = "aborted by the client") -> None:
         self.scheduler.abort(rid, message)
 
+    # -- LoRA adapters -------------------------------------------------------------------------------------
+    def lora_adapter(self, name: str):
+        """The loaded adapter ``name`` (404 when none is)."""
+        adapter = None if self.loras is None else self.loras.adapters.get(name)
+        if adapter is None:
+            have = sorted(self.loras.adapters) if self.loras is not None else []
+            raise NotFoundError(
+                f"no LoRA adapter named {name!r} is loaded (loaded: {', '.join(have) or 'none'})",
+                param="lora_path", code="lora_not_found",
+            )  # fmt: skip
+        return adapter
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Read and serve the adapter at ``lora_path`` as ``lora_name`` (400: not servable, a name
+        already loaded; nothing changes then)."""
+        if self.loras is None:
+            raise ValidationError("this server does not serve LoRA adapters: start it with --enable-lora",
+                                  param="lora_name", code="lora_disabled")  # fmt: skip
+        if not isinstance(lora_name, str) or not lora_name or "=" in lora_name or len(lora_name) > 256:
+            raise ValidationError("lora_name must be a non-empty name without '='", param="lora_name")
+        if not isinstance(lora_path, str) or not lora_path:
+            raise ValidationError("lora_path must be a path", param="lora_path")
+        if lora_name in self.loras.adapters:
+            raise ValidationError(f"a LoRA adapter named {lora_name!r} is loaded already", param="lora_name",
+                                  code="lora_exists")  # fmt: skip
+        adapter = read_adapter(lora_name, lora_path, self.loras.max_rank)
+        self.loras.add(adapter)
+        log.info("LoRA adapter %s loaded from %s (rank %d)", lora_name, lora_path, adapter.rank)
+        return adapter.info()
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving ``lora_name``: refused (409) while any request of it is queued or running
+        (unload after they end, or abort them); 404 for a name not loaded. Its cached KV stays in
+        the prefix cache under its fingerprint (evicted as any), found again if the same files are
+        loaded again."""
+        self.lora_adapter(lora_name)
+        self.scheduler.settle()  # requests already marked to end go first
+        users = [r.rid for r in self.scheduler.reqs.values() if r.params.lora_path == lora_name]
+        if users:
+            raise ConflictError(
+                f"{len(users)} request(s) still use LoRA adapter {lora_name!r}; unload it after they end",
+                param="lora_name", code="lora_busy",
+            )  # fmt: skip
+        self.loras.remove(lora_name)
+        log.info("LoRA adapter %s unloaded", lora_name)
+
+    def lora_list(self) -> list[dict]:
+        return [] if self.loras is None else [a.info() for a in self.loras.adapters.values()]
+
     # -- pause and weight updates (RL trainers) ------------------------------------------------------------
     def pause_generation(self, mode: str = "abort") -> int:
         """Stop computing until ``continue_generation`` (``Scheduler.pause`` for the modes); requests
@@ -538,6 +602,8 @@ class EngineCore:
                 f"the old weights still serve"
             ) from None
         del loaded
+        if self.loras is not None:
+            self.loras.attach(model)  # the adapters serve on the new base weights
         self.model = self.runner.model = model
         flushed = self.kv_manager.tree.flush()
         dropped = self.sessions.session_kv.drop_all_kv()
@@ -662,4 +728,4 @@ class EngineCore:
         return [{"rank": 0, **self.model.compile_stats()}, *self.executor.worker_stats()]
 
     def info_dict(self) -> dict:
-        return dataclasses.asdict(self.info)
+        return {**dataclasses.asdict(self.info), "loras": self.lora_list()}

@@ -308,6 +308,17 @@ class Engine:
                 return False, e.message, 0
         return True, f"Succeeded to update model weights from {model_path}.", n
 
+    # -- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter) ----------------------------------
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Serve the peft adapter at ``lora_path`` as ``lora_name`` (``sampling["lora_path"]`` selects it)."""
+        with self._lock:
+            return self.core.load_lora_adapter(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving ``lora_name``; refused (409) while requests of it are queued or running."""
+        with self._lock:
+            self.core.unload_lora_adapter(lora_name)
+
     def flush_cache(self) -> bool:
         with self._lock:
             return self.core.flush_cache()

@@ -152,6 +152,9 @@ def _call(core, msg: m.Call) -> m.Reply:
         "update_weights_from_disk": lambda: core.update_weights_from_disk(
             args.get("model_path"), args.get("load_format")
         ),
+        "load_lora_adapter": lambda: core.load_lora_adapter(args.get("lora_name"), args.get("lora_path")),
+        "unload_lora_adapter": lambda: core.unload_lora_adapter(args.get("lora_name")) or True,
+        "lora_list": core.lora_list,
     }
     try:
         op = ops.get(msg.op)

@@ -9,6 +9,7 @@ import torch
 from ..common.sampling import SamplingRow
 from ..memory import KVBuffer
 from ..model import ForwardBatch, LlamaModel, Sampler
+from ..model import lora as lora_mod
 from ..scheduler.output import ModelRunnerOutput, ScheduledReq, SchedulerOutput
 from .page_table import PageTable
 
@@ -65,6 +66,7 @@ class ModelRunner:
             sparse_worker=self.sparse,
             sparse_rows=frozenset(sched.hisparse.rows) if sched.hisparse is not None else frozenset(),
             pool_index=torch.tensor(pool_index, dtype=torch.int64) if pool_index else None,
+            lora=lora_mod.LoraBatch.of([r.lora for r in sched.reqs], ext, table.device),
         ).to(table.device)
 
     def execute(
@@ -84,10 +86,11 @@ class ModelRunner:
             return ModelRunnerOutput.empty(0) if sample else None
         batch = self.build(sched)
         hidden = None
-        if batch.pool_index is None:
-            logits = self.model.forward(batch, self.kv_buffer, connector)
-        else:
-            logits, hidden = self.model.forward_pooled(batch, self.kv_buffer, connector)
+        with lora_mod.active(batch.lora):  # each row's adapter, for the adapted projections
+            if batch.pool_index is None:
+                logits = self.model.forward(batch, self.kv_buffer, connector)
+            else:
+                logits, hidden = self.model.forward_pooled(batch, self.kv_buffer, connector)
         return self._sample(sched, logits, hidden) if sample else None
 
     def _sample(

@@ -159,7 +159,7 @@ class Tiers:
         if self.storage is None or req.session is not None:
             return
         ps = self.page_size
-        tokens = cache_key(req.fill_ids, req.params.cache_salt, ps)[: req.reuse_limit]
+        tokens = cache_key(req.fill_ids, req.params.cache_salt, ps, req.lora_key)[: req.reuse_limit]
         npages = len(tokens) // ps
         have = self.tree.covered(tokens) // ps
         if (npages - have) * ps < self.prefetch_threshold:

@@ -1,12 +1,16 @@
 """A request's key in the prefix cache: its tokens, with the first page salted when it carries a cache
-salt (vLLM's ``cache_salt``), so that requests with different salts never share cached KV and
-requests with the same salt do.
+salt (vLLM's ``cache_salt``) or runs with a LoRA adapter, so that requests with different salts or
+adapters never share cached KV and requests with the same ones do.
 
 Every lookup and insertion starts at the root with the first page, so salting that page alone puts
 each salt's KV in a subtree of its own: the radix tree (L1 and L2) and the file tier's keys (chained
 from the first page) need no other change. A salted page's ids are negative 62-bit keyed hashes of
 (salt, position, token): they never equal a real token id (>= 0), still fit an int64 (the file
 tier packs keys as int64), and two salts collide on a page only with probability 2**-62 per id.
+
+An adapter's namespace is its files' fingerprint (``model/lora.py``), hashed with the salt under a
+personalisation of its own: no ``cache_salt`` a client can send reproduces an adapter's key, an
+adapter reloaded from the same files finds its KV again, and different files under one name do not.
 """
 
 from __future__ import annotations
@@ -18,12 +22,18 @@ def _salt_key(salt: str) -> bytes:
     return hashlib.blake2b(salt.encode(), digest_size=32, person=b"kvledger-salt").digest()
 
 
-def cache_key(tokens: list[int], salt: str | None, page_size: int) -> list[int]:
-    """``tokens`` as the prefix cache sees them (unchanged without a salt, or shorter than a page:
-    nothing shorter than a page is ever matched or cached)."""
-    if salt is None or len(tokens) < page_size:
+def _lora_key(adapter: str, salt: str | None) -> bytes:
+    a, s = adapter.encode(), (salt or "").encode()
+    # Length-prefixed: the pair (adapter, salt) is unambiguous.
+    return hashlib.blake2b(len(a).to_bytes(4, "little") + a + s, digest_size=32, person=b"kvledger-lora").digest()
+
+
+def cache_key(tokens: list[int], salt: str | None, page_size: int, adapter: str | None = None) -> list[int]:
+    """``tokens`` as the prefix cache sees them (unchanged without a salt or adapter, or shorter than
+    a page: nothing shorter than a page is ever matched or cached)."""
+    if (salt is None and adapter is None) or len(tokens) < page_size:
         return tokens
-    key = _salt_key(salt)
+    key = _salt_key(salt) if adapter is None else _lora_key(adapter, salt)
     first = []
     for i, t in enumerate(tokens[:page_size]):
         h = hashlib.blake2b(i.to_bytes(4, "little") + t.to_bytes(8, "little"), digest_size=8, key=key)

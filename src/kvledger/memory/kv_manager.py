@@ -124,8 +124,8 @@ class KVManager:
         return self.pages.alloc(n, owner)
 
     def cache_key(self, req) -> list[int]:
-        """``req``'s tokens as the prefix cache keys them (salted by its ``cache_salt``)."""
-        return cache_key(req.fill_ids, req.params.cache_salt, self.page_size)
+        """``req``'s tokens as the prefix cache keys them (salted by its ``cache_salt`` and LoRA adapter)."""
+        return cache_key(req.fill_ids, req.params.cache_salt, self.page_size, req.lora_key)
 
     def admit(self, req) -> bool:
         """Give ``req`` a request slot and its cached prefix (locked). False: no slot free."""

@@ -34,6 +34,8 @@ class ForwardBatch:
     sparse_worker: Any = None
     sparse_rows: frozenset[int] = frozenset()
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
+    # The LoRA adapter of each row (``lora.LoraBatch``: rows grouped per adapter); None: all base model.
+    lora: Any = None
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The host-built index tensors moved to the model's device (``req_to_token`` lives there)."""

@@ -127,6 +127,8 @@ class Linear(nn.Module):
         # An opaque oneDNN tensor; a plain attribute (not a parameter: module utilities that walk
         # parameters, such as weight_bytes or state_dict, cannot read its storage).
         self.packed: torch.Tensor | None = None
+        # LoRA adapters' deltas on this projection (``lora.LoraLayer``; None: no adapter can apply).
+        self.lora = None
         if prepack and self.w is not None and can_prepack(self.w):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, PACK_ROWS_HINT)
             self.w = None
@@ -149,6 +151,11 @@ class Linear(nn.Module):
         return n + (0 if self.qw is None else self.qw.nbytes()) + (0 if self.w8 is None else self.w8.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        # The adapters of this forward's rows (``model/lora.py``), added on top of the base output.
+        return y if self.lora is None else self.lora(x, y)
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         # Under torch.compile the quantized branches would add a size guard per layer (and a second
         # graph); compiled graphs run the bf16 GEMM, which Inductor packs. (is_compiling first:
         # comparing the symbolic row count would itself add the guard.)

@@ -434,6 +434,7 @@ class LlamaModel:
         use = (
             self.compiled is not None
             and pool is None
+            and batch.lora is None  # adapter rows run eager: LoRA deltas live in the projections' calls
             and batch.num_tokens > 1
             and batch.logit_index.shape[0] > 1
         )
@@ -444,6 +445,7 @@ class LlamaModel:
             not use
             and pool is None
             and connector is None
+            and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
             and DECODE_IN_ONE_CALL
             and getattr(meta, "only_decodes", False)
         ):

@@ -37,6 +37,7 @@ class ScheduledReq:
     # come back summed (-1: none); the logprobs of ``label_token_ids`` at the chunk's last row.
     pool_from: int = -1
     label_token_ids: list[int] | None = None
+    lora: str | None = None  # the LoRA adapter this request's rows run with (None: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -197,6 +197,9 @@ class BatchPolicy:
         for req in list(s.waiting):
             if budget <= 0 or req.to_finish is not None:
                 return out
+            if not self._adapter_fits(req):
+                self.deferred.add(req.rid)  # its adapter waits for one of the running ones to end
+                continue
             if self._slots_full() and not self.preempt_for(req, budget, reserve_pages, slot=True):
                 return out
             chunk = self._admit(req, budget, reserve_pages)
@@ -210,6 +213,17 @@ class BatchPolicy:
                 out.append(chunk)
                 budget -= chunk.num_tokens
         return out
+
+    def _adapter_fits(self, req: Req) -> bool:
+        """``--max-loras-per-batch``: a request of an adapter no running request uses is admitted only
+        while fewer than that many adapters run (the base model counts as none), so no step's batch
+        has more. Others go first meanwhile (it is deferred, not blocking the queue)."""
+        name = req.params.lora_path
+        if name is None:
+            return True
+        s = self.s
+        running = {r.params.lora_path for r in (*s.running, *s.waiting_for_kv)} - {None}
+        return name in running or len(running) < s.cfg.lora.max_loras_per_batch
 
     def _slots_full(self) -> bool:
         s = self.s

@@ -79,6 +79,9 @@ class Req:
     # every request without priority scheduling.
     priority_rank: int = 0
     session: object | None = None  # the Session this request is a turn of (memory/session_kv.py)
+    # The LoRA adapter's namespace in the prefix cache (its files' fingerprint; None: the base model),
+    # set by the engine when it resolves ``params.lora_path``.
+    lora_key: str | None = None
     session_offset: int = 0
     spec: SpecState = field(default_factory=SpecState)
     grammar: object | None = None  # structured outputs: its GrammarState (constrained/grammar.py)

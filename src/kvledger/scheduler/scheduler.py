@@ -306,6 +306,7 @@ class Scheduler:
             mask = req.grammar.masks(c.drafts) if req.grammar is not None else None
             mask = self._min_tokens_mask(req, len(c.drafts) + 1, mask)
         sr = ScheduledReq(req.rid, req.slot, a, req.tokens(a, b) + c.drafts, len(c.drafts), sampling, mask)
+        sr.lora = req.params.lora_path
         t = req.next_prompt_logprob
         if t is not None:
             # Token u's logprob comes from row u - 1: the rows of this chunk give tokens a+1 .. b.

@@ -97,6 +97,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             make_parser(cfg.tool_call_parser),
             cfg.engine.model.reasoning_parser,
         )
+        srv.openai.adapters = lambda: {a["name"] for a in (srv.client.info.get("loras") or [])}
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.pooling = PoolingServing(
             srv.gen, srv.openai.check_model, name, srv.limits, tokenizer, cfg.pooling,

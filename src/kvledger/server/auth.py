@@ -32,6 +32,7 @@ OPEN_PATHS = {"/health", "/metrics"}
 ADMIN_PATHS = {
     "/dashboard", "/memory/pages", "/flush_cache",
     "/pause_generation", "/continue_generation", "/update_weights_from_disk",
+    "/load_lora_adapter", "/unload_lora_adapter",
 }  # fmt: skip
 
 ADMIN, USER, ANONYMOUS, INTERNAL = "admin", "user", "anonymous", "internal"

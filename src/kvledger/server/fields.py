@@ -115,7 +115,7 @@ GENERATE_REFUSED: Refused = {
     "input_embeds": _NONE, "image_data": _EMPTY, "video_data": _EMPTY, "audio_data": _EMPTY,
     "use_audio_in_video": _OFF, "token_ids_logprob": _EMPTY, "return_hidden_states": _OFF,
     "return_routed_experts": _OFF, "return_indexer_topk": _OFF, "routed_experts_start_len": (None, 0),
-    "modalities": _EMPTY, "lora_path": _NONE, "lora_id": _NONE, "custom_logit_processor": _NONE,
+    "modalities": _EMPTY, "lora_id": _NONE, "custom_logit_processor": _NONE,
     "positional_embed_overrides": _NONE, "routed_dp_rank": (None, 0),
     "data_parallel_rank": (None, 0), "disagg_prefill_dp_rank": (None, 0), "background": _OFF,
     "custom_labels": _NONE, "return_bytes": _OFF, "return_entropy": _OFF,

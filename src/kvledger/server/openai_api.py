@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,29 +152,39 @@ class OpenAIServing:
         self.template_has_tools = "tools" in template
         self.name = name
         self.model_names = {name} | aliases
+        # The LoRA adapters served now (names), each a model of its own to the OpenAI API.
+        self.adapters: Callable[[], set[str]] = set
         self.limits = limits
         self.tokenizer = tokenizer
         self.max_n = max_n
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise NotFoundError(
-                f"the model {model!r} does not exist; this server serves {self.name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None, adapters: bool = False) -> str | None:
+        """404 unless ``model`` is the served model (or an alias), or with ``adapters`` one of its
+        LoRA adapters; returns the adapter's name (None: the base model)."""
+        if model is None or model in self.model_names:
+            return None
+        if adapters and model in self.adapters():
+            return model
+        raise NotFoundError(
+            f"the model {model!r} does not exist; this server serves {self.name!r}"
+            + (f" and the LoRA adapters {', '.join(sorted(self.adapters()))}" if adapters and self.adapters() else ""),
+            param="model",
+            code="model_not_found",
+        )
 
-    def _check_common(self, body: _OpenAICommon) -> None:
-        self.check_model(body.model)
+    def _check_common(self, body: _OpenAICommon) -> str | None:
+        """The model check (an adapter's name selects it: returned) and ``n``'s range."""
+        lora = self.check_model(body.model, adapters=True)
         if not 1 <= body.n <= self.max_n:
             raise ValidationError(f"n must be in [1, {self.max_n}], got {body.n}", param="n")
+        return lora
 
     def completion_inputs(self, body: CompletionRequest) -> list[list[int]]:
         text, ids = split_openai_prompt(body.prompt)
         return parse_prompts(text, ids, self.tokenizer, text_param="prompt")[0]
 
     async def completions(self, body: CompletionRequest, disconnected) -> dict | AsyncIterator[str]:
-        self._check_common(body)
+        lora = self._check_common(body)
         if body.suffix is not None:
             raise ValidationError("suffix is not supported", param="suffix")
         if body.best_of not in (None, body.n):
@@ -182,6 +192,8 @@ class OpenAIServing:
         if body.logprobs is not None and not (isinstance(body.logprobs, int) and 0 <= body.logprobs <= 20):
             raise ValidationError("logprobs must be an integer in [0, 20]", param="logprobs")
         sp = sampling_dict(body, body.max_tokens, body.logprobs is not None, body.logprobs or 0)
+        if lora is not None:
+            sp["lora_path"] = lora
         if body.echo and body.logprobs is not None:
             sp["logprob_start_len"] = 0  # echo with logprobs scores the prompt (max_tokens 0: only that)
         prompts = self.completion_inputs(body)
@@ -264,7 +276,7 @@ class OpenAIServing:
         """One chat request's prompt ids, sampling params, tool and reasoning parsers: the chat path
         that ``/v1/chat/completions`` and ``/v1/responses`` share. ``max_param`` names the length
         field in errors (default: the chat field the body used)."""
-        self._check_common(body)
+        lora = self._check_common(body)
         top = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
             raise ValidationError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -272,6 +284,8 @@ class OpenAIServing:
             max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = sampling_dict(body, max_tokens, body.logprobs, top)
+        if lora is not None:
+            sp["lora_path"] = lora
         tools, forced = check_tools(body.tools, body.tool_choice)
         if forced is not None and any(k in sp for k in GRAMMAR_KINDS):
             raise ValidationError(
@@ -360,7 +374,7 @@ class OpenAIServing:
         # PD: the router's bootstrap room(s), one per choice; validated before anything runs.
         rooms = parse_disagg(body.model_extra, len(jobs))
         echo = not chat and body.echo
-        model = self.name
+        model = body.model if body.model in self.adapters() else self.name  # an adapter answers as itself
         created = int(time.time())
         rids = [f"{base}-{i}" for i in range(len(jobs))]
         if not body.stream:

@@ -31,6 +31,8 @@ class GenerateRequest(_Strict):
     extra_key: str | None = None
     priority: int | None = None  # SGLang's: used under --enable-priority-scheduling, ignored otherwise
     require_reasoning: bool = False  # SGLang: the output begins with reasoning; a grammar starts after it
+    # SGLang: the LoRA adapter (by name) of the prompt, or one per prompt of a batch (None: the base model)
+    lora_path: str | list[str | None] | None = None
 
     refused_fields: ClassVar[fields.Refused] = fields.GENERATE_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_GENERATE
@@ -231,6 +233,22 @@ class PauseGenerationBody(_Strict):
 
 class ContinueGenerationBody(_Strict):
     known_fields: ClassVar[frozenset[str]] = frozenset({"torch_empty_cache"})  # a CUDA allocator hint
+
+
+class LoadLoraBody(_Strict):
+    """SGLang's and vLLM's ``/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+    refused_fields: ClassVar[fields.Refused] = {"pinned": (None, False), "load_inplace": (None, False)}
+
+
+class UnloadLoraBody(_Strict):
+    """SGLang's and vLLM's ``/unload_lora_adapter`` body."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM's: ignored (the name identifies the adapter)
 
 
 class UpdateWeightsBody(_Strict):

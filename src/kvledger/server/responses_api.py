@@ -122,7 +122,7 @@ class ResponsesServing:
             raise
 
     async def _create(self, body: ResponsesRequest, disconnected) -> dict | AsyncIterator[str]:
-        self.chat.check_model(body.model)
+        self.chat.check_model(body.model, adapters=True)
         conversation, job = self._job(body)
         ids = job.ids
         rid = new_id("resp")

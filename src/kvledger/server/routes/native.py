@@ -45,7 +45,8 @@ async def generate(request: Request):
             sp["top_logprobs"] = body.top_logprobs_num
         if body.logprob_start_len != -1:
             sp["logprob_start_len"] = body.logprob_start_len
-    jobs = [validate_request(ids, sp, srv.limits) for ids in ids_list]
+    loras = _loras(body.lora_path, len(ids_list), sp)
+    jobs = [validate_request(ids, {**sp, **lo}, srv.limits) for ids, lo in zip(ids_list, loras)]
     rooms = parse_disagg(body.model_extra, len(jobs))  # PD: the router's bootstrap room(s)
     text_fn = srv.openai.token_text if body.return_text_in_logprobs else None
     if not single:
@@ -89,3 +90,16 @@ async def generate(request: Request):
             await agen.aclose()
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _loras(lora_path, n: int, sp: dict) -> list[dict]:
+    """SGLang's top-level ``lora_path``: one adapter for every prompt, or one per prompt (None: the
+    base model); the engine checks each is loaded. Given in ``sampling_params`` too, once only."""
+    if lora_path is None:
+        return [{}] * n
+    if sp.get("lora_path") is not None:
+        raise ValidationError("give lora_path once, at the top level", param="lora_path")
+    names = lora_path if isinstance(lora_path, list) else [lora_path] * n
+    if len(names) != n:
+        raise ValidationError(f"lora_path has {len(names)} entries for {n} prompts", param="lora_path")
+    return [{"lora_path": name} for name in names]

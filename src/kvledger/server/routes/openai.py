@@ -100,11 +100,30 @@ def model_card(request: Request) -> dict:
 
 @router.get("/v1/models")
 async def models(request: Request):
-    return {"object": "list", "data": [model_card(request)]}
+    """The served model, then its LoRA adapters (each a model whose ``parent`` is the base)."""
+    return {"object": "list", "data": [model_card(request), *map(lora_card(request), _adapters(request))]}
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str):
-    """OpenAI's retrieve: the served model by its name or an alias; 404 otherwise."""
-    state(request).openai.check_model(model)
+    """OpenAI's retrieve: the served model by its name or an alias, or an adapter; 404 otherwise."""
+    lora = state(request).openai.check_model(model, adapters=True)
+    if lora is not None:
+        return lora_card(request)(next(a for a in _adapters(request) if a["name"] == lora))
     return model_card(request)
+
+
+def _adapters(request: Request) -> list[dict]:
+    client = state(request).client
+    return list(client.info.get("loras") or []) if client else []
+
+
+def lora_card(request: Request):
+    """A LoRA adapter as an OpenAI model object (vLLM's shape: ``root`` its path, ``parent`` the base)."""
+    srv = state(request)
+
+    def card(a: dict) -> dict:
+        return {"id": a["name"], "object": "model", "created": int(srv.started), "owned_by": "kvledger",
+                "max_model_len": srv.limits.context_length, "root": a["path"], "parent": srv.name}  # fmt: skip
+
+    return card
