@@ -15,7 +15,7 @@ from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
 from ..common.reasoning import REASONING_FORMATS
 from ..compat import check_request
-from ..config import EngineConfig
+from ..config import CPU_OVERLAP_DEFAULT, EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..constrained.reasoning import reasoning_end_ids
@@ -33,6 +33,7 @@ from ..spec.setup import make_proposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
 from .malloc import keep_heap_memory
+from .overlap import ForwardThread
 from .page_table import PageTable
 from .resources import (
     default_kv_tokens,
@@ -125,6 +126,19 @@ def _tp_gather(cfg: EngineConfig):
     from ..parallel.executor import gather
 
     return gather
+
+
+def overlap_schedule(cfg: EngineConfig, connector: KVConnector | None) -> bool:
+    """Whether steps overlap (``scheduler/overlap.py``): ``--disable-overlap-schedule`` unset is on for
+    CUDA and ``CPU_OVERLAP_DEFAULT`` on the CPU. Synchronous whatever the flag under tensor
+    parallelism (the workers feed the tokens they are broadcast; rank 0 alone samples) and with a KV
+    connector (its worker side moves pages on its own threads, by the step's plan)."""
+    if cfg.parallel.tp_size > 1 or connector is not None:
+        return False
+    off = cfg.scheduler.disable_overlap_schedule
+    if off is None:
+        return cfg.model.device.startswith("cuda") or CPU_OVERLAP_DEFAULT
+    return not off
 
 
 def pd_with_tiers(cfg: EngineConfig, tiers: KVConnector, transfer: KVConnector) -> list[KVConnector]:
@@ -268,6 +282,14 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
         )
+        # Overlap scheduling: the forward thread, and the launched step whose result is not applied.
+        self.overlap = overlap_schedule(self.cfg, connector)
+        self.scheduler.overlap = self.overlap
+        self._forward = ForwardThread(self._execute) if self.overlap else None
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        # Steps launched while the previous one ran, and steps that waited for it first (drafts,
+        # grammars, prompt logprobs, pooling); a step with nothing in flight counts in neither.
+        self.overlap_stats = {"overlapped": 0, "synchronous": 0}
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
         self.limits = self._limits(cfg, mc, context)
         if cfg.kernels.enable_torch_compile:
@@ -327,12 +349,51 @@ class EngineCore:
 
     # -- the step: schedule -> run -> update ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.overlap:
+            return self._step_overlapped()
         self.sessions.expire()
         sched = self.scheduler.schedule()
         self.last_step_ran = bool(sched.reqs)  # False: nothing to compute (waiting on a connector)
         pending = sched.reqs or sched.page_writes or self.scheduler.has_pending_kv
         result = self._execute(sched) if pending else None
         return self.scheduler.update(sched, result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Overlap scheduling (``scheduler/overlap.py``): schedule and launch step N+1, then apply step
+        N's result while N+1 runs. Synchronous where N+1 needs N's result first (``needs_sync``), and
+        for a step that computes nothing (page-table changes only)."""
+        s = self.scheduler
+        self.sessions.expire()
+        outs = []
+        if self._in_flight is not None:
+            sync = s.needs_sync
+            self.overlap_stats["synchronous" if sync else "overlapped"] += 1
+            if sync:
+                outs = self.wait_in_flight()
+        sched = s.schedule()
+        self.last_step_ran = bool(sched.reqs)
+        if not sched.reqs:
+            outs += self.wait_in_flight()
+            pending = sched.page_writes or s.has_pending_kv
+            return outs + s.update(sched, self._execute(sched) if pending else None)
+        launched = (sched, self._forward.submit(sched))
+        outs += self.wait_in_flight()
+        self._in_flight = launched
+        return outs
+
+    def wait_in_flight(self) -> list[RequestOutput]:
+        """Apply the launched step's result (waiting for it); its outputs. Nothing without one."""
+        if self._in_flight is None:
+            return []
+        sched, future = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update(sched, future.result())
+
+    def _settle_in_flight(self) -> None:
+        """Before a control call that needs the engine between steps: the launched step's result is
+        applied, its outputs kept for the next step to return."""
+        if self._in_flight is not None:
+            self.scheduler.keep_outputs(self.wait_in_flight())
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Fault isolation: a failed step is rerun request by request (the failed forward advanced
@@ -444,8 +505,10 @@ class EngineCore:
     def _attach(self, req: Req, session_params: dict) -> None:
         s = self.sessions.sessions.get(session_params.get("id")) if isinstance(session_params, dict) else None
         if s is not None and s.busy_rid is not None:
-            # The busy turn may be on its way out (a client that disconnected and retried at once):
-            # let pending aborts finish first. Between steps this is a safe point.
+            # The busy turn may be on its way out (a client that disconnected and retried at once, or
+            # a turn that ended while a later launched step held it): let it finish first. Between
+            # steps this is a safe point.
+            self._settle_in_flight()
             self.scheduler.settle()
         self.sessions.attach(req, session_params, self.limits.context_length)
 
@@ -490,6 +553,7 @@ class EngineCore:
         that arrive meanwhile wait in the queue. Returns how many requests are held paused."""
         if mode not in PAUSE_MODES:
             raise ValidationError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        self._settle_in_flight()
         return self.scheduler.pause(mode)
 
     def continue_generation(self) -> None:
@@ -505,6 +569,7 @@ class EngineCore:
         continues. Any failure leaves the old weights serving, and nothing changed."""
         check_reload_supported(self.cfg)
         s = self.scheduler
+        self._settle_in_flight()
         s.settle()  # requests already marked (a pause with mode abort) end first
         held = len(s.running) + len(s.waiting_for_kv) + len(s.sending)
         if held:
@@ -558,6 +623,9 @@ class EngineCore:
         sids = list(self.sessions.sessions)
         for sid in sids:
             self.close_session(sid)
+        self._settle_in_flight()
+        if self._forward is not None:
+            self._forward.shutdown()
         self.executor.shutdown()
         close = getattr(self.connector, "close", None)
         if close is not None:
@@ -584,6 +652,7 @@ class EngineCore:
     def flush_cache(self) -> bool:
         """Drop the prefix cache (every tier but the L3 files). Refused (False) while requests run:
         their pages are locked. File I/O still in flight is waited for first."""
+        self._settle_in_flight()
         if self.scheduler.has_requests:
             return False
         if self.connector is not None and not self._finish_connector_io():

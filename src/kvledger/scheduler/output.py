@@ -37,6 +37,10 @@ class ScheduledReq:
     # come back summed (-1: none); the logprobs of ``label_token_ids`` at the chunk's last row.
     pool_from: int = -1
     label_token_ids: list[int] | None = None
+    # Overlap scheduling (``scheduler/overlap.py``): the id under which the executor keeps this row's
+    # sampled token for the next step, whose ``token_ids`` (and penalty history) may name it by a
+    # placeholder ``-1 - future`` (-1: the row is not overlapped).
+    future: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +52,7 @@ class SchedulerOutput:
     reqs: list[ScheduledReq] = field(default_factory=list)
     page_writes: list[PageWrite] = field(default_factory=list)  # page-table changes, applied first
     connector_meta: Any = None  # from KVConnector.build_connector_meta, for its worker side
+    step: int = 0  # the scheduler's number for this step (overlap: which launched step a result is)
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +60,7 @@ class SchedulerOutput:
 
     def subset(self, i: int) -> SchedulerOutput:
         """Request ``i`` alone (fault isolation reruns a failed step request by request)."""
-        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta)
+        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta, self.step)
 
 
 @dataclass
