@@ -156,12 +156,16 @@ def test_abort_at_every_step(chat_loaded):
             for _ in range(k):
                 eng.step()
             eng.abort(rids[victim])
-            eng.run_until_idle()
+            finals = {}
+            while not eng.core.scheduler.idle:
+                finals.update((o.rid, o) for o in eng.step() if o.finished)
             for i, rid in enumerate(rids):
                 res = eng.result(rid)
                 if i == victim:
+                    # a prefix, and the engine's own count says the same (no token it never received)
                     assert res["output_ids"] == ref[i][0][: len(res["output_ids"])]
-                    assert res["meta_info"]["completion_tokens"] == len(res["output_ids"])
+                    if rid in finals:
+                        assert finals[rid].completion_tokens == len(res["output_ids"]), (k, victim)
                 else:
                     assert seen([res]) == [ref[i]], (k, victim, i)
             assert_idle_clean(eng)
@@ -196,6 +200,8 @@ def test_an_ended_request_keeps_its_pages_until_the_step_holding_it_is_in(chat_l
     core, s = eng.core, eng.core.scheduler
     eng.add_request(list(range(20, 60)), {**g, "stop_token_ids": [stop]}, rid="short")
     eng.add_request([6] * 20, {"temperature": 0, "ignore_eos": True, "max_new_tokens": 10}, rid="long")
+    # Its last token foreseen (max_new_tokens): no row is launched past it, so it is released at once.
+    eng.add_request([7] * 20, {"temperature": 0, "ignore_eos": True, "max_new_tokens": 4}, rid="four")
     finals = {}
     held_after_final = None
     for _ in range(20):
@@ -203,6 +209,8 @@ def test_an_ended_request_keeps_its_pages_until_the_step_holding_it_is_in(chat_l
         for o in outs:
             if o.finished:
                 finals[o.rid] = o
+                if o.rid == "four":
+                    assert "four" not in s.reqs and "four" not in s.sending
         if "short" in finals and held_after_final is None:
             req = s.sending.get("short")
             # Ended in step N's result, N+1 in flight with its row: pages still held, not running.
@@ -216,3 +224,32 @@ def test_an_ended_request_keeps_its_pages_until_the_step_holding_it_is_in(chat_l
     assert core.overlap_stats["overlapped"] > 0
     eng.run_until_idle()
     assert len(eng.result("long")["output_ids"]) == 10
+
+
+class _Histories:
+    """Wraps an engine's executor: every penalty row's history as the runner receives it."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def execute_model(self, sched):
+        for sr in sched.reqs:
+            if sr.sampling is not None and sr.sampling.output_ids is not None:
+                self.seen.append((sr.rid, sr.sampling.position, list(sr.sampling.output_ids)))
+        return self.inner.execute_model(sched)
+
+
+def test_penalty_rows_see_exactly_the_tokens_before_them(chat_loaded):
+    """A penalty row's history is a copy taken at schedule time, its placeholder resolved by the
+    executor: the runner sees the same history as in a synchronous step (never a later placeholder)."""
+    jobs = [([12 + i] * (20 + 7 * i), {"temperature": 0.8, "seed": i, "max_new_tokens": 12, "ignore_eos": True,
+                                        "frequency_penalty": 1.5, "repetition_penalty": 1.3}) for i in range(3)]  # fmt: skip
+    seen_by = []
+    for off in (ON, OFF):
+        eng = engine(chat_loaded, off)
+        rec = eng.core.executor = _Histories(eng.core.executor)
+        eng.generate(input_ids=[j[0] for j in jobs], sampling_params=[j[1] for j in jobs], rid=["a", "b", "c"])
+        assert all(len(h) == pos and min(h, default=0) >= 0 for _, pos, h in rec.seen)
+        seen_by.append(sorted(rec.seen))
+        assert_idle_clean(eng)
+    assert seen_by[0] == seen_by[1]
