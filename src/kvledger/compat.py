@@ -62,6 +62,10 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.scheduler.enable_priority_scheduling),
     Feature("cache_aware_policy", "cache-aware queue order", "--schedule-policy lpm/dfs-weight",
             "schedule_policy", lambda c, d: c.scheduler.cache_aware_policy),
+    # On: it overlaps where it can; under TP and with PD or the hierarchical cache every step is
+    # synchronous (engine/core.overlap_schedule), so it combines with everything.
+    Feature("overlap", "overlap schedule", "--enable-overlap-schedule", "disable_overlap_schedule",
+            lambda c, d: c.scheduler.overlap_wanted(d)),
     Feature("sessions", "session turns", "session_params.id", "session_params", lambda c, d: False,
             request_level=True),
 )  # fmt: skip

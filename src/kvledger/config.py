@@ -240,6 +240,13 @@ class SchedulerSettings:
     def __post_init__(self) -> None:
         self.schedule_policy = _norm(self.schedule_policy) or "fcfs"
 
+    def overlap_wanted(self, device: str) -> bool:
+        """Overlap scheduling as the settings ask for it on ``device`` (the engine still runs
+        synchronously under TP and with a KV connector: ``engine/core.overlap_schedule``)."""
+        if self.disable_overlap_schedule is None:
+            return device.startswith("cuda") or CPU_OVERLAP_DEFAULT
+        return not self.disable_overlap_schedule
+
     @property
     def cache_aware_policy(self) -> bool:
         """The waiting queue is ordered by what the prefix cache holds (lpm, dfs-weight)."""

@@ -210,14 +210,15 @@ def test_an_ended_request_keeps_its_pages_until_the_step_holding_it_is_in(chat_l
             if o.finished:
                 finals[o.rid] = o
                 if o.rid == "four":
-                    assert "four" not in s.reqs and "four" not in s.sending
+                    assert "four" not in s.reqs and not any(r.rid == "four" for r in s.releasing)
         if "short" in finals and held_after_final is None:
-            req = s.sending.get("short")
+            req = next((r for r in s.releasing if r.rid == "short"), None)
             # Ended in step N's result, N+1 in flight with its row: pages still held, not running.
             assert req is not None and req.pages and req not in s.running, "released while in flight"
+            assert "short" not in s.reqs  # ended for its client: an abort of it is refused
             assert req.output_ids == eng.result("short", pop=False)["output_ids"]
             held_after_final = len(req.pages)
-        elif held_after_final is not None and "short" not in s.sending:
+        elif held_after_final is not None and not s.releasing:
             break
     assert held_after_final and "short" not in s.reqs
     assert finals["short"].completion_tokens == len(want) and eng.result("short")["output_ids"] == want

@@ -15,7 +15,7 @@ from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
 from ..common.reasoning import REASONING_FORMATS
 from ..compat import check_request
-from ..config import CPU_OVERLAP_DEFAULT, EngineConfig
+from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
 from ..constrained.reasoning import reasoning_end_ids
@@ -135,10 +135,7 @@ def overlap_schedule(cfg: EngineConfig, connector: KVConnector | None) -> bool:
     connector (its worker side moves pages on its own threads, by the step's plan)."""
     if cfg.parallel.tp_size > 1 or connector is not None:
         return False
-    off = cfg.scheduler.disable_overlap_schedule
-    if off is None:
-        return cfg.model.device.startswith("cuda") or CPU_OVERLAP_DEFAULT
-    return not off
+    return cfg.scheduler.overlap_wanted(cfg.model.device)
 
 
 def pd_with_tiers(cfg: EngineConfig, tiers: KVConnector, transfer: KVConnector) -> list[KVConnector]:

@@ -205,13 +205,13 @@ class Scheduler:
     # -- ledger view ----------------------------------------------------------------------------------
     def holdings(self) -> Iterable[Holding]:
         yield from self.kv_manager.sessions.holdings()
-        for r in itertools.chain(self.running, self.waiting_for_kv, self.sending.values()):
+        for r in itertools.chain(self.running, self.waiting_for_kv, self.sending.values(), self._release_later):
             yield self.kv_manager.holding(r)
 
     @property
     def has_requests(self) -> bool:
         return (
-            bool(self.running or self.waiting or self.waiting_for_kv or self.sending)
+            bool(self.running or self.waiting or self.waiting_for_kv or self.sending or self._release_later)
             or not self._inbox.empty()
         )
 
@@ -262,10 +262,12 @@ class Scheduler:
             return
         if self._in_flight.get(req):
             # (overlap) a launched step still computes it: its pages go back once that step's result
-            # is in (and dropped), so no forward writes pages another request was given.
+            # is in (and dropped), so no forward writes pages another request was given. For its
+            # client it has ended: its rid is free (an abort of it is refused, the rid may be reused).
             req.state = ReqState.SENDING
-            self.sending[req.rid] = req
             self._release_later.append(req)
+            if self.reqs.get(req.rid) is req:
+                del self.reqs[req.rid]
             return
         self._release(req)
 
@@ -279,7 +281,8 @@ class Scheduler:
         commit = commit and req.kv_trusted
         self.kv_manager.release(req, commit=commit)
         req.state = ReqState.FINISHED
-        self.sending.pop(req.rid, None)
+        if self.sending.get(req.rid) is req:
+            del self.sending[req.rid]
         if self.reqs.get(req.rid) is req:
             del self.reqs[req.rid]
 
@@ -469,6 +472,11 @@ class Scheduler:
         if sr.sampling is None:
             return sr.start + sr.num_tokens < req.seq_len  # a prompt chunk short of the end
         return req.grammar is None and self.proposer is None
+
+    @property
+    def releasing(self) -> list[Req]:
+        """(overlap) Ended requests whose pages go back once no launched step holds them."""
+        return list(self._release_later)
 
     @property
     def steps_in_flight(self) -> int:
