@@ -282,7 +282,7 @@ class EngineCore:
         # Overlap scheduling: the forward thread, and the launched step whose result is not applied.
         self.overlap = overlap_schedule(self.cfg, connector)
         self.scheduler.overlap = self.overlap
-        self._forward = ForwardThread(self._execute) if self.overlap else None
+        self._forward = ForwardThread(self._execute, device) if self.overlap else None
         self._in_flight: tuple[SchedulerOutput, object] | None = None
         # Steps launched while the previous one ran, and steps that waited for it first (drafts,
         # grammars, prompt logprobs, pooling); a step with nothing in flight counts in neither.

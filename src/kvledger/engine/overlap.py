@@ -8,14 +8,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ..scheduler.overlap import resolve
 
 
 class ForwardThread:
-    def __init__(self, execute: Callable[[SchedulerOutput], ModelRunnerOutput]):
+    def __init__(self, execute: Callable[[SchedulerOutput], ModelRunnerOutput], device: str = "cpu"):
         self._execute = execute  # the engine's (fault isolation included)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvledger-forward")
+        # The current CUDA device is per thread: the engine's (cuda:N) is this thread's too.
+        init = (lambda: torch.cuda.set_device(torch.device(device))) if ":" in device else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvledger-forward", initializer=init)
         # The previous step's sampled tokens by future id: a placeholder is fed only by the step
         # launched right after its own (the scheduler has the token by the launch after that).
         self._tokens: dict[int, int] = {}
