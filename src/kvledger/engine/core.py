@@ -284,8 +284,8 @@ class EngineCore:
         self.scheduler.overlap = self.overlap
         self._forward = ForwardThread(self._execute, device) if self.overlap else None
         self._in_flight: tuple[SchedulerOutput, object] | None = None
-        # Steps launched while the previous one ran, and steps that waited for it first (drafts,
-        # grammars, prompt logprobs, pooling); a step with nothing in flight counts in neither.
+        # Steps launched while the previous one ran, and steps whose result the engine waited for at
+        # once because the next schedule needs it (drafts, grammars, prompt logprobs, pooling).
         self.overlap_stats = {"overlapped": 0, "synchronous": 0}
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
         self.limits = self._limits(cfg, mc, context)
@@ -361,12 +361,7 @@ class EngineCore:
         for a step that computes nothing (page-table changes only)."""
         s = self.scheduler
         self.sessions.expire()
-        outs = []
-        if self._in_flight is not None:
-            sync = s.needs_sync
-            self.overlap_stats["synchronous" if sync else "overlapped"] += 1
-            if sync:
-                outs = self.wait_in_flight()
+        outs = self.wait_in_flight() if s.needs_sync else []
         sched = s.schedule()
         self.last_step_ran = bool(sched.reqs)
         if not sched.reqs:
@@ -374,8 +369,16 @@ class EngineCore:
             pending = sched.page_writes or s.has_pending_kv
             return outs + s.update(sched, self._execute(sched) if pending else None)
         launched = (sched, self._forward.submit(sched))
+        overlapped = self._in_flight is not None
         outs += self.wait_in_flight()
         self._in_flight = launched
+        if s.needs_sync:
+            # The next schedule needs this step's result (drafts, a grammar, ...): wait for it now, so
+            # its outputs go out with this step, as in a synchronous step.
+            self.overlap_stats["synchronous"] += 1
+            outs += self.wait_in_flight()
+        elif overlapped:
+            self.overlap_stats["overlapped"] += 1
         return outs
 
     def wait_in_flight(self) -> list[RequestOutput]:

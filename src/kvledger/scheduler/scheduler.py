@@ -435,12 +435,21 @@ class Scheduler:
             return
         if sr.future < 0:
             return  # a prefill chunk that samples nothing
-        tokens = result.tokens[i]
-        assert len(tokens) == 1, "an overlapped row samples one token"
-        ids = req.output_ids
-        k = len(ids) - 1 - ids[::-1].index(placeholder(sr.future))
+        tokens, ids, ph = result.tokens[i], req.output_ids, placeholder(sr.future)
+        if ph not in ids:
+            return  # an earlier result re-planned the request (below): this row is dropped
+        k = len(ids) - 1 - ids[::-1].index(ph)
         later = ids[k + 1 :]
         del ids[k:]
+        if len(tokens) != 1:
+            # Not the one token the next step was planned on (an executor may give 0..k, seams): the
+            # later placeholders go (their rows are dropped) and the request goes on from the KV this
+            # row computed, as after a synchronous step (a jump forward computes the rest next).
+            if req.state is ReqState.RUNNING:
+                req.kv_len = min(req.kv_len, sr.start + sr.num_tokens)
+                self._apply(req, sr, result, i)
+                return
+            later = []
         n = self.stop.append(req, tokens, result.logprobs[i], result.top_logprobs[i])
         if req.grammar is not None:
             self._advance_grammar(req, n)
