@@ -254,3 +254,25 @@ def test_penalty_rows_see_exactly_the_tokens_before_them(chat_loaded):
         seen_by.append(sorted(rec.seen))
         assert_idle_clean(eng)
     assert seen_by[0] == seen_by[1]
+
+
+def test_an_overlapped_row_given_several_tokens_goes_on_from_its_kv(make_engine):
+    """The executor seam allows 0..k tokens a row (a jump forward): a row that was planned on one
+    token (its next step launched from a placeholder) drops the later placeholder's row and goes on
+    from the KV it computed; the output is the synchronous one."""
+    from tests.fakes import FakeRunner, chain, use_fake_model
+
+    class Jumper(FakeRunner):
+        def execute(self, sched, connector=None):
+            out = super().execute(sched, connector)
+            for i, r in enumerate(sched.reqs):
+                if out.tokens[i]:
+                    out.tokens[i] = chain(r.token_ids[-1], 3)
+                    out.logprobs[i] = out.top_logprobs[i] = [None] * 3
+            return out
+
+    eng = make_engine(page_size=4, disable_overlap_schedule=False)
+    use_fake_model(eng.core, Jumper(eng.core))
+    out = eng.generate(input_ids=[[9, 9], [4] * 11], sampling_params={"max_new_tokens": 12, "ignore_eos": True})
+    assert [o["output_ids"] for o in out] == [chain(9, 12), chain(4, 12)]
+    assert eng.core.overlap_stats["overlapped"] > 0
