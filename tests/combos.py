@@ -30,6 +30,9 @@ REQUIRES = {"int8_batch": "quantized"}
 # Start-up seconds a feature adds on 2 CPU cores with the tiny model (measured): among equally good
 # choices the covering array takes the cheaper feature, so the expensive ones sit in fewer rows.
 COST = {"compile": 11.0, "tp": 2.0, "pd": 1.0, "cpu_attention": 0.5}
+# A feature that takes effect only with some others off (overlap scheduling runs synchronously under
+# TP and with a KV connector): some row must have it on with all of those off, ("alone", feature).
+EFFECTIVE_WITHOUT = {"overlap": frozenset({"tp", "pd", "hicache"})}
 COST_OF_A_RUN = 5.0  # a row's workload (the CI's steps), whatever its features
 # A request-level feature: on in every configuration whose start-up features allow it (the workload
 # always has session turns then).
@@ -61,6 +64,7 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "priority": {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 0},
         "cache_aware_policy": {"schedule_policy": "LPM"},
         "lora": {"enable_lora": True},  # its adapters: ``fuzz_adapters`` (start() adds them)
+        "overlap": {"disable_overlap_schedule": False},
     }
 
 
@@ -142,14 +146,17 @@ def _targets(features: list[str]) -> set[tuple]:
         for b in features
         if a != b and b not in REQUEST_LEVEL and b not in _closure({a}) and compatible(_closure({a}))
     }
-    return on | off
+    alone = {("alone", f) for f in features if f in EFFECTIVE_WITHOUT}
+    return on | off | alone
 
 
 def covers(row: Iterable[str]) -> set[tuple]:
     row = set(row)
-    return {("on", *sorted(p)) for p in pairs(row)} | {
-        ("off", a, b) for a in row for b in runnable_here() if b not in row
-    }
+    return (
+        {("on", *sorted(p)) for p in pairs(row)}
+        | {("off", a, b) for a in row for b in runnable_here() if b not in row}
+        | {("alone", f) for f in row if f in EFFECTIVE_WITHOUT and not row & EFFECTIVE_WITHOUT[f]}
+    )
 
 
 def _greedy(features: list[str], rng: random.Random, price: float) -> list[Row]:
@@ -159,10 +166,10 @@ def _greedy(features: list[str], rng: random.Random, price: float) -> list[Row]:
     while todo:
         # Start from what the most expensive feature left needs: its row then gathers the rest of it.
         first = max(
-            sorted(todo), key=lambda t: (COST.get(t[1], 0) + COST.get(t[2], 0) * (t[0] == "on"), rng.random())
+            sorted(todo), key=lambda t: (COST.get(t[1], 0) + COST.get(t[-1], 0) * (t[0] == "on"), rng.random())
         )
         row = _closure(set(first[1:]) if first[0] == "on" else {first[1]})
-        banned = {first[2]} if first[0] == "off" else set()
+        banned = {"off": {first[-1]}, "alone": EFFECTIVE_WITHOUT.get(first[1], set())}.get(first[0], set())
         assert compatible(row), f"{first} needs {sorted(row)}, which the table refuses"
         while True:
             best, best_key = None, None

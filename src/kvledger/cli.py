@@ -96,6 +96,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "prefill chunks and decodes in one forward: first tokens sooner under bursts, running streams wait for the chunk",
     )
     _bool_pair(p, "enable-prefix-cache", d.enable_prefix_cache, "radix prefix cache")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--disable-overlap-schedule", dest="disable_overlap_schedule", action="store_const", const=True,
+                   default=d.disable_overlap_schedule,
+                   help="schedule each step after the previous one's result (default: overlapped on CUDA; "
+                   "on the CPU as measured, see README)")  # fmt: skip
+    g.add_argument("--enable-overlap-schedule", dest="disable_overlap_schedule", action="store_const", const=False,
+                   help="prepare step N+1 while step N runs, on the CPU too")  # fmt: skip
     p.add_argument("--schedule-policy", default=d.schedule_policy, type=str.lower, choices=SCHEDULE_POLICIES,
                    help="order of the waiting queue: fcfs (arrival), lpm (longest prefix-cache match first), "
                    "dfs-weight (radix subtrees with most waiting requests first)")  # fmt: skip

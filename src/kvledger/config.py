@@ -31,6 +31,8 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 STORAGE_BACKENDS = ("file",)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # SGLang's names (scheduler/queue_order.py)
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names (server/reasoning.py has their formats)
+# Overlap scheduling on the CPU when --disable-overlap-schedule is not given (bench/overlap.py).
+CPU_OVERLAP_DEFAULT = False
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
@@ -242,6 +244,12 @@ class SchedulerSettings:
     """Run a prefill chunk and the running decodes in one forward pass. Off by default, as in SGLang:
     on a burst of new requests it halves TTFT p50 but multiplies the running requests' ITL p99 by ~6
     and costs ~4% throughput (bench/mixed_chunk.py, bench/RESULTS.md)."""
+    disable_overlap_schedule: bool | None = None
+    """SGLang's ``--disable-overlap-schedule``. Overlap scheduling prepares step N+1 while step N runs
+    (on a forward thread), from placeholders for step N's tokens (scheduler/overlap.py). None: on for
+    CUDA, and on the CPU as ``CPU_OVERLAP_DEFAULT`` says (measured: bench/overlap.py). It runs
+    synchronously under tensor parallelism and with a KV connector (PD, hierarchical cache), and a
+    step after one with drafts, grammars, prompt logprobs or pooling waits for it."""
     max_sessions: int = 64
     """Most open streaming sessions; opening another is refused (429)."""
     session_timeout_s: float | None = 600.0
@@ -270,6 +278,13 @@ class SchedulerSettings:
 
     def __post_init__(self) -> None:
         self.schedule_policy = _norm(self.schedule_policy) or "fcfs"
+
+    def overlap_wanted(self, device: str) -> bool:
+        """Overlap scheduling as the settings ask for it on ``device`` (the engine still runs
+        synchronously under TP and with a KV connector: ``engine/core.overlap_schedule``)."""
+        if self.disable_overlap_schedule is None:
+            return device.startswith("cuda") or CPU_OVERLAP_DEFAULT
+        return not self.disable_overlap_schedule
 
     @property
     def cache_aware_policy(self) -> bool:

@@ -36,6 +36,7 @@ from ..spec.setup import make_proposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
 from .malloc import keep_heap_memory
+from .overlap import ForwardThread
 from .page_table import PageTable
 from .resources import (
     default_kv_tokens,
@@ -128,6 +129,17 @@ def _tp_gather(cfg: EngineConfig):
     from ..parallel.executor import gather
 
     return gather
+
+
+def overlap_schedule(cfg: EngineConfig, connector: KVConnector | None) -> bool:
+    """Whether steps overlap (``scheduler/overlap.py``): ``--disable-overlap-schedule`` unset is on for
+    CUDA and ``CPU_OVERLAP_DEFAULT`` on the CPU. Synchronous whatever the flag under tensor
+    parallelism (the workers feed the tokens they are broadcast; rank 0 alone samples), with a KV
+    connector (its worker side moves pages on its own threads, by the step's plan) and with HiSparse
+    (a request's first sparse step gives its dense pages back after that step's result)."""
+    if cfg.parallel.tp_size > 1 or connector is not None or cfg.hisparse.enable_hisparse:
+        return False
+    return cfg.scheduler.overlap_wanted(cfg.model.device)
 
 
 def pd_with_tiers(cfg: EngineConfig, tiers: KVConnector, transfer: KVConnector) -> list[KVConnector]:
@@ -290,6 +302,14 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
         )
+        # Overlap scheduling: the forward thread, and the launched step whose result is not applied.
+        self.overlap = overlap_schedule(self.cfg, connector)
+        self.scheduler.overlap = self.overlap
+        self._forward = ForwardThread(self._execute, device) if self.overlap else None
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
+        # Steps launched while the previous one ran, and steps whose result the engine waited for at
+        # once because the next schedule needs it (drafts, grammars, prompt logprobs, pooling).
+        self.overlap_stats = {"overlapped": 0, "synchronous": 0}
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
         self.limits = self._limits(cfg, mc, context)
         if cfg.kernels.enable_torch_compile:
@@ -349,12 +369,54 @@ class EngineCore:
 
     # -- the step: schedule -> run -> update ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.overlap:
+            return self._step_overlapped()
         self.sessions.expire()
         sched = self.scheduler.schedule()
         self.last_step_ran = bool(sched.reqs)  # False: nothing to compute (waiting on a connector)
         pending = sched.reqs or sched.page_writes or sched.hisparse or self.scheduler.has_pending_kv
         result = self._execute(sched) if pending else None
         return self.scheduler.update(sched, result)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Overlap scheduling (``scheduler/overlap.py``): schedule and launch step N+1, then apply step
+        N's result while N+1 runs. Synchronous where N+1 needs N's result first (``needs_sync``), and
+        for a step that computes nothing (page-table changes only)."""
+        s = self.scheduler
+        self.sessions.expire()
+        outs = self.wait_in_flight() if s.needs_sync else []
+        sched = s.schedule()
+        self.last_step_ran = bool(sched.reqs)
+        if not sched.reqs:
+            outs += self.wait_in_flight()
+            pending = sched.page_writes or s.has_pending_kv
+            return outs + s.update(sched, self._execute(sched) if pending else None)
+        launched = (sched, self._forward.submit(sched))
+        overlapped = self._in_flight is not None
+        outs += self.wait_in_flight()
+        self._in_flight = launched
+        if s.needs_sync:
+            # The next schedule needs this step's result (drafts, a grammar, ...): wait for it now, so
+            # its outputs go out with this step, as in a synchronous step.
+            self.overlap_stats["synchronous"] += 1
+            outs += self.wait_in_flight()
+        elif overlapped:
+            self.overlap_stats["overlapped"] += 1
+        return outs
+
+    def wait_in_flight(self) -> list[RequestOutput]:
+        """Apply the launched step's result (waiting for it); its outputs. Nothing without one."""
+        if self._in_flight is None:
+            return []
+        sched, future = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update(sched, future.result())
+
+    def _settle_in_flight(self) -> None:
+        """Before a control call that needs the engine between steps: the launched step's result is
+        applied, its outputs kept for the next step to return."""
+        if self._in_flight is not None:
+            self.scheduler.keep_outputs(self.wait_in_flight())
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Fault isolation: a failed step is rerun request by request (the failed forward advanced
@@ -473,8 +535,10 @@ class EngineCore:
     def _attach(self, req: Req, session_params: dict) -> None:
         s = self.sessions.sessions.get(session_params.get("id")) if isinstance(session_params, dict) else None
         if s is not None and s.busy_rid is not None:
-            # The busy turn may be on its way out (a client that disconnected and retried at once):
-            # let pending aborts finish first. Between steps this is a safe point.
+            # The busy turn may be on its way out (a client that disconnected and retried at once, or
+            # a turn that ended while a later launched step held it): let it finish first. Between
+            # steps this is a safe point.
+            self._settle_in_flight()
             self.scheduler.settle()
         self.sessions.attach(req, session_params, self.limits.context_length)
 
@@ -568,6 +632,7 @@ class EngineCore:
         that arrive meanwhile wait in the queue. Returns how many requests are held paused."""
         if mode not in PAUSE_MODES:
             raise ValidationError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", param="mode")
+        self._settle_in_flight()
         return self.scheduler.pause(mode)
 
     def continue_generation(self) -> None:
@@ -583,6 +648,7 @@ class EngineCore:
         continues. Any failure leaves the old weights serving, and nothing changed."""
         check_reload_supported(self.cfg)
         s = self.scheduler
+        self._settle_in_flight()
         s.settle()  # requests already marked (a pause with mode abort) end first
         held = len(s.running) + len(s.waiting_for_kv) + len(s.sending)
         if held:
@@ -638,6 +704,9 @@ class EngineCore:
         sids = list(self.sessions.sessions)
         for sid in sids:
             self.close_session(sid)
+        self._settle_in_flight()
+        if self._forward is not None:
+            self._forward.shutdown()
         self.executor.shutdown()
         close = getattr(self.connector, "close", None)
         if close is not None:
@@ -664,6 +733,7 @@ class EngineCore:
     def flush_cache(self) -> bool:
         """Drop the prefix cache (every tier but the L3 files). Refused (False) while requests run:
         their pages are locked. File I/O still in flight is waited for first."""
+        self._settle_in_flight()
         if self.scheduler.has_requests:
             return False
         if self.connector is not None and not self._finish_connector_io():

@@ -38,6 +38,10 @@ class ScheduledReq:
     pool_from: int = -1
     label_token_ids: list[int] | None = None
     lora: str | None = None  # the LoRA adapter this request's rows run with (None: the base model)
+    # Overlap scheduling (``scheduler/overlap.py``): the id under which the executor keeps this row's
+    # sampled token for the next step, whose ``token_ids`` (and penalty history) may name it by a
+    # placeholder ``-1 - future`` (-1: the row is not overlapped).
+    future: int = -1
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +54,7 @@ class SchedulerOutput:
     page_writes: list[PageWrite] = field(default_factory=list)  # page-table changes, applied first
     connector_meta: Any = None  # from KVConnector.build_connector_meta, for its worker side
     hisparse: Any = None  # memory/sparse_kv.py SparseStep: HiSparse's copies and sparse rows (or None)
+    step: int = 0  # the scheduler's number for this step (overlap: which launched step a result is)
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +62,7 @@ class SchedulerOutput:
 
     def subset(self, i: int) -> SchedulerOutput:
         """Request ``i`` alone (fault isolation reruns a failed step request by request)."""
-        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta, self.hisparse)
+        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta, self.hisparse, self.step)
 
 
 @dataclass

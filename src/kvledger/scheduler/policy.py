@@ -44,6 +44,10 @@ class BatchPolicy:
         self.priorities = sched.cfg.scheduler.enable_priority_scheduling
         self.total_preemptions = 0  # requests retracted for a more important one
 
+    def _live(self, r: Req) -> bool:
+        """Not ending: no cause marked, and (overlap) no token in flight that surely ends it."""
+        return r.to_finish is None and not (self.s.overlap and self.s.ends_pending(r))
+
     @staticmethod
     def _seniority(r: Req) -> tuple[int, int]:
         """Decodes and prefill chunks run in ascending order (the most important, then the oldest);
@@ -71,7 +75,9 @@ class BatchPolicy:
         """A connector holds pages it will give back: KV arriving (its request then runs, and can be
         retracted) or being sent (freed on the ack or at the timeout). Until then no request is too
         big: it waits."""
-        return bool(self.s.waiting_for_kv or self.s.sending)
+        # (overlap) A launched step's result may end requests: in a synchronous step their pages
+        # would be back already, so nothing is too big before it is in.
+        return bool(self.s.waiting_for_kv or self.s.sending or self.s.steps_in_flight)
 
     def mark_too_big(self, req: Req) -> None:
         """A request that cannot fit even alone (what is left after sessions' busy KV) ends cleanly."""
@@ -274,7 +280,7 @@ class BatchPolicy:
     # -- the batch ----------------------------------------------------------------------------------
     def _schedule_once(self) -> list[Chunk]:
         s = self.s
-        decodes = [r for r in s.running if r.kv_len == r.seq_len - 1 and r.to_finish is None]
+        decodes = [r for r in s.running if r.kv_len == r.seq_len - 1 and self._live(r)]
         budget = s.cfg.scheduler.chunked_prefill_size
         if s.cfg.scheduler.enable_mixed_chunk:
             batch = self.schedule_decodes(decodes) if decodes else []
@@ -291,8 +297,8 @@ class BatchPolicy:
         batch = self._schedule_once()
         # Progress guarantee: running requests that all wait for pages (say, several long prompts
         # admitted chunk by chunk) would wait forever. Retract the newest until the oldest can move.
-        while not batch and any(r.to_finish is None for r in s.running):
-            live = [r for r in s.running if r.to_finish is None]
+        while not batch and any(self._live(r) for r in s.running):
+            live = [r for r in s.running if self._live(r)]
             if len(live) == 1:
                 if not self.pages_coming_back():
                     self.mark_too_big(live[0])

@@ -36,6 +36,7 @@ from ..errors import ConflictError, OverloadedError, ServiceUnavailable, Validat
 from ..memory import Holding, KVManager
 from ..memory.sparse_kv import SparseKV
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
+from .overlap import Flight, is_placeholder, placeholder, strip_placeholders
 from .policy import BatchPolicy, Chunk
 from .request import Req, ReqState, SpecState
 from .stop import StopChecker
@@ -92,6 +93,15 @@ class Scheduler:
         self._was_busy = False
         self.clock: Callable[[], float] = time.monotonic  # request deadlines (a test may drive it)
         self.paused: str | None = None  # the pause mode (PAUSE_MODES) while generation is paused
+        # Overlap scheduling (``overlap.py``; the engine turns it on): steps launched and not yet
+        # updated, how many of them hold each request, and finished requests whose release waits
+        # until none does.
+        self.overlap = False
+        self._step_ids = itertools.count(1)
+        self._future_ids = itertools.count()
+        self._flights: dict[int, Flight] = {}
+        self._in_flight: dict[Req, int] = {}
+        self._release_later: list[Req] = []
 
     # -- intake ---------------------------------------------------------------------------------------
     def check_submit(self, req: Req) -> None:
@@ -199,7 +209,7 @@ class Scheduler:
     # -- ledger view ----------------------------------------------------------------------------------
     def holdings(self) -> Iterable[Holding]:
         yield from self.kv_manager.sessions.holdings()
-        for r in itertools.chain(self.running, self.waiting_for_kv, self.sending.values()):
+        for r in itertools.chain(self.running, self.waiting_for_kv, self.sending.values(), self._release_later):
             yield self.kv_manager.holding(r)
             if r.sparse is not None:
                 yield from SparseKV.holdings(r)
@@ -207,7 +217,7 @@ class Scheduler:
     @property
     def has_requests(self) -> bool:
         return (
-            bool(self.running or self.waiting or self.waiting_for_kv or self.sending)
+            bool(self.running or self.waiting or self.waiting_for_kv or self.sending or self._release_later)
             or not self._inbox.empty()
         )
 
@@ -233,6 +243,7 @@ class Scheduler:
     def _finish(self, req: Req) -> None:
         reason = req.to_finish
         assert reason is not None
+        strip_placeholders(req)  # (overlap) tokens it will not receive are not its output
         hold = False
         for hook in self.release_hooks:
             try:
@@ -257,6 +268,15 @@ class Scheduler:
             req.state = ReqState.SENDING  # released when the connector reports the save done
             self.sending[req.rid] = req
             return
+        if self._in_flight.get(req):
+            # (overlap) a launched step still computes it: its pages go back once that step's result
+            # is in (and dropped), so no forward writes pages another request was given. For its
+            # client it has ended: its rid is free (an abort of it is refused, the rid may be reused).
+            req.state = ReqState.SENDING
+            self._release_later.append(req)
+            if self.reqs.get(req.rid) is req:
+                del self.reqs[req.rid]
+            return
         self._release(req)
 
     def _release(self, req: Req) -> None:
@@ -269,7 +289,8 @@ class Scheduler:
         commit = commit and req.kv_trusted
         self.kv_manager.release(req, commit=commit)
         req.state = ReqState.FINISHED
-        self.sending.pop(req.rid, None)
+        if self.sending.get(req.rid) is req:
+            del self.sending[req.rid]
         if self.reqs.get(req.rid) is req:
             del self.reqs[req.rid]
 
@@ -283,6 +304,9 @@ class Scheduler:
             rows = [c.req.slot for c in chunks if c.req.sparse is not None and c.req.sparse.active]
             out.hisparse = self.kv_manager.sparse.take_step(rows)
         out.connector_meta = self.connector.build_connector_meta(out)
+        out.step = next(self._step_ids)
+        if self.overlap and chunks:
+            self._launch(out, chunks)
         if chunks:
             self._was_busy = True
             st = self.last_stats
@@ -298,9 +322,10 @@ class Scheduler:
         if b == req.seq_len:
             p = req.params
             pen = p.has_penalties
-            sampling = SamplingRow(
-                p, len(req.output_ids), req.input_ids if pen else None, req.output_ids if pen else None
-            )
+            # (overlap: a copy, for the list changes while the step runs; its placeholder is resolved
+            # by the executor)
+            hist = (list(req.output_ids) if self.overlap else req.output_ids) if pen else None
+            sampling = SamplingRow(p, len(req.output_ids), req.input_ids if pen else None, hist)
         mask = None
         if sampling is not None:
             mask = req.grammar.masks(c.drafts) if req.grammar is not None else None
@@ -350,10 +375,28 @@ class Scheduler:
 
     # -- a step, second half ----------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput | None) -> list[RequestOutput]:
+        flight = self._flights.pop(sched.step, None)
+        if flight is not None:
+            for req in flight.reqs:
+                self._in_flight[req] -= 1
+                if not self._in_flight[req]:
+                    del self._in_flight[req]
         if result is not None:
             for i, sr in enumerate(sched.reqs):
-                self._apply(self.reqs[sr.rid], sr, result, i)
+                if flight is None:
+                    self._apply(self.reqs[sr.rid], sr, result, i)
+                    continue
+                req = flight.reqs[i]
+                if req.state in (ReqState.FINISHED, ReqState.SENDING):
+                    continue  # (overlap) it ended after this step was launched: the row is dropped
+                if flight.overlapped[i]:
+                    self._apply_overlapped(req, sr, result, i)
+                else:
+                    self._apply(req, sr, result, i)
             self._connector_done(result)
+        for req in [r for r in self._release_later if r not in self._in_flight]:
+            self._release_later.remove(req)
+            self._release(req)
         if self.kv_manager.sparse is not None:
             self.kv_manager.sparse.drop_begun()  # their prompt KV is in host pages now
         self.connector.step_finished()
@@ -396,6 +439,91 @@ class Scheduler:
         if fed_end > req.kv_len:
             self.kv_manager.truncate(req, req.kv_len)  # rejected drafts' positions go back to the pool
         self._outputs.append(self._output(req, n, new_input))
+
+    def _apply_overlapped(self, req: Req, sr: ScheduledReq, result: ModelRunnerOutput, i: int) -> None:
+        """A row advanced at launch (``_launch``): its KV length is set already; a sampled token
+        takes its placeholder's place, through the same stop checks as in ``_apply``. Tokens of later
+        steps' placeholders stay after it unless this one ends the request."""
+        if result.errors is not None and result.errors[i] is not None:
+            self._apply(req, sr, result, i)  # the 500, as a synchronous step
+            return
+        if sr.future < 0:
+            return  # a prefill chunk that samples nothing
+        tokens, ids, ph = result.tokens[i], req.output_ids, placeholder(sr.future)
+        if ph not in ids:
+            return  # an earlier result re-planned the request (below): this row is dropped
+        k = len(ids) - 1 - ids[::-1].index(ph)
+        later = ids[k + 1 :]
+        del ids[k:]
+        if len(tokens) != 1:
+            # Not the one token the next step was planned on (an executor may give 0..k, seams): the
+            # later placeholders go (their rows are dropped) and the request goes on from the KV this
+            # row computed, as after a synchronous step (a jump forward computes the rest next).
+            if req.state is ReqState.RUNNING:
+                req.kv_len = min(req.kv_len, sr.start + sr.num_tokens)
+                self._apply(req, sr, result, i)
+                return
+            later = []
+        n = self.stop.append(req, tokens, result.logprobs[i], result.top_logprobs[i])
+        if req.grammar is not None:
+            self._advance_grammar(req, n)
+        self._outputs.append(self._output(req, n, 0))
+        if req.to_finish is None:
+            ids.extend(later)
+
+    # -- overlap: launching a step before the previous one's result ---------------------------------------
+    def _launch(self, sched: SchedulerOutput, chunks: list[Chunk]) -> None:
+        """Advance every overlappable row as if its step were done (``overlap.py``) and record the
+        step as in flight."""
+        overlapped = []
+        for c, sr in zip(chunks, sched.reqs):
+            req = c.req
+            ok = self._overlappable(req, sr)
+            overlapped.append(ok)
+            self._in_flight[req] = self._in_flight.get(req, 0) + 1
+            if not ok:
+                continue
+            req.kv_len = sr.start + sr.num_tokens
+            if sr.sampling is not None:
+                sr.future = next(self._future_ids)
+                req.output_ids.append(placeholder(sr.future))
+        self._flights[sched.step] = Flight([c.req for c in chunks], overlapped)
+
+    def _overlappable(self, req: Req, sr: ScheduledReq) -> bool:
+        if sr.num_draft or sr.prompt_lp_targets or sr.pool_from >= 0 or sr.label_token_ids:
+            return False
+        if sr.sampling is None:
+            return sr.start + sr.num_tokens < req.seq_len  # a prompt chunk short of the end
+        return req.grammar is None and self.proposer is None
+
+    @property
+    def releasing(self) -> list[Req]:
+        """(overlap) Ended requests whose pages go back once no launched step holds them."""
+        return list(self._release_later)
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._flights)
+
+    @property
+    def needs_sync(self) -> bool:
+        """A launched step's result must be applied before the next schedule (``overlap.py``)."""
+        return any(f.blocks_next for f in self._flights.values())
+
+    def ends_pending(self, req: Req) -> bool:
+        """(overlap) The token a launched step is sampling for ``req`` surely ends it (its last
+        allowed token, or the context's end): nothing more is scheduled for it."""
+        ids = req.output_ids
+        return (
+            bool(ids)
+            and is_placeholder(ids[-1])
+            and (len(ids) >= req.params.max_new_tokens or req.seq_len >= self.context_length)
+        )
+
+    def keep_outputs(self, outs: list[RequestOutput]) -> None:
+        """Outputs produced between steps (the engine waited for a launched step before a control
+        call): the next ``update`` returns them first."""
+        self._outputs[:0] = outs
 
     @staticmethod
     def _take_pooled(req: Req, sr: ScheduledReq, result: ModelRunnerOutput, i: int) -> None:
