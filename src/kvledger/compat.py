@@ -66,7 +66,7 @@ FEATURES: tuple[Feature, ...] = (
             "schedule_policy", lambda c, d: c.scheduler.cache_aware_policy),
     Feature("lora", "LoRA adapters", "--enable-lora / --lora-paths", "enable_lora",
             lambda c, d: c.lora.enable_lora),
-    # On: it overlaps where it can; under TP and with PD or the hierarchical cache every step is
+    # On: it overlaps where it can; under TP and with PD, the hierarchical cache or HiSparse every step is
     # synchronous (engine/core.overlap_schedule), so it combines with everything.
     Feature("overlap", "overlap schedule", "--enable-overlap-schedule", "disable_overlap_schedule",
             lambda c, d: c.scheduler.overlap_wanted(d)),
