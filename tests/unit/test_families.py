@@ -34,6 +34,11 @@ BASE = dict(
 # up to 40, so the windowed layers see less than the full layers
 FAMILIES = {
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),  # every layer slides
+    "gemma2": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        dict(sliding_window=8, layer_types=[S, F], query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+             final_logit_softcapping=3.0),
+    ),
 }  # fmt: skip
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 LENGTHS = (1, 5, 23, 40)

@@ -16,6 +16,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "llama:LlamaNet",
     "qwen2": "llama:LlamaNet",
     "qwen3": "llama:LlamaNet",
+    "gemma2": "gemma2:Gemma2Net",
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
