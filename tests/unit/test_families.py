@@ -39,6 +39,10 @@ FAMILIES = {
         dict(sliding_window=8, layer_types=[S, F], query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
              final_logit_softcapping=3.0),
     ),
+    "gemma3": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(num_hidden_layers=3, sliding_window=8, layer_types=[S, F, S], tie_word_embeddings=True),
+    ),
 }  # fmt: skip
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 LENGTHS = (1, 5, 23, 40)

@@ -17,6 +17,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2": "llama:LlamaNet",
     "qwen3": "llama:LlamaNet",
     "gemma2": "gemma2:Gemma2Net",
+    "gemma3_text": "gemma3:Gemma3Net",
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
