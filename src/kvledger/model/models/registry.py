@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, str] = {
     "qwen3": "llama:LlamaNet",
     "gemma2": "gemma2:Gemma2Net",
     "gemma3_text": "gemma3:Gemma3Net",
+    "phi3": "phi3:Phi3Net",
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
