@@ -44,6 +44,7 @@ FAMILIES = {
         dict(num_hidden_layers=3, sliding_window=8, layer_types=[S, F, S], tie_word_embeddings=True),
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(head_dim=None, partial_rotary_factor=0.5, sliding_window=12)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
 }  # fmt: skip
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 LENGTHS = (1, 5, 23, 40)

@@ -19,6 +19,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma2": "gemma2:Gemma2Net",
     "gemma3_text": "gemma3:Gemma3Net",
     "phi3": "phi3:Phi3Net",
+    "olmo2": "olmo2:Olmo2Net",
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
