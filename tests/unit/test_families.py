@@ -45,6 +45,10 @@ FAMILIES = {
     ),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(head_dim=None, partial_rotary_factor=0.5, sliding_window=12)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+    ),
 }  # fmt: skip
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 LENGTHS = (1, 5, 23, 40)

@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, str] = {
     "gemma3_text": "gemma3:Gemma3Net",
     "phi3": "phi3:Phi3Net",
     "olmo2": "olmo2:Olmo2Net",
+    "qwen3_moe": "qwen3_moe:Qwen3MoeNet",
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
