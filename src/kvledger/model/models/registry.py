@@ -21,6 +21,7 @@ ARCHITECTURES: dict[str, str] = {
     "phi3": "phi3:Phi3Net",
     "olmo2": "olmo2:Olmo2Net",
     "qwen3_moe": "qwen3_moe:Qwen3MoeNet",
+    "mixtral": "mixtral:MixtralNet",
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
