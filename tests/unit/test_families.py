@@ -120,3 +120,25 @@ def test_registry_lines_name_their_family():
     for model_type in ARCHITECTURES:
         assert model_type in family_for(model_type).model_types
     assert family_for("gpt2") is None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_family_under_tp2_equals_tp1(family, tmp_path):
+    """Tensor parallel on the shared layers: Gemma 3's scaled, tied vocabulary ends and per-head
+    norms; Qwen3-MoE's experts split by width with the router replicated. Same tokens as one rank."""
+    path = build_family(str(tmp_path), family)
+    prompts = [[5 + i] * 3 + list(range(30, 50 + 7 * i)) for i in range(3)]
+    outs = []
+    for tp in (1, 2):
+        eng = Engine(path, dtype="float32", page_size=4, max_total_tokens=1024, strict_memory=True, tp_size=tp)
+        outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)])
+        assert_idle_clean(eng)
+        eng.shutdown()
+    assert outs[0] == outs[1]
+
+
+def test_olmo2_refuses_tp(tmp_path):
+    from kvledger.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="olmo2 family does not run under tensor parallelism"):
+        Engine(build_family(str(tmp_path), "olmo2"), dtype="float32", tp_size=2)

@@ -106,11 +106,23 @@ class CausalNet(nn.Module):
     def __init__(self, cfg: ModelConfig, embed: VocabEmbedding, layers: list[nn.Module], norm: RMSNorm, lm_head: LMHead, comm: Comm):
         super().__init__()
         self.cfg = cfg
-        self.comm = comm  # tensor parallel: the O/down all-reduces, vocab-parallel ends
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
+        self.comm = comm  # tensor parallel: the O/down all-reduces, vocab-parallel ends
+
+    @property
+    def comm(self) -> Comm:
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm: Comm) -> None:
+        """The engine swaps in its shared-memory collectives after the build (``engine/core.py``):
+        the vocabulary ends hold the same object."""
+        self._comm = comm
+        self.embed.comm = comm
+        self.lm_head.comm = comm
 
     # -- what a family says about itself (class methods: read before any weight is) ----------------
     @classmethod
