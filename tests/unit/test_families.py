@@ -142,3 +142,19 @@ def test_olmo2_refuses_tp(tmp_path):
 
     with pytest.raises(ModelLoadError, match="olmo2 family does not run under tensor parallelism"):
         Engine(build_family(str(tmp_path), "olmo2"), dtype="float32", tp_size=2)
+
+
+def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
+    """A window matters once a sequence outgrows it: before, the batch keeps the kernels (here the
+    one-call decode of every layer); after, the windowed layers run the reference attention."""
+    if not kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
+    path = build_family(str(tmp_path), "mistral_window")  # windows of 8
+    eng = Engine(path, dtype="bfloat16", quantization="int4", attention_backend="cpu", max_total_tokens=1024)
+    model = eng.core.model
+    eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 5})  # up to 7 tokens
+    short = model.one_call_forwards
+    assert short >= 4
+    eng.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY)  # 20 tokens and more
+    assert model.one_call_forwards == short
+    assert_idle_clean(eng)

@@ -54,7 +54,8 @@ class _TorchMeta:
     dec_k_buf: torch.Tensor | None = None  # gather buffers shared by all layers of one forward
     dec_v_buf: torch.Tensor | None = None
     sparse: tuple | None = None  # HiSparse decodes: (flat token index tensor, slots, sequence lengths)
-    spans: list | None = None  # every request, for layers with a window or soft-capping (``spans``)
+    special: list[bool] | None = None  # the layers that run attend_spans (``special_layers``)
+    spans: list | None = None  # every request, for those layers (``spans``)
 
 
 @dataclass
@@ -96,13 +97,23 @@ class TorchAttention:
         self.scale = head_dim**-0.5 if scale is None else scale
         self.windows = list(windows or [])
         self.softcap = softcap
-        self.special = [w is not None or softcap is not None for w in self.windows]
-        self.any_special = softcap is not None or any(self.special)
+        self.any_special = softcap is not None or any(w is not None for w in self.windows)
 
-    def is_special(self, layer: int) -> bool:
-        if layer < len(self.special):
-            return self.special[layer]
-        return self.softcap is not None
+    def special_layers(self, batch: ForwardBatch) -> list[bool] | None:
+        """Which layers of this forward run ``attend_spans``: every layer with soft-capping, and a
+        windowed layer once some sequence of the batch is longer than its window (shorter ones see
+        every key anyway, so the fast paths stay exact); None where no layer does."""
+        if not self.any_special:
+            return None
+        longest = max(batch.seq_lens, default=0)
+        cap = self.softcap is not None
+        special = [cap or (w is not None and longest > w) for w in self.windows] or [cap]
+        return special if any(special) else None
+
+    def is_special(self, special: list[bool] | None, layer: int) -> bool:
+        if special is None:
+            return False
+        return special[layer] if layer < len(special) else self.softcap is not None
 
     @staticmethod
     def spans(batch: ForwardBatch) -> list[tuple[int, int, int, torch.Tensor]]:
@@ -199,7 +210,8 @@ class TorchAttention:
                 ~valid, float("-inf")
             )
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
-        if self.any_special:
+        meta.special = self.special_layers(batch)
+        if meta.special is not None:
             meta.spans = self.spans(batch)
         batch.attn_meta = meta
 
@@ -246,7 +258,7 @@ class TorchAttention:
         k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]  # [KVH, locations, D]
         self.store(k_cache, v_cache, k, v, batch)
         meta: _TorchMeta = batch.attn_meta
-        if self.any_special and self.is_special(layer):
+        if self.is_special(meta.special, layer):
             return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)
         kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # A batch of decodes only (the common case): the rows are the batch, no scatter/gather of q.

@@ -81,7 +81,8 @@ class _CpuMeta:
     long_ext: list  # long extends, for SDPA: BatchSplit.sdpa_ext
     only_decodes: bool
     sparse: tuple | None = None  # HiSparse decodes (TorchAttention.sparse_meta)
-    spans: list | None = None  # layers with a window or soft-capping: TorchAttention.attend_spans
+    special: list[bool] | None = None  # the layers that take TorchAttention.attend_spans
+    spans: list | None = None
 
 
 class CpuAttention(TorchAttention):
@@ -120,14 +121,16 @@ class CpuAttention(TorchAttention):
             sp.sdpa_ext,
             not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) == batch.num_tokens,
             self.sparse_meta(sp),
-            self.spans(batch) if self.any_special else None,
         )
+        batch.attn_meta.special = special = self.special_layers(batch)
+        if special is not None:
+            batch.attn_meta.spans = self.spans(batch)
 
     def forward(self, layer, q, k, v, kv_buffer, batch):
         k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]
         meta: _CpuMeta = batch.attn_meta
         table = batch.req_to_token
-        if self.any_special and self.is_special(layer):
+        if self.is_special(meta.special, layer):
             # The kernels know no window or soft-capping: these layers take the reference path.
             self.store(k_cache, v_cache, k, v, batch)
             return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)

@@ -141,6 +141,7 @@ class CausalLM:
             and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
             and DECODE_IN_ONE_CALL
             and getattr(meta, "only_decodes", False)
+            and meta.special is None  # the kernel attends every key: no window cuts this batch
         ):
             plan = self.net.decode_plan
             if plan is not None and batch.num_tokens <= plan.max_rows:

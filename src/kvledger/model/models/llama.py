@@ -62,7 +62,6 @@ class LlamaNet(CausalNet):
         super().__init__(cfg, embed, layers, norm, lm_head, comm)
         self.rotary = rotary
         self.fused = fused
-        self.windowed = any(w is not None for w in cfg.layer_windows())
 
     @classmethod
     def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
@@ -112,14 +111,13 @@ class LlamaNet(CausalNet):
     @functools.cached_property
     def decode_plan(self) -> DecodePlan | None:
         """What ``kvledger_cpu::decode_layers`` takes, built once; None where the layers are not all
-        the kernel's packed projections without biases or q/k norms, with SiLU and full attention,
-        on one rank, with the kernels loaded (the Python loop then runs). Projections and weights are
-        not replaced after construction (``Linear.unpack`` only touches the bf16 copy)."""
+        the kernel's packed projections without biases or q/k norms, with SiLU, on one rank, with the kernels loaded (the Python loop then runs). Projections and weights are
+        not replaced after construction (``Linear.unpack`` only touches the bf16 copy). A forward
+        where a sliding window cuts some sequence does not take it (``CausalLM._forward``)."""
         projs = [p for L in self.layers for p in (L.attn.qkv, L.attn.o, L.mlp.gate_up, L.mlp.down)]
         if (
             not self.fused
             or self.comm.size > 1
-            or self.windowed
             or any(p.qw is None or p.b is not None for p in projs)
             or any(L.attn.q_norm is not None or L.mlp.act_name != "silu" for L in self.layers)
         ):
