@@ -77,7 +77,9 @@ def family_model(request, tmp_path_factory):
     import transformers
 
     path = build_family(str(tmp_path_factory.mktemp(request.param)), request.param)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in LENGTHS]
     refs = [hf_greedy(hf.eval(), p, GREEDY["max_new_tokens"]) for p in prompts]
@@ -130,7 +132,9 @@ def test_family_under_tp2_equals_tp1(family, tmp_path):
     prompts = [[5 + i] * 3 + list(range(30, 50 + 7 * i)) for i in range(3)]
     outs = []
     for tp in (1, 2):
-        eng = Engine(path, dtype="float32", page_size=4, max_total_tokens=1024, strict_memory=True, tp_size=tp)
+        eng = Engine(
+            path, dtype="float32", page_size=4, max_total_tokens=1024, strict_memory=True, tp_size=tp
+        )
         outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)])
         assert_idle_clean(eng)
         eng.shutdown()

@@ -40,7 +40,7 @@ class CausalLM:
     ):
         """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
         (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
-        (``resolve_backend``); ``cpu`` also runs the norms, rotary and SiLU in the C++ kernels.
+        (``resolve_backend``); ``cpu`` also runs the Llama family's norms, rotary and SiLU in the C++ kernels.
         ``int8_batch``: quantized layers run forwards of ``linear.INT8_BATCH_ROWS`` rows and more
         (prefill chunks) in oneDNN's int8 linear instead of their own kernel."""
         self.cfg = cfg
@@ -50,7 +50,9 @@ class CausalLM:
         self.quantization = quantization  # the weight-only mode its linears run in (None: dense)
         family = family_for(cfg.arch)
         if family is None:
-            raise ModelLoadError(f"unsupported architecture {cfg.arch!r}; supported: {', '.join(supported())}")
+            raise ModelLoadError(
+                f"unsupported architecture {cfg.arch!r}; supported: {', '.join(supported())}"
+            )
         self.family = family
         self.attn: AttentionBackend = make_backend(
             self.attention,
@@ -65,7 +67,15 @@ class CausalLM:
         self.handle = new_handle()
         comm = comm or Comm()
         builder = Builder(
-            cfg, weights, dtype, self.device, quantization, int8_batch, comm, self.handle, fused=self.attention == "cpu"
+            cfg,
+            weights,
+            dtype,
+            self.device,
+            quantization,
+            int8_batch,
+            comm,
+            self.handle,
+            fused=self.attention == "cpu",
         )
         self.net = family.build(builder).eval()
         self.compiled: nn.Module | None = None

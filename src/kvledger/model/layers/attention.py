@@ -60,7 +60,12 @@ class Attention(nn.Module):
         rot = self.rotary
         if kops is not None:  # rotated in place; q and k heads are adjacent in the fused QKV row
             if self.q_norm is None:
-                kops.rope_(qkv[:, : qs + ks].view(T, self.heads + self.kv_heads, self.head_dim), positions, rot.cos, rot.sin)
+                kops.rope_(
+                    qkv[:, : qs + ks].view(T, self.heads + self.kv_heads, self.head_dim),
+                    positions,
+                    rot.cos,
+                    rot.sin,
+                )
             else:
                 kops.rope_(q, positions, rot.cos, rot.sin)
                 kops.rope_(k, positions, rot.cos, rot.sin)

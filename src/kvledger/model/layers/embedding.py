@@ -17,10 +17,14 @@ class VocabEmbedding(nn.Module):
     of the largest matrix). Under TP this rank holds rows ``[vocab_start, + vocab_rows)``; the
     partial lookups are all-reduced. ``scale``: multiply the result (Gemma: sqrt(hidden))."""
 
-    def __init__(self, table: torch.Tensor | PackedWeight, dtype: torch.dtype, comm: Comm, scale: float | None = None):
+    def __init__(
+        self, table: torch.Tensor | PackedWeight, dtype: torch.dtype, comm: Comm, scale: float | None = None
+    ):
         super().__init__()
         packed = isinstance(table, PackedWeight)
-        self.weight: torch.Tensor | PackedWeight = table if packed else nn.Parameter(table, requires_grad=False)
+        self.weight: torch.Tensor | PackedWeight = (
+            table if packed else nn.Parameter(table, requires_grad=False)
+        )
         self.dtype = dtype
         self.comm = comm
         self.vocab_rows = table.out_features if packed else table.shape[0]
@@ -35,7 +39,9 @@ class VocabEmbedding(nn.Module):
     def densify(self, device: torch.device) -> None:
         """A dense table in place of packed blocks (``torch.compile`` traces ``F.embedding``)."""
         if isinstance(self.weight, PackedWeight):
-            self.weight = nn.Parameter(self.weight.rows().to(device=device, dtype=self.dtype), requires_grad=False)
+            self.weight = nn.Parameter(
+                self.weight.rows().to(device=device, dtype=self.dtype), requires_grad=False
+            )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         comm = self.comm

@@ -30,7 +30,9 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ModelLoadError(f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}") from None
+        raise ModelLoadError(
+            f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}"
+        ) from None
 
 
 class GatedMLP(nn.Module):

@@ -24,7 +24,9 @@ class RMSNorm(nn.Module):
     """``gemma``: the checkpoint's weight is an offset from 1, and the product is taken in fp32 (its
     ``1 + w`` is kept in float32, so bf16 models lose nothing to the offset)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float, gemma: bool = False, dtype: torch.dtype | None = None):
+    def __init__(
+        self, weight: torch.Tensor, eps: float, gemma: bool = False, dtype: torch.dtype | None = None
+    ):
         super().__init__()
         self.eps, self.gemma = eps, gemma
         w = (1.0 + weight.float()) if gemma else weight.to(dtype or weight.dtype)

@@ -62,7 +62,9 @@ class Builder:
         return self.lin(w, b)
 
     def norm(self, name: str, gemma: bool = False) -> RMSNorm:
-        return RMSNorm(dense(self.take(name)).to(self.device), self.cfg.rms_norm_eps, gemma=gemma, dtype=self.dtype)
+        return RMSNorm(
+            dense(self.take(name)).to(self.device), self.cfg.rms_norm_eps, gemma=gemma, dtype=self.dtype
+        )
 
     def rotary(self, theta: float | None = None, scaling: dict | str | None = "cfg") -> Rotary:
         cfg = self.cfg
@@ -88,7 +90,9 @@ class Builder:
         tied = lm_head is None or cfg.tie_word_embeddings
         lm_mode = "int8" if self.quantization == "int4" else self.quantization
         lm = self.lin(raw_embed if tied else lm_head, mode=lm_mode)
-        shared = tied and isinstance(raw_embed, BlockWeight) and raw_embed.kind == "Q8_0" and lm.qw is not None
+        shared = (
+            tied and isinstance(raw_embed, BlockWeight) and raw_embed.kind == "Q8_0" and lm.qw is not None
+        )
         table = lm.qw if shared else self.cast(raw_embed)
         return (
             VocabEmbedding(table, self.dtype, self.comm, embed_scale),
@@ -103,7 +107,15 @@ class CausalNet(nn.Module):
     model_types: ClassVar[tuple[str, ...]] = ()
     supports_tp: ClassVar[bool] = True
 
-    def __init__(self, cfg: ModelConfig, embed: VocabEmbedding, layers: list[nn.Module], norm: RMSNorm, lm_head: LMHead, comm: Comm):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        embed: VocabEmbedding,
+        layers: list[nn.Module],
+        norm: RMSNorm,
+        lm_head: LMHead,
+        comm: Comm,
+    ):
         super().__init__()
         self.cfg = cfg
         self.embed = embed
@@ -178,7 +190,9 @@ class CausalNet(nn.Module):
 def stack_experts(b: Builder, prefix: str, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gate_up [E, 2I, H], down [E, H, I])`` of per-expert ``{prefix}.{e}.gate_proj/up_proj/down_proj``
     tensors, in the model dtype (routed experts run dense)."""
-    gate_up = [torch.cat([dense(b.take(f"{prefix}.{e}.{p}_proj.weight")) for p in ("gate", "up")]) for e in range(n)]
+    gate_up = [
+        torch.cat([dense(b.take(f"{prefix}.{e}.{p}_proj.weight")) for p in ("gate", "up")]) for e in range(n)
+    ]
     down = [dense(b.take(f"{prefix}.{e}.down_proj.weight")) for e in range(n)]
     return b.cast(torch.stack(gate_up)), b.cast(torch.stack(down))
 

@@ -25,7 +25,12 @@ class GemmaLayer(nn.Module):
         return h + self.post_mlp_norm(comm.all_reduce(self.mlp(self.pre_mlp_norm(h))))
 
 
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
 
 
 class Gemma2Net(CausalNet):
@@ -37,7 +42,9 @@ class Gemma2Net(CausalNet):
         cfg.attention_bias = bool(raw.get("attention_bias", False))
         cfg.sliding_window = raw.get("sliding_window")
         # transformers 4 had no layer_types: layer 0 slides, then every other one
-        cfg.layer_types = raw.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(cfg.num_layers)]
+        cfg.layer_types = raw.get("layer_types") or [
+            SLIDING if i % 2 == 0 else FULL for i in range(cfg.num_layers)
+        ]
         cfg.extra = {
             "query_pre_attn_scalar": raw.get("query_pre_attn_scalar") or cfg.head_dim,
             "attn_logit_softcapping": raw.get("attn_logit_softcapping"),
@@ -60,7 +67,9 @@ class Gemma2Net(CausalNet):
     def _build(cls, b: Builder, qk_norm: bool, local_theta: float | None) -> CausalNet:
         """Gemma 2 and 3 differ by Gemma 3's q/k norms and its rope base of the sliding layers."""
         cfg = b.cfg
-        embed, head = b.vocab_ends(embed_scale=cfg.hidden_size**0.5, softcap=cfg.extra.get("final_logit_softcapping"))
+        embed, head = b.vocab_ends(
+            embed_scale=cfg.hidden_size**0.5, softcap=cfg.extra.get("final_logit_softcapping")
+        )
         norm = b.norm("model.norm.weight", gemma=True)
         rotary = b.rotary()
         local = rotary if local_theta is None else b.rotary(theta=local_theta, scaling=None)

@@ -104,16 +104,19 @@ class LlamaNet(CausalNet):
                 cfg.hidden_act,
             )
             in_norm = b.cast(b.take(p + "input_layernorm.weight"))
-            layers.append(LlamaLayer(attn, mlp, in_norm, b.cast(b.take(p + "post_attention_layernorm.weight"))))
+            layers.append(
+                LlamaLayer(attn, mlp, in_norm, b.cast(b.take(p + "post_attention_layernorm.weight")))
+            )
         # The C++ rotary kernel turns whole heads: partial rotation (Phi-4-mini) runs the torch ops.
         return cls(cfg, embed, layers, norm, head, b.comm, rotary, b.fused and rotary.rot_dim == cfg.head_dim)
 
     @functools.cached_property
     def decode_plan(self) -> DecodePlan | None:
         """What ``kvledger_cpu::decode_layers`` takes, built once; None where the layers are not all
-        the kernel's packed projections without biases or q/k norms, with SiLU, on one rank, with the kernels loaded (the Python loop then runs). Projections and weights are
-        not replaced after construction (``Linear.unpack`` only touches the bf16 copy). A forward
-        where a sliding window cuts some sequence does not take it (``CausalLM._forward``)."""
+        the kernel's packed projections without biases or q/k norms, with SiLU, on one rank, with
+        the kernels loaded (the Python loop then runs). Projections and weights are not replaced
+        after construction (``Linear.unpack`` only touches the bf16 copy). A forward where a sliding
+        window cuts some sequence does not take it (``CausalLM._forward``)."""
         projs = [p for L in self.layers for p in (L.attn.qkv, L.attn.o, L.mlp.gate_up, L.mlp.down)]
         if (
             not self.fused
@@ -175,7 +178,11 @@ class LlamaNet(CausalNet):
             h = h + delta
             return h, rms_norm(h, w, eps)
 
-        x = kops.rms_norm(h, self.layers[0].in_norm, eps) if fused else rms_norm(h, self.layers[0].in_norm, eps)
+        x = (
+            kops.rms_norm(h, self.layers[0].in_norm, eps)
+            if fused
+            else rms_norm(h, self.layers[0].in_norm, eps)
+        )
         n_layers = len(self.layers)
         for i, L in enumerate(self.layers):
             h, x = add_norm(h, comm.all_reduce(L.attn(x, positions, cs, kops)), L.post_norm)

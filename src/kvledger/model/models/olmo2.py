@@ -58,7 +58,9 @@ class Olmo2Net(CausalNet):
                 b.lin(b.take(p + "mlp.down_proj.weight")),
                 cfg.hidden_act,
             )
-            post = [b.norm(p + n + ".weight") for n in ("post_attention_layernorm", "post_feedforward_layernorm")]
+            post = [
+                b.norm(p + n + ".weight") for n in ("post_attention_layernorm", "post_feedforward_layernorm")
+            ]
             layers.append(Olmo2Layer(attn, mlp, *post))
         net = cls(cfg, embed, layers, norm, head, b.comm)
         net.rotary = rotary
