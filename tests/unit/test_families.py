@@ -162,3 +162,12 @@ def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
     eng.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY)  # 20 tokens and more
     assert model.one_call_forwards == short
     assert_idle_clean(eng)
+
+
+def test_hisparse_refuses_windowed_attention(tmp_path):
+    """HiSparse keeps a sparse slot's history in its host pool; the windowed layers read pages through
+    the slot table, so the pair is refused at start (not served wrong)."""
+    from kvledger.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="enable-hisparse does not run with mistral"):
+        Engine(build_family(str(tmp_path), "mistral_window"), dtype="float32", page_size=16, enable_hisparse=True)
