@@ -171,3 +171,12 @@ def test_hisparse_refuses_windowed_attention(tmp_path):
 
     with pytest.raises(ValidationError, match="enable-hisparse does not run with mistral"):
         Engine(build_family(str(tmp_path), "mistral_window"), dtype="float32", page_size=16, enable_hisparse=True)
+
+
+def test_lora_on_routed_experts_is_refused(tmp_path):
+    """LoRA puts its deltas on each layer's four ``Linear`` projections; routed experts have none:
+    refused at start with the reason."""
+    from kvledger.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="LoRA adapters do not apply to routed experts"):
+        Engine(build_family(str(tmp_path), "mixtral"), dtype="float32", enable_lora=True)

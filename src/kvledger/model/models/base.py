@@ -197,7 +197,37 @@ def stack_experts(b: Builder, prefix: str, n: int) -> tuple[torch.Tensor, torch.
     return b.cast(torch.stack(gate_up)), b.cast(torch.stack(down))
 
 
-class PreNormLayer(nn.Module):
+class Projections:
+    """A decoder layer's four projections by their fused names (``qkv``, ``o``, ``gate_up``,
+    ``down``: the ``Linear``s that LoRA (``model/lora.py``) puts its deltas on). A layer whose MLP is
+    routed experts has no ``gate_up``/``down`` ``Linear``: asking for them says so."""
+
+    @property
+    def qkv(self) -> Linear:
+        return self.attn.qkv
+
+    @property
+    def o(self) -> Linear:
+        return self.attn.o
+
+    @property
+    def gate_up(self) -> Linear:
+        return self._mlp_linear("gate_up")
+
+    @property
+    def down(self) -> Linear:
+        return self._mlp_linear("down")
+
+    def _mlp_linear(self, name: str) -> Linear:
+        lin = getattr(self.mlp, name)
+        if not isinstance(lin, Linear):
+            from ...errors import ValidationError
+
+            raise ValidationError(f"LoRA adapters do not apply to routed experts ({self.mlp.__class__.__name__})")
+        return lin
+
+
+class PreNormLayer(Projections, nn.Module):
     """The Llama-style block on the shared layers: ``h += attn(norm(h)); h += mlp(norm(h))`` (the
     MLP a ``GatedMLP`` or a ``MoE``), with the TP all-reduces after each block."""
 

@@ -9,10 +9,10 @@ from torch import nn
 
 from ..config import FULL, SLIDING, ModelConfig
 from ..layers import Attention, GatedMLP, RMSNorm
-from .base import Builder, CausalNet
+from .base import Builder, CausalNet, Projections
 
 
-class GemmaLayer(nn.Module):
+class GemmaLayer(Projections, nn.Module):
     """Pre and post norms around both blocks: ``h += post(block(pre(h)))``."""
 
     def __init__(self, attn: Attention, mlp: GatedMLP, norms: list[RMSNorm]):

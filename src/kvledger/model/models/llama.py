@@ -18,7 +18,7 @@ from torch import nn
 from ...parallel.comm import Comm
 from ..config import SLIDING, ModelConfig
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding, rms_norm
-from .base import Builder, CausalNet
+from .base import Builder, CausalNet, Projections
 
 # model_type -> (qkv bias, per-head q/k RMSNorm)
 VARIANTS: dict[str, tuple[bool, bool]] = {
@@ -35,7 +35,7 @@ class DecodePlan:
     max_rows: int  # the most rows (decodes) a step may have for it
 
 
-class LlamaLayer(nn.Module):
+class LlamaLayer(Projections, nn.Module):
     def __init__(self, attn: Attention, mlp: GatedMLP, in_norm: torch.Tensor, post_norm: torch.Tensor):
         super().__init__()
         self.attn, self.mlp = attn, mlp

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from ..layers import Attention, GatedMLP, RMSNorm
-from .base import Builder, CausalNet
+from .base import Builder, CausalNet, Projections
 
 
-class Olmo2Layer(nn.Module):
+class Olmo2Layer(Projections, nn.Module):
     def __init__(self, attn: Attention, mlp: GatedMLP, post_attn_norm: RMSNorm, post_mlp_norm: RMSNorm):
         super().__init__()
         self.attn, self.mlp = attn, mlp
