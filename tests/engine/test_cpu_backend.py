@@ -127,7 +127,7 @@ def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mod
         make_engine(dtype="float32", quantization="int8", enable_int8_batch=True)
     ref = make_engine(dtype="float32")
     eng = make_engine(dtype="bfloat16", quantization="int8", enable_int8_batch=True)
-    qkv = eng.core.model.net.layers[0].qkv
+    qkv = eng.core.model.net.layers[0].attn.qkv
     assert qkv.w8 is not None
     calls = []
     real = qkv.w8
@@ -254,7 +254,7 @@ def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypat
     """``kvledger_cpu::decode_layers`` runs every layer of a batch of decodes in one call: the same
     ops in the same order as the Python loop, so the same tokens and logprobs bit for bit. Batches
     with a prefill chunk beside the decodes keep the loop."""
-    from kvledger.model import llama
+    from kvledger.model import causal_lm as llama
 
     runs = {}
     for one_call in (False, True):

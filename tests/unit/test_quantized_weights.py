@@ -130,10 +130,10 @@ def test_the_default_model_keeps_its_files_blocks_within_1_3x_the_file():
     model = LlamaModel(loaded.config, dict(loaded.weights), dtype=torch.bfloat16, quantization="int4")
     assert model.weight_bytes() <= 1.3 * file_bytes, (model.weight_bytes(), file_bytes)
     net = model.net
-    assert isinstance(net.embed, PackedWeight) and net.embed is net.lm_head.qw  # one copy, tied
-    assert torch.equal(net._embed(ids), ref_embed)  # the file's values, as a dense table would give
+    assert isinstance(net.embed.weight, PackedWeight) and net.embed.weight is net.lm_head.linear.qw  # one copy, tied
+    assert torch.equal(net.embed(ids), ref_embed)  # the file's values, as a dense table would give
     lins = [m for m in net.modules() if isinstance(m, Linear)]
     assert all(m.qw is not None and m.w is None and m.packed is None for m in lins)
-    down = net.layers[7].down.qw
+    down = net.layers[7].mlp.down.qw
     via_float = pack(sample["model.layers.7.mlp.down_proj.weight"].dequantize(), 4)
     assert torch.equal(down.w, via_float.w) and torch.equal(down.scales, via_float.scales)

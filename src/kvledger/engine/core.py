@@ -244,6 +244,12 @@ class EngineCore:
         if cfg.hisparse.enable_hisparse and cfg.disagg.disaggregation_mode == "prefill":
             log.info("HiSparse is decode-side: off on this prefill server (its requests never decode)")
         elif cfg.hisparse.enable_hisparse:
+            if self.model.attn.any_special:
+                # attend_spans reads every request's pages through the slot table; a sparse slot's
+                # history lives in the host pool, so the two cannot be combined (yet).
+                raise ValidationError(
+                    f"--enable-hisparse does not run with {mc.arch}'s sliding-window or soft-capped attention"
+                )
             # HiSparse: the host pool's books here, its K/V with the runner (this process: no TP).
             num_host = max(1, int(num_pages * cfg.hisparse.hisparse_host_ratio))
             sparse = self.kv_manager.sparse = SparseKV(self.kv_manager, cfg.hisparse, num_host, context)

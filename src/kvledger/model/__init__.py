@@ -1,12 +1,14 @@
-"""Model core: loading, the Llama-family forward over a paged KV pool, attention backends, sampling."""
+"""Model core: loading, the model families (``models/``) on shared layers (``layers/``) over a paged KV
+pool, attention backends, sampling."""
 
 from .batch import ForwardBatch
+from .causal_lm import CausalLM, LlamaModel
 from .config import ModelConfig
-from .llama import LlamaModel
 from .loader import LoadedModel, default_model_path, load_model
 from .sampler import Sampler, SampleResult, row_generator
 
 __all__ = [
+    "CausalLM",
     "ForwardBatch",
     "LlamaModel",
     "LoadedModel",

@@ -54,6 +54,8 @@ class _TorchMeta:
     dec_k_buf: torch.Tensor | None = None  # gather buffers shared by all layers of one forward
     dec_v_buf: torch.Tensor | None = None
     sparse: tuple | None = None  # HiSparse decodes: (flat token index tensor, slots, sequence lengths)
+    special: list[bool] | None = None  # the layers that run attend_spans (``special_layers``)
+    spans: list | None = None  # every request, for those layers (``spans``)
 
 
 @dataclass
@@ -76,11 +78,80 @@ class TorchAttention:
     ``scaled_dot_product_attention`` is several times slower for one query row (see PERF-NOTES).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        windows: list[int | None] | None = None,
+        softcap: float | None = None,
+    ):
+        """``scale``: of the scores (default ``head_dim ** -0.5``); ``windows``: each layer's sliding
+        window (None: full attention); ``softcap``: ``cap * tanh(scores / cap)`` on every layer. The
+        layers with a window or soft-capping run ``attend_spans`` (each request over the keys it may
+        see; exact, not the fast paths), the others the paths below."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.windows = list(windows or [])
+        self.softcap = softcap
+        self.any_special = softcap is not None or any(w is not None for w in self.windows)
+
+    def special_layers(self, batch: ForwardBatch) -> list[bool] | None:
+        """Which layers of this forward run ``attend_spans``: every layer with soft-capping, and a
+        windowed layer once some sequence of the batch is longer than its window (shorter ones see
+        every key anyway, so the fast paths stay exact); None where no layer does."""
+        if not self.any_special:
+            return None
+        longest = max(batch.seq_lens, default=0)
+        cap = self.softcap is not None
+        special = [cap or (w is not None and longest > w) for w in self.windows] or [cap]
+        return special if any(special) else None
+
+    def is_special(self, special: list[bool] | None, layer: int) -> bool:
+        if special is None:
+            return False
+        return special[layer] if layer < len(special) else self.softcap is not None
+
+    @staticmethod
+    def spans(batch: ForwardBatch) -> list[tuple[int, int, int, torch.Tensor]]:
+        """``(tok_start, prefix, new, kv_idx [prefix + new])`` of every request of the batch."""
+        out, start = [], 0
+        for row, pre, n in zip(batch.req_rows, batch.prefix_lens, batch.extend_lens):
+            if n:
+                out.append((start, pre, n, batch.req_to_token[row, : pre + n]))
+            start += n
+        return out
+
+    def attend_spans(self, layer: int, q, k_cache, v_cache, spans) -> torch.Tensor:
+        """Attention of each request over the keys its queries may see (causal, within the layer's
+        window), with soft-capping: scores in fp32 as transformers' eager attention. A windowed
+        layer gathers only the last ``window + new - 1`` keys of a request, not its whole sequence."""
+        window = self.windows[layer] if layer < len(self.windows) else None
+        kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        out = q.new_empty(q.shape[0], self.num_heads * d)
+        dev = q.device
+        for start, pre, n, kv_idx in spans:
+            s = pre + n
+            lo = 0 if window is None else max(0, pre - window + 1)
+            ke = k_cache.index_select(1, kv_idx[lo:s]).unsqueeze(1)  # [KVH, 1, S', D]
+            ve = v_cache.index_select(1, kv_idx[lo:s]).unsqueeze(1)
+            qe = q[start : start + n].view(n, kvh, group, d).permute(1, 2, 0, 3)  # [KVH, G, n, D]
+            scores = torch.matmul(qe, ke.transpose(-1, -2)).float() * self.scale  # [KVH, G, n, S']
+            if self.softcap is not None:
+                scores = torch.tanh(scores / self.softcap) * self.softcap
+            qpos = torch.arange(pre, s, device=dev).unsqueeze(1)
+            kpos = torch.arange(lo, s, device=dev).unsqueeze(0)
+            allowed = kpos <= qpos
+            if window is not None:
+                allowed &= kpos > qpos - window
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(ve.dtype)
+            o = torch.matmul(probs, ve)  # [KVH, G, n, D]
+            out[start : start + n] = o.permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
+        return out
 
     @staticmethod
     def split(batch: ForwardBatch, in_kernel: Callable[[int, int], bool] | None = None) -> BatchSplit:
@@ -139,6 +210,9 @@ class TorchAttention:
                 ~valid, float("-inf")
             )
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
+        meta.special = self.special_layers(batch)
+        if meta.special is not None:
+            meta.spans = self.spans(batch)
         batch.attn_meta = meta
 
     @staticmethod
@@ -184,6 +258,8 @@ class TorchAttention:
         k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]  # [KVH, locations, D]
         self.store(k_cache, v_cache, k, v, batch)
         meta: _TorchMeta = batch.attn_meta
+        if self.is_special(meta.special, layer):
+            return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)
         kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # A batch of decodes only (the common case): the rows are the batch, no scatter/gather of q.
         only_decodes = not meta.ext and meta.dec_tok is not None and meta.dec_tok.shape[0] == q.shape[0]
@@ -303,15 +379,23 @@ def _(q, k, v, layer, handle):
 
 
 def make_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    scale: float | None = None,
+    windows: list[int | None] | None = None,
+    softcap: float | None = None,
 ) -> AttentionBackend:
     """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
-    ``auto`` is resolved by the model (``LlamaModel``) before it gets here. ``dtype``: the model's
-    (the cpu backend has a bf16-only prefill kernel)."""
+    ``auto`` is resolved by the model (``CausalLM``) before it gets here. ``dtype``: the model's
+    (the cpu backend has a bf16-only prefill kernel). ``scale``, ``windows``, ``softcap``: the
+    family's attention (``TorchAttention``)."""
     if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim)
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, windows, softcap)
     if name == "cpu":
         from .attention_cpu import CpuAttention
 
-        return CpuAttention(num_heads, num_kv_heads, head_dim, dtype)
+        return CpuAttention(num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap)
     raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

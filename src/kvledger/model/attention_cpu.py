@@ -81,13 +81,24 @@ class _CpuMeta:
     long_ext: list  # long extends, for SDPA: BatchSplit.sdpa_ext
     only_decodes: bool
     sparse: tuple | None = None  # HiSparse decodes (TorchAttention.sparse_meta)
+    special: list[bool] | None = None  # the layers that take TorchAttention.attend_spans
+    spans: list | None = None
 
 
 class CpuAttention(TorchAttention):
     """Needs the kernels loaded (``kernels.load()``) and q, K/V of one dtype (float32 or bfloat16)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32):
-        super().__init__(num_heads, num_kv_heads, head_dim)
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        scale: float | None = None,
+        windows: list[int | None] | None = None,
+        softcap: float | None = None,
+    ):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, windows, softcap)
         self.op = torch.ops.kvledger_cpu.decode_attention
         self.extend_op = torch.ops.kvledger_cpu.extend_attention_
         self.flash_op = torch.ops.kvledger_cpu.flash_attention_
@@ -111,11 +122,18 @@ class CpuAttention(TorchAttention):
             not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) == batch.num_tokens,
             self.sparse_meta(sp),
         )
+        batch.attn_meta.special = special = self.special_layers(batch)
+        if special is not None:
+            batch.attn_meta.spans = self.spans(batch)
 
     def forward(self, layer, q, k, v, kv_buffer, batch):
         k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]
         meta: _CpuMeta = batch.attn_meta
         table = batch.req_to_token
+        if self.is_special(meta.special, layer):
+            # The kernels know no window or soft-capping: these layers take the reference path.
+            self.store(k_cache, v_cache, k, v, batch)
+            return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)
         if meta.only_decodes:
             return self.op(
                 q, k_cache, v_cache, table, meta.dec_rows, meta.dec_lens, self.scale, k, v, batch.out_loc

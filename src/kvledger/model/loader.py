@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 
 from ..errors import ModelLoadError
 from . import model_cache
-from .config import SUPPORTED_ARCHS, ModelConfig
+from .config import ModelConfig
+from .models.registry import GGUF_ARCHITECTURES, family_for
 from .quantized import BLOCK_KINDS, BlockWeight, Weight
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
                     weights[name] = f.get_tensor(name).float()
     except Exception as e:  # safetensors raises its own error types for truncated headers/data
         raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({_one_line(e)})") from None
+    # The family's own names (fused tensors split, another spelling of its experts ...) as its class takes them.
+    weights = family_for(config.arch).hf_weights(weights, config)
     tokenizer = None
     if load_tokenizer and any(
         os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -140,9 +143,6 @@ def _hf_tokenizer(path: str, **kwargs) -> Any:
 # GGUF
 # ----------------------------------------------------------------------------------------------
 
-# GGUF general.architecture -> HF model_type
-_GGUF_ARCH = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -168,10 +168,10 @@ def _field(reader, key: str, default=None):
 
 def _gguf_config(reader, path: str) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCH:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r} in {os.path.basename(path)}; "
-            f"supported: {', '.join(sorted(SUPPORTED_ARCHS))}"
+            f"supported in GGUF files: {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
     a = arch
 
@@ -196,7 +196,7 @@ def _gguf_config(reader, path: str) -> ModelConfig:
     if scale_type and scale_type != "none":
         scaling = {"rope_type": scale_type, "factor": float(_field(reader, f"{a}.rope.scaling.factor", 1.0))}
     return ModelConfig(
-        arch=_GGUF_ARCH[arch],
+        arch=GGUF_ARCHITECTURES[arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),

@@ -1,10 +1,11 @@
-"""Megatron-style sharding of a Llama-family checkpoint for one tensor-parallel rank.
+"""Megatron-style sharding of a checkpoint (HF names, as the families take them) for one tensor-parallel rank.
 
 QKV and gate/up are split by output (column-parallel), O and down by input (row-parallel, one
 all-reduce each); the embedding and the LM head by vocabulary (the embedding's partial lookups are
 all-reduced, the LM head's logits all-gathered; the vocabulary is padded to a multiple of the TP size).
 Query heads are split evenly; KV heads too when they divide, else each rank keeps the one KV head its
-query heads read (replication, as vLLM does when the TP size exceeds the KV head count).
+query heads read (replication, as vLLM does when the TP size exceeds the KV head count). Routed
+experts are split by their hidden width like the MLP; the router is replicated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from ..model.quantized import BlockWeight, Weight
 def check_tp(cfg: ModelConfig, tp: int) -> None:
     if tp == 1:
         return
+    from ..model.models.registry import family_for
+
+    family = family_for(cfg.arch)
+    if family is not None and not family.supports_tp:
+        raise ModelLoadError(f"--tp-size {tp}: the {cfg.arch} family does not run under tensor parallelism")
+    if cfg.num_experts and cfg.moe_intermediate_size % tp:
+        raise ModelLoadError(f"--tp-size {tp} does not divide the experts' MLP size {cfg.moe_intermediate_size}")
     if cfg.num_heads % tp:
         raise ModelLoadError(
             f"--tp-size {tp} does not divide the {cfg.num_heads} attention heads of this model"
@@ -39,7 +47,11 @@ def local_config(cfg: ModelConfig, rank: int, tp: int) -> ModelConfig:
         return cfg
     kv = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else 1
     return dataclasses.replace(
-        cfg, num_heads=cfg.num_heads // tp, num_kv_heads=kv, intermediate_size=cfg.intermediate_size // tp
+        cfg,
+        num_heads=cfg.num_heads // tp,
+        num_kv_heads=kv,
+        intermediate_size=cfg.intermediate_size // tp,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp,
     )
 
 
@@ -63,6 +75,8 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, Weight], rank: int, tp: i
         kv_rows = slice(h * d, (h + 1) * d)
     ff = cfg.intermediate_size // tp
     ff_rows = slice(rank * ff, (rank + 1) * ff)
+    eff = cfg.moe_intermediate_size // tp  # each routed expert's slice (the router is replicated)
+    expert_rows = slice(rank * eff, (rank + 1) * eff)
     a, b = vocab_slice(cfg.vocab_size, rank, tp)
 
     def vocab_rows(t: Weight) -> Weight:
@@ -82,9 +96,9 @@ def shard_weights(cfg: ModelConfig, weights: dict[str, Weight], rank: int, tp: i
         elif name.endswith("o_proj.weight"):
             t = _cols(t, q_rows)
         elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-            t = _rows(t, ff_rows)
+            t = _rows(t, expert_rows if ".experts." in name else ff_rows)
         elif name.endswith("down_proj.weight"):
-            t = _cols(t, ff_rows)
+            t = _cols(t, expert_rows if ".experts." in name else ff_rows)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             t = vocab_rows(t)
         out[name] = t if isinstance(t, BlockWeight) else t.contiguous()

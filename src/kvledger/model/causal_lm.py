@@ -1,0 +1,173 @@
+"""The engine's model: one family's network (``models/``, picked by the registry) over a paged KV
+pool, with its attention backend, the ``torch.compile`` route and the one-call decode route.
+
+Only the positions named in ``batch.logit_index`` go through the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ModelLoadError
+from ..parallel.comm import Comm
+from .attention import AttentionBackend, KVBuffer, attention_context, make_backend, new_handle, sdpa_backends
+from .attention_cpu import resolve_backend
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .linear import Linear
+from .models.base import Builder
+from .models.registry import family_for, supported
+
+DECODE_IN_ONE_CALL = True
+"""Batches of decodes run every layer in one C++ call (``LlamaNet.decode_step``) where the model allows."""
+
+
+class CausalLM:
+    """A causal LM over a paged KV pool. Holds no global state: several instances may coexist (each
+    registers its own attention context under its own handle)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        attention: str = "auto",
+        quantization: str | None = None,
+        comm=None,
+        int8_batch: bool = False,
+    ):
+        """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
+        (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
+        (``resolve_backend``); ``cpu`` also runs the Llama family's norms, rotary and SiLU in the C++ kernels.
+        ``int8_batch``: quantized layers run forwards of ``linear.INT8_BATCH_ROWS`` rows and more
+        (prefill chunks) in oneDNN's int8 linear instead of their own kernel."""
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.attention = resolve_backend(attention, self.device, dtype)
+        self.quantization = quantization  # the weight-only mode its linears run in (None: dense)
+        family = family_for(cfg.arch)
+        if family is None:
+            raise ModelLoadError(
+                f"unsupported architecture {cfg.arch!r}; supported: {', '.join(supported())}"
+            )
+        self.family = family
+        self.attn: AttentionBackend = make_backend(
+            self.attention,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            scale=family.attention_scale(cfg),
+            windows=cfg.layer_windows(),
+            softcap=family.attention_softcap(cfg),
+        )
+        self.handle = new_handle()
+        comm = comm or Comm()
+        builder = Builder(
+            cfg,
+            weights,
+            dtype,
+            self.device,
+            quantization,
+            int8_batch,
+            comm,
+            self.handle,
+            fused=self.attention == "cpu",
+        )
+        self.net = family.build(builder).eval()
+        self.compiled: nn.Module | None = None
+        self.compiled_forwards = 0  # forwards that ran through the compiled graph
+        self.one_call_forwards = 0  # batches of decodes whose layers ran in one kernel call
+
+    def enable_compile(self) -> None:
+        """Run forwards through ``torch.compile`` (dynamic token count; weights frozen and prepacked).
+        Compilation happens on the first forwards of each new shape class (tens of seconds)."""
+        for m in self.net.modules():
+            if isinstance(m, Linear):
+                m.unpack()
+        self.net.dense_embedding()
+        self.compiled = torch.compile(self.net, dynamic=True, options={"freezing": True})
+
+    def compile_stats(self) -> dict:
+        """This model's forwards through the compiled graph, and this process's dynamo counts (graphs
+        compiled, frames traced): after the warm-up, neither count should move."""
+        from torch._dynamo.utils import counters
+
+        return {
+            "compiled_forwards": self.compiled_forwards,
+            "graphs": counters["stats"]["unique_graphs"],
+            "frames": counters["frames"]["total"],
+        }
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights held (int8 copies included; a tied LM head counted once)."""
+        seen: set[int] = set()
+        n = 0
+        for t in [*self.net.parameters(), *self.net.buffers()]:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in seen:
+                seen.add(ptr)
+                n += t.untyped_storage().nbytes()
+        return n + sum(m.packed_bytes() for m in self.net.modules() if isinstance(m, Linear))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None) -> torch.Tensor:
+        """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``.
+        ``connector``: a KV connector's worker side, called per layer (see ``connector/base.py``)."""
+        assert batch.pool_index is None, "a batch that pools runs through forward_pooled"
+        return self._forward(batch, kv_buffer, connector)
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, plus the final-norm hidden states of the ``batch.pool_index`` rows (float32)."""
+        return self._forward(batch, kv_buffer, connector)
+
+    def _forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector):
+        self.attn.prepare(batch)
+        pool = batch.pool_index
+        # Only forwards that sample several rows go through the compiled graph: dynamo specializes
+        # sizes 0 and 1, so routing single-request forwards there too would compile two more graphs
+        # (tens of seconds each) for little gain (one request is weight-bandwidth bound). A forward
+        # that pools runs eager: its second output would be a second graph.
+        use = (
+            self.compiled is not None
+            and pool is None
+            and batch.lora is None  # adapter rows run eager: LoRA deltas live in the projections' calls
+            and batch.num_tokens > 1
+            and batch.logit_index.shape[0] > 1
+        )
+        net = self.compiled if use else self.net
+        self.compiled_forwards += use
+        meta = batch.attn_meta
+        if (
+            not use
+            and pool is None
+            and connector is None
+            and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
+            and DECODE_IN_ONE_CALL
+            and getattr(meta, "only_decodes", False)
+            and meta.special is None  # the kernel attends every key: no window cuts this batch
+        ):
+            plan = self.net.decode_plan
+            if plan is not None and batch.num_tokens <= plan.max_rows:
+                self.one_call_forwards += 1
+                return self.net.decode_step(
+                    plan, batch.input_ids, batch.positions, batch.logit_index, kv_buffer, batch.req_to_token,
+                    meta.dec_rows, meta.dec_lens, batch.out_loc, self.attn.scale,
+                )  # fmt: skip
+        with (
+            attention_context(self.handle, self.attn, kv_buffer, batch, connector),
+            sdpa_backends(self.device),
+        ):
+            if pool is None:
+                return net(batch.input_ids, batch.positions, batch.logit_index)
+            return net(batch.input_ids, batch.positions, batch.logit_index, pool)
+
+
+LlamaModel = CausalLM
+"""The name this class had while it served only the Llama family."""

@@ -1,0 +1,76 @@
+"""The vocabulary ends: the token embedding (vocab-parallel under TP, optionally scaled as Gemma's)
+and the LM head (a ``Linear``; logits gathered across ranks, optionally soft-capped)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels.quant import PackedWeight
+from ...parallel.comm import Comm
+from ..linear import Linear
+
+
+class VocabEmbedding(nn.Module):
+    """A dense table, or a tied LM head's packed int8 blocks (looked up row by row: no second copy
+    of the largest matrix). Under TP this rank holds rows ``[vocab_start, + vocab_rows)``; the
+    partial lookups are all-reduced. ``scale``: multiply the result (Gemma: sqrt(hidden))."""
+
+    def __init__(
+        self, table: torch.Tensor | PackedWeight, dtype: torch.dtype, comm: Comm, scale: float | None = None
+    ):
+        super().__init__()
+        packed = isinstance(table, PackedWeight)
+        self.weight: torch.Tensor | PackedWeight = (
+            table if packed else nn.Parameter(table, requires_grad=False)
+        )
+        self.dtype = dtype
+        self.comm = comm
+        self.vocab_rows = table.out_features if packed else table.shape[0]
+        self.vocab_start = comm.rank * self.vocab_rows
+        self.scale = scale
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, PackedWeight):
+            return self.weight.rows(ids).to(self.dtype)
+        return F.embedding(ids, self.weight)
+
+    def densify(self, device: torch.device) -> None:
+        """A dense table in place of packed blocks (``torch.compile`` traces ``F.embedding``)."""
+        if isinstance(self.weight, PackedWeight):
+            self.weight = nn.Parameter(
+                self.weight.rows().to(device=device, dtype=self.dtype), requires_grad=False
+            )
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        comm = self.comm
+        if comm.size == 1:
+            h = self._lookup(input_ids)
+        else:
+            local = input_ids - self.vocab_start
+            inside = (local >= 0) & (local < self.vocab_rows)
+            h = comm.all_reduce(self._lookup(local.clamp(0, self.vocab_rows - 1)) * inside.unsqueeze(-1))
+        if self.scale is not None:
+            # transformers multiplies by the scale held in the model dtype
+            h = h * torch.tensor(self.scale, dtype=h.dtype)
+        return h
+
+
+class LMHead(nn.Module):
+    """float32 logits ``[rows, vocab]``; ``softcap``: ``cap * tanh(logits / cap)`` (Gemma 2)."""
+
+    def __init__(self, linear: Linear, vocab_size: int, comm: Comm, softcap: float | None = None):
+        super().__init__()
+        self.linear = linear
+        self.vocab_size = vocab_size
+        self.comm = comm
+        self.softcap = softcap
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(h).float()
+        if self.comm.size > 1:
+            logits = self.comm.gather_vocab(logits)[:, : self.vocab_size]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

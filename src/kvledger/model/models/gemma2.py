@@ -1,0 +1,108 @@
+"""Gemma 2: GeGLU, Gemma's (1 + w) RMS norms before and after both the attention and the MLP,
+the embedding scaled by sqrt(hidden), scores scaled by ``query_pre_attn_scalar ** -0.5`` and
+soft-capped, the logits soft-capped, and sliding-window attention on alternating layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import FULL, SLIDING, ModelConfig
+from ..layers import Attention, GatedMLP, RMSNorm
+from .base import Builder, CausalNet, Projections
+
+
+class GemmaLayer(Projections, nn.Module):
+    """Pre and post norms around both blocks: ``h += post(block(pre(h)))``."""
+
+    def __init__(self, attn: Attention, mlp: GatedMLP, norms: list[RMSNorm]):
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+        self.in_norm, self.post_attn_norm, self.pre_mlp_norm, self.post_mlp_norm = norms
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cs, comm) -> torch.Tensor:
+        h = h + self.post_attn_norm(comm.all_reduce(self.attn(self.in_norm(h), positions, cs)))
+        return h + self.post_mlp_norm(comm.all_reduce(self.mlp(self.pre_mlp_norm(h))))
+
+
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+
+class Gemma2Net(CausalNet):
+    model_types = ("gemma2",)
+
+    @classmethod
+    def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
+        cfg.tie_word_embeddings = bool(raw.get("tie_word_embeddings", True))
+        cfg.attention_bias = bool(raw.get("attention_bias", False))
+        cfg.sliding_window = raw.get("sliding_window")
+        # transformers 4 had no layer_types: layer 0 slides, then every other one
+        cfg.layer_types = raw.get("layer_types") or [
+            SLIDING if i % 2 == 0 else FULL for i in range(cfg.num_layers)
+        ]
+        cfg.extra = {
+            "query_pre_attn_scalar": raw.get("query_pre_attn_scalar") or cfg.head_dim,
+            "attn_logit_softcapping": raw.get("attn_logit_softcapping"),
+            "final_logit_softcapping": raw.get("final_logit_softcapping"),
+        }
+
+    @classmethod
+    def attention_scale(cls, cfg: ModelConfig) -> float:
+        return float(cfg.extra["query_pre_attn_scalar"]) ** -0.5
+
+    @classmethod
+    def attention_softcap(cls, cfg: ModelConfig) -> float | None:
+        return cfg.extra.get("attn_logit_softcapping")
+
+    @classmethod
+    def build(cls, b: Builder) -> CausalNet:
+        return cls._build(b, qk_norm=False, local_theta=None)
+
+    @classmethod
+    def _build(cls, b: Builder, qk_norm: bool, local_theta: float | None) -> CausalNet:
+        """Gemma 2 and 3 differ by Gemma 3's q/k norms and its rope base of the sliding layers."""
+        cfg = b.cfg
+        embed, head = b.vocab_ends(
+            embed_scale=cfg.hidden_size**0.5, softcap=cfg.extra.get("final_logit_softcapping")
+        )
+        norm = b.norm("model.norm.weight", gemma=True)
+        rotary = b.rotary()
+        local = rotary if local_theta is None else b.rotary(theta=local_theta, scaling=None)
+        windows = cfg.layer_windows()
+        layers = []
+        for i in range(cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            attn = Attention(
+                i,
+                b.proj([a + "q_proj", a + "k_proj", a + "v_proj"], bias=cfg.attention_bias),
+                b.lin(b.take(a + "o_proj.weight")),
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                local if windows[i] is not None else rotary,
+                b.handle,
+                b.norm(a + "q_norm.weight", gemma=True) if qk_norm else None,
+                b.norm(a + "k_norm.weight", gemma=True) if qk_norm else None,
+            )
+            mlp = GatedMLP(
+                b.proj([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                b.lin(b.take(p + "mlp.down_proj.weight")),
+                cfg.hidden_act,
+            )
+            layers.append(GemmaLayer(attn, mlp, [b.norm(p + n + ".weight", gemma=True) for n in LAYER_NORMS]))
+        net = cls(cfg, embed, layers, norm, head, b.comm)
+        net.rotary, net.local_rotary = rotary, local
+        return net
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        cs = self.rotary.lookup(positions)
+        cs_local = cs if self.local_rotary is self.rotary else self.local_rotary.lookup(positions)
+        for L in self.layers:
+            h = L(h, positions, cs_local if L.attn.rotary is self.local_rotary else cs, self.comm)
+        return h

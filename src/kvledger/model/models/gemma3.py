@@ -1,0 +1,31 @@
+"""Gemma 3 (text): Gemma 2's layers with per-head q/k norms, no soft-capping by default, and a
+second rope base (``rope_local_base_freq``) for its sliding layers (five of every six)."""
+
+from __future__ import annotations
+
+from ..config import FULL, SLIDING, ModelConfig
+from .base import Builder, CausalNet
+from .gemma2 import Gemma2Net
+
+
+class Gemma3Net(Gemma2Net):
+    model_types = ("gemma3_text",)
+
+    @classmethod
+    def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
+        super().hf_config(raw, cfg)
+        if not raw.get("layer_types"):  # transformers 4: every sliding_window_pattern-th layer is full
+            every = int(raw.get("sliding_window_pattern", 6))
+            cfg.layer_types = [FULL if (i + 1) % every == 0 else SLIDING for i in range(cfg.num_layers)]
+        rope = raw.get("rope_parameters") or {}
+        full, local = rope.get(FULL), rope.get(SLIDING)
+        if full is not None:  # transformers 5: one rope per layer type
+            cfg.rope_theta = float(full.get("rope_theta", cfg.rope_theta))
+            cfg.rope_scaling = dict(full) if full.get("rope_type", "default") != "default" else None
+        cfg.extra["rope_local_theta"] = float(
+            (local or {}).get("rope_theta", raw.get("rope_local_base_freq", 10000.0))
+        )
+
+    @classmethod
+    def build(cls, b: Builder) -> CausalNet:
+        return cls._build(b, qk_norm=True, local_theta=b.cfg.extra["rope_local_theta"])

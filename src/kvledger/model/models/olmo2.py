@@ -1,0 +1,74 @@
+"""OLMo 2: norms after each block instead of before (``h += post_norm(block(h))``), and q/k RMS
+norms over the whole projection (before the split into heads). Those norms span every head, so
+tensor parallelism (which splits the heads) is refused."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import Attention, GatedMLP, RMSNorm
+from .base import Builder, CausalNet, Projections
+
+
+class Olmo2Layer(Projections, nn.Module):
+    def __init__(self, attn: Attention, mlp: GatedMLP, post_attn_norm: RMSNorm, post_mlp_norm: RMSNorm):
+        super().__init__()
+        self.attn, self.mlp = attn, mlp
+        self.post_attn_norm, self.post_mlp_norm = post_attn_norm, post_mlp_norm
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, cs) -> torch.Tensor:
+        h = h + self.post_attn_norm(self.attn(h, positions, cs))
+        return h + self.post_mlp_norm(self.mlp(h))
+
+
+class Olmo2Net(CausalNet):
+    model_types = ("olmo2",)
+    supports_tp = False
+
+    @classmethod
+    def hf_config(cls, raw, cfg) -> None:
+        cfg.attention_bias = bool(raw.get("attention_bias", False))
+        cfg.qk_norm = True
+
+    @classmethod
+    def build(cls, b: Builder) -> CausalNet:
+        cfg = b.cfg
+        embed, head = b.vocab_ends()
+        norm = b.norm("model.norm.weight")
+        rotary = b.rotary()
+        layers = []
+        for i in range(cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            attn = Attention(
+                i,
+                b.proj([a + "q_proj", a + "k_proj", a + "v_proj"], bias=cfg.attention_bias),
+                b.lin(b.take(a + "o_proj.weight")),
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                rotary,
+                b.handle,
+                b.norm(a + "q_norm.weight"),
+                b.norm(a + "k_norm.weight"),
+                qk_norm="full",
+            )
+            mlp = GatedMLP(
+                b.proj([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                b.lin(b.take(p + "mlp.down_proj.weight")),
+                cfg.hidden_act,
+            )
+            post = [
+                b.norm(p + n + ".weight") for n in ("post_attention_layernorm", "post_feedforward_layernorm")
+            ]
+            layers.append(Olmo2Layer(attn, mlp, *post))
+        net = cls(cfg, embed, layers, norm, head, b.comm)
+        net.rotary = rotary
+        return net
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        cs = self.rotary.lookup(positions)
+        for L in self.layers:
+            h = L(h, positions, cs)
+        return h

@@ -1,0 +1,85 @@
+"""Qwen3-MoE: Qwen3's attention (per-head q/k norms) with top-k routed experts in place of the MLP
+(dense MLPs on the ``mlp_only_layers`` and off the ``decoder_sparse_step``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+from ..layers import Attention, GatedMLP, MoE
+from .base import Builder, CausalNet, PreNormLayer, stack_experts
+
+
+class Qwen3MoeNet(CausalNet):
+    model_types = ("qwen3_moe",)
+    qk_norm = True
+
+    @classmethod
+    def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
+        cfg.attention_bias = bool(raw.get("attention_bias", False))
+        cfg.qk_norm = cls.qk_norm
+        cfg.num_experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        cfg.num_experts_per_tok = int(raw["num_experts_per_tok"])
+        cfg.moe_intermediate_size = int(raw.get("moe_intermediate_size") or cfg.intermediate_size)
+        cfg.norm_topk_prob = bool(raw.get("norm_topk_prob", False))
+        cfg.extra = {
+            "decoder_sparse_step": int(raw.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": list(raw.get("mlp_only_layers") or []),
+        }
+        if raw.get("use_sliding_window") and raw.get("sliding_window"):
+            raise_unsupported_window(cfg)
+
+    @classmethod
+    def is_moe_layer(cls, cfg: ModelConfig, i: int) -> bool:
+        step = cfg.extra.get("decoder_sparse_step", 1)
+        return cfg.num_experts > 0 and i not in cfg.extra.get("mlp_only_layers", []) and (i + 1) % step == 0
+
+    @classmethod
+    def build(cls, b: Builder) -> CausalNet:
+        cfg = b.cfg
+        embed, head = b.vocab_ends()
+        norm = b.norm("model.norm.weight")
+        rotary = b.rotary()
+        layers = []
+        for i in range(cfg.num_layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            attn = Attention(
+                i,
+                b.proj([a + "q_proj", a + "k_proj", a + "v_proj"], bias=cfg.attention_bias),
+                b.lin(b.take(a + "o_proj.weight")),
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                rotary,
+                b.handle,
+                b.norm(a + "q_norm.weight") if cfg.qk_norm else None,
+                b.norm(a + "k_norm.weight") if cfg.qk_norm else None,
+            )
+            if cls.is_moe_layer(cfg, i):
+                gate_up, down = stack_experts(b, p + "mlp.experts", cfg.num_experts)
+                router = b.cast(b.take(p + "mlp.gate.weight"))
+                mlp = MoE(router, gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
+            else:
+                mlp = GatedMLP(
+                    b.proj([p + "mlp.gate_proj", p + "mlp.up_proj"]),
+                    b.lin(b.take(p + "mlp.down_proj.weight")),
+                    cfg.hidden_act,
+                )
+            in_norm = b.norm(p + "input_layernorm.weight")
+            layers.append(PreNormLayer(attn, mlp, in_norm, b.norm(p + "post_attention_layernorm.weight")))
+        net = cls(cfg, embed, layers, norm, head, b.comm)
+        net.rotary = rotary
+        return net
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        cs = self.rotary.lookup(positions)
+        for L in self.layers:
+            h = L(h, positions, cs, self.comm)
+        return h
+
+
+def raise_unsupported_window(cfg: ModelConfig) -> None:
+    from ...errors import ModelLoadError
+
+    raise ModelLoadError(f"{cfg.arch}: use_sliding_window is not supported for this family")

@@ -1,0 +1,46 @@
+"""The architecture table: HF ``model_type`` -> the family class that serves it, and llama.cpp's
+GGUF ``general.architecture`` -> ``model_type``. Adding a family is its file, its line here, and its
+parity test (tests/unit/test_families.py)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import CausalNet
+
+ARCHITECTURES: dict[str, str] = {
+    # model_type: "module:Class" (imported on first use)
+    "llama": "llama:LlamaNet",
+    "mistral": "llama:LlamaNet",
+    "qwen2": "llama:LlamaNet",
+    "qwen3": "llama:LlamaNet",
+    "gemma2": "gemma2:Gemma2Net",
+    "gemma3_text": "gemma3:Gemma3Net",
+    "phi3": "phi3:Phi3Net",
+    "olmo2": "olmo2:Olmo2Net",
+    "qwen3_moe": "qwen3_moe:Qwen3MoeNet",
+    "mixtral": "mixtral:MixtralNet",
+}
+
+GGUF_ARCHITECTURES: dict[str, str] = {
+    # GGUF general.architecture: model_type (the GGUF loader reads these families)
+    "llama": "llama",
+    "mistral": "mistral",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
+
+
+def family_for(model_type: str) -> type[CausalNet] | None:
+    """The class serving ``model_type``, or None where none does."""
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None:
+        return None
+    module, cls = spec.split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), cls)
+
+
+def supported() -> list[str]:
+    return sorted(ARCHITECTURES)

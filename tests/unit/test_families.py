@@ -1,0 +1,182 @@
+"""Each model family against transformers on a tiny random config built here (fp32, greedy,
+token for token), on both attention backends, with chunked prefill beside decodes, pages smaller
+than the sliding windows, and a prefix-cache hit. Adding a family: its file in model/models/, its
+line in the registry, and its row here."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvledger import Engine, kernels
+from kvledger.model.models.registry import ARCHITECTURES, family_for
+from tests.helpers import assert_idle_clean, hf_greedy
+
+S, F = "sliding_attention", "full_attention"
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+# family -> (config class, model class, settings over BASE); windows of 8 tokens under prompts of
+# up to 40, so the windowed layers see less than the full layers
+FAMILIES = {
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),  # every layer slides
+    "gemma2": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        dict(sliding_window=8, layer_types=[S, F], query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+             final_logit_softcapping=3.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(num_hidden_layers=3, sliding_window=8, layer_types=[S, F, S], tie_word_embeddings=True),
+    ),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(head_dim=None, partial_rotary_factor=0.5, sliding_window=12)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+}  # fmt: skip
+GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+LENGTHS = (1, 5, 23, 40)
+
+
+def build_family(path: str, family: str, seed: int = 0) -> str:
+    import transformers
+
+    cfg_cls, model_cls, over = FAMILIES[family]
+    settings = {**BASE, **over}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**settings)
+    model = getattr(transformers, model_cls)(cfg).float().eval()
+    with torch.no_grad():  # random init gives near-uniform logits; scale up so greedy choices are clear
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(2.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_model(request, tmp_path_factory):
+    import transformers
+
+    path = build_family(str(tmp_path_factory.mktemp(request.param)), request.param)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in LENGTHS]
+    refs = [hf_greedy(hf.eval(), p, GREEDY["max_new_tokens"]) for p in prompts]
+    with torch.no_grad():  # the log-probability of the first token of the longest prompt's answer
+        logits = hf(torch.tensor([prompts[-1]])).logits[0, -1].float()
+    first_logprob = torch.log_softmax(logits, -1)[refs[-1][0]].item()
+    return request.param, path, prompts, refs, first_logprob
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_family_greedy_matches_transformers(family_model, backend):
+    """All prompts at once (prefill chunks of 16 beside decodes, pages of 4), then the longest again
+    from the prefix cache: every output token equal to transformers', the first one's logprob too."""
+    family, path, prompts, refs, first_logprob = family_model
+    if backend == "cpu" and not kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
+    eng = Engine(
+        path,
+        dtype="float32",
+        page_size=4,
+        max_total_tokens=2048,
+        chunked_prefill_size=16,
+        enable_mixed_chunk=True,
+        strict_memory=True,
+        attention_backend=backend,
+    )
+    assert eng.core.model.family is family_for(eng.core.model.cfg.arch)
+    outs = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+    for p, o, ref in zip(prompts, outs, refs):
+        assert o["output_ids"] == ref, f"{family}: prompt of {len(p)} tokens"
+    again = eng.generate(input_ids=prompts[-1], sampling_params={**GREEDY, "logprobs": True})
+    assert again["meta_info"]["cached_tokens"] >= 36
+    assert again["output_ids"] == refs[-1]
+    # greedy choices do not see a monotonic change of the logits (Gemma 2's final soft-capping): logprobs do
+    assert abs(again["meta_info"]["output_token_logprobs"][0][0] - first_logprob) < 1e-4
+    assert_idle_clean(eng)
+
+
+def test_registry_lines_name_their_family():
+    for model_type in ARCHITECTURES:
+        assert model_type in family_for(model_type).model_types
+    assert family_for("gpt2") is None
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_family_under_tp2_equals_tp1(family, tmp_path):
+    """Tensor parallel on the shared layers: Gemma 3's scaled, tied vocabulary ends and per-head
+    norms; Qwen3-MoE's experts split by width with the router replicated. Same tokens as one rank."""
+    path = build_family(str(tmp_path), family)
+    prompts = [[5 + i] * 3 + list(range(30, 50 + 7 * i)) for i in range(3)]
+    outs = []
+    for tp in (1, 2):
+        eng = Engine(
+            path, dtype="float32", page_size=4, max_total_tokens=1024, strict_memory=True, tp_size=tp
+        )
+        outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=GREEDY)])
+        assert_idle_clean(eng)
+        eng.shutdown()
+    assert outs[0] == outs[1]
+
+
+def test_olmo2_refuses_tp(tmp_path):
+    from kvledger.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="olmo2 family does not run under tensor parallelism"):
+        Engine(build_family(str(tmp_path), "olmo2"), dtype="float32", tp_size=2)
+
+
+def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
+    """A window matters once a sequence outgrows it: before, the batch keeps the kernels (here the
+    one-call decode of every layer); after, the windowed layers run the reference attention."""
+    if not kernels.load():
+        pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
+    path = build_family(str(tmp_path), "mistral_window")  # windows of 8
+    eng = Engine(path, dtype="bfloat16", quantization="int4", attention_backend="cpu", max_total_tokens=1024)
+    model = eng.core.model
+    eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 5})  # up to 7 tokens
+    short = model.one_call_forwards
+    assert short >= 4
+    eng.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY)  # 20 tokens and more
+    assert model.one_call_forwards == short
+    assert_idle_clean(eng)
+
+
+def test_hisparse_refuses_windowed_attention(tmp_path):
+    """HiSparse keeps a sparse slot's history in its host pool; the windowed layers read pages through
+    the slot table, so the pair is refused at start (not served wrong)."""
+    from kvledger.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="enable-hisparse does not run with mistral"):
+        Engine(build_family(str(tmp_path), "mistral_window"), dtype="float32", page_size=16, enable_hisparse=True)
+
+
+def test_lora_on_routed_experts_is_refused(tmp_path):
+    """LoRA puts its deltas on each layer's four ``Linear`` projections; routed experts have none:
+    refused at start with the reason."""
+    from kvledger.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="LoRA adapters do not apply to routed experts"):
+        Engine(build_family(str(tmp_path), "mixtral"), dtype="float32", enable_lora=True)
