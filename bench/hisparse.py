@@ -307,38 +307,16 @@ def needle_set(args, tok) -> list[dict]:
         sents = filler_sentences(rng, tok, length)
         for j in range(args.needles):
             depth = (j + 0.5) / args.needles
-            ids, code = needle_prompt(rng, tok, sents, length - 16, depth)  # room for the answer
+            ids, code = needle_prompt(rng, tok, sents, length - 32, depth)  # room for the answer (24)
             items.append({"length": length, "depth": round(depth, 3), "ids": ids, "code": code})
     return items
 
 
-def bench_quality(loaded, args, tok, results: dict) -> None:
+def bench_quality(loaded, args, tok, results: dict, save) -> None:
+    """The logprob delta first, then the needles (saved after each one: a long run cut short keeps them)."""
     eng = engine(loaded, args, sparse=True)
     q = Quality(eng, tok)
     top_ks = [args.top_k] + [k for k in args.extra_top_k if k != args.top_k]
-    # Needle in a haystack.
-    items = needle_set(args, tok)
-    nh = {"dense": []} | {f"sparse_k{k}": [] for k in top_ks}
-    for it in tqdm(items, desc="needles"):
-        sp = {"max_new_tokens": 24}
-        q.warm(it["ids"])
-        d = q.run(it["ids"], sparse=False, **sp)
-        rec = {"length": it["length"], "depth": it["depth"], "code": it["code"], "dense": q.answer(d["output_ids"])}
-        for k in top_ks:
-            q.worker.top_k = k
-            s = q.run(it["ids"], sparse=True, **sp)
-            rec[f"sparse_k{k}"] = q.answer(s["output_ids"])
-        q.worker.top_k = args.top_k
-        for key in nh:
-            nh[key].append(it["code"] in rec[key])
-        rec["ok"] = {key: it["code"] in rec[key] for key in nh}
-        results.setdefault("needle_items", []).append(rec)
-    results["needle"] = {
-        key: {str(L): sum(ok for ok, it in zip(v, items) if it["length"] == L) for L in args.needle_lengths}
-        for key, v in nh.items()
-    }
-    results["needle_n"] = args.needles
-    check_idle(eng, "needles")
     # Logprob delta of dense's chosen tokens.
     lp = {f"sparse_k{k}": {"deltas": [], "forced_len": [], "free_agree": [], "tokenization_break": 0} for k in top_ks}
     floor = {"deltas": [], "free_agree": []}
@@ -395,6 +373,28 @@ def bench_quality(loaded, args, tok, results: dict) -> None:
         "free_agree_all": sum(a == args.lp_tokens for a in floor["free_agree"]),
     }
     check_idle(eng, "logprob")
+    save()
+    # Needle in a haystack.
+    items = needle_set(args, tok)
+    nh = ["dense"] + [f"sparse_k{k}" for k in top_ks]
+    for it in tqdm(items, desc="needles"):
+        sp = {"max_new_tokens": 24}
+        q.warm(it["ids"])
+        d = q.run(it["ids"], sparse=False, **sp)
+        rec = {"length": it["length"], "depth": it["depth"], "code": it["code"], "dense": q.answer(d["output_ids"])}
+        for k in top_ks:
+            q.worker.top_k = k
+            s = q.run(it["ids"], sparse=True, **sp)
+            rec[f"sparse_k{k}"] = q.answer(s["output_ids"])
+        q.worker.top_k = args.top_k
+        rec["ok"] = {key: it["code"] in rec[key] for key in nh}
+        results.setdefault("needle_items", []).append(rec)
+        done = results["needle_items"]
+        results["needle"] = {key: {str(L): [sum(r["ok"][key] for r in done if r["length"] == L),
+                                           sum(r["length"] == L for r in done)] for L in args.needle_lengths}
+                             for key in nh}  # fmt: skip
+        save()
+    check_idle(eng, "needles")
     results["worker_hits"], results["worker_misses"] = q.worker.hits, q.worker.misses
     eng.shutdown()
 
@@ -452,11 +452,10 @@ def report(results: dict, args) -> str:
         lines += ["", "prefill of the base prompt (s, dense / sparse engine): " + ", ".join(
             f"{c}: {p['dense']:.1f} / {p['sparse']:.1f}" for c, p in pre.items())]  # fmt: skip
     if "needle" in results:
-        n = results["needle_n"]
-        lines += ["", "| needle in a haystack (correct of " + str(n) + ") | " + " | ".join(
+        lines += ["", "| needle in a haystack (correct / prompts) | " + " | ".join(
             f"{L} tokens" for L in args.needle_lengths) + " |", "|---|" + "---|" * len(args.needle_lengths)]  # fmt: skip
         for key, v in results["needle"].items():
-            lines.append(f"| {key} | " + " | ".join(f"{v[str(L)]}/{n}" for L in args.needle_lengths) + " |")
+            lines.append(f"| {key} | " + " | ".join(f"{v[str(L)][0]}/{v[str(L)][1]}" for L in args.needle_lengths) + " |")
     if "logprob" in results:
         lines += ["", "| chosen-token logprob vs dense | positions | mean abs delta | median | max | forced positions "
                   "per prompt | tokenization breaks | free greedy agreement (mean tokens, all agree) |",
@@ -507,12 +506,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: a shared, oversubscribed box)")
     ap.add_argument("--out", default="bench/out/hisparse.json")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                    help="print the tables from these result files (merged in order) and exit")
     args = ap.parse_args()
     if args.quick:
         args.contexts, args.streams, args.out_len = [2560], [1, 2], 16
         args.needles, args.needle_lengths, args.lp_prompts, args.lp_len, args.lp_tokens = 2, [2560], 2, 2560, 8
         args.lp_tail, args.all_pages_prompts = 256, 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if args.report:
+        merged: dict = {}
+        for f in args.report:
+            merged.update(json.loads(Path(f).read_text()))
+        print(report(merged, args))
+        return
     import torch
 
     from kvledger.model import load_model
@@ -527,11 +534,15 @@ def main() -> None:
                      "load_s": time.perf_counter() - t0}  # fmt: skip
     skip = set(args.skip.split(","))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # what is done so far survives a run cut short
+        results["wall_s"] = time.perf_counter() - t0
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
     for name, section in (("all_pages", bench_all_pages), ("speed", bench_speed), ("quality", bench_quality)):
         if name not in skip:
-            section(loaded, args, tok, results)
-            results["wall_s"] = time.perf_counter() - t0
-            Path(args.out).write_text(json.dumps(results, indent=2))  # what is done so far survives
+            section(loaded, args, tok, results, save) if name == "quality" else section(loaded, args, tok, results)
+            save()
     print(report(results, args))
     print(f"\nwall {results['wall_s']:.0f} s; threads {results['threads']}; json: {args.out}")
 
