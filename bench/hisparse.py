@@ -2,6 +2,8 @@
 
     python bench/hisparse.py [--quick] [--contexts 4096,8192] [--streams 1,8] [--needles 20]
                              [--lp-prompts 50] [--extra-top-k 8] [--attention-backend auto]
+                             [--skip speed,quality,all_pages] [--threads 1]
+    python bench/hisparse.py --report bench/out/hisparse.json [more.json ...]   # the tables again
 
 Everything is made by the script from a fixed seed: the text is sentences drawn from word lists
 (``make_text``), tokenized and cut to exact token counts.
