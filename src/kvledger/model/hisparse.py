@@ -10,8 +10,8 @@ page being written; ``hot[1:]`` cache the pages attention selected.
 Each decode step, per layer, for each sparse row: the new token's K/V (already stored in ``hot[0]``)
 is backed up to its host page and folded into that page's summary; the pages attention reads are
 chosen — the first ``sink`` pages, the last ``recent`` (the current one included) and the ``top_k``
-others whose Quest bound ``sum_d max(q_d min_d, q_d max_d)`` (summed over the KV head's query heads)
-is largest — misses are copied from host into the least recently used hot slots, and attention reads
+others whose Quest bound ``sum_d max(q_d min_d, q_d max_d)`` (the largest of the KV head's query
+heads') is largest — misses are copied from host into the least recently used hot slots, and attention reads
 the selected hot pages in place through a per-KV-head page table (the C++ kernel, or the torch
 reference: a gather of whole pages, as its dense decode does). When a sequence has no more pages than
 ``sink + recent + top_k`` every page is selected, in order: the same sums as dense attention.
@@ -164,10 +164,12 @@ class SparseWorker:
         """Per KV head the pages before the current one to read, ascending: sinks, the ``top_k`` middle
         pages by Quest's bound, the recent ones. ``q``: ``[KVH, group, D]``."""
         qf = q.float()
-        # max(q*lo, q*hi) = min(q, 0)*lo + max(q, 0)*hi, linear in both: the group's heads sum first.
-        qq = torch.cat([qf.clamp(max=0).sum(1), qf.clamp(min=0).sum(1)], -1)  # [KVH, 2D]
+        # max(q*lo, q*hi) = min(q, 0)*lo + max(q, 0)*hi: each query head's bound in one product; a
+        # page's score for its KV head is the largest of its query heads' (a page one head needs is
+        # read: a sum would let the others' indifference drown it).
+        qq = torch.cat([qf.clamp(max=0), qf.clamp(min=0)], -1).transpose(1, 2)  # [KVH, 2D, group]
         lo, hi = self.sink, n_pages - self.recent
-        scores = torch.bmm(st.summary[layer, :, lo:hi], qq.unsqueeze(-1)).squeeze(-1)  # [KVH, mid]
+        scores = torch.bmm(st.summary[layer, :, lo:hi], qq).amax(-1)  # [KVH, mid]
         top = scores.topk(self.top_k, dim=-1).indices.numpy() + lo
         top.sort(axis=1)
         kvh = q.shape[0]
