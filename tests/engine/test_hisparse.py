@@ -276,3 +276,29 @@ def test_pd_decode_kv_lands_in_host_pages(make_engine):
             eng.core.disagg_connector.timeout_s = 0.2
             eng.run_until_idle()
             eng.core.disagg_connector.close()
+
+
+def test_a_failed_first_sparse_step_is_rerun_request_by_request(make_engine):
+    """Fault isolation reruns a failed step one request at a time: each rerun applies only its own
+    request's first sparse step (another slot's again would reset that slot after its own rerun and
+    lose the token its forward backed up). fp32, every page selected: output stays dense's."""
+    ps = prompts(3, (150, 150, 150), seed=5)
+    dense = outputs(make_engine(), ps)
+    eng = make_engine(**ALL_PAGES)
+    core = eng.core
+    inner = core.executor
+    failed = []
+
+    class FailOnce:
+        def execute_model(self, sched):
+            if not failed and sched.hisparse is not None and len(sched.hisparse.begins) > 1 and len(sched.reqs) > 1:
+                failed.append(len(sched.hisparse.begins))
+                raise RuntimeError("injected: a kernel failed in the first sparse step")
+            return inner.execute_model(sched)
+
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+    core.executor = FailOnce()
+    assert outputs(eng, ps) == dense
+    assert failed == [3]

@@ -62,7 +62,14 @@ class SchedulerOutput:
 
     def subset(self, i: int) -> SchedulerOutput:
         """Request ``i`` alone (fault isolation reruns a failed step request by request)."""
-        return SchedulerOutput([self.reqs[i]], self.page_writes, self.connector_meta, self.hisparse, self.step)
+        r = self.reqs[i]
+        sparse = self.hisparse
+        if sparse is not None:
+            # Only this request's first sparse step: rerunning another slot's ``begin`` after that
+            # request's own rerun would reset its state and lose the token its forward backed up.
+            sparse = type(sparse)(sparse.ends, [b for b in sparse.begins if b.slot == r.slot],
+                                  [s for s in sparse.rows if s == r.slot])  # fmt: skip
+        return SchedulerOutput([r], self.page_writes, self.connector_meta, sparse, self.step)
 
 
 @dataclass
