@@ -43,6 +43,9 @@ class _SlotState:
     stamp: np.ndarray  # int64 [layers, kv_heads, hot]: last step each hot slot was read (-1: never)
     tick: int = 0
 
+    def __post_init__(self) -> None:
+        self.hot_ids = np.asarray(self.hot, dtype=np.int64)  # (``hot`` as an index, made once)
+
 
 class SparseWorker:
     """The host pool's K/V and every sparse slot's state; ``apply`` a step's ops, ``attend`` a layer."""
@@ -199,13 +202,13 @@ class SparseWorker:
                 st.slot_page[layer, h, j] = page
                 where[page] = j
             ps, d = self.page_size, self.head_dim
-            hot = torch.tensor([st.hot[j] for j in victims.tolist()], dtype=torch.int64)
+            hot = torch.from_numpy(st.hot_ids[victims])
             src = st.host[torch.from_numpy(new_pages)]
             kv_buffer.k[layer, h].view(-1, ps, d).index_copy_(0, hot, self.host_k[src, layer, h])
             kv_buffer.v[layer, h].view(-1, ps, d).index_copy_(0, hot, self.host_v[src, layer, h])
             js[miss] = victims
         st.stamp[layer, h, js] = st.tick
-        return np.asarray(st.hot, dtype=np.int64)[js]
+        return st.hot_ids[js]
 
     # -- attention over the selected pages -----------------------------------------------------------
     @staticmethod

@@ -18,7 +18,7 @@ from torch import nn
 from ...errors import ModelLoadError
 from ...parallel.comm import Comm
 from ..config import ModelConfig
-from ..layers import LMHead, RMSNorm, Rotary, VocabEmbedding
+from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
 from ..linear import Linear
 from ..quantized import BlockWeight, Weight, cat_rows, dense
 
@@ -64,6 +64,33 @@ class Builder:
     def norm(self, name: str, gemma: bool = False) -> RMSNorm:
         return RMSNorm(
             dense(self.take(name)).to(self.device), self.cfg.rms_norm_eps, gemma=gemma, dtype=self.dtype
+        )
+
+    def attention(self, i: int, rotary: Rotary, norms: bool = False, gemma: bool = False, **kw) -> Attention:
+        """Layer ``i``'s attention from HF's names (``model.layers.i.self_attn.{q,k,v,o}_proj``, and its
+        ``q_norm``/``k_norm`` with ``norms``, Gemma's form with ``gemma``); ``kw`` go to ``Attention``
+        (OLMo 2's ``qk_norm="full"``)."""
+        cfg, a = self.cfg, f"model.layers.{i}.self_attn."
+        return Attention(
+            i,
+            self.proj([a + "q_proj", a + "k_proj", a + "v_proj"], bias=cfg.attention_bias),
+            self.lin(self.take(a + "o_proj.weight")),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rotary,
+            self.handle,
+            self.norm(a + "q_norm.weight", gemma=gemma) if norms else None,
+            self.norm(a + "k_norm.weight", gemma=gemma) if norms else None,
+            **kw,
+        )
+
+    def gated_mlp(self, prefix: str) -> GatedMLP:
+        """The gated MLP at ``prefix`` (``model.layers.i.mlp``: ``gate_proj``, ``up_proj``, ``down_proj``)."""
+        return GatedMLP(
+            self.proj([prefix + ".gate_proj", prefix + ".up_proj"]),
+            self.lin(self.take(prefix + ".down_proj.weight")),
+            self.cfg.hidden_act,
         )
 
     def rotary(self, theta: float | None = None, scaling: dict | str | None = "cfg") -> Rotary:

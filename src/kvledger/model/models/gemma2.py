@@ -76,24 +76,9 @@ class Gemma2Net(CausalNet):
         windows = cfg.layer_windows()
         layers = []
         for i in range(cfg.num_layers):
-            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            attn = Attention(
-                i,
-                b.proj([a + "q_proj", a + "k_proj", a + "v_proj"], bias=cfg.attention_bias),
-                b.lin(b.take(a + "o_proj.weight")),
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                local if windows[i] is not None else rotary,
-                b.handle,
-                b.norm(a + "q_norm.weight", gemma=True) if qk_norm else None,
-                b.norm(a + "k_norm.weight", gemma=True) if qk_norm else None,
-            )
-            mlp = GatedMLP(
-                b.proj([p + "mlp.gate_proj", p + "mlp.up_proj"]),
-                b.lin(b.take(p + "mlp.down_proj.weight")),
-                cfg.hidden_act,
-            )
+            p = f"model.layers.{i}."
+            attn = b.attention(i, local if windows[i] is not None else rotary, norms=qk_norm, gemma=True)
+            mlp = b.gated_mlp(p + "mlp")
             layers.append(GemmaLayer(attn, mlp, [b.norm(p + n + ".weight", gemma=True) for n in LAYER_NORMS]))
         net = cls(cfg, embed, layers, norm, head, b.comm)
         net.rotary, net.local_rotary = rotary, local

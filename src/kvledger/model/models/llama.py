@@ -85,24 +85,9 @@ class LlamaNet(CausalNet):
         rotary = b.rotary()
         layers = []
         for i in range(cfg.num_layers):
-            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            attn = Attention(
-                i,
-                b.proj([a + "q_proj", a + "k_proj", a + "v_proj"], bias=cfg.attention_bias),
-                b.lin(b.take(a + "o_proj.weight")),
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                rotary,
-                b.handle,
-                b.norm(a + "q_norm.weight") if cfg.qk_norm else None,
-                b.norm(a + "k_norm.weight") if cfg.qk_norm else None,
-            )
-            mlp = GatedMLP(
-                b.proj([p + "mlp.gate_proj", p + "mlp.up_proj"]),
-                b.lin(b.take(p + "mlp.down_proj.weight")),
-                cfg.hidden_act,
-            )
+            p = f"model.layers.{i}."
+            attn = b.attention(i, rotary, norms=cfg.qk_norm)
+            mlp = b.gated_mlp(p + "mlp")
             in_norm = b.cast(b.take(p + "input_layernorm.weight"))
             layers.append(
                 LlamaLayer(attn, mlp, in_norm, b.cast(b.take(p + "post_attention_layernorm.weight")))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..layers import Attention, GatedMLP, MoE
+from ..layers import MoE
 from .base import Builder, CausalNet, PreNormLayer, stack_experts
 
 
@@ -42,29 +42,14 @@ class Qwen3MoeNet(CausalNet):
         rotary = b.rotary()
         layers = []
         for i in range(cfg.num_layers):
-            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            attn = Attention(
-                i,
-                b.proj([a + "q_proj", a + "k_proj", a + "v_proj"], bias=cfg.attention_bias),
-                b.lin(b.take(a + "o_proj.weight")),
-                cfg.num_heads,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                rotary,
-                b.handle,
-                b.norm(a + "q_norm.weight") if cfg.qk_norm else None,
-                b.norm(a + "k_norm.weight") if cfg.qk_norm else None,
-            )
+            p = f"model.layers.{i}."
+            attn = b.attention(i, rotary, norms=cfg.qk_norm)
             if cls.is_moe_layer(cfg, i):
                 gate_up, down = stack_experts(b, p + "mlp.experts", cfg.num_experts)
                 router = b.cast(b.take(p + "mlp.gate.weight"))
                 mlp = MoE(router, gate_up, down, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act)
             else:
-                mlp = GatedMLP(
-                    b.proj([p + "mlp.gate_proj", p + "mlp.up_proj"]),
-                    b.lin(b.take(p + "mlp.down_proj.weight")),
-                    cfg.hidden_act,
-                )
+                mlp = b.gated_mlp(p + "mlp")
             in_norm = b.norm(p + "input_layernorm.weight")
             layers.append(PreNormLayer(attn, mlp, in_norm, b.norm(p + "post_attention_layernorm.weight")))
         net = cls(cfg, embed, layers, norm, head, b.comm)
