@@ -12,24 +12,10 @@ import torch
 
 from kvledger import Engine, kernels
 from kvledger.model.models.registry import ARCHITECTURES, family_for
-from tests.helpers import assert_idle_clean, hf_greedy
+from tests.helpers import TINY_CONFIG, assert_idle_clean, hf_greedy
 
 S, F = "sliding_attention", "full_attention"
-BASE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+BASE = {**TINY_CONFIG, "max_position_embeddings": 512, "pad_token_id": 0}
 # family -> (config class, model class, settings over BASE); windows of 8 tokens under prompts of
 # up to 40, so the windowed layers see less than the full layers
 FAMILIES = {
