@@ -26,7 +26,7 @@ Row = frozenset  # a configuration: the names of the features it turns on
 
 # What a feature needs beside it to run at all (not a table fact: int8 batches quantize the
 # activations of a weight-quantized linear, so they come with a quantized mode).
-REQUIRES = {"int8_batch": "quantized"}
+REQUIRES = {"int8_batch": "quantized", "amx": "quantized"}
 # Start-up seconds a feature adds on 2 CPU cores with the tiny model (measured): among equally good
 # choices the covering array takes the cheaper feature, so the expensive ones sit in fewer rows.
 COST = {"compile": 11.0, "tp": 2.0, "pd": 1.0, "cpu_attention": 0.5}
@@ -57,6 +57,7 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "mixed_chunk": {"enable_mixed_chunk": True},
         "cpu_attention": {"attention_backend": "CPU"},
         "int8_batch": {"enable_int8_batch": True},
+        "amx": {"cpu_amx": "on"},
         "quantized": {"quantization": "INT4"},
         "unquantized": {"quantization": "none"},
         "fp32": {"dtype": "fp32"},

@@ -10,6 +10,7 @@ import sys
 from .common.pooling import POOLING_METHODS
 from .config import (
     ATTENTION_BACKENDS,
+    CPU_AMX,
     DISAGGREGATION_MODES,
     DTYPES,
     QUANTIZATIONS,
@@ -68,6 +69,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with a quantization: forwards of 128 rows and more (prefill chunks) in oneDNN's int8 linear, "
         "per-token int8 activations (faster long prefills; less faithful to the file)",
+    )
+    p.add_argument(
+        "--cpu-amx",
+        default=d.cpu_amx,
+        choices=CPU_AMX,
+        help="on: quantized layers also keep a prepacked bfloat16 copy for calls of 64 rows and more "
+        "(prefill chunks), and long prefills' attention runs in torch's SDPA: oneDNN's AMX kernels "
+        "(2 bytes a weight more memory); auto (default): on for a quantized bfloat16 model on a CPU with AMX",
     )
     p.add_argument(
         "--enable-torch-compile",

@@ -55,6 +55,7 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.kernels.attention_backend == "cpu"),
     Feature("int8_batch", "int8 batches", "--enable-int8-batch", "enable_int8_batch",
             lambda c, d: c.kernels.enable_int8_batch),
+    Feature("amx", "AMX paths", "--cpu-amx on", "cpu_amx", lambda c, d: c.kernels.cpu_amx == "on"),
     Feature("quantized", "int8/int4 weights", "--quantization int8/int4", "quantization",
             lambda c, d: c.model.explicit_quantization is not None),
     Feature("unquantized", "unquantized weights", "--quantization none", "quantization",
@@ -97,6 +98,7 @@ REFUSED: dict[frozenset[str], Refusal] = {
     ),
     frozenset({"cuda", "cpu_attention"}): Refusal(NO_MEANING, "the cpu attention backend is C++ CPU kernels"),
     frozenset({"cuda", "int8_batch"}): Refusal(NO_MEANING, "int8 batches are oneDNN's CPU int8 linear"),
+    frozenset({"cuda", "amx"}): Refusal(NO_MEANING, "the AMX paths are oneDNN's and torch's CPU kernels"),
     frozenset({"cuda", "quantized"}): Refusal(
         NOT_YET, "the weight-only int8/int4 kernels are CPU kernels (quantization auto serves a quantized "
         "file's weights in bfloat16 there)"
@@ -118,6 +120,10 @@ REFUSED: dict[frozenset[str], Refusal] = {
     frozenset({"int8_batch", "unquantized"}): Refusal(NO_MEANING, "int8 batches need a quantized mode"),
     frozenset({"int8_batch", "fp32"}): Refusal(NO_MEANING, "int8 batches need a quantized mode, in bfloat16"),
     frozenset({"quantized", "fp32"}): Refusal(NO_MEANING, "the weight-only kernels take bfloat16 activations"),
+    frozenset({"amx", "unquantized"}): Refusal(
+        NO_MEANING, "unquantized bfloat16 layers run oneDNN's GEMM (on AMX where present) already"
+    ),
+    frozenset({"amx", "fp32"}): Refusal(NO_MEANING, "the AMX paths are bfloat16 GEMMs of a quantized model's weights"),
 }
 
 # Pairs that cannot be both on by construction (one setting, two values): neither works nor refused.

@@ -24,6 +24,7 @@ from .errors import ValidationError
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+CPU_AMX = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DISAGGREGATION_MODES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "mooncake")
@@ -436,15 +437,24 @@ class KernelSettings:
     linear (weights int8 per output channel, activations int8 per token) instead: faster for long
     prefills, but further from the file's weights (bench/quant_agreement.py), so off by default.
     Batched decodes stay on kvledger's kernel, the faster one below ~100 rows."""
+    cpu_amx: str = "auto"
+    """auto | on | off. on: quantized layers keep a oneDNN-prepacked bfloat16 copy of their weights
+    (the file's own values, dequantized) and run calls of ``linear.AMX_MIN_ROWS`` rows and more (prefill
+    chunks, large batches) through it, and the cpu attention backend runs long extends in torch's
+    SDPA, both on the AMX tiles oneDNN and torch use where the CPU has them (3-4x the int4 kernel's
+    speed at prefill sizes; bench/RESULTS.md). It costs 2 bytes a weight of memory. auto: on for a
+    quantized model in bfloat16 on a CPU with AMX; off: kvledger's kernels for every call."""
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""
 
     def __post_init__(self) -> None:
         self.attention_backend = _norm(self.attention_backend) or "auto"
+        self.cpu_amx = _norm(self.cpu_amx) or "auto"
 
     def check(self) -> None:
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
+        _one_of(self.cpu_amx, CPU_AMX, "cpu_amx")
 
 
 @dataclass

@@ -272,18 +272,19 @@ def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypat
 def test_one_call_decodes_only_where_the_layers_allow(make_engine, monkeypatch):
     """fp32 (no packed projections): the Python loop; with ``--enable-int8-batch`` only up to the rows
     where each projection stays on the kernel (more go to oneDNN's int8 linear): by default every
-    decode batch the engine allows, here with the threshold lowered to 5 the loop for 6 decodes."""
+    decode batch the engine allows, here with the threshold lowered to 5 the loop for 6 decodes. (The
+    AMX copy off: it has a threshold of its own, tests/engine/test_amx.py.)"""
     from kvledger.model import linear
 
     eng = make_engine()  # float32: the reference path
     eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
     assert eng.core.model.net.decode_plan is None and eng.core.model.one_call_forwards == 0
-    eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True)
+    eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True, cpu_amx="off")
     assert eng.core.model.net.decode_plan.max_rows == INT8_BATCH_ROWS - 1
     eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)
     assert eng.core.model.one_call_forwards > 0
     monkeypatch.setattr(linear, "INT8_BATCH_ROWS", 5)
-    eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True)
+    eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True, cpu_amx="off")
     plan = eng.core.model.net.decode_plan
     assert plan is not None and plan.max_rows == 4
     eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)  # decode batches of 6: the loop

@@ -94,6 +94,7 @@ def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, de
         attention=cfg.kernels.attention_backend,
         quantization=model_quantization(cfg, loaded, dtype, device),
         int8_batch=cfg.kernels.enable_int8_batch,
+        cpu_amx=cfg.kernels.cpu_amx,
         comm=comm,
     )
 

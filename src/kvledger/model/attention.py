@@ -387,15 +387,17 @@ def make_backend(
     scale: float | None = None,
     windows: list[int | None] | None = None,
     softcap: float | None = None,
+    sdpa_extends: bool = False,
 ) -> AttentionBackend:
     """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
     ``auto`` is resolved by the model (``CausalLM``) before it gets here. ``dtype``: the model's
     (the cpu backend has a bf16-only prefill kernel). ``scale``, ``windows``, ``softcap``: the
-    family's attention (``TorchAttention``)."""
+    family's attention (``TorchAttention``). ``sdpa_extends``: the cpu backend runs long extends in
+    torch's SDPA (on a CPU with AMX, 2-2.5x its own flash kernel: ``CpuAttention``)."""
     if name == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim, scale, windows, softcap)
     if name == "cpu":
         from .attention_cpu import CpuAttention
 
-        return CpuAttention(num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap)
+        return CpuAttention(num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap, sdpa_extends)
     raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

@@ -15,6 +15,12 @@ SDPA 12.5; 512 tokens after 512 cached 3.8 vs 10.1; 8 prompts of 128 1.2 vs 3.4 
 2.3); 8 verifies of 5 after 300 0.37 per-token vs 0.53 flash. Without the bf16 kernel (float32, or no
 AVX512-BF16), long extends go to SDPA (``KERNEL_EXTEND_WORK``): the per-token kernel re-reads K/V for
 every token.
+
+On a CPU with AMX (``sdpa_extends``, from ``KernelSettings.cpu_amx``), extends of at least
+``FLASH_MIN_NEW`` tokens go to torch's SDPA instead of the flash kernel: torch's CPU flash attention
+runs its bf16 products on the AMX tiles. Measured on an Intel Xeon with AMX, one thread, SmolLM2
+shapes: 1,024-token prompt 5.9 ms a layer vs the flash kernel's 15.2; 512 after 512 cached 4.7 vs
+11.5; 128 tokens 0.18 vs 0.36 (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -97,15 +103,23 @@ class CpuAttention(TorchAttention):
         scale: float | None = None,
         windows: list[int | None] | None = None,
         softcap: float | None = None,
+        sdpa_extends: bool = False,
     ):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, windows, softcap)
         self.op = torch.ops.kvledger_cpu.decode_attention
         self.extend_op = torch.ops.kvledger_cpu.extend_attention_
         self.flash_op = torch.ops.kvledger_cpu.flash_attention_
         self.flash = flash_usable(dtype, head_dim)
+        self.sdpa_extends = sdpa_extends
+
+    def _in_kernel(self, prefix: int, new: int) -> bool:
+        """Whether an extend runs in kvledger's kernels (else in SDPA)."""
+        if self.sdpa_extends:
+            return new < FLASH_MIN_NEW
+        return self.flash or kernel_extend(prefix, new)
 
     def prepare(self, batch: ForwardBatch) -> None:
-        sp = self.split(batch, (lambda pre, n: True) if self.flash else kernel_extend)
+        sp = self.split(batch, self._in_kernel)
         i64, dec = torch.int64, bool(sp.dec_tok)
         short: list[list[int]] = [[], [], [], []]
         long: list[list[int]] = [[], [], [], []]

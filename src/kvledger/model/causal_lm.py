@@ -15,7 +15,7 @@ from .attention import AttentionBackend, KVBuffer, attention_context, make_backe
 from .attention_cpu import resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
-from .linear import Linear
+from .linear import Linear, use_amx
 from .models.base import Builder
 from .models.registry import family_for, supported
 
@@ -37,17 +37,20 @@ class CausalLM:
         quantization: str | None = None,
         comm=None,
         int8_batch: bool = False,
+        cpu_amx: str = "off",
     ):
         """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
         (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
         (``resolve_backend``); ``cpu`` also runs the Llama family's norms, rotary and SiLU in the C++ kernels.
         ``int8_batch``: quantized layers run forwards of ``linear.INT8_BATCH_ROWS`` rows and more
-        (prefill chunks) in oneDNN's int8 linear instead of their own kernel."""
+        (prefill chunks) in oneDNN's int8 linear instead of their own kernel. ``cpu_amx``: auto | on |
+        off, whether large calls take oneDNN's bf16 GEMM and SDPA (``linear.use_amx``)."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
         self.attention = resolve_backend(attention, self.device, dtype)
         self.quantization = quantization  # the weight-only mode its linears run in (None: dense)
+        self.amx = use_amx(cpu_amx, self.device, dtype, quantization)
         family = family_for(cfg.arch)
         if family is None:
             raise ModelLoadError(
@@ -63,6 +66,7 @@ class CausalLM:
             scale=family.attention_scale(cfg),
             windows=cfg.layer_windows(),
             softcap=family.attention_softcap(cfg),
+            sdpa_extends=self.amx,
         )
         self.handle = new_handle()
         comm = comm or Comm()
@@ -76,6 +80,7 @@ class CausalLM:
             comm,
             self.handle,
             fused=self.attention == "cpu",
+            amx=self.amx,
         )
         self.net = family.build(builder).eval()
         self.compiled: nn.Module | None = None

@@ -34,6 +34,31 @@ threads: 0.78x oneDNN's time at 32 rows, 0.96x at 64, 1.04x at 128, 1.31x at 512
 stay on it and on the file's own weights."""
 
 
+AMX_MIN_ROWS = 64
+"""With the AMX copy (``KernelSettings.cpu_amx``), calls of at least this many rows take oneDNN's bf16
+GEMM on it instead of kvledger's kernel. On an Intel Xeon with AMX, SmolLM2's four projections on one
+thread: 0.70x the int4 kernel's time at 32 rows, 0.44x at 64, 0.33x at 128, 0.23x at 512 (bench/RESULTS.md).
+At 64 and not 32: batched decodes up to 63 rows keep the one-call C++ decode (``decode_plan``),
+whose saved Python per layer is worth more than the GEMMs' difference at 32 rows."""
+
+
+def amx_available() -> bool:
+    """This CPU has AMX tiles (oneDNN's bf16 GEMMs and torch's SDPA use them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe())
+
+
+def use_amx(setting: str, device: torch.device, dtype: torch.dtype, quantization: str | None) -> bool:
+    """Whether a model keeps the AMX paths (``KernelSettings.cpu_amx``): ``on`` for a quantized
+    bfloat16 model on the CPU whose oneDNN has bf16 kernels (any such CPU: AMX or not, the same
+    calls run); ``auto`` where the CPU also has AMX; ``off`` never."""
+    if setting == "off" or quantization is None or dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return False
+    return setting == "on" or amx_available()
+
+
 def can_prepack(w: torch.Tensor) -> bool:
     """oneDNN prepacking applies to bf16 weights on a CPU whose oneDNN has bf16 kernels."""
     return (
@@ -68,7 +93,8 @@ class Linear(nn.Module):
     the kernel packs as they are when their format is the mode's (Q4_1 for int4, Q8_0 for int8).
     A dense copy in ``dtype`` on ``device`` (default: ``w``'s own; float32 for blocks) is kept only
     where a call can read it: not when kvledger's kernel serves every call (``unpack`` makes one
-    for ``torch.compile``).
+    for ``torch.compile``). With ``amx`` (``use_amx``), a layer the kernel serves also keeps a
+    prepacked bf16 copy of the kernel's own weights for calls of ``amx_rows`` rows and more.
     """
 
     def __init__(
@@ -81,6 +107,7 @@ class Linear(nn.Module):
         int8_batch: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        amx: bool = False,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -132,6 +159,13 @@ class Linear(nn.Module):
         if prepack and self.w is not None and can_prepack(self.w):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, PACK_ROWS_HINT)
             self.w = None
+        self.amx_rows = AMX_MIN_ROWS  # read here, so a test may lower it for the layers it builds
+        if amx and self.qw is not None:
+            # The values the kernel computes with (the file's Q4_1/Q8_0 blocks, dequantized exactly),
+            # so both paths share the weights and differ only in the kernel's int8 activations.
+            wb = self._cast(self.qw.rows())
+            if can_prepack(wb):
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, PACK_ROWS_HINT)
 
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         return w.to(device=self.device, dtype=self.dtype).contiguous()
@@ -167,17 +201,26 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.b, "none", [], "")
         return F.linear(x, self.w, self.b)
 
-    def _quantized(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The quantized path for this call, or None where the bf16 GEMM is the one to run: oneDNN's
-        int8 linear (``int8_batch``) from ``int8_batch_rows`` rows; kvledger's kernel for every other
-        row count (it beats the prepacked bf16 GEMM at all of them here: bench/RESULTS.md); torch's
-        weight-only kernels up to ``small_rows``."""
-        if self.w8 is not None and x.shape[0] >= self.int8_batch_rows:
-            return self.w8(x, self.b)
-        small = x.shape[0] <= self.small_rows
+    def path(self, rows: int) -> str:
+        """Which product a call of ``rows`` rows runs (eager): ``int8`` (oneDNN's int8 linear, from
+        ``int8_batch_rows`` with ``int8_batch``), ``amx`` (the AMX copy's bf16 GEMM, from ``amx_rows``),
+        ``kernel`` (kvledger's; without AMX it beats the prepacked bf16 GEMM at every row count:
+        bench/RESULTS.md), ``torch`` (torch's weight-only kernels, up to ``small_rows``) or ``dense``
+        (the bf16 or float weight: oneDNN's prepacked GEMM or ``F.linear``)."""
+        if self.w8 is not None and rows >= self.int8_batch_rows:
+            return "int8"
         if self.qw is not None:
+            return "amx" if self.packed is not None and rows >= self.amx_rows else "kernel"
+        return "torch" if self.q is not None and rows <= self.small_rows else "dense"
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The quantized path's output for this call, or None where a bf16 GEMM is the one to run."""
+        path = self.path(x.shape[0])
+        if path == "int8":
+            return self.w8(x, self.b)
+        if path == "kernel":
             y = self.qw(x)
-        elif not small:
+        elif path != "torch":
             return None
         elif self.mode == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.q, INT4_GROUP, self.q_scale)

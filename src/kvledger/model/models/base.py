@@ -36,6 +36,7 @@ class Builder:
     comm: Comm
     handle: int
     fused: bool  # attention backend ``cpu``: a family may run its norms/rotary/SiLU in the C++ kernels
+    amx: bool = False  # quantized linears keep the AMX copy for large calls (``linear.use_amx``)
 
     def take(self, name: str) -> Weight:
         try:
@@ -53,7 +54,9 @@ class Builder:
         """A ``Linear`` in the model's weight-only mode (``mode`` overrides it; None: dense)."""
         mode = self.quantization if mode == "default" else mode
         bias = None if b is None else self.cast(b)
-        return Linear(w, bias, mode, int8_batch=self.int8_batch, dtype=self.dtype, device=self.device)
+        return Linear(
+            w, bias, mode, int8_batch=self.int8_batch, dtype=self.dtype, device=self.device, amx=self.amx
+        )
 
     def proj(self, names: list[str], bias: bool = False) -> Linear:
         """The rows of ``names`` (``...q_proj`` ...) fused into one ``Linear``."""

@@ -1,0 +1,129 @@
+"""``--cpu-amx``: a quantized model's large calls (prefill chunks) in oneDNN's bf16 GEMM on a prepacked
+copy of the kernel's own weights, and long extends' attention in torch's SDPA (both run on the AMX
+tiles where the CPU has them). ``on`` takes the same calls on any CPU whose oneDNN has bf16 kernels,
+so these tests run wherever that holds, AMX or not."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvledger import kernels
+from kvledger.errors import ValidationError
+from kvledger.model import linear
+from kvledger.model.linear import AMX_MIN_ROWS, Linear, use_amx
+
+needs_bf16_onednn = pytest.mark.skipif(
+    not (kernels.load() and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="needs kvledger's CPU kernels and oneDNN with bf16 kernels",
+)
+CPU = torch.device("cpu")
+
+
+def test_auto_takes_the_amx_paths_only_for_a_quantized_bf16_model_on_an_amx_cpu(monkeypatch):
+    monkeypatch.setattr(linear, "amx_available", lambda: True)
+    bf16_ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert use_amx("auto", CPU, torch.bfloat16, "int4") == bf16_ok
+    assert not use_amx("auto", CPU, torch.bfloat16, None)  # dense bf16 layers run oneDNN already
+    assert not use_amx("auto", CPU, torch.float32, "int4")
+    assert not use_amx("auto", torch.device("meta"), torch.bfloat16, "int4")
+    assert not use_amx("off", CPU, torch.bfloat16, "int4")
+    monkeypatch.setattr(linear, "amx_available", lambda: False)
+    assert not use_amx("auto", CPU, torch.bfloat16, "int8")
+    assert use_amx("on", CPU, torch.bfloat16, "int8") == bf16_ok  # asked: the same calls without AMX
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_layer_takes_the_bf16_copy_from_amx_rows_and_the_kernel_below(mode):
+    """Below ``amx_rows`` the kernel's output bit for bit; from it oneDNN's bf16 GEMM of the kernel's
+    own weights (so the two differ only by the kernel's int8 activations), with the bias."""
+    torch.manual_seed(2)
+    w, b = torch.randn(96, 64) * 0.1, torch.randn(96)
+    lin = Linear(w, b.bfloat16(), mode, dtype=torch.bfloat16, amx=True)
+    assert lin.packed is not None and lin.qw is not None
+    assert Linear(w, None, mode, dtype=torch.bfloat16).packed is None  # off unless asked
+    for rows in (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 200):
+        x = torch.randn(rows, 64).bfloat16()
+        y = lin(x)
+        if rows < AMX_MIN_ROWS:
+            assert lin.path(rows) == "kernel" and torch.equal(y, lin.qw(x) + lin.b)
+            continue
+        assert lin.path(rows) == "amx"
+        ref = x.float() @ lin.qw.rows().T + b.bfloat16().float()
+        assert torch.equal(y, torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.b, "none", [], ""))
+        assert ((y.float() - ref).norm() / ref.norm()) < 0.01  # bf16 rounding only
+    assert lin.packed_bytes() > lin.qw.nbytes()  # the copy is counted where weights are reported
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 250) for _ in range(n)]
+
+
+@needs_bf16_onednn
+def test_prefills_run_in_the_bf16_copy_close_to_fp32_and_decodes_stay_one_call(make_engine):
+    """With ``--cpu-amx on``: every projection keeps the copy; a prompt of ``AMX_MIN_ROWS`` tokens and
+    more is one forward through it (counted on the first layer's qkv), its first token the same and its
+    logprob within 0.05 of the kernel's (``off``: the same int4 weights, int8 activations); batches of fewer decodes still run in the one-call C++ decode.
+    In float32, or without a quantization, ``on`` is refused before anything starts."""
+    with pytest.raises(ValidationError, match="AMX paths"):
+        make_engine(dtype="float32", cpu_amx="on")
+    with pytest.raises(ValidationError, match="AMX paths"):
+        make_engine(dtype="bfloat16", quantization="none", cpu_amx="on")
+    ref = make_engine(dtype="bfloat16", quantization="int4", cpu_amx="off")
+    assert ref.core.model.net.layers[0].attn.qkv.packed is None
+    eng = make_engine(dtype="bfloat16", quantization="int4", cpu_amx="on")
+    net = eng.core.model.net
+    assert eng.core.model.amx and net.decode_plan is not None and net.decode_plan.max_rows == AMX_MIN_ROWS - 1
+    qkv = net.layers[0].attn.qkv
+    rows: list[tuple[int, str]] = []
+    qkv.register_forward_pre_hook(lambda m, a: rows.append((a[0].shape[0], m.path(a[0].shape[0]))))
+    p = {"max_new_tokens": 1, "temperature": 0, "logprobs": True}
+    for i, n in enumerate((AMX_MIN_ROWS, 100, 300)):
+        prompt = _prompt(n, i)
+        a = ref.generate(input_ids=prompt, sampling_params=p)["meta_info"]["output_token_logprobs"][0]
+        b = eng.generate(input_ids=prompt, sampling_params=p)["meta_info"]["output_token_logprobs"][0]
+        assert a[1] == b[1] and abs(a[0] - b[0]) < 0.05, (a, b)
+    assert rows == [(AMX_MIN_ROWS, "amx"), (100, "amx"), (300, "amx")]
+    rows.clear()
+    before = eng.core.model.one_call_forwards
+    eng.generate(input_ids=[_prompt(20, 7), _prompt(30, 8)], sampling_params={"max_new_tokens": 8, "temperature": 0})
+    assert rows == [(50, "kernel")]  # the prompts' one forward, below the threshold; then one-call decodes
+    assert eng.core.model.one_call_forwards > before
+
+
+@needs_bf16_onednn
+def test_long_extends_take_sdpa_and_short_ones_the_kernel(make_engine):
+    """The cpu backend with the AMX paths: an extend of FLASH_MIN_NEW tokens or more (a prompt, or a
+    chunk after a cached prefix) runs in SDPA, shorter ones in the per-token kernel; the output of a
+    prompt and of its chunked twin agree with the float32 reference's first token."""
+    from kvledger.model.attention_cpu import FLASH_MIN_NEW
+
+    eng = make_engine(dtype="bfloat16", quantization="int4", cpu_amx="on", attention_backend="cpu")
+    attn = eng.core.model.attn
+    assert attn.sdpa_extends
+    seen: list[tuple[int, int]] = []
+    real = attn.prepare
+
+    def prepare(batch):
+        real(batch)
+        meta = batch.attn_meta
+        seen.append((len(meta.long_ext), 0 if meta.ext is None else len(meta.ext[0])))
+        assert meta.flash is None
+
+    attn.prepare = prepare
+    g = {"max_new_tokens": 1, "temperature": 0}
+    eng.generate(input_ids=_prompt(FLASH_MIN_NEW, 1), sampling_params=g)
+    eng.generate(input_ids=_prompt(FLASH_MIN_NEW - 1, 2), sampling_params=g)
+    assert seen == [(1, 0), (0, 1)]
+    ref = make_engine(dtype="float32")
+    chunked = make_engine(
+        dtype="bfloat16", quantization="int4", cpu_amx="on", attention_backend="cpu", chunked_prefill_size=96
+    )
+    prompt = _prompt(250, 3)
+    want = ref.generate(input_ids=prompt, sampling_params=g)["output_ids"]
+    for e in (eng, chunked):  # 250 new tokens in one extend; 96 + 96 + 58 after their prefixes
+        assert e.generate(input_ids=prompt, sampling_params=g)["output_ids"] == want
