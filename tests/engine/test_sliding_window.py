@@ -155,6 +155,16 @@ def test_a_released_prefix_evicted_mid_request_is_not_extended(make, window_hf):
     assert eng.memory()["kv_cached_evictable"] == 0  # nor was the rest cached at its end
     again = eng.generate(input_ids=p, sampling_params={**G, "max_new_tokens": 40})
     assert again["meta_info"]["cached_tokens"] == 0 and again["output_ids"] == out
+    # Evicted after its last release: it ends (an abort still commits what it computed) without
+    # another slide, and its KV must not go below the evicted node either.
+    eng.flush_cache()
+    rid = eng.add_request(_prompt(40, seed=5), {**G, "max_new_tokens": 40})
+    while _req(eng, rid).num_out_pages < 8:
+        eng.step()
+    assert kvm.tree.evict(10**6) > 0
+    eng.abort(rid)
+    eng.run_until_idle()
+    assert eng.memory()["kv_cached_evictable"] == 0
 
 
 def test_retraction_and_abort_of_requests_with_released_pages(make, window_hf):
@@ -196,18 +206,21 @@ def test_retraction_under_a_small_pool(make, window_hf):
     assert eng.memory()["window"]["released_tokens_total"] > 0
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("page_size", [1, 4, 6])
 def test_session_turns_on_a_windowed_model(make, page_size):
     """A session keeps the pages its next turn reads (not the released ones): the next turn borrows
-    them and answers as the full prompt does; a turn rewinding into the released part recomputes."""
+    them and answers as the full prompt does; a turn rewinding into the released part recomputes.
+    (Pages of 6 do not divide the window: the turn's release stops at the window of the last whole
+    page's end, where the next turn's first query is.)"""
     eng = make(page_size=page_size, chunked_prefill_size=16)
     ref = make(page_size=page_size, enable_prefix_cache=False)
     sid = eng.open_session()
     history: list[int] = []
     for i, n in enumerate((30, 12, 25)):
         t = _prompt(n, seed=30 + i)
-        o = eng.generate(input_ids=t, sampling_params={**G, "max_new_tokens": 20}, session_params={"id": sid})
-        want = ref.generate(input_ids=history + t, sampling_params={**G, "max_new_tokens": 20})["output_ids"]
+        # (24 new tokens: turns end off page boundaries, after a release near the end)
+        o = eng.generate(input_ids=t, sampling_params={**G, "max_new_tokens": 24}, session_params={"id": sid})
+        want = ref.generate(input_ids=history + t, sampling_params={**G, "max_new_tokens": 24})["output_ids"]
         assert o["output_ids"] == want, i
         if i:
             assert o["meta_info"]["cached_tokens"] == (len(history) - 1) // page_size * page_size
@@ -246,8 +259,25 @@ def test_overlap_and_ngram_drafts_near_the_window_edge(make):
     want = [o["output_ids"] for o in make(enable_prefix_cache=False).generate(input_ids=prompts, sampling_params=sp)]
     over = make(disable_overlap_schedule=False, chunked_prefill_size=16)
     assert over.core.overlap
+    # After each release: no page a launched step still reads was given back (the window of every
+    # row in flight holds KV), though the request's KV length is already past that step.
+    sched, kvm, checked = over.core.scheduler, over.core.kv_manager, []
+    slide = sched._slide_windows
+
+    def checked_slide():
+        slide()
+        for f in sched._flights.values():
+            for r, start in zip(f.reqs, f.starts):
+                if r.slot is not None:
+                    assert r.num_tree_pages + r.num_out_pages <= max(
+                        r.num_tree_pages, kvm.window.first_needed_page(start)
+                    ), (r.rid, start, r.kv_len)
+                    checked.append(r.num_out_pages > 0)
+
+    sched._slide_windows = checked_slide
     assert [o["output_ids"] for o in over.generate(input_ids=prompts, sampling_params=sp)] == want
     assert over.core.overlap_stats["overlapped"] > 0 and over.memory()["window"]["released_tokens_total"] > 0
+    assert any(checked)
     spec = make(speculative_algorithm="ngram", speculative_num_draft_tokens=4, chunked_prefill_size=16)
     assert [o["output_ids"] for o in spec.generate(input_ids=prompts, sampling_params=sp)] == want
     assert spec.core.scheduler.spec_totals.drafted > 0
