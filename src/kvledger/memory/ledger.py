@@ -286,9 +286,9 @@ class Ledger:
                     f"{h.owner} holds {len(h.own_pages)} pages (and {h.out_of_window} out of window) for KV "
                     f"of {h.kv_tokens} tokens ({-(-h.kv_tokens // ps)} pages of {ps})"
                 )
-            if any(p < 0 for p in h.own_pages):
-                report.problems.append(f"{h.owner} counts an out-of-window entry as a page it holds")
-            if self.window is not None:
+            if self.window is not None:  # (out-of-window entries exist only then)
+                if any(p < 0 for p in h.own_pages):
+                    report.problems.append(f"{h.owner} counts an out-of-window entry as a page it holds")
                 report.problems.extend(self._window_problems(h))
             for p in h.borrowed_pages:
                 if p < 0 and h.borrowed_from is not None:

@@ -126,13 +126,14 @@ class SessionKV:
         the window of the last whole page's end, where that turn's first query is), earlier turns'
         included, and counts its out-of-window entries."""
         window = self.kv_manager.window
-        if window is not None:
-            ps = self.kv_manager.page_size
-            lo = min(window.first_needed_page(kv_len - kv_len % ps), len(s.pages))
-            gone = real_pages(s.pages[:lo])
-            self.kv_manager.free(gone, f"{s.owner} (out of window)")
-            window.released_pages += len(gone)
-            s.pages[:lo] = [OUT_OF_WINDOW] * lo
+        if window is None:
+            return  # (no entry is ever out of window: num_out stays 0)
+        ps = self.kv_manager.page_size
+        lo = min(window.first_needed_page(kv_len - kv_len % ps), len(s.pages))
+        gone = real_pages(s.pages[:lo])
+        self.kv_manager.free(gone, f"{s.owner} (out of window)")
+        window.released_pages += len(gone)
+        s.pages[:lo] = [OUT_OF_WINDOW] * lo
         s.num_out = sum(1 for p in s.pages if p < 0)
 
     def release_turn(self, req, commit: bool, final: bool) -> None:
