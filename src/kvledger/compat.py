@@ -1,12 +1,14 @@
 """Which features combine: the one compatibility table, and the one cross-check that enforces it.
 
 A feature is something a setting turns on (``FEATURES``: its name, the flag, and when a configuration
-has it), or the model being served (``model_level``: a sliding-window model, known once it is loaded). ``REFUSED`` lists every pair that does not work, with the reason a user is told; every other
+has it), or the model being served (``model_level``: a sliding-window model, known once it is
+loaded). ``REFUSED`` lists every pair that does not work, with the reason a user is told; every other
 pair of features works, and the combination fuzz (tests/fuzz/test_combinations.py) runs them. A
 refusal is either *not yet* (the pair has a meaning; the reason says what stands in the way) or *no
 meaning* (one feature contradicts the other). ``check_combinations`` refuses a configuration at start
 (the CLI: one line, exit 2); a request-level feature (a session turn) is refused when it arrives, and
-a model-level one when the engine has loaded the model (``check_model``), with the same reason (``refusal``). The README's matrix is ``markdown_matrix()`` (a test keeps them equal).
+a model-level one when the engine has loaded the model (``check_model``), with the same reason
+(``refusal``). The README's matrix is ``markdown_matrix()`` (a test keeps them equal).
 
 Adding a feature: one ``Feature`` row, its refusals here with their reasons, and the fuzz's knob for
 it (``knobs`` in tests/combos.py, which makes the table's configurations for the fuzz).

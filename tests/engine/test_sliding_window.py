@@ -89,6 +89,9 @@ def test_pages_leave_the_request_as_decode_passes_the_window(make, prefix_cache)
         out = req.num_out_pages
         assert need - win.run_pages < out <= need, (first_query, out)
         assert req.pages[:out] == [OUT_OF_WINDOW] * out and OUT_OF_WINDOW not in req.pages[out:]
+        # The page table keeps a placeholder (-1) for them, the locations of the pages held after.
+        row = eng.core.runner.page_table.req_to_token[req.slot]
+        assert (row[: out * ps] == -1).all() and (row[out * ps : req.kv_len] >= 0).all()
         m = eng.memory()
         # The ledger's count: the request holds its entries less the out-of-window ones, exactly.
         assert m["kv_private"] == (len(req.pages) - out) * ps

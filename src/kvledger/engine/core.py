@@ -791,7 +791,7 @@ class EngineCore:
                     "prompt_tokens": len(r.input_ids),
                     "output_tokens": len(r.output_ids),
                     "kv_tokens": r.kv_len,
-                    "pages": len(r.pages),
+                    "pages": len(r.pages) - r.num_out_pages,  # (held: out-of-window entries are not)
                     "session": r.session.id if r.session is not None else None,
                 }
                 for r in self.scheduler.reqs.values()

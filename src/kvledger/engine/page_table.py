@@ -26,6 +26,9 @@ class PageTable:
         for w in writes:
             # Built on the host; the assignment copies them to the table's device.
             p = torch.tensor(w.pages, dtype=torch.int64).unsqueeze(1)
-            cols = torch.where(p < 0, -1, p * ps + self._offsets).flatten()
+            cols = p * ps + self._offsets
+            if min(w.pages) < 0:  # out-of-window entries: location -1
+                cols = torch.where(p < 0, -1, cols)
+            cols = cols.flatten()
             begin = w.start_page * ps
             self.req_to_token[w.slot, begin : begin + cols.numel()] = cols
