@@ -287,6 +287,40 @@ def test_overlap_and_ngram_drafts_near_the_window_edge(make):
     assert spec.memory()["window"]["released_tokens_total"] > 0
 
 
+def test_the_hierarchical_cache_and_released_pages(make, window_hf):
+    """The tiers copy tree nodes only, and released pages are in the tree only while they hold KV:
+    a prefix given back out of window is backed up, pushed out of L1 and loaded back for the same
+    prompt, which answers as before. A session whose turn gave back pages is dropped under
+    pressure, never demoted (L2 holds a session as one run), and its next turn recomputes."""
+    eng = make(enable_hierarchical_cache=True, hicache_write_policy="write_through", hicache_ratio=4,
+               max_total_tokens=512, chunked_prefill_size=16)  # fmt: skip
+    kvm = eng.core.kv_manager
+    p = _prompt(80, seed=60)
+    first = eng.generate(input_ids=p, sampling_params={**G, "max_new_tokens": 30})
+    assert first["output_ids"] == hf_greedy(window_hf, p, 30)
+    assert eng.memory()["window"]["released_to_cache_tokens_total"] > 0
+    h = eng.memory()["hicache"]
+    assert h["backed_up_pages"] > 0, h
+    assert all(len(n.host) == len(n.pages) for n in kvm.tree.nodes())  # every L1 node has its copy
+    kvm.tree.evict(10**6)  # (between steps) L1 out, the copies stay
+    again = eng.generate(input_ids=p, sampling_params={**G, "max_new_tokens": 30})
+    assert again["output_ids"] == first["output_ids"] and again["meta_info"]["cached_tokens"] >= 76
+    assert eng.memory()["hicache"]["l2_hit_tokens"] >= 76
+    sid = eng.open_session()
+    t = _prompt(60, seed=61)
+    o1 = eng.generate(input_ids=t, sampling_params={**G, "max_new_tokens": 24}, session_params={"id": sid})
+    s = kvm.sessions.by_id[sid]
+    assert s.num_out > 0
+    kvm.sessions.evict_idle(10**6)
+    h = eng.memory()["hicache"]
+    assert h["session_demotions"] == 0 and s.pages == [] and s.kv_len == 0, h
+    t2 = _prompt(7, seed=62)
+    o2 = eng.generate(input_ids=t2, sampling_params={**G, "max_new_tokens": 10}, session_params={"id": sid})
+    assert o2["meta_info"]["cached_tokens"] == 0
+    assert o2["output_ids"] == hf_greedy(window_hf, t + o1["output_ids"] + t2, 10)
+    eng.close_session(sid)
+
+
 @pytest.mark.parametrize("broken", ["freed, still counted as held", "marked out, never freed"])
 def test_the_books_catch_a_release_without_its_accounting(window_loaded, monkeypatch, broken):
     """Break the release once: pages freed but still counted as the request's (a page with two
