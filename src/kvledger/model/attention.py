@@ -195,8 +195,9 @@ class TorchAttention:
         meta.special = self.special_layers(batch)
         if meta.special is not None:
             meta.spans = self.spans(batch)
-        # Every layer attends by spans (a sliding-window model past its window): no decode gather,
-        # which would read the whole table row, out-of-window entries included (memory/window.py).
+        # Every layer attends by spans (a sliding-window model past its window): the decode group's
+        # padded page index would go unused (it spans whole rows, out-of-window entries included:
+        # memory/window.py), so it is not built.
         if dec_tok and not (meta.special is not None and all(meta.special)):
             ps = batch.page_size
             dev = batch.req_to_token.device
