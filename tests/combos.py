@@ -66,6 +66,8 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "cache_aware_policy": {"schedule_policy": "LPM"},
         "lora": {"enable_lora": True},  # its adapters: ``fuzz_adapters`` (start() adds them)
         "overlap": {"disable_overlap_schedule": False},
+        # The model's feature: ``start`` serves the row's model, the windowed variant (``row_model``).
+        "sliding_window": {},
     }
 
 
@@ -213,11 +215,47 @@ def row_id(row: Row) -> str:
 
 
 def exact(row: Row) -> bool:
-    """Greedy and seeded outputs of this configuration are token-exact to the fp32 plain engine's.
-    HiSparse's knob reads 5 pages of a sequence's many (its point: selection and LRU eviction under
-    every other feature), which changes outputs; with every page selected it is exact, which
-    tests/engine/test_hisparse.py checks."""
+    """Greedy and seeded outputs of this configuration are token-exact to the fp32 plain engine's on
+    the model the caller gave. HiSparse's knob reads 5 pages of a sequence's many (its point:
+    selection and LRU eviction under every other feature), which changes outputs; with every page
+    selected it is exact, which tests/engine/test_hisparse.py checks. A sliding-window row serves
+    another model (``row_model``): exact to that model's plain engine instead (``exact_to_row_model``)."""
+    return exact_to_row_model(row) and "sliding_window" not in row
+
+
+def exact_to_row_model(row: Row) -> bool:
+    """Token-exact to the fp32 plain engine on the row's own model (``row_model``)."""
     return "fp32" in row and "cuda" not in row and "hisparse" not in row
+
+
+WINDOW = 24
+"""The windowed variant's window: shorter than most of the workloads' sequences, and no multiple of
+the page sizes drawn (16), so releases stop mid-page."""
+_WINDOWED: dict[str, tuple[str, object]] = {}
+
+
+def row_model(row: Row, model: str, loaded):
+    """The model ``row`` serves and its loaded copy: ``model`` (``loaded``), or for a sliding-window
+    row its windowed variant: the same weights and tokenizer as a Mistral whose every layer attends
+    within ``WINDOW`` tokens (a Llama checkpoint is one, with ``sliding_window`` set)."""
+    if "sliding_window" not in row:
+        return model, loaded
+    if model not in _WINDOWED:
+        import json
+        import shutil
+        import tempfile
+
+        from kvledger.model import load_model
+
+        path = tempfile.mkdtemp(prefix="kvledger-windowed-")
+        shutil.copytree(model, path, dirs_exist_ok=True)
+        with open(f"{path}/config.json") as f:
+            cfg = json.load(f)
+        cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=WINDOW)
+        with open(f"{path}/config.json", "w") as f:
+            json.dump(cfg, f)
+        _WINDOWED[model] = (path, load_model(path))
+    return _WINDOWED[model]
 
 
 def _pick(rng: random.Random | None, choices: list):
@@ -338,7 +376,9 @@ class Started:
 
 def start(row: Row, model: str, loaded, draft_model: str, tmp_dir: str, rng: random.Random | None = None,
           **overrides) -> Started:  # fmt: skip
-    """Start ``row``'s engine(s) on ``model`` (a path: TP workers load it; ``loaded``: rank 0's copy)."""
+    """Start ``row``'s engine(s) on ``model`` (a path: TP workers load it; ``loaded``: rank 0's copy),
+    or on its windowed variant for a sliding-window row (``row_model``)."""
+    model, loaded = row_model(row, model, loaded)
     s = {**engine_settings(row, draft_model, tmp_dir, rng), **overrides}
     if "lora" in row:
         s["lora_paths"] = [f"{name}={path}" for name, path in fuzz_adapters(model).items()]

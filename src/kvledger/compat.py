@@ -1,12 +1,14 @@
 """Which features combine: the one compatibility table, and the one cross-check that enforces it.
 
 A feature is something a setting turns on (``FEATURES``: its name, the flag, and when a configuration
-has it). ``REFUSED`` lists every pair that does not work, with the reason a user is told; every other
+has it), or the model being served (``model_level``: a sliding-window model, known once it is
+loaded). ``REFUSED`` lists every pair that does not work, with the reason a user is told; every other
 pair of features works, and the combination fuzz (tests/fuzz/test_combinations.py) runs them. A
 refusal is either *not yet* (the pair has a meaning; the reason says what stands in the way) or *no
 meaning* (one feature contradicts the other). ``check_combinations`` refuses a configuration at start
-(the CLI: one line, exit 2); a request-level feature (a session turn) is refused when it arrives, with
-the same reason (``refusal``). The README's matrix is ``markdown_matrix()`` (a test keeps them equal).
+(the CLI: one line, exit 2); a request-level feature (a session turn) is refused when it arrives, and
+a model-level one when the engine has loaded the model (``check_model``), with the same reason
+(``refusal``). The README's matrix is ``markdown_matrix()`` (a test keeps them equal).
 
 Adding a feature: one ``Feature`` row, its refusals here with their reasons, and the fuzz's knob for
 it (``knobs`` in tests/combos.py, which makes the table's configurations for the fuzz).
@@ -30,6 +32,7 @@ class Feature:
     param: str  # the setting behind the flag (the ``param`` of a refusal)
     active: Callable[[EngineConfig, str], bool]  # (settings, resolved device) -> on?
     request_level: bool = False  # on per request (never at start): checked when a request asks for it
+    model_level: bool = False  # on by the model (never by a setting): checked once it is loaded
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -73,6 +76,10 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.scheduler.overlap_wanted(d)),
     Feature("sessions", "session turns", "session_params.id", "session_params", lambda c, d: False,
             request_level=True),
+    # A model whose every layer attends within a window (Mistral's sliding_window, Phi-3, ...): the pages
+    # that leave the window are given back while requests run (memory/window.py).
+    Feature("sliding_window", "sliding-window release", "a model whose every layer slides", "model",
+            lambda c, d: False, model_level=True),
 )  # fmt: skip
 BY_NAME = {f.name: f for f in FEATURES}
 
@@ -109,6 +116,19 @@ REFUSED: dict[frozenset[str], Refusal] = {
     ),
     frozenset({"lora", "compile"}): Refusal(
         NOT_YET, "the compiled graph has no LoRA deltas in it (adapter rows would need a graph per adapter set)"
+    ),
+    # Sliding-window release: a running request's early pages are given back.
+    frozenset({"sliding_window", "pd"}): Refusal(
+        NOT_YET, "the transfer sends a request's KV page by page after its prefill, and prefill gives back the "
+        "pages that leave the window while it computes the prompt (decode would get placeholders)"
+    ),
+    frozenset({"sliding_window", "hisparse"}): Refusal(
+        NOT_YET, "a sparse request's history lives in HiSparse's host pool, while the windowed layers read "
+        "each request's pages through the slot table"
+    ),
+    frozenset({"sliding_window", "draft"}): Refusal(
+        NOT_YET, "the draft model's KV lives in the target's pages and it attends to every position: a page "
+        "given back out of the target's window takes the draft's KV with it"
     ),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
@@ -166,6 +186,22 @@ def check_combinations(cfg: EngineConfig, device: str) -> None:
             )
 
 
+def check_model(cfg: EngineConfig, device: str, model_features: list[str]) -> None:
+    """Refuse the loaded model's ``model_features`` (model-level) where a feature of ``cfg`` does not
+    combine with one: one error naming both and the reason."""
+    on = active_features(cfg, device)
+    for name in model_features:
+        for other in on:
+            r = refusal(name, other)
+            if r is not None:
+                f, o = BY_NAME[name], BY_NAME[other]
+                raise ValidationError(
+                    f"{f.title} ({f.flag}) does not work with {o.title} ({o.flag}): {r.reason}"
+                    + (" (yet)" if r.kind == NOT_YET else ""),
+                    param=o.param,
+                )
+
+
 def check_request(cfg: EngineConfig, feature: str) -> None:
     """Refuse a request-level ``feature`` (400) where the engine's features do not combine with it
     (``cfg``: the engine's settings, its device resolved)."""
@@ -203,7 +239,8 @@ def markdown_matrix() -> str:
                 cells.append(f"✗{keys[pair]}")
             else:
                 cells.append("✓")
-        rows.append(f"| {i + 1}. {a.title} (`{a.flag}`) | " + " | ".join(cells) + " |")
+        how = f"({a.flag})" if a.model_level else f"(`{a.flag}`)"  # a model's property is no flag
+        rows.append(f"| {i + 1}. {a.title} {how} | " + " | ".join(cells) + " |")
     legend = "✓ works (the combination fuzz runs it), ✗ refused (below), – one setting, two values."
     return "\n".join([*rows, "", legend, "", *notes])
 

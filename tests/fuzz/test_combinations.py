@@ -46,23 +46,38 @@ def draft_models(chat_model, tmp_path_factory) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(chat_loaded):
-    eng = Engine(loaded_model=chat_loaded, dtype="float32", page_size=16, max_total_tokens=8192,
-                 enable_prefix_cache=False, strict_memory=True)  # fmt: skip
-    yield Reference(eng)
-    eng.shutdown()
+def reference(chat_model, chat_loaded):
+    """``reference(row)``: the plain engine of the row's model (the chat model, or its windowed
+    variant for a sliding-window row), one per model."""
+    made: dict[str, Reference] = {}
+
+    def get(row) -> Reference:
+        model, loaded = combos.row_model(row, chat_model, chat_loaded)
+        if model not in made:
+            eng = Engine(loaded_model=loaded, dtype="float32", page_size=16, max_total_tokens=8192,
+                         enable_prefix_cache=False, strict_memory=True)  # fmt: skip
+            made[model] = Reference(eng)
+        return made[model]
+
+    yield get
+    for ref in made.values():
+        ref.eng.shutdown()
 
 
 def run_row(row, seed: int, steps: int, chat_model, chat_loaded, drafts, reference, tmp_dir):
     """One configuration's engines, started with settings drawn from ``seed``, under a workload of
-    ``steps`` steps; shut down after (a TP row's workers gone)."""
+    ``steps`` steps; shut down after (a TP row's workers gone). Outputs compare with the plain engine
+    of the row's model (``reference(row)``)."""
     rng = random.Random(seed)
     started = combos.start(row, chat_model, chat_loaded, rng.choice(drafts), tmp_dir, rng)
     try:
         if "compile" in row:
             assert all(e.core.model.compiled is not None for e in started.engines)
+        if "sliding_window" in row:
+            assert all(e.core.kv_manager.window is not None for e in started.engines)
         target = PDPair(*started.engines, started.port) if started.pd else Single(started.engines[0])
-        return Workload(target, reference, rng, combos.exact(row), chat_loaded.tokenizer).run(steps)
+        exact = combos.exact_to_row_model(row)
+        return Workload(target, reference(row), rng, exact, chat_loaded.tokenizer).run(steps)
     finally:
         started.shutdown()
 
@@ -110,3 +125,5 @@ def test_combination(row, chat_model, chat_loaded, draft_models, reference, tmp_
     assert stats["kind_embed"] + stats["kind_score"] >= 1
     if "sessions" in row:
         assert stats["turns"] >= 1
+    if "sliding_window" in row:
+        assert stats["window_released_pages"] >= 1

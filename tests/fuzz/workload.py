@@ -202,6 +202,9 @@ class Workload:
             self.stats["retractions"] += eng.core.scheduler.total_retractions
             self.stats["preemptions"] += eng.core.scheduler.policy.total_preemptions
             self.stats["drafts_accepted"] += eng.core.scheduler.spec_totals.accepted
+            window = eng.core.kv_manager.window
+            if window is not None:  # a sliding-window model: pages given back out of window
+                self.stats["window_released_pages"] += window.released_pages
         return self.stats
 
     def idle_point(self, timeout: float = 120.0) -> None:

@@ -150,13 +150,21 @@ def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
     assert_idle_clean(eng)
 
 
-def test_hisparse_refuses_windowed_attention(tmp_path):
+@pytest.mark.parametrize(
+    "family, match",
+    [
+        # every layer slides: the compatibility table's row (sliding-window release x HiSparse)
+        ("mistral_window", r"sliding-window release \(a model whose every layer slides\) does not work with HiSparse"),
+        ("gemma3", "enable-hisparse does not run with gemma3_text"),  # some layers slide
+    ],
+)
+def test_hisparse_refuses_windowed_attention(tmp_path, family, match):
     """HiSparse keeps a sparse slot's history in its host pool; the windowed layers read pages through
     the slot table, so the pair is refused at start (not served wrong)."""
     from kvledger.errors import ValidationError
 
-    with pytest.raises(ValidationError, match="enable-hisparse does not run with mistral"):
-        Engine(build_family(str(tmp_path), "mistral_window"), dtype="float32", page_size=16, enable_hisparse=True)
+    with pytest.raises(ValidationError, match=match):
+        Engine(build_family(str(tmp_path), family), dtype="float32", page_size=16, enable_hisparse=True)
 
 
 def test_lora_on_routed_experts_is_refused(tmp_path):

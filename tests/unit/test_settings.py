@@ -37,6 +37,10 @@ def test_every_pair_is_refused_exactly_where_the_table_says(tmp_path, monkeypatc
         pair = frozenset({a, b})
         if pair in compat.EXCLUSIVE:
             continue
+        model = [f for f in (a, b) if compat.BY_NAME[f].model_level]
+        if model:  # the model's feature: refused once the model is loaded, by the same table
+            _model_pair_is_refused_where_the_table_says(k, model[0], b if model[0] == a else a)
+            continue
         cfg = EngineConfig.from_flat(**{**k[a], **k[b]})
         assert set(compat.active_features(cfg, cfg.model.device if "cuda" in (a, b) else "cpu")) >= {a, b}
         refusal = compat.refusal(a, b)
@@ -47,6 +51,21 @@ def test_every_pair_is_refused_exactly_where_the_table_says(tmp_path, monkeypatc
             cfg.check()
         msg = str(e.value)
         assert compat.BY_NAME[a].title in msg and compat.BY_NAME[b].title in msg and refusal.reason in msg, msg
+
+
+def _model_pair_is_refused_where_the_table_says(k: dict, model_feature: str, other: str) -> None:
+    cfg = EngineConfig.from_flat(**k[other])
+    device = "cuda" if other == "cuda" else "cpu"
+    assert other in compat.active_features(cfg, device)
+    refusal = compat.refusal(model_feature, other)
+    if refusal is None:
+        compat.check_model(cfg, device, [model_feature])
+        return
+    with pytest.raises(ValidationError) as e:
+        compat.check_model(cfg, device, [model_feature])
+    msg = str(e.value)
+    assert compat.BY_NAME[model_feature].title in msg and compat.BY_NAME[other].title in msg, msg
+    assert refusal.reason in msg and e.value.param == compat.BY_NAME[other].param, msg
 
 
 def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):

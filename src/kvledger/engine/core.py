@@ -14,7 +14,7 @@ import torch
 from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
 from ..common.reasoning import REASONING_FORMATS
-from ..compat import check_request
+from ..compat import check_model, check_request
 from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
@@ -22,7 +22,7 @@ from ..constrained.reasoning import reasoning_end_ids
 from ..disagg import make_connector, make_worker_side
 from ..errors import ConflictError, KVLedgerError, ModelLoadError, NotFoundError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
-from ..memory import KVBuffer, KVManager
+from ..memory import KVBuffer, KVManager, release_window
 from ..memory.sparse_kv import SparseBooks, SparseKV
 from ..model import LlamaModel, load_model
 from ..model.hisparse import SparseWorker
@@ -206,6 +206,8 @@ class EngineCore:
                 quantization=model_quantization(cfg, loaded, self.dtype, device),
                 attention_backend=self.model.attention,
             )
+            # The model's own features against the settings' (the compatibility table).
+            check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
         except BaseException:
             for p in workers:
                 p.kill()
@@ -232,6 +234,8 @@ class EngineCore:
         tiers = None
         if cfg.hicache.enable_hierarchical_cache:
             tiers = build_tiers(cfg, loaded.path, lc, self.dtype, num_pages, device)
+        # Every layer windowed: the pages that leave the window go back while requests run.
+        window = release_window(mc.layer_windows())
         self.kv_manager = KVManager(
             num_pages=num_pages,
             page_size=ps,
@@ -240,6 +244,7 @@ class EngineCore:
             strict=cfg.cache.strict_memory,
             holdings=lambda: self.scheduler.holdings(),
             tiers=tiers,
+            window=window,
         )
         runner = self.runner = _runner(self.cfg, self.model, device)
         if cfg.hisparse.enable_hisparse and cfg.disagg.disaggregation_mode == "prefill":
@@ -787,7 +792,7 @@ class EngineCore:
                     "prompt_tokens": len(r.input_ids),
                     "output_tokens": len(r.output_ids),
                     "kv_tokens": r.kv_len,
-                    "pages": len(r.pages),
+                    "pages": len(r.pages) - r.num_out_pages,  # (held: out-of-window entries are not)
                     "session": r.session.id if r.session is not None else None,
                 }
                 for r in self.scheduler.reqs.values()

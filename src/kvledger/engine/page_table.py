@@ -1,7 +1,11 @@
 """The request->token table on the executor's side: row ``slot``, column ``i`` is the cache location
 (``page * page_size + offset``) of token ``i`` of the request in that slot. The scheduler's
 ``KVManager`` decides the pages; it sends the changes as ``PageWrite``s in each ``SchedulerOutput``
-(so a tensor-parallel worker keeps the same table from the same messages)."""
+(so a tensor-parallel worker keeps the same table from the same messages).
+
+A page given back out of window (sliding windows, ``memory/window.py``) comes as ``OUT_OF_WINDOW``:
+its tokens' locations become -1, which the attention never reads (its window starts later) and any
+gather of would fail on, rather than read another request's KV."""
 
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ class PageTable:
         ps = self.page_size
         for w in writes:
             # Built on the host; the assignment copies them to the table's device.
-            p = torch.tensor(w.pages, dtype=torch.int64)
-            cols = (p.unsqueeze(1) * ps + self._offsets).flatten()
+            p = torch.tensor(w.pages, dtype=torch.int64).unsqueeze(1)
+            cols = p * ps + self._offsets
+            if min(w.pages) < 0:  # out-of-window entries: location -1
+                cols = torch.where(p < 0, -1, cols)
+            cols = cols.flatten()
             begin = w.start_page * ps
             self.req_to_token[w.slot, begin : begin + cols.numel()] = cols

@@ -6,8 +6,10 @@ from .ledger import AuditReport, Holding, Ledger
 from .pools import KVBuffer, PagePool, ReqSlotPool
 from .radix import RadixCache, TreeNode
 from .session_kv import Session, SessionKV
+from .window import OUT_OF_WINDOW, WindowKV, release_window
 
 __all__ = [
+    "OUT_OF_WINDOW",
     "AuditReport",
     "Holding",
     "KVBuffer",
@@ -20,4 +22,6 @@ __all__ = [
     "Session",
     "SessionKV",
     "TreeNode",
+    "WindowKV",
+    "release_window",
 ]

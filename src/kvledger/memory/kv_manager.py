@@ -3,7 +3,9 @@
 Who owns a running request's pages (``req.pages``)::
 
     [0, num_tree_pages)                borrowed: the radix tree's (locked) or the turn's session's
-    [num_tree_pages, ceil(kv_len/ps))  PRIVATE: computed KV not yet cached (the partial last page too)
+    [num_tree_pages, + num_out_pages)  out of window (sliding-window models, ``memory/window.py``):
+                                       given back; entries ``OUT_OF_WINDOW``
+    [.., ceil(kv_len/ps))              PRIVATE: computed KV not yet cached (the partial last page too)
     [ceil(kv_len/ps), len(pages))      PRIVATE: over-allocation (lookahead for the next tokens or
                                        drafts, KV arriving from a connector); given back by
                                        ``truncate`` or trimmed by ``release``
@@ -25,6 +27,7 @@ from .ledger import Holding, Ledger
 from .pools import PagePool, ReqSlotPool
 from .radix import RadixCache
 from .session_kv import SessionKV
+from .window import WindowKV
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,10 @@ class KVManager:
         strict: bool,
         holdings: Callable[[], Iterable[Holding]],
         tiers=None,
+        window: int | None = None,
     ):
+        """``window``: the model's release window (``window.release_window``; None: every page of a
+        running request is kept)."""
         self.page_size = page_size
         self.pages = PagePool(num_pages, page_size)
         self.slots = ReqSlotPool(num_slots)
@@ -63,6 +69,8 @@ class KVManager:
         self.ledger = Ledger(self.pages, self.slots, self.tree, holdings, strict)
         self.sessions = SessionKV(self)
         self.sparse = None  # memory/sparse_kv.py SparseKV: HiSparse's books, when it is on
+        self.window = WindowKV(self, window) if window else None  # sliding windows' releases
+        self.ledger.window = self.window
         self.double_frees = 0
         self._page_writes: list[PageWrite] = []
 
@@ -109,11 +117,21 @@ class KVManager:
         return Holding(
             owner=f"req {req.rid}" + (f" [{label}]" if label else ""),
             kind="request",
-            own_pages=req.pages[req.num_tree_pages :],
+            own_pages=req.pages[req.num_tree_pages + req.num_out_pages :],
             borrowed_pages=req.pages[: req.num_tree_pages],
             slot=req.slot,
             borrowed_from=None if req.session is None else req.session.owner,
+            out_of_window=req.num_out_pages,
+            entries=len(req.pages),
+            kv_len=req.kv_len,
         )
+
+    def slide_window(self, req, first_query: int) -> int:
+        """Sliding-window models: give back ``req``'s pages that a query at ``first_query`` and later
+        never read (``window.WindowKV.slide``); returns how many. A no-op without a window."""
+        if self.window is None or req.slot is None or req.sparse is not None:
+            return 0
+        return self.window.slide(req, first_query)
 
     # -- allocation ----------------------------------------------------------------------------------
     def _alloc_pages(self, n: int, owner: str) -> list[int] | None:
@@ -143,6 +161,8 @@ class KVManager:
         req.pages = list(pages)
         req.num_tree_pages = len(pages)
         req.prefix_node = node
+        req.num_out_pages = 0
+        req.window_node = node  # (a session turn: None, its released pages are freed)
         req.kv_len = len(pages) * self.page_size
         self._map(req, 0, pages)
         return True
@@ -166,7 +186,9 @@ class KVManager:
     def truncate(self, req, new_len: int) -> None:
         """Forget ``req``'s KV past ``new_len`` tokens (rejected drafts, unused lookahead) and give back
         the private pages past it. Borrowed pages are never given back here."""
-        assert new_len >= req.num_tree_pages * self.page_size, "cannot truncate into borrowed pages"
+        assert new_len >= (req.num_tree_pages + req.num_out_pages) * self.page_size, (
+            "cannot truncate into borrowed or out-of-window pages"
+        )
         req.kv_len = min(req.kv_len, new_len)
         keep = -(-new_len // self.page_size)  # >= num_tree_pages, by the assert above
         if len(req.pages) > keep:
@@ -203,8 +225,14 @@ class KVManager:
         the tree (duplicates, the partial page and over-allocation freed), else its private pages
         freed; its lock on the borrowed prefix ends."""
         ps = self.page_size
-        first_private = req.num_tree_pages
-        if commit and self.tree.enabled:
+        first_private = req.num_tree_pages + req.num_out_pages
+        if req.num_out_pages:
+            # Sliding window: what is left of its KV continues the prefix its released pages went to.
+            if commit and self.tree.enabled:
+                self.window.commit(req, kv_len, owner)
+            else:
+                self.free(req.pages[first_private:], owner)
+        elif commit and self.tree.enabled:
             aligned = kv_len // ps
             self.free(req.pages[aligned:], owner)  # partial page and over-allocation
             present = self.tree.insert(self.cache_key(req)[: aligned * ps], req.pages[:aligned]) // ps
@@ -224,6 +252,8 @@ class KVManager:
         req.pages = []
         req.num_tree_pages = 0
         req.prefix_node = None
+        req.num_out_pages = 0
+        req.window_node = None
 
     def reset(self, req, owner: str) -> None:
         """Forget a request's memory fields once its pages are accounted for; frees its slot."""
@@ -232,4 +262,6 @@ class KVManager:
         req.pages = []
         req.num_tree_pages = 0
         req.prefix_node = None
+        req.num_out_pages = 0
+        req.window_node = None
         req.kv_len = 0

@@ -6,7 +6,9 @@ protected otherwise), PRIVATE (one live request's computed-but-uncached tail, ov
 included), SESSION (held by one streaming session), HISPARSE_HOT (a sparse-decoding request's hot
 buffer, ``memory/sparse_kv.py``; its host pages are in their own pool, checked by ``SparseBooks``). A request slot is free, used by one live request,
 or held by one session. Live requests *borrow* cached pages (the tree still owns them; the request's
-lock keeps them protected).
+lock keeps them protected). With a sliding-window model, a request's or session's page list may have
+OUT OF WINDOW entries (``memory/window.py``): pages given back, which it no longer holds; the audit
+checks that they lie wholly outside the window of its KV.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Holding:
     host_pages: Sequence[int] = ()  # L2 pages (hierarchical cache): a demoted idle session's KV
     kv_tokens: int | None = None  # a session: the tokens whose KV its L1 pages hold (exactly their pages)
     sparse_host_pages: Sequence[int] = ()  # HiSparse host-pool pages (a sparse request's KV history)
+    out_of_window: int = 0  # page entries given back out of window (sliding windows), not held
+    entries: int | None = None  # a request: its page entries (borrowed + out of window + own)
+    kv_len: int | None = None  # a request: the tokens whose KV is computed
 
 
 @dataclass
@@ -121,6 +126,7 @@ class Ledger:
         self.last_report: AuditReport | None = None
         self.tiers = None  # hicache/books.py TierBooks: the L2 tier's books, when the hierarchy is on
         self.sparse = None  # memory/sparse_kv.py SparseBooks: HiSparse's host pool, when it is on
+        self.window = None  # memory/window.py WindowKV: a sliding-window model's releases
 
     # -- figures ----------------------------------------------------------------------------------
     def page_counts(self) -> dict[str, int]:
@@ -161,6 +167,7 @@ class Ledger:
             "req_slots_free": self.slots.num_free,
             **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
             **({"hisparse": self.sparse.figures(list(self.holdings()))} if self.sparse is not None else {}),
+            **({"window": self.window.figures(list(self.holdings()))} if self.window is not None else {}),
             "leak_check": {"ok": self.violations == 0, "checks": self.checks, "violations": self.violations},
             # The audits' cost: the last one's and all of them together.
             "audit": {
@@ -271,13 +278,21 @@ class Ledger:
         ps = self.pages.page_size
         for h in holdings:
             # Seed 004: a session holds its KV's pages, no more (a speculative tail handed over with
-            # the turn would be pages nobody reads and nobody frees until the session ends).
-            if h.kv_tokens is not None and h.own_pages and len(h.own_pages) != -(-h.kv_tokens // ps):
+            # the turn would be pages nobody reads and nobody frees until the session ends); pages
+            # given back out of window count as entries it no longer holds.
+            held = len(h.own_pages) + h.out_of_window
+            if h.kv_tokens is not None and h.own_pages and held != -(-h.kv_tokens // ps):
                 report.problems.append(
-                    f"{h.owner} holds {len(h.own_pages)} pages for KV of {h.kv_tokens} tokens "
-                    f"({-(-h.kv_tokens // ps)} pages of {ps})"
+                    f"{h.owner} holds {len(h.own_pages)} pages (and {h.out_of_window} out of window) for KV "
+                    f"of {h.kv_tokens} tokens ({-(-h.kv_tokens // ps)} pages of {ps})"
                 )
+            if self.window is not None:  # (out-of-window entries exist only then)
+                if any(p < 0 for p in h.own_pages):
+                    report.problems.append(f"{h.owner} counts an out-of-window entry as a page it holds")
+                report.problems.extend(self._window_problems(h))
             for p in h.borrowed_pages:
+                if p < 0 and h.borrowed_from is not None:
+                    continue  # a session's out-of-window entry: nothing is read there
                 if h.borrowed_from is None and p not in protected_pages:
                     report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")
                 elif h.borrowed_from is not None and p not in session_pages.get(h.borrowed_from, ()):
@@ -294,6 +309,22 @@ class Ledger:
             self.audit_seconds += self.last_audit_seconds
             self._enforce(report)
         return report
+
+    def _window_problems(self, h: Holding) -> list[str]:
+        """A sliding-window request: an entry for every token of its KV (held, borrowed or out of
+        window), and nothing given back that the window of its next token still reads."""
+        if h.entries is None or h.kv_len is None:
+            return []
+        ps, out = self.pages.page_size, []
+        if h.entries < -(-h.kv_len // ps):
+            out.append(f"{h.owner} has {h.entries} page entries for KV of {h.kv_len} tokens")
+        end = len(h.borrowed_pages) + h.out_of_window
+        if h.out_of_window and end > self.window.first_needed_page(h.kv_len):
+            out.append(
+                f"{h.owner} gave back pages up to {end} out of window, but the window of position "
+                f"{h.kv_len} (W {self.window.window}) reads from page {self.window.first_needed_page(h.kv_len)}"
+            )
+        return out
 
     def _enforce(self, report: AuditReport) -> None:
         self.last_report = report

@@ -149,11 +149,18 @@ class RadixCache:
         them; the pages of the rest now belong to the tree: a new leaf, or nodes that had only a
         host copy (hierarchical cache), which take them as their L1 pages.
         """
+        return self.insert_below(self.root, tokens, pages)[0]
+
+    def insert_below(self, node: TreeNode, tokens: list[int], pages: list[int]) -> tuple[int, TreeNode]:
+        """``insert`` of a run that continues the path ending at ``node`` (``tokens`` follow that
+        path's tokens): returns the leading tokens of the run already cached in L1, and the node the
+        run ends at. ``node`` must be the root or hold L1 pages (``holds_path``). Sliding windows
+        (``memory/window.py``) extend a request's released prefix this way without walking it again."""
         assert len(tokens) % self.page_size == 0 and len(pages) * self.page_size == len(tokens)
         if not self.enabled or not tokens:
-            return 0
+            return 0, node
         ps = self.page_size
-        node, at, present = self.root, 0, 0
+        at, present = 0, 0
         now = self._tick()
         while at < len(tokens):
             child = node.children.get(self._child_key(tokens, at))
@@ -162,7 +169,7 @@ class RadixCache:
                 node.children[self._child_key(tokens, at)] = leaf
                 self.evictable_pages += len(leaf.pages)
                 self._inserted(leaf)
-                return present
+                return present, leaf
             m = self._match_len(child.key, tokens, at)
             if m < len(child.key):
                 child = self._split(child, m)
@@ -174,7 +181,17 @@ class RadixCache:
                 self._count_pages(child, len(child.pages))
             at += m
             node = child
-        return present
+        return present, node
+
+    def holds_path(self, node: TreeNode) -> bool:
+        """``node`` is still in the tree with its L1 pages (not evicted, not demoted to L2): the root,
+        or a node its parent still lists and that has pages. Eviction removes only leaves, so a node
+        its parent lists is reachable from the root; a split keeps the lower part's object (and so the
+        position it ends at)."""
+        if node is self.root:
+            return True
+        parent = node.parent
+        return bool(node.pages) and parent is not None and parent.children.get(self._child_key(node.key, 0)) is node
 
     def _count_pages(self, node: TreeNode, n: int) -> None:
         """Counters for ``n`` L1 pages that ``node`` gained (negative: lost)."""

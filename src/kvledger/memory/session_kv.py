@@ -7,6 +7,13 @@ pages (never the partial last one, which it would write into). When the turn com
 length), its KV becomes the session's: the session's superseded pages (the old partial page, a tail
 orphaned by a shorter ``offset``) and the turn's over-allocation are freed first. A turn that ends by
 abort leaves the session exactly as it was.
+
+Sliding-window models (``memory/window.py``): a turn gives back its own out-of-window pages (freed:
+they are not session pages), and a completed turn's session keeps only the pages its next turn can
+read (the window before the last whole page's end), so the session's page list has ``OUT_OF_WINDOW``
+entries; a turn borrows the session's pages only when every page its first query reads holds KV
+(else it recomputes the history: a rewind into the released part), and an idle session with such
+entries is dropped rather than demoted to L2.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from .ledger import Holding
+from .window import OUT_OF_WINDOW, real_pages
 
 
 @dataclass(eq=False)
@@ -23,6 +31,7 @@ class Session:
     timeout_s: float | None
     tokens: list[int] = field(default_factory=list)  # the conversation so far
     pages: list[int] = field(default_factory=list)  # SESSION pages: KV of tokens[:kv_len]
+    num_out: int = 0  # entries of ``pages`` given back out of window (sliding windows)
     host: list[int] = field(default_factory=list)  # ... or, demoted while idle, its L2 pages
     kv_len: int = 0
     busy_rid: str | None = None
@@ -42,12 +51,18 @@ class SessionKV:
         self.evictions = 0  # idle sessions whose KV was dropped (or demoted to L2) for room
 
     def idle_pages(self) -> int:
-        return sum(len(s.pages) for s in self.by_id.values() if s.busy_rid is None)
+        return sum(len(s.pages) - s.num_out for s in self.by_id.values() if s.busy_rid is None)
+
+    @staticmethod
+    def held(s: Session) -> list[int]:
+        """The pages ``s`` holds (its entries less the out-of-window ones)."""
+        return real_pages(s.pages) if s.num_out else s.pages
 
     def holdings(self):
         for s in self.by_id.values():
             yield Holding(
-                owner=s.owner, kind="session", own_pages=s.pages, host_pages=s.host, kv_tokens=s.kv_len
+                owner=s.owner, kind="session", own_pages=self.held(s), host_pages=s.host, kv_tokens=s.kv_len,
+                out_of_window=s.num_out,
             )
 
     def borrow(self, req) -> list[int]:
@@ -57,6 +72,8 @@ class SessionKV:
         if s.host:
             self.kv_manager.tiers.promote_session(s)
         n = min(s.kv_len, req.session_offset, req.reuse_limit) // self.kv_manager.page_size
+        if s.num_out and self.kv_manager.window is not None:
+            n = self.kv_manager.window.borrowable(s.pages, n)
         return s.pages[:n]
 
     def free_pages(self, s: Session) -> None:
@@ -75,10 +92,11 @@ class SessionKV:
         return dropped
 
     def _free(self, s: Session) -> None:
-        self.kv_manager.free(s.pages, s.owner)
+        self.kv_manager.free(self.held(s), s.owner)
         if s.host:
             self.kv_manager.tiers.host_free(s.host, s.owner)
         s.pages, s.host = [], []
+        s.num_out = 0
         s.kv_len = 0
 
     def release(self, s: Session) -> None:
@@ -97,27 +115,46 @@ class SessionKV:
         for s in idle:
             if n <= 0:
                 return
-            n -= len(s.pages)
-            if tiers is None or not tiers.demote_session(s):
+            n -= len(s.pages) - s.num_out
+            # (KV with out-of-window entries is not demoted: L2 holds a session's pages as one run.)
+            if tiers is None or s.num_out or not tiers.demote_session(s):
                 self.free_pages(s)
             self.evictions += 1
+
+    def _drop_out_of_window(self, s: Session, kv_len: int) -> None:
+        """Sliding windows: the session gives back the pages its next turn cannot read (those before
+        the window of the last whole page's end, where that turn's first query is), earlier turns'
+        included, and counts its out-of-window entries."""
+        window = self.kv_manager.window
+        if window is None:
+            return  # (no entry is ever out of window: num_out stays 0)
+        ps = self.kv_manager.page_size
+        lo = min(window.first_needed_page(kv_len - kv_len % ps), len(s.pages))
+        gone = real_pages(s.pages[:lo])
+        self.kv_manager.free(gone, f"{s.owner} (out of window)")
+        window.released_pages += len(gone)
+        s.pages[:lo] = [OUT_OF_WINDOW] * lo
+        s.num_out = sum(1 for p in s.pages if p < 0)
 
     def release_turn(self, req, commit: bool, final: bool) -> None:
         s = req.session
         owner = f"req {req.rid}"
         if req.slot is not None:
             borrowed = req.num_tree_pages
+            first = borrowed + req.num_out_pages  # (its own out-of-window pages are gone already)
             if commit and final and not s.closing:
                 keep = -(-req.kv_len // self.kv_manager.page_size)
-                self.kv_manager.free(s.pages[borrowed:], s.owner)  # superseded by the turn's pages
+                # superseded by the turn's pages
+                self.kv_manager.free(real_pages(s.pages[borrowed:]), s.owner)
                 self.kv_manager.free(req.pages[keep:], owner)  # over-allocation: trimmed before the handover
-                self.kv_manager.pages.set_owner(req.pages[borrowed:keep], s.owner)
+                self.kv_manager.pages.set_owner(req.pages[first:keep], s.owner)
                 s.pages = req.pages[:keep]
+                self._drop_out_of_window(s, req.kv_len)
                 s.kv_len = req.kv_len
                 s.tokens = req.fill_ids
                 s.turns += 1
             else:
-                self.kv_manager.free(req.pages[borrowed:], owner)
+                self.kv_manager.free(req.pages[first:], owner)
             self.kv_manager.reset(req, owner)
         if final:
             s.busy_rid = None

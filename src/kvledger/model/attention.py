@@ -192,7 +192,13 @@ class TorchAttention:
         dec_tok, dec_rows, dec_lens = sp.dec_tok, sp.dec_rows, sp.dec_lens
         meta = _TorchMeta(None, None, None, sp.sdpa_ext)
         meta.sparse = self.sparse_meta(sp)
-        if dec_tok:
+        meta.special = self.special_layers(batch)
+        if meta.special is not None:
+            meta.spans = self.spans(batch)
+        # Every layer attends by spans (a sliding-window model past its window): the decode group's
+        # padded page index would go unused (it spans whole rows, out-of-window entries included:
+        # memory/window.py), so it is not built.
+        if dec_tok and not (meta.special is not None and all(meta.special)):
             ps = batch.page_size
             dev = batch.req_to_token.device
             pmax = -(-max(dec_lens) // ps)
@@ -210,9 +216,6 @@ class TorchAttention:
                 ~valid, float("-inf")
             )
             meta.dec_mask = mask[None, :, None, :]  # broadcast over [KVH, B, G, L]
-        meta.special = self.special_layers(batch)
-        if meta.special is not None:
-            meta.spans = self.spans(batch)
         batch.attn_meta = meta
 
     @staticmethod

@@ -42,6 +42,7 @@ class Flight:
 
     reqs: list[Req]
     overlapped: list[bool]
+    starts: list[int]  # each row's first position: the KV its queries read starts at most W before it
 
     @property
     def blocks_next(self) -> bool:

@@ -265,7 +265,7 @@ class BatchPolicy:
                 if short <= 0:
                     break
                 chosen.append(v)
-                short -= len(v.pages) - v.num_tree_pages
+                short -= len(v.pages) - v.num_tree_pages - v.num_out_pages
             if short > 0:
                 return False  # SGLang's rule too: preempt only when it makes the room
         for v in chosen:

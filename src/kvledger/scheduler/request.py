@@ -61,6 +61,10 @@ class Req:
     pages: list[int] = field(default_factory=list)
     num_tree_pages: int = 0  # leading pages borrowed: from the radix tree (locked) or the turn's session
     prefix_node: object | None = None  # the locked tree node
+    # Sliding windows (memory/window.py): pages after the borrowed ones given back out of window
+    # (their entries OUT_OF_WINDOW), and the tree node where the prefix they went into ends.
+    num_out_pages: int = 0
+    window_node: object | None = None
     kv_len: int = 0  # tokens whose KV is computed and stored
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported)
     num_external_tokens: int = 0  # tokens a KV connector is loading (WAITING_FOR_KV)

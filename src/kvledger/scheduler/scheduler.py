@@ -298,6 +298,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.settle()
         self.last_stats = StepStats()
+        self._slide_windows()
         chunks = [] if self.paused else self.policy.schedule()
         out = SchedulerOutput([self._scheduled(c) for c in chunks], self.kv_manager.take_page_writes())
         if self.kv_manager.sparse is not None:
@@ -314,6 +315,21 @@ class Scheduler:
             st.num_decode = sum(1 for c in chunks if c.num_tokens == 1)
             st.num_prefill_tokens = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
         return out
+
+    def _slide_windows(self) -> None:
+        """Sliding-window models (``memory/window.py``): every running request gives back the pages
+        that no query of its own reads again: those outside the window of its next position, or of the
+        earliest position a launched step still computes for it (overlap). Before the batch is built,
+        so the pages serve this step's allocations."""
+        kvm = self.kv_manager
+        if kvm.window is None:
+            return
+        earliest: dict[Req, int] = {}
+        for f in self._flights.values():
+            for r, a in zip(f.reqs, f.starts):
+                earliest[r] = min(earliest.get(r, a), a)
+        for r in self.running:
+            kvm.slide_window(r, min(r.kv_len, earliest.get(r, r.kv_len)))
 
     def _scheduled(self, c: Chunk) -> ScheduledReq:
         req, a = c.req, c.req.kv_len
@@ -487,7 +503,7 @@ class Scheduler:
             if sr.sampling is not None:
                 sr.future = next(self._future_ids)
                 req.output_ids.append(placeholder(sr.future))
-        self._flights[sched.step] = Flight([c.req for c in chunks], overlapped)
+        self._flights[sched.step] = Flight([c.req for c in chunks], overlapped, [sr.start for sr in sched.reqs])
 
     def _overlappable(self, req: Req, sr: ScheduledReq) -> bool:
         if sr.num_draft or sr.prompt_lp_targets or sr.pool_from >= 0 or sr.label_token_ids:

@@ -152,7 +152,7 @@ class SessionManager:
                 "id": s.id,
                 "tokens": len(s.tokens),
                 "kv_tokens": s.kv_len,
-                "held_tokens": len(s.pages) * self.page_size,
+                "held_tokens": (len(s.pages) - s.num_out) * self.page_size,
                 "busy_rid": s.busy_rid,
                 "closing": s.closing,
                 "turns": s.turns,
