@@ -111,12 +111,24 @@ class CpuAttention(TorchAttention):
         self.flash_op = torch.ops.kvledger_cpu.flash_attention_
         self.flash = flash_usable(dtype, head_dim)
         self.sdpa_extends = sdpa_extends
+        self.dtype = dtype
 
     def _in_kernel(self, prefix: int, new: int) -> bool:
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
         if self.sdpa_extends:
             return new < FLASH_MIN_NEW
         return self.flash or kernel_extend(prefix, new)
+
+    def _additive(self, ext: list) -> list:
+        """SDPA's extends with each causal-after-prefix mask as an additive one in the model's dtype,
+        made once per forward: SDPA turns a boolean mask into one at every call (every layer), ~10%
+        of a 512-after-512 extend's attention; the outputs are the same bits."""
+        if not self.sdpa_extends:
+            return ext
+        return [
+            (s, n, idx, m if m is None else torch.zeros(m.shape, dtype=self.dtype).masked_fill_(~m, float("-inf")))
+            for s, n, idx, m in ext
+        ]
 
     def prepare(self, batch: ForwardBatch) -> None:
         sp = self.split(batch, self._in_kernel)
@@ -132,7 +144,7 @@ class CpuAttention(TorchAttention):
             torch.tensor(sp.dec_lens, dtype=i64) if dec else None,
             tuple(torch.tensor(col, dtype=i64) for col in short) if short[0] else None,
             tuple(torch.tensor(col, dtype=i64) for col in long) if long[0] else None,
-            sp.sdpa_ext,
+            self._additive(sp.sdpa_ext),
             not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) == batch.num_tokens,
             self.sparse_meta(sp),
         )
