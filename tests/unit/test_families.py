@@ -41,11 +41,12 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 LENGTHS = (1, 5, 23, 40)
 
 
-def build_family(path: str, family: str, seed: int = 0) -> str:
+def build_family(path: str, family: str, seed: int = 0, **extra) -> str:
+    """The tiny random ``family`` model saved to ``path``; ``extra`` settings win (None: the default)."""
     import transformers
 
     cfg_cls, model_cls, over = FAMILIES[family]
-    settings = {**BASE, **over}
+    settings = {**BASE, **over, **extra}
     settings = {k: v for k, v in settings.items() if v is not None}
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_cls)(**settings)

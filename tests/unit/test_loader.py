@@ -12,7 +12,7 @@ import torch
 
 from kvledger import Engine, ModelLoadError
 from kvledger.model import load_model
-from kvledger.model.loader import permute_qk, unpermute_qk
+from kvledger.model.gguf_map import permute_qk, unpermute_qk
 from kvledger.model.quantized import dense
 from tests.helpers import assert_idle_clean, build_tiny_model, hf_greedy, hf_model
 

@@ -3,7 +3,10 @@
 Weights come out in Hugging Face naming (``model.layers.0.self_attn.q_proj.weight`` ...): float32
 tensors, except a GGUF's Q4_1 and Q8_0 matrices, which stay the file's blocks (``quantized.BlockWeight``,
 views of the memory map) for the model to pack as they are or dequantize. The model class fuses and
-casts them. Every failure is a ``ModelLoadError`` with one line.
+casts them. A GGUF is read through its family (``models/``): its table of llama.cpp's tensor names,
+its metadata keys and the converter's transforms it undoes (``gguf_map.py``); llama.cpp's stacked
+3-D expert tensors come out as one matrix per expert (blocks kept; the MoE layer dequantizes them at
+build). Every failure is a ``ModelLoadError`` with one line.
 
 A GGUF's tokenizer and index are derived once and kept in kvledger's cache (``model_cache.py``):
 converting the tokenizer and parsing every metadata field cost seconds at every start (both
@@ -16,11 +19,11 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -28,7 +31,8 @@ from tqdm.auto import tqdm
 from ..errors import ModelLoadError
 from . import model_cache
 from .config import ModelConfig
-from .models.registry import GGUF_ARCHITECTURES, family_for
+from .gguf_map import GGUFMeta, Keys, tensor_names
+from .models.registry import GGUF_ARCHITECTURES, family_for, gguf_model_type
 from .quantized import BLOCK_KINDS, BlockWeight, Weight
 
 log = logging.getLogger(__name__)
@@ -143,100 +147,56 @@ def _hf_tokenizer(path: str, **kwargs) -> Any:
 # GGUF
 # ----------------------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
 
 def _gguf_config(reader, path: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    """The fields every family shares, then the family's own (``gguf_config``)."""
+    meta = GGUFMeta(reader, path)
+    a = meta.arch
+    model_type = gguf_model_type(a, int(meta.get(Keys.LLM.EXPERT_COUNT, 0) or 0))
+    if model_type is None:
         raise ModelLoadError(
-            f"unsupported architecture {arch!r} in {os.path.basename(path)}; "
+            f"unsupported architecture {a!r} in {os.path.basename(path)}; "
             f"supported in GGUF files: {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
-    a = arch
-
-    def need(key: str):
-        v = _field(reader, f"{a}.{key}")
-        if v is None:
-            raise ModelLoadError(f"{path}: GGUF metadata lacks {a}.{key}")
-        return v
-
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    kv_heads = int(_field(reader, f"{a}.attention.head_count_kv", heads))
-    head_dim = int(_field(reader, f"{a}.attention.key_length", hidden // heads))
-    names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{a}.vocab_size")
+    heads = int(meta.need(Keys.Attention.HEAD_COUNT))
+    hidden = int(meta.need(Keys.LLM.EMBEDDING_LENGTH))
+    head_dim = int(meta.get(Keys.Attention.KEY_LENGTH, hidden // heads))
+    rope_dims = meta.get(Keys.Rope.DIMENSION_COUNT)
+    names = meta.tensor_names
+    vocab = meta.get(Keys.LLM.VOCAB_SIZE)
     if vocab is None:
-        embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ModelLoadError(f"{path}: GGUF lacks token_embd.weight")
         vocab = int(embd.shape[-1])
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = meta.get(Keys.Tokenizer.EOS_ID)
     scaling = None
-    scale_type = _field(reader, f"{a}.rope.scaling.type")
+    scale_type = meta.get(Keys.Rope.SCALING_TYPE)
     if scale_type and scale_type != "none":
-        scaling = {"rope_type": scale_type, "factor": float(_field(reader, f"{a}.rope.scaling.factor", 1.0))}
-    return ModelConfig(
-        arch=GGUF_ARCHITECTURES[arch],
+        scaling = {"rope_type": scale_type, "factor": float(meta.get(Keys.Rope.SCALING_FACTOR, 1.0))}
+    cfg = ModelConfig(
+        arch=model_type,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=int(meta.need(Keys.LLM.FEED_FORWARD_LENGTH)),
+        num_layers=int(meta.need(Keys.LLM.BLOCK_COUNT)),
         num_heads=heads,
-        num_kv_heads=kv_heads,
+        num_kv_heads=int(meta.get(Keys.Attention.HEAD_COUNT_KV, heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(_field(reader, f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_field(reader, f"{a}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{a}.context_length", 4096)),
+        rms_norm_eps=float(meta.get(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6)),
+        rope_theta=float(meta.get(Keys.Rope.FREQ_BASE, 10000.0)),
+        max_position_embeddings=int(meta.get(Keys.LLM.CONTEXT_LENGTH, 4096)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         rope_scaling=scaling,
         eos_token_ids=[] if eos is None else [int(eos)],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        name=str(_field(reader, "general.name", os.path.basename(path))),
+        bos_token_id=meta.get(Keys.Tokenizer.BOS_ID),
+        name=str(meta.get(Keys.General.NAME, os.path.basename(path))),
+        partial_rotary_factor=int(rope_dims) / head_dim if rope_dims else 1.0,
     )
-
-
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (it interleaves rotary halves for its own RoPE)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """The permutation llama.cpp's converter applies (used by tests that write GGUF files)."""
-    rows = w.shape[0]
-    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _gguf_name(name: str) -> str | None:
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m:
-        part = _GGUF_LAYER_NAMES.get(m.group(2))
-        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
-    base, _, kind = name.rpartition(".")
-    top = _GGUF_TOP_NAMES.get(base)
-    return None if top is None else f"{top}.{kind}"
+    family_for(model_type).gguf_config(meta, cfg)
+    return cfg
 
 
 @dataclass
@@ -260,8 +220,6 @@ def _read_gguf(path: str) -> _GGUFFile:
             return _GGUFFile(ModelConfig(**index["config"]), index["stored"], index["has_tokenizer"], tensors)
         except (OSError, KeyError, TypeError, ValueError) as e:
             log.warning("GGUF index of %s does not fit the file (%s); parsing it", path, e)
-    import gguf
-
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # numpy memmap / struct errors on a short or garbled file
@@ -296,40 +254,47 @@ def _view(buf: np.ndarray, t: dict) -> np.ndarray:
 
 
 def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
-    import gguf
-
     f = _read_gguf(path)
     config = f.config
+    family = family_for(config.arch)
+    names = tensor_names(family.gguf_tensors, config.num_layers)
     weights: dict[str, Weight] = {}
-    permute = config.arch in ("llama", "mistral")  # llama.cpp permutes q/k only for these
     try:
         for name, kind, data in tqdm(f.tensors, desc="Reading GGUF", unit="tensor", leave=False):
-            hf = _gguf_name(name)
+            base, _, suffix = name.rpartition(".")
+            hf = names.get(base)
             if hf is None:
                 log.debug("skipping GGUF tensor %s", name)
                 continue
-            heads = None
-            if permute and name.endswith(("attn_q.weight", "attn_q.bias")):
-                heads = config.num_heads
-            elif permute and name.endswith(("attn_k.weight", "attn_k.bias")):
-                heads = config.num_kv_heads
-            w: Weight
-            if kind in BLOCK_KINDS and data.ndim == 2:
-                w = BlockWeight.from_gguf(kind, data)  # the file's blocks, not copied
-                if heads is not None:
-                    w = w.rows(unpermute_qk(torch.arange(w.shape[0]), heads))
-            else:
-                arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
-                w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
-                if heads is not None:
-                    w = unpermute_qk(w, heads)
-            weights[hf] = w
+            if "{xid}" not in hf:
+                weights[f"{hf}.{suffix}"] = _weight(kind, data)
+                continue
+            # llama.cpp stacks a layer's experts in one [experts, rows, cols] tensor: one matrix each
+            if data.ndim != 3 or data.shape[0] != config.num_experts:
+                raise ModelLoadError(
+                    f"{path}: {name} holds {data.shape[0] if data.ndim == 3 else 'no stack of'} experts; "
+                    f"the metadata says {config.num_experts}"
+                )
+            for e in range(config.num_experts):
+                weights[f"{hf.format(xid=e)}.{suffix}"] = _weight(kind, data[e])
+    except ModelLoadError:
+        raise
     except NotImplementedError as e:
         raise ModelLoadError(f"{path}: unsupported GGUF tensor type ({_one_line(e)})") from None
     except Exception as e:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF tensor data ({_one_line(e)})") from None
+    weights = family.gguf_weights(weights, config)
     tokenizer = _gguf_tokenizer(path) if load_tokenizer and f.has_tokenizer else None
     return LoadedModel(config, weights, tokenizer, path, f.stored_quantization)
+
+
+def _weight(kind: str, data: np.ndarray) -> Weight:
+    """A Q4_1/Q8_0 matrix as the file's blocks (a view, not copied); anything else dequantized to a
+    float32 tensor (a writable copy)."""
+    if kind in BLOCK_KINDS and data.ndim == 2:
+        return BlockWeight.from_gguf(kind, data)
+    arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(np.array(arr, dtype=np.float32))
 
 
 _GGUF_INT4 = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")

@@ -27,7 +27,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when an entry's layout changes
+FORMAT = 2  # bump when an entry's layout changes (2: a GGUF's config holds its family's settings)
 
 
 def cache_root() -> Path:

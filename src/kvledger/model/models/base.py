@@ -1,10 +1,11 @@
 """What every family shares: the builder that turns loaded weights into layers (``Builder``), and
 the network's shell (``CausalNet``: embedding, layers, final norm, LM head, pooling).
 
-A family is one file with a ``CausalNet`` subclass that says how its config and weights read
-(``hf_config``, ``hf_weights``), how its attention behaves per layer (``attention_scale``,
+A family is one file with a ``CausalNet`` subclass that says how its config and weights read from a
+HF checkpoint (``hf_config``, ``hf_weights``) and from llama.cpp's GGUF (``gguf_tensors``,
+``gguf_config``, ``gguf_weights``), how its attention behaves per layer (``attention_scale``,
 ``attention_softcap``), how it is built (``build``) and how its hidden states flow (``hidden``);
-the registry (``registry.py``) maps HF ``model_type`` names to it.
+the registry (``registry.py``) maps HF ``model_type`` names (and GGUF architectures) to it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from ...errors import ModelLoadError
 from ...parallel.comm import Comm
 from ..config import ModelConfig
+from ..gguf_map import DECODER, GGUFMeta
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
 from ..linear import Linear
 from ..quantized import BlockWeight, Weight, cat_rows, dense
@@ -175,6 +177,20 @@ class CausalNet(nn.Module):
     def hf_weights(cls, weights: dict[str, Weight], cfg: ModelConfig) -> dict[str, Weight]:
         """The checkpoint's tensors under the names ``build`` takes (renames, fused ones split)."""
         return weights
+
+    gguf_tensors: ClassVar[dict] = DECODER
+    """llama.cpp's tensors (``gguf.MODEL_TENSOR``) -> the HF names ``gguf_weights`` takes (``gguf_map``)."""
+
+    @classmethod
+    def gguf_config(cls, meta: GGUFMeta, cfg: ModelConfig) -> None:
+        """Fill the family's settings of ``cfg`` from a GGUF's metadata (in place; llama.cpp's keys,
+        and its defaults where a key is absent). The loader has read the shared fields."""
+
+    @classmethod
+    def gguf_weights(cls, weights: dict[str, Weight], cfg: ModelConfig) -> dict[str, Weight]:
+        """The GGUF's tensors (named by ``gguf_tensors``) with what llama.cpp's converter did to them
+        undone, under the names ``build`` takes."""
+        return cls.hf_weights(weights, cfg)
 
     @classmethod
     def attention_scale(cls, cfg: ModelConfig) -> float:

@@ -17,7 +17,9 @@ from torch import nn
 
 from ...parallel.comm import Comm
 from ..config import SLIDING, ModelConfig
+from ..gguf_map import unpermute_attention
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding, rms_norm
+from ..quantized import Weight
 from .base import Builder, CausalNet, Projections
 
 # model_type -> (qkv bias, per-head q/k RMSNorm)
@@ -76,6 +78,13 @@ class LlamaNet(CausalNet):
             cfg.layer_types = raw.get("layer_types") or [
                 SLIDING if i >= first else "full_attention" for i in range(cfg.num_layers)
             ]
+
+    @classmethod
+    def gguf_weights(cls, weights: dict[str, Weight], cfg: ModelConfig) -> dict[str, Weight]:
+        # llama.cpp's Llama converter (Llama, Mistral) permutes the q/k rows; Qwen2/3's does not
+        if cfg.arch in ("llama", "mistral"):
+            weights = unpermute_attention(weights, cfg)
+        return super().gguf_weights(weights, cfg)
 
     @classmethod
     def build(cls, b: Builder) -> LlamaNet:

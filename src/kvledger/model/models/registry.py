@@ -1,6 +1,6 @@
 """The architecture table: HF ``model_type`` -> the family class that serves it, and llama.cpp's
 GGUF ``general.architecture`` -> ``model_type``. Adding a family is its file, its line here, and its
-parity test (tests/unit/test_families.py)."""
+parity test (tests/unit/test_families.py; GGUF: tests/unit/test_families_gguf.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
 }
+
+GGUF_MOE_ARCHITECTURES: dict[str, str] = {
+    # GGUF general.architecture of a file with routed experts ({arch}.expert_count > 0): model_type
+}
+
+
+def gguf_model_type(arch: str, expert_count: int = 0) -> str | None:
+    """The ``model_type`` serving a GGUF of ``arch`` (with ``expert_count`` experts), or None."""
+    if expert_count and arch in GGUF_MOE_ARCHITECTURES:
+        return GGUF_MOE_ARCHITECTURES[arch]
+    return GGUF_ARCHITECTURES.get(arch)
 
 
 def family_for(model_type: str) -> type[CausalNet] | None:
