@@ -93,6 +93,27 @@ def llama_tensors(t: dict, c: dict) -> dict:
     )  # fmt: skip
 
 
+def gemma2_keys(w: gguf.GGUFWriter, c: dict) -> None:
+    """``Gemma2Model``: its own keys (no rope base: llama.cpp's 10000), the soft-caps, the window."""
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    w.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+    w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    w.add_sliding_window(c["sliding_window"])
+
+
+def without_lm_head(t: dict, c: dict) -> dict:
+    """Gemma 2's converter skips lm_head (tied)."""
+    return {n: x for n, x in t.items() if n != "lm_head.weight"}
+
+
 @dataclass(frozen=True)
 class Converter:
     """What llama.cpp's converter does for one family (conversion/<family>.py in llama.cpp)."""
@@ -108,6 +129,12 @@ class Converter:
 CONVERTERS: dict[str, Converter] = {
     # test_families' family: its converter. Mistral is written as arch llama, without its window.
     "mistral_window": Converter(A.LLAMA, "llama", llama_keys, llama_tensors, dict(sliding_window=None)),
+    # a GGUF has no query_pre_attn_scalar (llama.cpp's is the head dim below the 27B) and no untied
+    # head (the converter drops lm_head)
+    "gemma2": Converter(
+        A.GEMMA2, "gemma2", gemma2_keys, without_lm_head,
+        dict(query_pre_attn_scalar=16, tie_word_embeddings=True), norm_offset=1.0,
+    ),
 }
 
 

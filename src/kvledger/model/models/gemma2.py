@@ -1,14 +1,22 @@
 """Gemma 2: GeGLU, Gemma's (1 + w) RMS norms before and after both the attention and the MLP,
 the embedding scaled by sqrt(hidden), scores scaled by ``query_pre_attn_scalar ** -0.5`` and
-soft-capped, the logits soft-capped, and sliding-window attention on alternating layers."""
+soft-capped, the logits soft-capped, and sliding-window attention on alternating layers.
+
+GGUF (llama.cpp's ``gemma2``): its converter stores every norm weight as ``1 + w`` (undone here), has
+the pre/post norms under their own names, writes the soft-caps and the window, and has no key for
+``query_pre_attn_scalar`` (llama.cpp's rule stands in: ``gguf_query_scalar``)."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from ..config import FULL, SLIDING, ModelConfig
+from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
+from ..quantized import Weight, dense
 from .base import Builder, CausalNet, Projections
 
 
@@ -33,8 +41,20 @@ LAYER_NORMS = (
 )
 
 
+def gguf_query_scalar(cfg: ModelConfig, layers_27b: int) -> int:
+    """What a GGUF has no key for: llama.cpp takes ``query_pre_attn_scalar`` to be the head dim, except
+    for the 27B (known by its layer count), whose is hidden / heads (gemma_pytorch's configs)."""
+    return cfg.hidden_size // cfg.num_heads if cfg.num_layers == layers_27b else cfg.head_dim
+
+
 class Gemma2Net(CausalNet):
     model_types = ("gemma2",)
+    gguf_tensors: ClassVar[dict] = {
+        **DECODER,
+        T.ATTN_POST_NORM: "model.layers.{bid}.post_attention_layernorm",
+        T.FFN_NORM: "model.layers.{bid}.pre_feedforward_layernorm",
+        T.FFN_POST_NORM: "model.layers.{bid}.post_feedforward_layernorm",
+    }
 
     @classmethod
     def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
@@ -50,6 +70,24 @@ class Gemma2Net(CausalNet):
             "attn_logit_softcapping": raw.get("attn_logit_softcapping"),
             "final_logit_softcapping": raw.get("final_logit_softcapping"),
         }
+
+    @classmethod
+    def gguf_config(cls, meta: GGUFMeta, cfg: ModelConfig) -> None:
+        cfg.hidden_act = "gelu_pytorch_tanh"
+        cfg.sliding_window = int(meta.get(Keys.Attention.SLIDING_WINDOW, 4096))  # llama.cpp's default
+        cfg.layer_types = meta.sliding_layers(cfg.num_layers, every=2)  # layer 0 slides, then every other one
+        cfg.extra = {
+            "query_pre_attn_scalar": gguf_query_scalar(cfg, layers_27b=46),
+            "attn_logit_softcapping": float(meta.get(Keys.LLM.ATTN_LOGIT_SOFTCAPPING, 50.0)),
+            "final_logit_softcapping": float(meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 30.0)),
+        }
+
+    @classmethod
+    def gguf_weights(cls, weights: dict[str, Weight], cfg: ModelConfig) -> dict[str, Weight]:
+        # the converter wrote 1 + w (llama.cpp's norm multiplies by the weight as it is); float32's
+        # 1 + w - 1 is exact, so this is the file's value, as llama.cpp uses it, less one
+        weights = {n: dense(w) - 1.0 if n.endswith("norm.weight") else w for n, w in weights.items()}
+        return super().gguf_weights(weights, cfg)
 
     @classmethod
     def attention_scale(cls, cfg: ModelConfig) -> float:

@@ -30,6 +30,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
 }
 
 GGUF_MOE_ARCHITECTURES: dict[str, str] = {
