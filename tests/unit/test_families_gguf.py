@@ -26,7 +26,7 @@ from kvledger.model.gguf_map import permute_qk
 from kvledger.model.models.registry import GGUF_ARCHITECTURES, family_for
 from kvledger.model.quantized import dense
 from tests.helpers import assert_idle_clean, hf_greedy
-from tests.unit.test_families import GREEDY, build_family
+from tests.unit.test_families import GREEDY, F, S, build_family
 
 A = gguf.MODEL_ARCH
 PROMPT_LENGTHS = (5, 23)  # the longer one outgrows the tiny configs' windows (8, 12)
@@ -109,6 +109,15 @@ def gemma2_keys(w: gguf.GGUFWriter, c: dict) -> None:
     w.add_sliding_window(c["sliding_window"])
 
 
+def gemma3_keys(w: gguf.GGUFWriter, c: dict) -> None:
+    """``Gemma3Model``: TextModel's keys (both rope bases), the final soft-cap where set, the window."""
+    text_model_keys(w, c)
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    if c.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(c["sliding_window"])
+
+
 def without_lm_head(t: dict, c: dict) -> dict:
     """Gemma 2's converter skips lm_head (tied)."""
     return {n: x for n, x in t.items() if n != "lm_head.weight"}
@@ -135,13 +144,25 @@ CONVERTERS: dict[str, Converter] = {
         A.GEMMA2, "gemma2", gemma2_keys, without_lm_head,
         dict(query_pre_attn_scalar=16, tie_word_embeddings=True), norm_offset=1.0,
     ),
+    # llama.cpp's Gemma 3 slides on five layers of every six (the converter writes no pattern); a
+    # local rope base off llama.cpp's default, so that reading its key counts
+    "gemma3": Converter(
+        A.GEMMA3, "gemma3_text", gemma3_keys,
+        settings=dict(
+            num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=16,
+            rope_parameters={F: dict(rope_type="default", rope_theta=1e6), S: dict(rope_type="default", rope_theta=100.0)},
+        ),
+        norm_offset=1.0,
+    ),
 }
 
 
-def write_gguf(src: str, out: str, family: str, qtype: str = "F32", skip: tuple[str, ...] = ()) -> None:
+def write_gguf(
+    src: str, out: str, family: str, qtype: str = "F32", skip: tuple[str, ...] = (), conv: Converter | None = None
+) -> None:
     """The HF model in ``src`` as llama.cpp's converter writes it (``qtype``: its --outtype);
-    ``skip``: GGUF tensors left out."""
-    conv = CONVERTERS[family]
+    ``skip``: GGUF tensors left out; ``conv``: another converter than the family's."""
+    conv = conv or CONVERTERS[family]
     c = json.loads(Path(src, "config.json").read_text())
     hf = load_file(str(Path(src, "model.safetensors")))
     hf = {n: x + conv.norm_offset if n.endswith("norm.weight") else x for n, x in hf.items()}
@@ -252,6 +273,21 @@ def test_family_gguf_matches_transformers(family_src, qtype, tmp_path):
     assert abs(outs[-1]["meta_info"]["output_token_logprobs"][0][0] - first_logprob) < 1e-4
     assert_idle_clean(eng)
     eng.shutdown()
+
+
+def test_sliding_window_pattern_key(tmp_path):
+    """llama.cpp's ``attention.sliding_window_pattern`` as one flag per layer wins over the family's
+    period (Gemma 3's six)."""
+    src = build_family(str(tmp_path / "hf"), "gemma3")  # 3 layers: sliding, full, sliding
+
+    def keys(w, c):
+        gemma3_keys(w, c)
+        w.add_sliding_window_pattern([True, False, True])
+
+    write_gguf(src, str(tmp_path / "g.gguf"), "gemma3", conv=Converter(A.GEMMA3, "gemma3_text", keys, norm_offset=1.0))
+    cfg = load_model(str(tmp_path / "g.gguf")).config
+    assert cfg.layer_windows() == [8, None, 8]
+    assert cfg.rope_theta == 1e6
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):

@@ -1,11 +1,16 @@
 """Gemma 3 (text): Gemma 2's layers with per-head q/k norms, no soft-capping by default, and a
-second rope base (``rope_local_base_freq``) for its sliding layers (five of every six)."""
+second rope base (``rope_local_base_freq``) for its sliding layers (five of every six).
+
+GGUF (llama.cpp's ``gemma3``): Gemma 2's names and 1 + w norms; the window (none: every layer full),
+the final soft-cap and the sliding layers' rope base (``rope.freq_base_swa``, llama.cpp's default
+10000) from its keys."""
 
 from __future__ import annotations
 
 from ..config import FULL, SLIDING, ModelConfig
+from ..gguf_map import GGUFMeta, Keys
 from .base import Builder, CausalNet
-from .gemma2 import Gemma2Net
+from .gemma2 import Gemma2Net, gguf_query_scalar
 
 
 class Gemma3Net(Gemma2Net):
@@ -25,6 +30,20 @@ class Gemma3Net(Gemma2Net):
         cfg.extra["rope_local_theta"] = float(
             (local or {}).get("rope_theta", raw.get("rope_local_base_freq", 10000.0))
         )
+
+    @classmethod
+    def gguf_config(cls, meta: GGUFMeta, cfg: ModelConfig) -> None:
+        cfg.hidden_act = "gelu_pytorch_tanh"
+        window = int(meta.get(Keys.Attention.SLIDING_WINDOW, 0) or 0)
+        if window:  # five sliding layers, then a full one, unless the file says otherwise
+            cfg.sliding_window = window
+            cfg.layer_types = meta.sliding_layers(cfg.num_layers, every=6)
+        cfg.extra = {
+            "query_pre_attn_scalar": gguf_query_scalar(cfg, layers_27b=62),
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": float(meta.get(Keys.LLM.FINAL_LOGIT_SOFTCAPPING, 0.0)) or None,
+            "rope_local_theta": float(meta.get(Keys.Rope.FREQ_BASE_SWA, 10000.0)),
+        }
 
     @classmethod
     def build(cls, b: Builder) -> CausalNet:

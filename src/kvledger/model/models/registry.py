@@ -31,6 +31,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
 }
 
 GGUF_MOE_ARCHITECTURES: dict[str, str] = {
