@@ -118,6 +118,23 @@ def gemma3_keys(w: gguf.GGUFWriter, c: dict) -> None:
         w.add_sliding_window(c["sliding_window"])
 
 
+def phi3_keys(w: gguf.GGUFWriter, c: dict) -> None:
+    """``Phi3MiniModel``: its own keys: the rotary dims of partial rotation, the window (0: none)."""
+    rope = c.get("rope_parameters") or {}
+    n_embd, n_head = c["hidden_size"], c["num_attention_heads"]
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_rope_scaling_orig_ctx_len(c["original_max_position_embeddings"])
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * n_embd) // n_head)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(c.get("sliding_window") or 0)
+
+
 def without_lm_head(t: dict, c: dict) -> dict:
     """Gemma 2's converter skips lm_head (tied)."""
     return {n: x for n, x in t.items() if n != "lm_head.weight"}
@@ -154,6 +171,7 @@ CONVERTERS: dict[str, Converter] = {
         ),
         norm_offset=1.0,
     ),
+    "phi3": Converter(A.PHI3, "phi3", phi3_keys),  # qkv_proj and gate_up_proj stay fused
 }
 
 
@@ -288,6 +306,21 @@ def test_sliding_window_pattern_key(tmp_path):
     cfg = load_model(str(tmp_path / "g.gguf")).config
     assert cfg.layer_windows() == [8, None, 8]
     assert cfg.rope_theta == 1e6
+
+
+def test_phi3_longrope_is_refused(tmp_path):
+    """A Phi-3 GGUF with longrope factors (the 128k models) is refused at start, as its HF checkpoint."""
+    src = build_family(str(tmp_path / "hf"), "phi3")
+
+    def keys(w, c):  # the converter's generate_extra_tensors for a long-context model
+        phi3_keys(w, c)
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            w.add_tensor(name, np.ones(4, dtype=np.float32))
+
+    path = str(tmp_path / "long.gguf")
+    write_gguf(src, path, "phi3", conv=Converter(A.PHI3, "phi3", keys))
+    with pytest.raises(ModelLoadError, match="unsupported rope scaling 'longrope'"):
+        Engine(path, dtype="float32", max_total_tokens=256)
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):

@@ -112,6 +112,11 @@ def dense(w: Weight) -> torch.Tensor:
     return w.dequantize() if isinstance(w, BlockWeight) else w
 
 
+def select_rows(w: Weight, index: slice) -> Weight:
+    """Rows ``index`` of a weight, kept as blocks where it is blocks (a fused tensor split)."""
+    return w.rows(index) if isinstance(w, BlockWeight) else w[index]
+
+
 def cat_rows(parts: list[Weight]) -> Weight:
     """Weights stacked along rows, kept as blocks when every part is blocks of one kind."""
     if all(isinstance(p, BlockWeight) for p in parts) and len({p.kind for p in parts}) == 1:

@@ -32,6 +32,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "qwen3",
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
+    "phi3": "phi3",
 }
 
 GGUF_MOE_ARCHITECTURES: dict[str, str] = {
