@@ -172,6 +172,7 @@ CONVERTERS: dict[str, Converter] = {
         norm_offset=1.0,
     ),
     "phi3": Converter(A.PHI3, "phi3", phi3_keys),  # qkv_proj and gate_up_proj stay fused
+    "olmo2": Converter(A.OLMO2, "olmo2", text_model_keys),
 }
 
 

@@ -1,12 +1,20 @@
 """OLMo 2: norms after each block instead of before (``h += post_norm(block(h))``), and q/k RMS
 norms over the whole projection (before the split into heads). Those norms span every head, so
-tensor parallelism (which splits the heads) is refused."""
+tensor parallelism (which splits the heads) is refused.
+
+GGUF (llama.cpp's ``olmo2``): the post-norms under llama.cpp's post-norm names, nothing transformed.
+A file with a sliding window is OLMo 3's layout, which this family does not serve (refused)."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 from torch import nn
 
+from ...errors import ModelLoadError
+from ..config import ModelConfig
+from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
 from .base import Builder, CausalNet, Projections
 
@@ -25,11 +33,24 @@ class Olmo2Layer(Projections, nn.Module):
 class Olmo2Net(CausalNet):
     model_types = ("olmo2",)
     supports_tp = False
+    gguf_tensors: ClassVar[dict] = {
+        **{t: name for t, name in DECODER.items() if t not in (T.ATTN_NORM, T.FFN_NORM)},
+        T.ATTN_POST_NORM: "model.layers.{bid}.post_attention_layernorm",
+        T.FFN_POST_NORM: "model.layers.{bid}.post_feedforward_layernorm",
+    }
 
     @classmethod
     def hf_config(cls, raw, cfg) -> None:
         cfg.attention_bias = bool(raw.get("attention_bias", False))
         cfg.qk_norm = True
+
+    @classmethod
+    def gguf_config(cls, meta: GGUFMeta, cfg: ModelConfig) -> None:
+        cfg.qk_norm = True
+        if meta.get(Keys.Attention.SLIDING_WINDOW):
+            raise ModelLoadError(
+                f"{cfg.name}: an olmo2 GGUF with a sliding window (OLMo 3's layout) is not supported"
+            )
 
     @classmethod
     def build(cls, b: Builder) -> CausalNet:

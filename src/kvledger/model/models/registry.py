@@ -33,6 +33,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "olmo2": "olmo2",
 }
 
 GGUF_MOE_ARCHITECTURES: dict[str, str] = {
