@@ -135,6 +135,20 @@ def phi3_keys(w: gguf.GGUFWriter, c: dict) -> None:
     w.add_sliding_window(c.get("sliding_window") or 0)
 
 
+def qwen3moe_keys(w: gguf.GGUFWriter, c: dict) -> None:
+    """``Qwen2MoeModel``: TextModel's keys and the experts' width."""
+    text_model_keys(w, c)
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
+
+
+def qwen3moe_tensors(t: dict, c: dict) -> dict:
+    """``Qwen2MoeModel.modify_tensors``: a layer's experts stacked per projection."""
+    return stack_experts(
+        t, c, "model.layers.{bid}.mlp.experts.{xid}.{w}.weight", ("down_proj", "gate_proj", "up_proj"),
+        "model.layers.{bid}.mlp.experts.{w}.weight",
+    )  # fmt: skip
+
+
 def without_lm_head(t: dict, c: dict) -> dict:
     """Gemma 2's converter skips lm_head (tied)."""
     return {n: x for n, x in t.items() if n != "lm_head.weight"}
@@ -173,6 +187,10 @@ CONVERTERS: dict[str, Converter] = {
     ),
     "phi3": Converter(A.PHI3, "phi3", phi3_keys),  # qkv_proj and gate_up_proj stay fused
     "olmo2": Converter(A.OLMO2, "olmo2", text_model_keys),
+    # llama.cpp routes every layer and renormalizes the top-k weights of Qwen3-MoE
+    "qwen3_moe": Converter(
+        A.QWEN3MOE, "qwen3_moe", qwen3moe_keys, qwen3moe_tensors, dict(norm_topk_prob=True, mlp_only_layers=[])
+    ),
 }
 
 
@@ -322,6 +340,22 @@ def test_phi3_longrope_is_refused(tmp_path):
     write_gguf(src, path, "phi3", conv=Converter(A.PHI3, "phi3", keys))
     with pytest.raises(ModelLoadError, match="unsupported rope scaling 'longrope'"):
         Engine(path, dtype="float32", max_total_tokens=256)
+
+
+def test_missing_or_miscounted_experts_are_clear_errors(tmp_path):
+    src = build_family(str(tmp_path / "hf"), "qwen3_moe", **CONVERTERS["qwen3_moe"].settings)
+    path = str(tmp_path / "no-up.gguf")
+    write_gguf(src, path, "qwen3_moe", "Q8_0", skip=("blk.1.ffn_up_exps.weight",))
+    with pytest.raises(ModelLoadError, match=r"lacks blk\.1\.ffn_up_exps\.weight \(layer 1's experts\)"):
+        load_model(path)
+
+    def three(w, c):  # the metadata says 3 experts, the tensors hold 4
+        qwen3moe_keys(w, {**c, "num_local_experts": 3, "num_experts": 3})
+
+    path = str(tmp_path / "three.gguf")
+    write_gguf(src, path, "qwen3_moe", conv=Converter(A.QWEN3MOE, "qwen3_moe", three, qwen3moe_tensors))
+    with pytest.raises(ModelLoadError, match=r"ffn_\w+_exps\.weight holds 4 experts; the metadata says 3"):
+        load_model(path)
 
 
 def test_unknown_architecture_names_the_supported_ones(tmp_path):

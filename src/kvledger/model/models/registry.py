@@ -34,6 +34,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "gemma3": "gemma3_text",
     "phi3": "phi3",
     "olmo2": "olmo2",
+    "qwen3moe": "qwen3_moe",
 }
 
 GGUF_MOE_ARCHITECTURES: dict[str, str] = {
