@@ -191,6 +191,7 @@ CONVERTERS: dict[str, Converter] = {
     "qwen3_moe": Converter(
         A.QWEN3MOE, "qwen3_moe", qwen3moe_keys, qwen3moe_tensors, dict(norm_topk_prob=True, mlp_only_layers=[])
     ),
+    "mixtral": Converter(A.LLAMA, "mixtral", llama_keys, llama_tensors),  # arch llama with experts
 }
 
 

@@ -1,11 +1,16 @@
 """Mixtral: Mistral's attention with top-k routed experts (renormalized top-k weights) in every
-layer; its checkpoints name experts ``block_sparse_moe.experts.E.w1/w2/w3``."""
+layer; its checkpoints name experts ``block_sparse_moe.experts.E.w1/w2/w3``.
+
+GGUF: llama.cpp writes Mixtral as arch ``llama`` with ``llama.expert_count`` > 0 (the registry's
+``GGUF_MOE_ARCHITECTURES``) and Qwen3-MoE's stacked expert tensors; its Llama converter permutes the
+q/k rows (undone here), and the experts' width is ``feed_forward_length``."""
 
 from __future__ import annotations
 
 import re
 
 from ..config import SLIDING, ModelConfig
+from ..gguf_map import GGUFMeta, unpermute_attention
 from ..quantized import Weight
 from .qwen3_moe import Qwen3MoeNet
 
@@ -28,6 +33,15 @@ class MixtralNet(Qwen3MoeNet):
         if raw.get("sliding_window"):
             cfg.sliding_window = int(raw["sliding_window"])
             cfg.layer_types = [SLIDING] * cfg.num_layers
+
+    @classmethod
+    def gguf_config(cls, meta: GGUFMeta, cfg: ModelConfig) -> None:
+        super().gguf_config(meta, cfg)
+        cfg.moe_intermediate_size = cfg.intermediate_size
+
+    @classmethod
+    def gguf_weights(cls, weights: dict[str, Weight], cfg: ModelConfig) -> dict[str, Weight]:
+        return super().gguf_weights(unpermute_attention(weights, cfg), cfg)
 
     @classmethod
     def hf_weights(cls, weights: dict[str, Weight], cfg: ModelConfig) -> dict[str, Weight]:

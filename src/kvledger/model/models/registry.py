@@ -39,6 +39,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 
 GGUF_MOE_ARCHITECTURES: dict[str, str] = {
     # GGUF general.architecture of a file with routed experts ({arch}.expert_count > 0): model_type
+    "llama": "mixtral",
 }
 
 
