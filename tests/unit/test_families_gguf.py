@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvledger import Engine, ModelLoadError
+from kvledger import Engine, ModelLoadError, kernels
 from kvledger.model import load_model
 from kvledger.model.gguf_map import permute_qk
 from kvledger.model.models.registry import GGUF_ARCHITECTURES, family_for
@@ -311,6 +311,14 @@ def test_family_gguf_matches_transformers(family_src, qtype, tmp_path):
     assert abs(outs[-1]["meta_info"]["output_token_logprobs"][0][0] - first_logprob) < 1e-4
     assert_idle_clean(eng)
     eng.shutdown()
+
+    if qtype != "F32" and kernels.load():  # served in its own precision: the kernels pack the file's blocks
+        eng = Engine(path, dtype="bfloat16", max_total_tokens=1024, strict_memory=True)
+        assert eng.core.model.quantization == ("int4" if qtype == "Q4_1" else "int8")
+        out = eng.generate(input_ids=prompts[-1], sampling_params={**GREEDY, "max_new_tokens": 4})
+        assert len(out["output_ids"]) == 4
+        assert_idle_clean(eng)
+        eng.shutdown()
 
 
 def test_sliding_window_pattern_key(tmp_path):
