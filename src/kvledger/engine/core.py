@@ -105,7 +105,10 @@ def _runner(cfg: EngineConfig, model: LlamaModel, device: str) -> ModelRunner:
         lc.num_layers, cfg.cache.max_total_tokens, lc.num_kv_heads, lc.head_dim, model.dtype, device
     )
     table = PageTable(cfg.scheduler.max_running_requests, cfg.model.context_length, cfg.cache.page_size, device)
-    return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed)
+    sampling = cfg.kernels.sampling_backend
+    if sampling == "auto":
+        sampling = "device" if torch.device(device).type == "cuda" else "host"
+    return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling)
 
 
 def build_runner(

@@ -4,9 +4,11 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .llama import LlamaModel
 from .loader import LoadedModel, default_model_path, load_model
-from .sampler import Sampler, SampleResult, row_generator
+from .sampler import Sampler, SampleResult
+from .sampler_device import DeviceSampler
 
 __all__ = [
+    "DeviceSampler",
     "ForwardBatch",
     "LlamaModel",
     "LoadedModel",
@@ -15,5 +17,4 @@ __all__ = [
     "Sampler",
     "default_model_path",
     "load_model",
-    "row_generator",
 ]
