@@ -55,6 +55,7 @@ def test_device_sampling_backend_same_outputs_as_host(make_engine, kw):
     host = make_engine(sampling_backend="host", **kw)
     dev = make_engine(sampling_backend="device", **kw)
     assert not host.core.executor.runner.on_device and dev.core.executor.runner.on_device
+    assert not make_engine().core.executor.runner.on_device  # auto: host on a CPU
     assert _results(dev, _JOBS) == _results(host, _JOBS)
     # A repeated prompt with drafts: verification rows were sampled on the device path.
     rep = [([1, 2, 3, 4] * 8, {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})]
@@ -88,3 +89,13 @@ def test_device_sampling_backend_grammars(chat_model):
     assert out["device"] == out["host"]
     assert json.loads(out["device"][0][1])["n"] in range(100) and len(out["device"][1][1]) == 5
     assert json.loads(out["device"][2][1])["n"] in range(100)
+
+
+def test_auto_sampling_backend_is_device_on_cuda_only():
+    from kvledger.config import EngineConfig
+    from kvledger.engine.core import sampling_backend
+
+    auto = EngineConfig()
+    assert [sampling_backend(auto, d) for d in ("cpu", "cuda", "cuda:1", "meta")] == ["host", "device", "device", "host"]
+    assert sampling_backend(EngineConfig.from_flat(sampling_backend="device"), "cpu") == "device"
+    assert sampling_backend(EngineConfig.from_flat(sampling_backend="host"), "cuda") == "host"
