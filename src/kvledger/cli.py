@@ -14,6 +14,7 @@ from .config import (
     DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
+    SAMPLING_BACKENDS,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
     STORAGE_BACKENDS,
@@ -62,6 +63,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=ATTENTION_BACKENDS,
         help="cpu: kvledger's C++ kernels (paged decode attention in place, fused norm/rotary/SiLU; built "
         "on first use, ~1 min, cached); auto (default): cpu for bfloat16 on a CPU where they build",
+    )
+    p.add_argument(
+        "--sampling-backend",
+        default=d.sampling_backend,
+        choices=SAMPLING_BACKENDS,
+        help="host: sample from a CPU copy of the logits; device: batched on the logits' device, one copy "
+        "of the sampled ids back (same greedy and seeded tokens); auto (default): device on CUDA, host on CPU",
     )
     p.add_argument(
         "--enable-int8-batch",

@@ -24,6 +24,7 @@ from .errors import ValidationError
 DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+SAMPLING_BACKENDS = ("auto", "host", "device")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DISAGGREGATION_MODES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "mooncake")
@@ -426,7 +427,7 @@ class DisaggregationSettings:
 
 @dataclass
 class KernelSettings:
-    """How the forward runs: attention backend, int8 batches, torch.compile."""
+    """How the forward runs: attention backend, int8 batches, torch.compile, where sampling runs."""
 
     attention_backend: str = "auto"
     """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
@@ -439,12 +440,19 @@ class KernelSettings:
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""
+    sampling_backend: str = "auto"
+    """auto | host | device. host: the sampled rows' logits are copied to the CPU and sampled there
+    (model/sampler.py); device: batched torch ops where the logits are, one copy of the sampled ids
+    back (model/sampler_device.py); both draw the same greedy and seeded tokens. auto: device on CUDA,
+    host on a CPU (where both run on the same cores and the host one is as fast)."""
 
     def __post_init__(self) -> None:
         self.attention_backend = _norm(self.attention_backend) or "auto"
+        self.sampling_backend = _norm(self.sampling_backend) or "auto"
 
     def check(self) -> None:
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
+        _one_of(self.sampling_backend, SAMPLING_BACKENDS, "sampling_backend")
 
 
 @dataclass

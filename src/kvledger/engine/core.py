@@ -105,7 +105,15 @@ def _runner(cfg: EngineConfig, model: LlamaModel, device: str) -> ModelRunner:
         lc.num_layers, cfg.cache.max_total_tokens, lc.num_kv_heads, lc.head_dim, model.dtype, device
     )
     table = PageTable(cfg.scheduler.max_running_requests, cfg.model.context_length, cfg.cache.page_size, device)
-    return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed)
+    return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device))
+
+
+def sampling_backend(cfg: EngineConfig, device: str) -> str:
+    """``host`` or ``device`` for ``--sampling-backend``; auto: device on CUDA (no copy of the logits
+    each step), host on a CPU (measured no faster batched there: the same cores do both)."""
+    if cfg.kernels.sampling_backend != "auto":
+        return cfg.kernels.sampling_backend
+    return "device" if torch.device(device).type == "cuda" else "host"
 
 
 def build_runner(
