@@ -71,6 +71,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="host: sample from a CPU copy of the logits; device: batched on the logits' device, one copy "
         "of the sampled ids back (same greedy and seeded tokens); auto (default): device on CUDA, host on CPU",
     )
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on CUDA, run every step eager (by default a step of decodes alone replays the CUDA "
+                   "graph captured at start for its batch size)")  # fmt: skip
+    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="the largest decode batch captured in a CUDA graph; larger ones run eager "
+                   "(default 160, capped at --max-running-requests)")  # fmt: skip
     p.add_argument(
         "--enable-int8-batch",
         action="store_true",

@@ -427,7 +427,8 @@ class DisaggregationSettings:
 
 @dataclass
 class KernelSettings:
-    """How the forward runs: attention backend, int8 batches, torch.compile, where sampling runs."""
+    """How the forward runs: attention backend, int8 batches, torch.compile, where sampling runs,
+    CUDA graphs."""
 
     attention_backend: str = "auto"
     """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
@@ -445,6 +446,13 @@ class KernelSettings:
     (model/sampler.py); device: batched torch ops where the logits are, one copy of the sampled ids
     back (model/sampler_device.py); both draw the same greedy and seeded tokens. auto: device on CUDA,
     host on a CPU (where both run on the same cores and the host one is as fast)."""
+    disable_cuda_graph: bool = False
+    """SGLang's flag. On CUDA a step of decodes alone replays a CUDA graph captured at start for its
+    batch-size bucket (engine/graph_runner.py); with this flag every step runs eager. No meaning on
+    a CPU (nothing is captured there)."""
+    cuda_graph_max_bs: int | None = None
+    """SGLang's flag: the largest decode batch captured; larger batches run eager. None: SGLang's
+    default, 160, capped at ``max_running_requests``."""
 
     def __post_init__(self) -> None:
         self.attention_backend = _norm(self.attention_backend) or "auto"
@@ -453,6 +461,7 @@ class KernelSettings:
     def check(self) -> None:
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.sampling_backend, SAMPLING_BACKENDS, "sampling_backend")
+        _positive(self, "cuda_graph_max_bs")
 
 
 @dataclass

@@ -26,6 +26,7 @@ class ModelRunner:
         self.on_device = sampling == "device"
         self.sampler = DeviceSampler(seed) if self.on_device else Sampler(seed)
         self.sparse = None  # model/hisparse.py SparseWorker, with --enable-hisparse
+        self.graphs = None  # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs
 
     def build(self, sched: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled requests; every request that samples puts ``1 + num_draft``
@@ -89,6 +90,10 @@ class ModelRunner:
                 for layer in range(self.kv_buffer.k.shape[0]):
                     connector.wait_for_layer_load(layer)
             return ModelRunnerOutput.empty(0) if sample else None
+        if self.graphs is not None:
+            logits = self.graphs.try_run(sched, connector)  # None: this step runs eager (counted)
+            if logits is not None:
+                return self._sample(sched, logits) if sample else None
         batch = self.build(sched)
         hidden = None
         with lora_mod.active(batch.lora):  # each row's adapter, for the adapted projections

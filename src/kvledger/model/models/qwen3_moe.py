@@ -13,6 +13,7 @@ from .base import Builder, CausalNet, PreNormLayer, stack_experts
 class Qwen3MoeNet(CausalNet):
     model_types = ("qwen3_moe",)
     qk_norm = True
+    graph_safe = False  # layers/moe.py: each expert's rows are counted on the host
 
     @classmethod
     def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
