@@ -131,3 +131,25 @@ def test_triton_kernel_under_the_interpreter():
                        env={**os.environ, "TRITON_INTERPRET": "1"})  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
     assert "cases 12" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_kernel_on_cuda(dtype, page_size):
+    """On a GPU: the compiled kernel against the reference backend on the same device (fp32 to 1e-5;
+    bf16 to bf16's rounding of the output)."""
+    for H, KVH, D in [*SHAPES, (9, 3, 64)]:
+        rng = random.Random(page_size + H)
+        B, width = 7, 256
+        num_pages = (2 * B * width) // page_size + 2
+        batch, rows, lens = _decode_batch(rng, page_size, num_pages, width, B)
+        batch.req_to_token, batch.out_loc = batch.req_to_token.cuda(), batch.out_loc.cuda()
+        kv = _KV(2, KVH, num_pages * page_size, D, seed=4)
+        kv.k, kv.v = kv.k.to("cuda", dtype), kv.v.to("cuda", dtype)
+        g = torch.Generator().manual_seed(5)
+        q, k, v = (torch.randn(B, n, D, generator=g).to("cuda", dtype) for n in (H, KVH, KVH))
+        want = _reference(H, KVH, D, kv, batch, q, k, v)
+        got = triton_decode.decode(q, kv.k[1], kv.v[1], batch.req_to_token, rows.cuda(), lens.cuda(), D**-0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
