@@ -258,11 +258,6 @@ class EngineCore:
             tiers=tiers,
         )
         runner = self.runner = _runner(self.cfg, self.model, device)
-        if graphs:
-            max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
-            runner.graphs = make_graph_runner(
-                self.model, runner.kv_buffer, runner.page_table, self.kv_manager, max_bs, graph_capture
-            )
         if cfg.hisparse.enable_hisparse and cfg.disagg.disaggregation_mode == "prefill":
             log.info("HiSparse is decode-side: off on this prefill server (its requests never decode)")
         elif cfg.hisparse.enable_hisparse:
@@ -341,7 +336,13 @@ class EngineCore:
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
         self.limits = self._limits(cfg, mc, context)
         if cfg.kernels.enable_torch_compile:
-            self.model.enable_compile()
+            self.model.enable_compile()  # (before the capture: it may replace the embedding's table)
+        if graphs:  # captured before any request (the padding page is reserved from a full pool)
+            max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+            runner.graphs = make_graph_runner(
+                self.model, runner.kv_buffer, runner.page_table, self.kv_manager, max_bs, graph_capture
+            )
+        if cfg.kernels.enable_torch_compile:
             self._warm_up_compile()
         dtype_name = str(self.dtype).replace("torch.", "") + (
             f"+{cfg.model.quantization}" if cfg.model.quantization else ""
