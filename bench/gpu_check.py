@@ -1,6 +1,6 @@
 """The checks run on a lent GPU (``--device cuda``): correctness first, then the real server, then speed.
 
-    python bench/gpu_check.py --gguf FILE --hf-config DIR --out DIR [--device cuda] [--quick]
+    python bench/gpu_check.py --gguf FILE --hf-config DIR --out DIR [--device cuda] [--quick] [--only STEPS]
 
 1. Parity: the GGUF served in fp32 on the device gives transformers' greedy tokens on the same device,
    token for token, for chat prompts in one mixed batch (chunked prefill small enough that prefill
@@ -13,6 +13,26 @@
    in ``--hf-config``, random bf16 weights, since a GPU machine here cannot take the 98 MB file along):
    offline single stream, 32 and 128 streams, one 1,024-token prefill, against transformers'
    ``generate`` on the same device in the same run; then ``kvledger bench`` over HTTP.
+4. ``graphs`` (issue 32, ``bench/gpu_graphs.py``): fp32 greedy parity with transformers with CUDA graphs
+   on and off (and that graphs replayed), books clean, and output tok/s at 1 / 32 / 128 streams in bf16
+   with graphs + overlap scheduling on vs off, with the per-step breakdown (host schedule and update,
+   the forward's launch or replay on the host and its GPU time from ``torch.cuda.Event``s, sampling,
+   the step) and the issue's targets (1 stream >= 500, 128 streams >= 20,000 output tok/s).
+
+Issue 32 on a lent GPU, in one call. Here, once (the kit: the GGUF's first 4 blocks, its tokenizer,
+and the wheels that machine lacks, for its python 3.12; ~55 MB, under the 64 MiB a call carries):
+
+    python bench/gpu_check.py --make-kit bench/out/kit --wheels-python 3.12
+    python bench/gpu_check.py --dry-run --only graphs      # the same steps on the CPU, small (~1 min)
+
+then on the GPU, carrying ``bench/out/kit`` (about 5 minutes; the CUDA tests first):
+
+    pip install -q --no-index --no-deps --target /tmp/site bench/out/kit/wheels/*.whl && export \
+    KVLEDGER_CPU_KERNELS=0 PYTHONPATH=src:.:/tmp/site && timeout 240 python -m pytest -q -rs \
+    tests/engine/test_device.py tests/engine/test_graph_runner.py tests/unit/test_graph_attention.py \
+    tests/unit/test_sampler_device.py > $OUT/pytest.txt 2>&1; tail -3 $OUT/pytest.txt; python \
+    bench/gpu_check.py --gguf bench/out/kit/smollm2-4blk.gguf --hf-config bench/out/kit/smollm2 \
+    --out $OUT --only graphs 2>&1 | tail -60
 
 Everything lands in ``OUT/gpu_check.json`` (and the server logs beside it). The GGUF given can be any
 Llama GGUF; the lent machine's transfer limit (64 MiB) is why a truncated SmolLM2 (its first blocks,
@@ -21,12 +41,10 @@ the real tokenizer) is what was used there, see bench/RESULTS.md. To prepare one
     python bench/gpu_check.py --make-kit KIT [--blocks 4]
 
 writes ``KIT/smollm2-4blk.gguf`` (the shipped GGUF's first blocks, every tensor as stored) and
-``KIT/smollm2`` (its config and tokenizer, for ``--hf-config``). The machine also needs the wheels it
-lacks (for python 3.12: fastapi, starlette, uvicorn, pydantic, pydantic-core, annotated-types,
-typing-inspection, opentelemetry-api, gguf, pyzmq, msgspec, xgrammar, apache-tvm-ffi, openai, jiter,
-sniffio, httpx2, httpcore2, truststore), installed there with ``pip install --no-index --no-deps
---target`` and put on ``PYTHONPATH`` with ``src`` and the repository root; ``KVLEDGER_CPU_KERNELS=0``
-skips building the CPU kernels there.
+``KIT/smollm2`` (its config and tokenizer, for ``--hf-config``); with ``--wheels-python X.Y`` also
+``KIT/wheels``, the wheels the machine lacks (``KIT_WHEELS``, at this environment's versions, for that
+python), installed there with ``pip install --no-index --no-deps --target`` and put on ``PYTHONPATH``
+with ``src`` and the repository root; ``KVLEDGER_CPU_KERNELS=0`` skips building the CPU kernels there.
 """
 
 from __future__ import annotations
@@ -115,14 +133,17 @@ def parity(args, res: dict) -> None:
         )
 
 
-def build_full_model(args) -> str:
-    """SmolLM2-135M's shape and tokenizer with random bf16 weights (speed does not depend on the values)."""
+def build_full_model(args, layers: int | None = None) -> str:
+    """SmolLM2-135M's shape and tokenizer with random bf16 weights (speed does not depend on the values);
+    ``layers``: fewer layers (the ``--dry-run``'s)."""
     from transformers import AutoConfig, LlamaForCausalLM
 
-    out = Path(args.work) / "smollm2-shape"
+    out = Path(args.work) / f"smollm2-shape{f'-{layers}l' if layers else ''}"
     if out.exists():
         shutil.rmtree(out)
     cfg = AutoConfig.from_pretrained(args.hf_config)
+    if layers:
+        cfg.num_hidden_layers = layers
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
@@ -327,6 +348,32 @@ def http_bench(args, model: str, res: dict) -> None:
         srv.stop()
 
 
+# What the lent machine lacks (it has torch, transformers, numpy, pytest; it reaches no registry).
+KIT_WHEELS = (
+    "fastapi", "starlette", "uvicorn", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+    "opentelemetry-api", "gguf", "pyzmq", "msgspec", "xgrammar", "apache-tvm-ffi", "openai", "jiter", "sniffio",
+    "httpx", "httpcore", "h11", "anyio", "truststore", "prometheus-client",
+)  # fmt: skip
+
+
+def download_wheels(out: Path, python: str) -> None:
+    """``KIT_WHEELS`` at this environment's versions, as wheels for CPython ``python`` on x86-64 Linux."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    pins = []
+    for name in KIT_WHEELS:
+        try:
+            pins.append(f"{name}=={version(name)}")
+        except PackageNotFoundError:
+            log.warning("%s is not installed here: left out of the kit", name)
+    tag = python.replace(".", "")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", python,
+           "--implementation", "cp", "--abi", f"cp{tag}", "--abi", "abi3", "--abi", "none",
+           "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+           "--platform", "manylinux2014_x86_64", "--platform", "any", "-d", str(out), *pins]  # fmt: skip
+    subprocess.run(cmd, check=True)
+
+
 def make_kit(out: Path, blocks: int) -> None:
     """The shipped SmolLM2 GGUF cut to its first ``blocks`` blocks, and its config + tokenizer."""
     import gguf
@@ -367,30 +414,48 @@ def main() -> int:
     ap.add_argument("--hf-config", help="dir with config.json + tokenizer of the default model")
     ap.add_argument("--make-kit", metavar="DIR", help="write a truncated SmolLM2 GGUF + its tokenizer, exit")
     ap.add_argument("--blocks", type=int, default=4, help="--make-kit: blocks kept")
+    ap.add_argument("--wheels-python", metavar="X.Y",
+                    help="--make-kit: also download KIT/wheels, what the lent machine lacks, for this python")  # fmt: skip
+    ap.add_argument("--dry-run", action="store_true",
+                    help="everything on the CPU, small (the graphs step through the CPU stand-in); makes a kit in "
+                    "--work when --gguf/--hf-config are not given")  # fmt: skip
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="bench/out/gpu")
     ap.add_argument("--work", default="/tmp/kvledger-gpu-check")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="parity,server,offline,http")
+    ap.add_argument("--only", default="parity,server,offline,http",
+                    help="comma-separated steps: parity, server, offline, http, graphs (issue 32)")  # fmt: skip
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.make_kit:
         make_kit(Path(args.make_kit), args.blocks)
+        if args.wheels_python:
+            download_wheels(Path(args.make_kit) / "wheels", args.wheels_python)
         return 0
+    if args.dry_run:
+        args.device = "cpu"
+        if not (args.gguf and args.hf_config):
+            kit = Path(args.work) / "kit"
+            make_kit(kit, 2)
+            args.gguf, args.hf_config = str(kit / "smollm2-2blk.gguf"), str(kit / "smollm2")
     if not (args.gguf and args.hf_config):
-        ap.error("--gguf and --hf-config are needed (or --make-kit DIR)")
+        ap.error("--gguf and --hf-config are needed (or --make-kit DIR, or --dry-run)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     res: dict = {"device": args.device, "torch": torch.__version__}
     if args.device.startswith("cuda"):
         res["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    res["dry_run"] = args.dry_run
     steps = args.only.split(",")
     failures = []
     model = build_full_model(args) if {"offline", "http"} & set(steps) else None
+    import gpu_graphs  # (beside this file; it imports this module's helpers)
+
     for name, fn in (("parity", lambda: parity(args, res)), ("server", lambda: server_checks(args, res)),
                      ("offline", lambda: offline_speed(args, model, res)),
-                     ("http", lambda: http_bench(args, model, res))):  # fmt: skip
+                     ("http", lambda: http_bench(args, model, res)),
+                     ("graphs", lambda: gpu_graphs.check(args, res))):  # fmt: skip
         if name not in steps:
             continue
         try:

@@ -37,12 +37,12 @@ def wait_idle(url: str, timeout: float = 10, headers: dict | None = None) -> tup
 
 
 def books_balance(info: dict) -> bool:
-    """Idle books: every page free, cached or held by a session, the sessions hold what they say, and
-    HiSparse holds nothing (no host page, no hot page)."""
+    """Idle books: every page free, cached, held by a session or reserved (CUDA graphs' padding page),
+    the sessions hold what they say, and HiSparse holds nothing (no host page, no hot page)."""
     m = info["memory"]
     sparse_free = "hisparse" not in m or (m["hisparse"]["host_held"] == 0 and m["kv_hisparse_hot"] == 0)
     return (
-        m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] == m["kv_total"]
+        m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] + m.get("kv_reserved", 0) == m["kv_total"]
         and m["kv_session"] == sum(s["held_tokens"] for s in info["sessions"])
         and sparse_free
     )

@@ -15,6 +15,7 @@ from .config import (
     DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
+    SAMPLING_BACKENDS,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
     STORAGE_BACKENDS,
@@ -64,6 +65,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="cpu: kvledger's C++ kernels (paged decode attention in place, fused norm/rotary/SiLU; built "
         "on first use, ~1 min, cached); auto (default): cpu for bfloat16 on a CPU where they build",
     )
+    p.add_argument(
+        "--sampling-backend",
+        default=d.sampling_backend,
+        choices=SAMPLING_BACKENDS,
+        help="host: sample from a CPU copy of the logits; device: batched on the logits' device, one copy "
+        "of the sampled ids back (same greedy and seeded tokens); auto (default): device on CUDA, host on CPU",
+    )
+    p.add_argument("--disable-cuda-graph", action="store_true",
+                   help="on CUDA, run every step eager (by default a step of decodes alone replays the CUDA "
+                   "graph captured at start for its batch size)")  # fmt: skip
+    p.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                   help="the largest decode batch captured in a CUDA graph; larger ones run eager "
+                   "(default 160, capped at --max-running-requests)")  # fmt: skip
     p.add_argument(
         "--enable-int8-batch",
         action="store_true",

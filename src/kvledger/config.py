@@ -25,6 +25,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 CPU_AMX = ("auto", "on", "off")
+SAMPLING_BACKENDS = ("auto", "host", "device")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 DISAGGREGATION_MODES = ("prefill", "decode")
 TRANSFER_BACKENDS = ("tcp", "mooncake")
@@ -427,7 +428,8 @@ class DisaggregationSettings:
 
 @dataclass
 class KernelSettings:
-    """How the forward runs: attention backend, int8 batches, torch.compile."""
+    """How the forward runs: attention backend, int8 batches, torch.compile, where sampling runs,
+    CUDA graphs."""
 
     attention_backend: str = "auto"
     """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
@@ -447,14 +449,29 @@ class KernelSettings:
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""
+    sampling_backend: str = "auto"
+    """auto | host | device. host: the sampled rows' logits are copied to the CPU and sampled there
+    (model/sampler.py); device: batched torch ops where the logits are, one copy of the sampled ids
+    back (model/sampler_device.py); both draw the same greedy and seeded tokens. auto: device on CUDA,
+    host on a CPU (where both run on the same cores and the host one is as fast)."""
+    disable_cuda_graph: bool = False
+    """SGLang's flag. On CUDA a step of decodes alone replays a CUDA graph captured at start for its
+    batch-size bucket (engine/graph_runner.py); with this flag every step runs eager. No meaning on
+    a CPU (nothing is captured there)."""
+    cuda_graph_max_bs: int | None = None
+    """SGLang's flag: the largest decode batch captured; larger batches run eager. None: SGLang's
+    default, 160, capped at ``max_running_requests``."""
 
     def __post_init__(self) -> None:
         self.attention_backend = _norm(self.attention_backend) or "auto"
         self.cpu_amx = _norm(self.cpu_amx) or "auto"
+        self.sampling_backend = _norm(self.sampling_backend) or "auto"
 
     def check(self) -> None:
         _one_of(self.attention_backend, ATTENTION_BACKENDS, "attention_backend")
         _one_of(self.cpu_amx, CPU_AMX, "cpu_amx")
+        _one_of(self.sampling_backend, SAMPLING_BACKENDS, "sampling_backend")
+        _positive(self, "cuda_graph_max_bs")
 
 
 @dataclass

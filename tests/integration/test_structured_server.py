@@ -95,11 +95,14 @@ SCHEMAS: list[tuple[str, dict]] = [
 ]
 
 
+MAX_TOKENS = 160
+
+
 def chat_body(prompt: str, temperature: float, **extra) -> dict:
     return {
         "model": "default",
         "messages": [{"role": "user", "content": f"Reply in JSON: {prompt}."}],
-        "max_tokens": 160,
+        "max_tokens": MAX_TOKENS,
         "temperature": temperature,
         "seed": 3,
         **extra,
@@ -128,13 +131,46 @@ def test_twenty_schemas_validate_beside_unconstrained_requests(smol_server, temp
             return await asyncio.gather(*constrained, *free)
 
     rs = asyncio.run(main())
+    truncated = []
     for r, (prompt, schema) in zip(rs, SCHEMAS):
         assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        content = choice["message"]["content"]
+        if choice["finish_reason"] == "length" and temperature > 0:
+            # A sampled draw can walk a 135M model into a loop inside a free string ("Lau_Lau_..."),
+            # which no grammar ends: then the output is cut at max_tokens, and must still be a prefix
+            # the schema's grammar accepts (the mask held at every step).
+            assert usage["completion_tokens"] == MAX_TOKENS, (prompt, usage)
+            assert grammar_accepts_prefix(schema, content), (prompt, content)
+            truncated.append(prompt)
+            continue
         assert choice["finish_reason"] == "stop", (prompt, choice)
-        jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        jsonschema.validate(json.loads(content), schema)
+    # Greedy: every schema closes. Sampled: all but a few (~1.5% of seeded draws loop, measured over
+    # 480 requests); most must still close the grammar and validate.
+    assert len(truncated) <= (2 if temperature > 0 else 0), truncated
     assert all(r.status_code == 200 for r in rs[len(SCHEMAS) :])
     smol_server.wait_idle_clean()
+
+
+def grammar_accepts_prefix(schema: dict, text: str) -> bool:
+    """Whether ``text`` is a prefix of some output of ``schema``'s grammar (the one the server
+    enforces, from ``json_schema_grammar``), with xgrammar's string matcher."""
+    import xgrammar as xgr
+
+    from kvledger.constrained.grammar import json_schema_grammar
+
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"]), max_threads=1).compile_grammar(
+        json_schema_grammar(schema, "schema", "schema")
+    )
+    return xgr.GrammarMatcher(compiled).accept_string(text)
+
+
+def test_grammar_accepts_prefix_tells_a_cut_output_from_a_wrong_one():
+    pet = dict(SCHEMAS)["a pet"]
+    assert grammar_accepts_prefix(pet, '{"kind": "cat", "name": "Lau_Lau_Lau')
+    assert not grammar_accepts_prefix(pet, '{"kind": "cow"')
+    assert not grammar_accepts_prefix(pet, '{"name": "Rex"')  # keys in the schema's order
 
 
 def test_json_object_regex_and_native_grammars(smol_server):

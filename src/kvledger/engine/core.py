@@ -35,6 +35,7 @@ from ..scheduler import PAUSE_MODES, ModelRunnerOutput, Req, Scheduler, Schedule
 from ..spec.setup import make_proposer
 from ..testing import faults
 from .executor import Executor, InProcessExecutor
+from .graph_runner import GraphCapture, graph_max_bs, graphs_planned, make_graph_runner
 from .malloc import keep_heap_memory
 from .overlap import ForwardThread
 from .page_table import PageTable
@@ -106,7 +107,15 @@ def _runner(cfg: EngineConfig, model: LlamaModel, device: str) -> ModelRunner:
         lc.num_layers, cfg.cache.max_total_tokens, lc.num_kv_heads, lc.head_dim, model.dtype, device
     )
     table = PageTable(cfg.scheduler.max_running_requests, cfg.model.context_length, cfg.cache.page_size, device)
-    return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed)
+    return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device))
+
+
+def sampling_backend(cfg: EngineConfig, device: str) -> str:
+    """``host`` or ``device`` for ``--sampling-backend``; auto: device on CUDA (no copy of the logits
+    each step), host on a CPU (measured no faster batched there: the same cores do both)."""
+    if cfg.kernels.sampling_backend != "auto":
+        return cfg.kernels.sampling_backend
+    return "device" if torch.device(device).type == "cuda" else "host"
 
 
 def build_runner(
@@ -177,7 +186,11 @@ class EngineCore:
         cfg: EngineConfig,
         loaded: LoadedModel | None = None,
         connector: KVConnector | None = None,
+        graph_capture: GraphCapture | None = None,
     ):
+        """``graph_capture``: how decode steps are captured (``engine/graph_runner.py``); None: CUDA
+        graphs on CUDA (unless ``--disable-cuda-graph``), none elsewhere. The tests pass its CPU
+        stand-in, ``EagerCapture``."""
         device = check_config(cfg)
         if ":" in device:  # cuda:N: this process's current device (allocations, streams)
             torch.cuda.set_device(torch.device(device))
@@ -229,7 +242,11 @@ class EngineCore:
         per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, self.dtype)
         num_pages = max(1, (cfg.cache.max_total_tokens or default_kv_tokens(per_token, device)) // ps)
         total = num_pages * ps
-        context = min(cfg.model.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total)
+        # Decode steps in CUDA graphs keep one page for their padding rows, out of every request's reach.
+        graphs = graphs_planned(cfg.kernels.disable_cuda_graph, device, graph_capture, self.model, num_pages)
+        context = min(
+            cfg.model.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total - ps * graphs
+        )
         self.cfg = cfg.replace(max_total_tokens=total, context_length=context)
         tiers = None
         if cfg.hicache.enable_hierarchical_cache:
@@ -325,7 +342,13 @@ class EngineCore:
         self.sessions = SessionManager(self.kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
         self.limits = self._limits(cfg, mc, context)
         if cfg.kernels.enable_torch_compile:
-            self.model.enable_compile()
+            self.model.enable_compile()  # (before the capture: it may replace the embedding's table)
+        if graphs:  # captured before any request (the padding page is reserved from a full pool)
+            max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+            runner.graphs = make_graph_runner(
+                self.model, runner.kv_buffer, runner.page_table, self.kv_manager, max_bs, graph_capture
+            )
+        if cfg.kernels.enable_torch_compile:
             self._warm_up_compile()
         dtype_name = str(self.dtype).replace("torch.", "") + (
             f"+{cfg.model.quantization}" if cfg.model.quantization else ""
@@ -683,6 +706,8 @@ class EngineCore:
         if self.loras is not None:
             self.loras.attach(model)  # the adapters serve on the new base weights
         self.model = self.runner.model = model
+        if self.runner.graphs is not None:
+            self.runner.graphs.set_model(model)  # the graphs hold the old weights' addresses: recapture
         flushed = self.kv_manager.tree.flush()
         dropped = self.sessions.session_kv.drop_all_kv()
         self.cfg = self.cfg.replace(model=model_path)
@@ -804,6 +829,11 @@ class EngineCore:
             },
             "last_audit": None if report is None else {"ok": report.ok, "result": report.describe(limit=5)},
         }
+
+    def graph_stats(self) -> dict | None:
+        """The decode graphs' sizes, replays and eager steps by reason (None: no graphs)."""
+        g = self.runner.graphs
+        return None if g is None else g.stats()
 
     def rank_stats(self) -> list[dict]:
         """Every rank's ``LlamaModel.compile_stats``, rank 0 first (one entry without TP)."""

@@ -68,8 +68,10 @@ class Engine:
     def __init__(self, model: str | None = None, dtype: str = "auto", **kwargs):
         loaded = kwargs.pop("loaded_model", None)
         connector = kwargs.pop("kv_connector", None)  # a KVConnector (connector/base.py); None: no-op
+        # engine/graph_runner.py GraphCapture; None: CUDA graphs on CUDA (the tests pass EagerCapture)
+        capture = kwargs.pop("graph_capture", None)
         cfg = EngineConfig.from_flat(model=model, dtype=dtype, **kwargs)
-        self.core = EngineCore(cfg, loaded=loaded, connector=connector)
+        self.core = EngineCore(cfg, loaded=loaded, connector=connector, graph_capture=capture)
         self._lock = threading.RLock()
         self._tracks: dict[str, _Track] = {}
 

@@ -17,9 +17,23 @@ from ..memory import PageWrite
 class PageTable:
     def __init__(self, num_slots: int, max_context: int, page_size: int, device="cpu"):
         self.page_size = page_size
+        self.num_slots = num_slots
         row = -(-max_context // page_size) * page_size  # whole pages for the longest sequence
         self.req_to_token = torch.zeros(num_slots, row, dtype=torch.int64, device=device)
         self._offsets = torch.arange(page_size)
+        self.pad_row: int | None = None
+
+    def add_pad_row(self, page: int) -> int:
+        """One more row, past the request slots, every column of which is a location of ``page``
+        (reserved in the books: ``KVManager.reserve``): the padding rows of a captured decode step
+        read and write there (``engine/graph_runner.py``). Before the first step only (the table is
+        reallocated). Returns its index."""
+        assert self.pad_row is None, "the page table has its padding row"
+        t = self.req_to_token
+        pad = torch.full((1, t.shape[1]), page * self.page_size, dtype=t.dtype, device=t.device)
+        self.req_to_token = torch.cat([t, pad])
+        self.pad_row = self.num_slots
+        return self.pad_row
 
     def apply(self, writes: list[PageWrite]) -> None:
         ps = self.page_size

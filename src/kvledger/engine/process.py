@@ -175,5 +175,6 @@ def _stats(core) -> dict:
         "num_sessions": len(core.sessions.sessions),
         "memory": core.memory(),
         "disagg": core.connector_stats(),
+        "cuda_graph": core.graph_stats(),
         "time": time.time(),
     }

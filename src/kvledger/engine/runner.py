@@ -8,19 +8,25 @@ import torch
 
 from ..common.sampling import SamplingRow
 from ..memory import KVBuffer
-from ..model import ForwardBatch, LlamaModel, Sampler
+from ..model import DeviceSampler, ForwardBatch, LlamaModel, Sampler
 from ..model import lora as lora_mod
 from ..scheduler.output import ModelRunnerOutput, ScheduledReq, SchedulerOutput
 from .page_table import PageTable
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_buffer: KVBuffer, page_table: PageTable, seed: int = 0):
+    def __init__(
+        self, model: LlamaModel, kv_buffer: KVBuffer, page_table: PageTable, seed: int = 0, sampling: str = "host"
+    ):
+        """``sampling``: ``host`` (a CPU copy of the sampled rows' logits, ``model/sampler.py``) or
+        ``device`` (batched on the logits' device, one copy of the ids back, ``model/sampler_device.py``)."""
         self.model = model
         self.kv_buffer = kv_buffer
         self.page_table = page_table
-        self.sampler = Sampler(seed)
+        self.on_device = sampling == "device"
+        self.sampler = DeviceSampler(seed) if self.on_device else Sampler(seed)
         self.sparse = None  # model/hisparse.py SparseWorker, with --enable-hisparse
+        self.graphs = None  # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs
 
     def build(self, sched: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled requests; every request that samples puts ``1 + num_draft``
@@ -84,6 +90,10 @@ class ModelRunner:
                 for layer in range(self.kv_buffer.k.shape[0]):
                     connector.wait_for_layer_load(layer)
             return ModelRunnerOutput.empty(0) if sample else None
+        if self.graphs is not None:
+            logits = self.graphs.try_run(sched, connector)  # None: this step runs eager (counted)
+            if logits is not None:
+                return self._sample(sched, logits) if sample else None
         batch = self.build(sched)
         hidden = None
         with lora_mod.active(batch.lora):  # each row's adapter, for the adapted projections
@@ -99,9 +109,10 @@ class ModelRunner:
         out = ModelRunnerOutput.empty(len(sched.reqs))
         if hidden is not None:
             self._pooled(sched, hidden, out)
-        # Sampling (penalties, grammar bitmasks, seeded generators) runs on the host: one copy of the
-        # sampled rows' logits per step, and the same draws on every device.
-        logits = logits.cpu()
+        # Host sampling: one copy of the sampled rows' logits per step. Device sampling keeps them
+        # where they are and copies back the ids (and the logprobs asked for) alone.
+        if not self.on_device:
+            logits = logits.cpu()
         if any(r.prompt_lp_targets or r.label_token_ids for r in sched.reqs):
             logits = self._prompt_logprobs(sched, logits, out)
         rows: list[SamplingRow] = []
@@ -157,7 +168,7 @@ class ModelRunner:
             m = len(r.prompt_lp_targets or ())
             if m:
                 lp = torch.log_softmax(logits[k : k + m].float(), dim=-1)
-                target = torch.tensor(r.prompt_lp_targets, dtype=torch.long)
+                target = torch.tensor(r.prompt_lp_targets, dtype=torch.long, device=logits.device)
                 out.prompt_logprobs[i] = lp.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
                 if r.prompt_lp_top:
                     v, ix = lp.topk(r.prompt_lp_top, dim=-1)
@@ -167,12 +178,12 @@ class ModelRunner:
                 k += m
             if r.label_token_ids:
                 lp = torch.log_softmax(logits[k].float(), dim=-1)
-                out.label_logprobs[i] = lp[torch.tensor(r.label_token_ids, dtype=torch.long)].tolist()
+                out.label_logprobs[i] = lp[torch.tensor(r.label_token_ids, dtype=torch.long, device=lp.device)].tolist()
                 k += 1
             if r.sampling is not None:
                 keep.extend(range(k, k + r.num_draft + 1))
                 k += r.num_draft + 1
-        return logits[keep]
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
 
 def accepted_run(draws: list[int], drafts: list[int]) -> int:

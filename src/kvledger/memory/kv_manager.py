@@ -17,6 +17,7 @@ every retraction and an admission that cannot complete call it. Page-table chang
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -66,7 +67,11 @@ class KVManager:
             tiers.tree, tiers.kv_manager = self.tree, self
         else:
             self.tree = RadixCache(page_size, self._free_evicted, enabled=enable_prefix_cache)
-        self.ledger = Ledger(self.pages, self.slots, self.tree, holdings, strict)
+        # Pages a component of the engine keeps for its whole life (``reserve``), by owner.
+        self.reserved: list[Holding] = []
+        self.ledger = Ledger(
+            self.pages, self.slots, self.tree, lambda: itertools.chain(self.reserved, holdings()), strict
+        )
         self.sessions = SessionKV(self)
         self.sparse = None  # memory/sparse_kv.py SparseKV: HiSparse's books, when it is on
         self.window = WindowKV(self, window) if window else None  # sliding windows' releases
@@ -87,6 +92,21 @@ class KVManager:
         if self.ledger.strict:
             raise MemoryLedgerError(msg)
         log.error(msg)
+
+    def reserve(self, owner: str, n: int = 1) -> list[int]:
+        """Take ``n`` pages out of the pool for the engine's life, in the books as a holding of kind
+        ``reserved`` named ``owner`` (the CUDA-graph runner's padding page: ``engine/graph_runner.py``).
+        Taken at start, before any request, so nothing is evicted for them; no request ever maps
+        them. Raises if the pool cannot spare them."""
+        pages = self.pages.alloc(n, owner)
+        if pages is None:
+            raise MemoryLedgerError(f"{owner}: the KV pool has fewer than {n} free pages to reserve")
+        self.reserved.append(Holding(owner=owner, kind="reserved", own_pages=tuple(pages)))
+        return pages
+
+    @property
+    def reserved_pages(self) -> int:
+        return sum(len(h.own_pages) for h in self.reserved)
 
     def _free_evicted(self, pages: list[int]) -> None:
         self.free(pages, "radix eviction")

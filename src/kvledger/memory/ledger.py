@@ -4,11 +4,13 @@ recomputed from first principles when idle.
 Page states: FREE (in the pool's free list), CACHED (in the radix tree; evictable when unlocked,
 protected otherwise), PRIVATE (one live request's computed-but-uncached tail, over-allocation
 included), SESSION (held by one streaming session), HISPARSE_HOT (a sparse-decoding request's hot
-buffer, ``memory/sparse_kv.py``; its host pages are in their own pool, checked by ``SparseBooks``). A request slot is free, used by one live request,
-or held by one session. Live requests *borrow* cached pages (the tree still owns them; the request's
-lock keeps them protected). With a sliding-window model, a request's or session's page list may have
-OUT OF WINDOW entries (``memory/window.py``): pages given back, which it no longer holds; the audit
-checks that they lie wholly outside the window of its KV.
+buffer, ``memory/sparse_kv.py``; its host pages are in their own pool, checked by ``SparseBooks``),
+RESERVED (kept for the engine's life by a named component: the CUDA-graph runner's padding page,
+``KVManager.reserve``). A request slot is free, used by one live request, or held by one session.
+Live requests *borrow* cached pages (the tree still owns them; the request's lock keeps them
+protected). With a sliding-window model, a request's or session's page list may have OUT OF WINDOW
+entries (``memory/window.py``): pages given back, which it no longer holds; the audit checks that
+they lie wholly outside the window of its KV.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Holding:
     """What one live request or session holds, as the ledger sees it."""
 
     owner: str  # e.g. "req abc" or "session s1"
-    kind: str  # "request" | "session" | "hisparse_hot" | "hisparse_host"
+    kind: str  # "request" | "session" | "hisparse_hot" | "hisparse_host" | "reserved"
     own_pages: Sequence[int]  # PRIVATE (request) or SESSION (session) pages
     borrowed_pages: Sequence[int] = ()  # pages read, owned by someone else
     slot: int | None = None
@@ -130,13 +132,15 @@ class Ledger:
 
     # -- figures ----------------------------------------------------------------------------------
     def page_counts(self) -> dict[str, int]:
-        private = session = hot = 0
+        private = session = hot = reserved = 0
         slots_used = 0
         for h in self.holdings():
             if h.kind == "session":
                 session += len(h.own_pages)
             elif h.kind == "hisparse_hot":
                 hot += len(h.own_pages)
+            elif h.kind == "reserved":
+                reserved += len(h.own_pages)
             else:
                 private += len(h.own_pages)
             slots_used += h.slot is not None
@@ -147,6 +151,7 @@ class Ledger:
             "private": private,
             "session": session,
             "hisparse_hot": hot,
+            "reserved": reserved,
             "slots_used": slots_used,
         }
 
@@ -163,6 +168,9 @@ class Ledger:
             "kv_private": c["private"] * ps,
             "kv_session": c["session"] * ps,
             **({"kv_hisparse_hot": c["hisparse_hot"] * ps} if self.sparse is not None else {}),
+            # Only where a component reserved pages (CUDA graphs): idle, free + cached_evictable +
+            # session + reserved == total.
+            **({"kv_reserved": c["reserved"] * ps} if c["reserved"] else {}),
             "req_slots_total": self.slots.num_slots,
             "req_slots_free": self.slots.num_free,
             **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
@@ -178,8 +186,8 @@ class Ledger:
 
     def page_runs(self) -> list[dict]:
         """The pool as runs of consecutive pages with one owner: ``{start, count, kind, owner}``, kind
-        one of free / cached_evictable / cached_protected / private / session / hisparse_hot (the
-        figures' names),
+        one of free / cached_evictable / cached_protected / private / session / hisparse_hot / reserved
+        (the figures' names),
         or ``unowned`` for a page nobody's books hold (a leak; its owner is the last one on record).
         The counts of each kind times the page size are the figures' ``kv_*`` (same instant)."""
         n = self.pages.num_pages
@@ -192,7 +200,7 @@ class Ledger:
             for p in node.pages:
                 kind[p], owner[p] = k, node.owner
         for h in self.holdings():
-            k = h.kind if h.kind in ("session", "hisparse_hot") else "private"
+            k = h.kind if h.kind in ("session", "hisparse_hot", "reserved") else "private"
             for p in h.own_pages:
                 kind[p], owner[p] = k, h.owner
         runs: list[dict] = []
@@ -212,14 +220,15 @@ class Ledger:
         c = self.page_counts()
         total = (
             c["free"] + c["cached_evictable"] + c["cached_protected"] + c["private"] + c["session"]
-            + c["hisparse_hot"]
+            + c["hisparse_hot"] + c["reserved"]
         )  # fmt: skip
         problems = []
         if total != self.pages.num_pages:
             problems.append(
                 f"page conservation broken: free {c['free']} + cached_evictable {c['cached_evictable']} + "
                 f"cached_protected {c['cached_protected']} + private {c['private']} + session {c['session']}"
-                f" + hisparse_hot {c['hisparse_hot']} = {total} != total {self.pages.num_pages}"
+                f" + hisparse_hot {c['hisparse_hot']} + reserved {c['reserved']} = {total}"
+                f" != total {self.pages.num_pages}"
             )
         if self.slots.num_free + c["slots_used"] != self.slots.num_slots:
             problems.append(

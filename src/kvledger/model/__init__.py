@@ -5,10 +5,12 @@ from .batch import ForwardBatch
 from .causal_lm import CausalLM, LlamaModel
 from .config import ModelConfig
 from .loader import LoadedModel, default_model_path, load_model
-from .sampler import Sampler, SampleResult, row_generator
+from .sampler import Sampler, SampleResult
+from .sampler_device import DeviceSampler
 
 __all__ = [
     "CausalLM",
+    "DeviceSampler",
     "ForwardBatch",
     "LlamaModel",
     "LoadedModel",
@@ -17,5 +19,4 @@ __all__ = [
     "Sampler",
     "default_model_path",
     "load_model",
-    "row_generator",
 ]

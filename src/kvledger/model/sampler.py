@@ -9,6 +9,7 @@ import torch
 
 from ..common.sampling import SamplingRow
 from ..constrained.bitmask import apply_token_bitmask
+from .seeded import inverse_cdf, seeded_uniform
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them would only add noise)
 
@@ -20,12 +21,10 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def row_generator(seed: int, position: int) -> torch.Generator:
-    """The generator of a seeded request's draw at ``position``: a function of the two alone."""
-    return torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + position) % (2**63 - 1))
-
-
 class Sampler:
+    """The host sampler: per-row work in Python over a CPU copy of the logits (``sampler_device.py``
+    is the batched one that stays on the logits' device and draws the same tokens)."""
+
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -84,17 +83,21 @@ class Sampler:
                 # A token is dropped when the tokens before it already reach top_p; the first never is.
                 drop = (sp.cumsum(-1) - sp) > top_p.unsqueeze(1)
                 drop |= sp < min_p.unsqueeze(1) * sp[:, :1]
+                # Only in the rows that asked: a row with top_p 1 must not lose its tail to rounding
+                # (cumsum past 1.0) because another row of the batch filters.
+                drop &= ((top_p < 1.0) | (min_p > 0)).unsqueeze(1)
                 sp = sp.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(1, si, sp)
-            noise = torch.empty_like(probs)
             unseeded = [j for j, r in enumerate(srows) if r.params.seed is None]
             if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), V).exponential_(generator=self.generator)
+                noise = torch.empty(len(unseeded), V).exponential_(generator=self.generator)
+                # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
+                tokens[sampled[unseeded]] = (probs[unseeded] / noise.clamp_min_(1e-20)).argmax(dim=-1)
             for j, r in enumerate(srows):
                 if r.params.seed is not None:
-                    noise[j].exponential_(generator=row_generator(r.params.seed, r.position))
-            # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
-            tokens[sampled] = (probs / noise.clamp_min_(1e-20)).argmax(dim=-1)
+                    # (seed, position) alone decide the draw (model/seeded.py), as on the device path.
+                    u = seeded_uniform(torch.tensor([r.params.seed]), torch.tensor([r.position]))
+                    tokens[idx[j]] = inverse_cdf(probs[j : j + 1], u)[0]
         tok_list = tokens.tolist()
         lps: list[float | None] = [None] * B
         tops: list[list[tuple[int, float]] | None] = [None] * B

@@ -107,6 +107,13 @@ class Metrics:
         self.hicache_l3_rejected = Gauge(
             "kvledger_hicache_l3_rejected", "L3 files refused on read (a miss)", ["reason"], registry=r
         )
+        self.cuda_graph_steps = Gauge(
+            "kvledger_cuda_graph_steps",
+            "Steps of the engine's decode graphs since it started: replayed, or eager by reason (prefill, "
+            "speculative, lora, hisparse, kv_connector, sliding_window, batch_size)",
+            ["path", "reason"],
+            registry=r,
+        )
         self.engine_restarts = Counter("kvledger_engine_restarts", "Engine process restarts", registry=r)
         self.watchdog_stalls = Counter(
             "kvledger_watchdog_stalls", "Engine stalls caught by the watchdog", registry=r
@@ -127,6 +134,11 @@ class Metrics:
             self.pd_kv_tokens.set(pd["tokens"])
             self.pd_transfer_seconds.set(pd["seconds"])
             self.pd_staged_bytes.set(pd["staged_bytes"])
+        g = stats.get("cuda_graph")
+        if g:
+            self.cuda_graph_steps.labels("replay", "").set(g["replays"])
+            for reason, n in g["eager_steps"].items():
+                self.cuda_graph_steps.labels("eager", reason).set(n)
         m = stats.get("memory")
         if not m:
             return
@@ -134,6 +146,8 @@ class Metrics:
         self.kv_usage.set(1 - m["kv_free"] / total)
         for state in ("free", "cached_evictable", "cached_protected", "private", "session"):
             self.kv_tokens.labels(state).set(m[f"kv_{state}"])
+        if "kv_reserved" in m:  # CUDA graphs' padding page
+            self.kv_tokens.labels("reserved").set(m["kv_reserved"])
         self.req_slots_free.set(m["req_slots_free"])
         self.session_tokens.set(m["kv_session"])
         self.audit_runs.set(m["leak_check"]["checks"])

@@ -138,6 +138,9 @@ class CausalNet(nn.Module):
 
     model_types: ClassVar[tuple[str, ...]] = ()
     supports_tp: ClassVar[bool] = True
+    # A decode forward of fixed shapes, whatever the tokens (a CUDA graph can hold it:
+    # ``engine/graph_runner.py``); routed experts size their matmuls by the routing.
+    graph_safe: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -25,6 +25,7 @@ class Qwen3MoeNet(CausalNet):
     model_types = ("qwen3_moe",)
     qk_norm = True
     gguf_tensors: ClassVar[dict] = {**DECODER, **EXPERTS}
+    graph_safe = False  # layers/moe.py: each expert's rows are counted on the host
 
     @classmethod
     def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
