@@ -271,7 +271,7 @@ class EngineCore:
                 # attend_spans reads every request's pages through the slot table; a sparse slot's
                 # history lives in the host pool, so the two cannot be combined (yet).
                 raise ValidationError(
-                    f"--enable-hisparse does not run with {mc.arch}'s sliding-window or soft-capped attention"
+                    f"--enable-hisparse does not run with {mc.arch}'s sliding-window, soft-capped or sink attention"
                 )
             # HiSparse: the host pool's books here, its K/V with the runner (this process: no TP).
             num_host = max(1, int(num_pages * cfg.hisparse.hisparse_host_ratio))

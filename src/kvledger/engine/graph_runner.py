@@ -78,6 +78,8 @@ def unsupported(model: LlamaModel) -> str | None:
         return "tensor parallel"
     if model.attn.softcap is not None:
         return "soft-capped attention scores"
+    if any(s is not None for s in getattr(model.attn, "sinks", ())):
+        return "attention sinks"
     if model.device.type == "cuda" and triton_decode.available() is not None:
         return triton_decode.available()
     return None

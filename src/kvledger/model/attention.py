@@ -86,28 +86,47 @@ class TorchAttention:
         scale: float | None = None,
         windows: list[int | None] | None = None,
         softcap: float | None = None,
+        sinks: list[torch.Tensor | None] | None = None,
     ):
         """``scale``: of the scores (default ``head_dim ** -0.5``); ``windows``: each layer's sliding
-        window (None: full attention); ``softcap``: ``cap * tanh(scores / cap)`` on every layer. The
-        layers with a window or soft-capping run ``attend_spans`` (each request over the keys it may
-        see; exact, not the fast paths), the others the paths below."""
+        window (None: full attention); ``softcap``: ``cap * tanh(scores / cap)`` on every layer;
+        ``sinks``: each layer's attention sinks (GPT-OSS: one learned logit per query head that joins
+        every query's softmax denominator and carries no value; ``[heads]``), or None. The layers with
+        a window, soft-capping or sinks run ``attend_spans`` (each request over the keys it may see;
+        exact, not the fast paths), the others the paths below."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.windows = list(windows or [])
         self.softcap = softcap
-        self.any_special = softcap is not None or any(w is not None for w in self.windows)
+        self.sinks = list(sinks or [])
+        self.any_special = (
+            softcap is not None
+            or any(w is not None for w in self.windows)
+            or any(s is not None for s in self.sinks)
+        )
+
+    def _window(self, layer: int) -> int | None:
+        return self.windows[layer] if layer < len(self.windows) else None
+
+    def _sink(self, layer: int) -> torch.Tensor | None:
+        return self.sinks[layer] if layer < len(self.sinks) else None
 
     def special_layers(self, batch: ForwardBatch) -> list[bool] | None:
-        """Which layers of this forward run ``attend_spans``: every layer with soft-capping, and a
-        windowed layer once some sequence of the batch is longer than its window (shorter ones see
-        every key anyway, so the fast paths stay exact); None where no layer does."""
+        """Which layers of this forward run ``attend_spans``: every layer with soft-capping or sinks
+        (a sink's share of each softmax is not in the fast paths), and a windowed layer once some
+        sequence of the batch is longer than its window (shorter ones see every key anyway, so the
+        fast paths stay exact); None where no layer does."""
         if not self.any_special:
             return None
         longest = max(batch.seq_lens, default=0)
         cap = self.softcap is not None
-        special = [cap or (w is not None and longest > w) for w in self.windows] or [cap]
+        n = max(len(self.windows), len(self.sinks))
+        special = [
+            cap or self._sink(i) is not None or ((w := self._window(i)) is not None and longest > w)
+            for i in range(n)
+        ] or [cap]
         return special if any(special) else None
 
     def is_special(self, special: list[bool] | None, layer: int) -> bool:
@@ -127,10 +146,14 @@ class TorchAttention:
 
     def attend_spans(self, layer: int, q, k_cache, v_cache, spans) -> torch.Tensor:
         """Attention of each request over the keys its queries may see (causal, within the layer's
-        window), with soft-capping: scores in fp32 as transformers' eager attention. A windowed
-        layer gathers only the last ``window + new - 1`` keys of a request, not its whole sequence."""
-        window = self.windows[layer] if layer < len(self.windows) else None
+        window), with soft-capping and sinks: scores in fp32 as transformers' eager attention. A
+        windowed layer gathers only the last ``window + new - 1`` keys of a request, not its whole
+        sequence (a sink is no key: it needs no page)."""
+        window = self._window(layer)
         kvh, group, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        sink = self._sink(layer)
+        if sink is not None:  # query head h = kv_head * group + g
+            sink = sink.float().view(kvh, group, 1, 1)
         out = q.new_empty(q.shape[0], self.num_heads * d)
         dev = q.device
         for start, pre, n, kv_idx in spans:
@@ -148,7 +171,11 @@ class TorchAttention:
             if window is not None:
                 allowed &= kpos > qpos - window
             scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(ve.dtype)
+            if sink is None:
+                probs = torch.softmax(scores, dim=-1).to(ve.dtype)
+            else:  # one more column in each softmax, dropped after: it weighs no value
+                scores = torch.cat((scores, sink.expand(kvh, group, n, 1)), dim=-1)
+                probs = torch.softmax(scores, dim=-1)[..., :-1].to(ve.dtype)
             o = torch.matmul(probs, ve)  # [KVH, G, n, D]
             out[start : start + n] = o.permute(2, 0, 1, 3).reshape(n, self.num_heads * d)
         return out
@@ -391,16 +418,19 @@ def make_backend(
     windows: list[int | None] | None = None,
     softcap: float | None = None,
     sdpa_extends: bool = False,
+    sinks: list[torch.Tensor | None] | None = None,
 ) -> AttentionBackend:
     """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
     ``auto`` is resolved by the model (``CausalLM``) before it gets here. ``dtype``: the model's
-    (the cpu backend has a bf16-only prefill kernel). ``scale``, ``windows``, ``softcap``: the
-    family's attention (``TorchAttention``). ``sdpa_extends``: the cpu backend runs long extends in
+    (the cpu backend has a bf16-only prefill kernel). ``scale``, ``windows``, ``softcap``, ``sinks``:
+    the family's attention (``TorchAttention``). ``sdpa_extends``: the cpu backend runs long extends in
     torch's SDPA (on a CPU with AMX, 2-2.5x its own flash kernel: ``CpuAttention``)."""
     if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, windows, softcap)
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, windows, softcap, sinks)
     if name == "cpu":
         from .attention_cpu import CpuAttention
 
-        return CpuAttention(num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap, sdpa_extends)
+        return CpuAttention(
+            num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap, sdpa_extends, sinks
+        )
     raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

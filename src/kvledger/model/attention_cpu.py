@@ -104,8 +104,9 @@ class CpuAttention(TorchAttention):
         windows: list[int | None] | None = None,
         softcap: float | None = None,
         sdpa_extends: bool = False,
+        sinks: list[torch.Tensor | None] | None = None,
     ):
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, windows, softcap)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, windows, softcap, sinks)
         self.op = torch.ops.kvledger_cpu.decode_attention
         self.extend_op = torch.ops.kvledger_cpu.extend_attention_
         self.flash_op = torch.ops.kvledger_cpu.flash_attention_
@@ -157,7 +158,7 @@ class CpuAttention(TorchAttention):
         meta: _CpuMeta = batch.attn_meta
         table = batch.req_to_token
         if self.is_special(meta.special, layer):
-            # The kernels know no window or soft-capping: these layers take the reference path.
+            # The kernels know no window, soft-capping or sinks: these layers take the reference path.
             self.store(k_cache, v_cache, k, v, batch)
             return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)
         if meta.only_decodes:

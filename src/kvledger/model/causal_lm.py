@@ -57,17 +57,6 @@ class CausalLM:
                 f"unsupported architecture {cfg.arch!r}; supported: {', '.join(supported())}"
             )
         self.family = family
-        self.attn: AttentionBackend = make_backend(
-            self.attention,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            dtype,
-            scale=family.attention_scale(cfg),
-            windows=cfg.layer_windows(),
-            softcap=family.attention_softcap(cfg),
-            sdpa_extends=self.amx,
-        )
         self.handle = new_handle()
         comm = comm or Comm()
         builder = Builder(
@@ -83,6 +72,19 @@ class CausalLM:
             amx=self.amx,
         )
         self.net = family.build(builder).eval()
+        # After the build: attention sinks are weights (the backend reads the layers' own tensors).
+        self.attn: AttentionBackend = make_backend(
+            self.attention,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            scale=family.attention_scale(cfg),
+            windows=cfg.layer_windows(),
+            softcap=family.attention_softcap(cfg),
+            sdpa_extends=self.amx,
+            sinks=self.net.attention_sinks(),
+        )
         self.compiled: nn.Module | None = None
         self.compiled_forwards = 0  # forwards that ran through the compiled graph
         self.one_call_forwards = 0  # batches of decodes whose layers ran in one kernel call

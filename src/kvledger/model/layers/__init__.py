@@ -5,13 +5,14 @@ layer they all use is ``model/linear.py``'s ``Linear`` (dense, int8/int4, GGUF b
 from .attention import Attention
 from .embedding import LMHead, VocabEmbedding
 from .mlp import ACTIVATIONS, GatedMLP
-from .moe import MoE
+from .moe import ClampedSwiGLU, MoE
 from .norm import RMSNorm, gemma_rms_norm, rms_norm
 from .rotary import Rotary, rope_inv_freq
 
 __all__ = [
     "ACTIVATIONS",
     "Attention",
+    "ClampedSwiGLU",
     "GatedMLP",
     "LMHead",
     "MoE",

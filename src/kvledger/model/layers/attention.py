@@ -1,6 +1,6 @@
 """Self-attention of one layer: the fused QKV projection, optional q/k norms, rotary, the paged
-attention of the model's backend (``model/attention.py``: ``torch`` or ``cpu``; windows, soft-capping
-and the scale are the backend's per-layer settings), and the output projection. Under TP the heads
+attention of the model's backend (``model/attention.py``: ``torch`` or ``cpu``; windows, soft-capping,
+sinks and the scale are the backend's per-layer settings), and the output projection. Under TP the heads
 are this rank's; the caller all-reduces the output."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from .rotary import Rotary
 
 class Attention(nn.Module):
     """``qk_norm``: ``per_head`` (Qwen3, Gemma 3: one norm over each head) or ``full`` (OLMo 2: over
-    the whole projection, before the split into heads)."""
+    the whole projection, before the split into heads). ``sinks``: this layer's attention sinks
+    (``[heads]``, GPT-OSS), held here and read by the backend (``CausalNet.attention_sinks``)."""
 
     def __init__(
         self,
@@ -31,6 +32,7 @@ class Attention(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
         qk_norm: str = "per_head",
+        sinks: torch.Tensor | None = None,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -41,6 +43,7 @@ class Attention(nn.Module):
         self.handle = handle
         self.q_norm, self.k_norm = q_norm, k_norm
         self.qk_norm = qk_norm
+        self.sinks = None if sinks is None else nn.Parameter(sinks, requires_grad=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cs, kops=None) -> torch.Tensor:
         """``cs``: this layer's rotary rows (``Rotary.lookup``, once per forward), unused with

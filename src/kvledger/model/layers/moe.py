@@ -1,5 +1,8 @@
-"""Top-k routed experts (Mixtral, Qwen3-MoE): a softmax router picks ``top_k`` experts per token and
-the outputs are summed with the router's weights.
+"""Top-k routed experts (Mixtral, Qwen3-MoE, GPT-OSS): a softmax router picks ``top_k`` experts per
+token and the outputs are summed with the router's weights. Mixtral and Qwen3-MoE take the softmax
+over every expert, then the top k (renormalized or not); GPT-OSS (``topk_softmax``) takes the top k
+of the router's logits (a router with a bias), then the softmax over those k, and its experts have
+biases and a clamped SwiGLU (``ClampedSwiGLU``).
 
 The CPU path batches by expert: the (token, expert) pairs are sorted by expert once, and each expert
 that got any tokens runs two matmuls over all of its tokens (one GEMM per expert, not one GEMV per
@@ -9,6 +12,8 @@ token and expert). Under tensor parallelism every rank holds a slice of every ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,8 +21,28 @@ from torch import nn
 from .mlp import activation
 
 
+class ClampedSwiGLU:
+    """GPT-OSS's expert activation: the gate clamped from above and the up projection on both sides
+    at ``limit``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
 class MoE(nn.Module):
-    """``gate_up`` ``[E, 2*I, H]`` (gate rows, then up rows), ``down`` ``[E, H, I]``, ``router`` ``[E, H]``."""
+    """``gate_up`` ``[E, 2*I, H]`` (gate rows, then up rows), ``down`` ``[E, H, I]``, ``router`` ``[E, H]``;
+    the optional biases ``router_bias`` ``[E]``, ``gate_up_bias`` ``[E, 2*I]``, ``down_bias`` ``[E, H]``.
+    ``glu``: ``(gate, up) -> hidden`` in place of ``act(gate) * up``; ``topk_softmax``: the routing
+    of ``route``."""
 
     def __init__(
         self,
@@ -27,19 +52,33 @@ class MoE(nn.Module):
         top_k: int,
         norm_topk_prob: bool = True,
         act: str = "silu",
+        *,
+        router_bias: torch.Tensor | None = None,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        glu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        topk_softmax: bool = False,
     ):
         super().__init__()
         self.router = nn.Parameter(router, requires_grad=False)
         self.gate_up = nn.Parameter(gate_up, requires_grad=False)
         self.down = nn.Parameter(down, requires_grad=False)
+        self.router_bias, self.gate_up_bias, self.down_bias = map(_param, (router_bias, gate_up_bias, down_bias))
         self.num_experts = router.shape[0]
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.topk_softmax = topk_softmax
         self.act = activation(act)
+        self.glu = glu
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights [T, k] in x's dtype, experts [T, k])``: softmax in fp32, top-k, renormalized."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        """``(weights [T, k] in x's dtype, experts [T, k])``: softmax in fp32, top-k, renormalized
+        (``norm_topk_prob``); with ``topk_softmax``, the top k of the logits, then their softmax."""
+        logits = F.linear(x, self.router, self.router_bias).float()
+        if self.topk_softmax:
+            top, idx = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(x.dtype), idx
+        probs = torch.softmax(logits, dim=-1)
         top, idx = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -60,7 +99,10 @@ class MoE(nn.Module):
             sel = slice(start, start + n)
             start += n
             t = tokens[sel]
-            g, u = F.linear(x[t], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(g) * u, self.down[e]) * w[sel]
+            gu_b = None if self.gate_up_bias is None else self.gate_up_bias[e]
+            g, u = F.linear(x[t], self.gate_up[e], gu_b).chunk(2, dim=-1)
+            d_b = None if self.down_bias is None else self.down_bias[e]
+            h = self.act(g) * u if self.glu is None else self.glu(g, u)
+            y = F.linear(h, self.down[e], d_b) * w[sel]
             out.index_add_(0, t, y)
         return out

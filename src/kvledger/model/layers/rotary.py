@@ -1,5 +1,5 @@
 """Rotary position embeddings (GPT-NeoX's rotate-half form), with the scaling types checkpoints use
-and partial rotation (the first ``rot_dim`` dimensions of each head)."""
+(default, linear, llama3, YaRN) and partial rotation (the first ``rot_dim`` dimensions of each head)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ from torch import nn
 from ...errors import ModelLoadError
 
 
-def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies over ``dim`` rotated dimensions; scaling: default, linear, llama3."""
+def rope_inv_freq(
+    dim: int, theta: float, scaling: dict | None, max_positions: int | None = None
+) -> torch.Tensor:
+    """Inverse frequencies over ``dim`` rotated dimensions; scaling: default, linear, llama3, yarn
+    (``max_positions``: the model's context, YaRN's factor where its config names none)."""
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     sc = scaling
     kind = (sc or {}).get("rope_type", (sc or {}).get("type", "default"))
@@ -30,11 +33,62 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(is_mid, mid, scaled)
-    raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    if kind == "yarn":
+        return _yarn_inv_freq(dim, theta, sc, _yarn_factor(sc, max_positions))
+    raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def _yarn_factor(sc: dict, max_positions: int | None) -> float:
+    """YaRN's context factor: the config's, else the context over the pretraining one."""
+    if sc.get("factor"):
+        return float(sc["factor"])
+    if not max_positions or not sc.get("original_max_position_embeddings"):
+        raise ModelLoadError("yarn rope scaling needs factor or original_max_position_embeddings")
+    return max_positions / float(sc["original_max_position_embeddings"])
+
+
+def _yarn_inv_freq(dim: int, theta: float, sc: dict, factor: float) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn many times over the pretraining context keep
+    their frequency, those that turn less than once are divided by ``factor``, and a linear ramp
+    between the two correction dimensions (``beta_fast`` and ``beta_slow`` turns) blends them."""
+    orig = float(sc["original_max_position_embeddings"])
+
+    def dim_of(turns: float) -> float:  # the dimension that turns ``turns`` times over ``orig`` positions
+        return dim * math.log(orig / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(float(sc.get("beta_fast") or 32)), dim_of(float(sc.get("beta_slow") or 1))
+    if sc.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    keep = 1 - ramp  # the share of each dimension's original frequency
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+
+def rope_attention_factor(scaling: dict | None, max_positions: int | None = None) -> float:
+    """What the cos/sin tables are multiplied by: YaRN's attention temperature (its config's
+    ``attention_factor``, else ``0.1 ln(factor) + 1``, or the ratio of two such for ``mscale`` /
+    ``mscale_all_dim``); 1 for every other scaling."""
+    sc = scaling or {}
+    if sc.get("rope_type", sc.get("type")) != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    factor = _yarn_factor(sc, max_positions)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = sc.get("mscale"), sc.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 class Rotary(nn.Module):
-    """cos/sin tables ``[max_positions, rot_dim / 2]`` in the model dtype."""
+    """cos/sin tables ``[max_positions, rot_dim / 2]`` in the model dtype (YaRN's attention factor
+    folded in: it scales q and k alike, so each score by its square, as transformers does)."""
 
     def __init__(
         self,
@@ -49,10 +103,14 @@ class Rotary(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rot_dim = int(head_dim * partial)
-        inv = rope_inv_freq(self.rot_dim, theta, scaling)
+        inv = rope_inv_freq(self.rot_dim, theta, scaling, max_positions)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
-        self.register_buffer("cos", freqs.cos().to(device, dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device, dtype), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        mult = rope_attention_factor(scaling, max_positions)
+        if mult != 1.0:  # YaRN: in float32, before the tables take the model dtype (transformers' order)
+            cos, sin = cos * mult, sin * mult
+        self.register_buffer("cos", cos.to(device, dtype), persistent=False)
+        self.register_buffer("sin", sin.to(device, dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``positions``, shaped to broadcast over heads: once per forward, all layers."""

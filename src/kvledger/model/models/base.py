@@ -4,7 +4,7 @@ the network's shell (``CausalNet``: embedding, layers, final norm, LM head, pool
 A family is one file with a ``CausalNet`` subclass that says how its config and weights read from a
 HF checkpoint (``hf_config``, ``hf_weights``) and from llama.cpp's GGUF (``gguf_tensors``,
 ``gguf_config``, ``gguf_weights``), how its attention behaves per layer (``attention_scale``,
-``attention_softcap``), how it is built (``build``) and how its hidden states flow (``hidden``);
+``attention_softcap``; sinks are weights: ``attention_sinks``), how it is built (``build``) and how its hidden states flow (``hidden``);
 the registry (``registry.py``) maps HF ``model_type`` names (and GGUF architectures) to it.
 """
 
@@ -207,6 +207,11 @@ class CausalNet(nn.Module):
     @classmethod
     def build(cls, b: Builder) -> CausalNet:
         raise NotImplementedError
+
+    def attention_sinks(self) -> list[torch.Tensor | None] | None:
+        """Each layer's attention sinks (its ``attn.sinks``), for the backend; None where no layer has any."""
+        sinks = [getattr(getattr(L, "attn", None), "sinks", None) for L in self.layers]
+        return sinks if any(s is not None for s in sinks) else None
 
     # -- the forward ------------------------------------------------------------------------------
     decode_plan = None  # the one-kernel-call decode of every layer (only the Llama family has one)
