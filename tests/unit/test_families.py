@@ -36,7 +36,16 @@ FAMILIES = {
         dict(num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
     ),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # sinks, q/k/v/o biases, layer 0 sliding and layer 1 full, YaRN rope (transformers' default), routed
+    # experts with biases; a clamp low enough to cut
+    "gpt_oss": (
+        "GptOssConfig", "GptOssForCausalLM",
+        dict(sliding_window=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, swiglu_limit=0.5),
+    ),
 }  # fmt: skip
+# transformers starts these near or at zero (biases, sinks): drawn again (name suffix: std), so the
+# parity sees them
+REDRAW = {"gpt_oss": {"bias": 0.2, "sinks": 1.0}}
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
 LENGTHS = (1, 5, 23, 40)
 
@@ -55,6 +64,9 @@ def build_family(path: str, family: str, seed: int = 0, **extra) -> str:
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.mul_(2.5)
+            for suffix, std in REDRAW.get(family, {}).items():
+                if name.endswith(suffix):
+                    p.normal_(0.0, std)
     model.save_pretrained(path)
     return path
 
@@ -128,11 +140,12 @@ def test_family_under_tp2_equals_tp1(family, tmp_path):
     assert outs[0] == outs[1]
 
 
-def test_olmo2_refuses_tp(tmp_path):
+@pytest.mark.parametrize("family", ["olmo2", "gpt_oss"])
+def test_family_refuses_tp(tmp_path, family):
     from kvledger.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="olmo2 family does not run under tensor parallelism"):
-        Engine(build_family(str(tmp_path), "olmo2"), dtype="float32", tp_size=2)
+    with pytest.raises(ModelLoadError, match=f"{family} family does not run under tensor parallelism"):
+        Engine(build_family(str(tmp_path), family), dtype="float32", tp_size=2)
 
 
 def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
@@ -157,6 +170,7 @@ def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
         # every layer slides: the compatibility table's row (sliding-window release x HiSparse)
         ("mistral_window", r"sliding-window release \(a model whose every layer slides\) does not work with HiSparse"),
         ("gemma3", "enable-hisparse does not run with gemma3_text"),  # some layers slide
+        ("gpt_oss", "enable-hisparse does not run with gpt_oss's sliding-window, soft-capped or sink attention"),
     ],
 )
 def test_hisparse_refuses_windowed_attention(tmp_path, family, match):
@@ -175,3 +189,51 @@ def test_lora_on_routed_experts_is_refused(tmp_path):
 
     with pytest.raises(ValidationError, match="LoRA adapters do not apply to routed experts"):
         Engine(build_family(str(tmp_path), "mixtral"), dtype="float32", enable_lora=True)
+
+
+def test_gpt_oss_attends_with_its_sinks(tmp_path):
+    """The sinks are each layer's backend setting, the layers' own tensors: every layer takes the exact
+    path, the full layer too and the sliding one before any sequence outgrows its window."""
+    from types import SimpleNamespace
+
+    eng = Engine(build_family(str(tmp_path), "gpt_oss"), dtype="float32", max_total_tokens=512)
+    model = eng.core.model
+    assert [s is L.attn.sinks for s, L in zip(model.attn.sinks, model.net.layers)] == [True, True]
+    assert model.cfg.layer_windows() == [8, None]
+    assert model.attn.special_layers(SimpleNamespace(seq_lens=[3])) == [True, True]
+    assert_idle_clean(eng)
+
+
+def test_gpt_oss_mxfp4_checkpoint_is_refused(tmp_path):
+    """OpenAI's MXFP4 release is not read: refused at load with the reason, before any weight."""
+    import json
+
+    from kvledger.errors import ModelLoadError
+
+    path = build_family(str(tmp_path), "gpt_oss")
+    cfg_file = tmp_path / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    cfg_file.write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="mxfp4 checkpoints of gpt_oss are not read"):
+        Engine(path, dtype="float32")
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_yarn_tables_equal_transformers(truncate):
+    """YaRN's frequencies and its attention factor (folded into the cos/sin tables) as transformers
+    computes them, GPT-OSS's truncate=False and the default truncate=True."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kvledger.model.layers import Rotary
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": truncate, "original_max_position_embeddings": 4096}  # fmt: skip
+    cfg = transformers.GptOssConfig(**{**BASE, "rope_parameters": dict(rope)})
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg)
+    assert factor != 1.0
+    rot = Rotary(16, 512, 150000.0, dict(rope))
+    freqs = torch.arange(512, dtype=torch.float32)[:, None] * inv[None, :]
+    assert torch.equal(rot.cos, freqs.cos() * factor)
+    assert torch.equal(rot.sin, freqs.sin() * factor)

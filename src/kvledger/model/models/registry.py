@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     "olmo2": "olmo2:Olmo2Net",
     "qwen3_moe": "qwen3_moe:Qwen3MoeNet",
     "mixtral": "mixtral:MixtralNet",
+    "gpt_oss": "gpt_oss:GptOssNet",
 }
 
 GGUF_ARCHITECTURES: dict[str, str] = {
