@@ -291,8 +291,9 @@ class Ledger:
             # given back out of window count as entries it no longer holds.
             held = len(h.own_pages) + h.out_of_window
             if h.kv_tokens is not None and h.own_pages and held != -(-h.kv_tokens // ps):
+                out = f" (and {h.out_of_window} out of window)" if h.out_of_window else ""
                 report.problems.append(
-                    f"{h.owner} holds {len(h.own_pages)} pages (and {h.out_of_window} out of window) for KV "
+                    f"{h.owner} holds {len(h.own_pages)} pages{out} for KV "
                     f"of {h.kv_tokens} tokens ({-(-h.kv_tokens // ps)} pages of {ps})"
                 )
             if self.window is not None:  # (out-of-window entries exist only then)
