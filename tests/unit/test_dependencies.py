@@ -22,6 +22,7 @@ OPTIONAL = {
     # absence is one error naming the extra (disagg/mooncake.py available(), server/dp_launcher.py)
     "mooncake": "mooncake",
     "sglang_router": "router",
+    "triton": "cuda",
 }
 
 
