@@ -221,8 +221,14 @@ class CausalNet(nn.Module):
         self.embed.densify(self.norm.weight.device)
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The last layer's output (before the final norm), ``[T, hidden]``."""
-        raise NotImplementedError
+        """The last layer's output (before the final norm), ``[T, hidden]``: by default the embedding,
+        then each layer with the positions' rotary tables (``self.rotary``) and the collectives; a
+        family whose layers need more (Gemma's local rotary, Llama's fused kernels) overrides it."""
+        h = self.embed(input_ids)
+        cs = self.rotary.lookup(positions)
+        for L in self.layers:
+            h = L(h, positions, cs, self.comm)
+        return h
 
     def forward(
         self,

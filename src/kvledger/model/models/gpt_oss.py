@@ -126,10 +126,3 @@ class GptOssNet(CausalNet):
         net = cls(cfg, embed, layers, norm, head, b.comm)
         net.rotary = rotary
         return net
-
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        cs = self.rotary.lookup(positions)
-        for L in self.layers:
-            h = L(h, positions, cs, self.comm)
-        return h

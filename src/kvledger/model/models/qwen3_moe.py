@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-
 from ...errors import ModelLoadError
 from ..config import ModelConfig
 from ..gguf_map import DECODER, EXPERTS, GGUFMeta, Keys, gguf_name
@@ -89,13 +87,6 @@ class Qwen3MoeNet(CausalNet):
         net = cls(cfg, embed, layers, norm, head, b.comm)
         net.rotary = rotary
         return net
-
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
-        cs = self.rotary.lookup(positions)
-        for L in self.layers:
-            h = L(h, positions, cs, self.comm)
-        return h
 
 
 def raise_unsupported_window(cfg: ModelConfig) -> None:
