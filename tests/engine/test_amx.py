@@ -127,3 +127,58 @@ def test_long_extends_take_sdpa_and_short_ones_the_kernel(make_engine):
     want = ref.generate(input_ids=prompt, sampling_params=g)["output_ids"]
     for e in (eng, chunked):  # 250 new tokens in one extend; 96 + 96 + 58 after their prefixes
         assert e.generate(input_ids=prompt, sampling_params=g)["output_ids"] == want
+
+
+needs_amx_tiles = pytest.mark.skipif(
+    not (kernels.load() and kernels.has_amx()),
+    reason="needs a CPU with AMX-BF16 tiles that Linux grants this process (qlinear_amx.cpp)",
+)
+
+
+@needs_amx_tiles
+@pytest.mark.parametrize("bits", [4, 8])
+def test_amx_tiles_compute_the_bf16_product_of_the_dequantized_weights(bits):
+    """``quant_linear`` from ``amx_rows`` rows: the file's weights dequantized to bf16 (the AMX copy's
+    values), float sums, one rounding to bf16: within one bf16 step of that product (the sums' order
+    is the tiles'), whatever the rows' count against the 16-row tiles and the blocks' against their
+    pairs (48 outputs: three blocks). Below ``amx_rows`` the VNNI path's bits."""
+    from kvledger.kernels.quant import pack
+
+    ops = torch.ops.kvledger_cpu
+    torch.manual_seed(5)
+    for n, k in ((48, 64), (96, 576)):
+        pw = pack(torch.randn(n, k) * 0.05, bits)
+        wb = pw.rows().bfloat16().float()
+        for rows in (1, 15, 16, 17, 32, 33, 100):
+            x = torch.randn(rows, k).bfloat16()
+            y = ops.quant_linear(x, pw.w, pw.scales, pw.wsum128, bits, n, 1).float()
+            ref = x.float() @ wb.T
+            step = ref.abs() * 2**-7 + 1e-30  # one bf16 step at ref's magnitude, or more
+            assert ((y - ref).abs() <= step).all(), (n, k, rows, (y - ref).abs().max())
+            below = ops.quant_linear(x, pw.w, pw.scales, pw.wsum128, bits, n, rows + 1)
+            assert torch.equal(below, ops.quant_linear(x, pw.w, pw.scales, pw.wsum128, bits, n, 0))
+
+
+@needs_amx_tiles
+def test_decodes_on_amx_tiles_in_one_call_equal_the_python_loop(make_engine, monkeypatch):
+    """Batched decodes with the tiles (threshold lowered to 4 so a tiny model's batch of 6 takes them):
+    ``decode_layers`` passes the layers' threshold to every projection, so the one-call decode and the
+    Python loop compute the same tokens and logprobs bit for bit; a layer built without AMX keeps 0."""
+    from kvledger.model import causal_lm
+
+    monkeypatch.setattr(linear, "AMX_TILE_ROWS", 4)
+    prompts = [_prompt(10 + 7 * i, 20 + i) for i in range(6)]
+    g = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": True}
+    runs = {}
+    for one_call in (False, True):
+        monkeypatch.setattr(causal_lm, "DECODE_IN_ONE_CALL", one_call)
+        eng = make_engine(dtype="bfloat16", quantization="int4", cpu_amx="on")
+        net = eng.core.model.net
+        assert net.decode_plan is not None and net.decode_plan.amx_rows == 4
+        assert net.layers[0].attn.qkv.qw.amx_rows == 4
+        outs = eng.generate(input_ids=prompts, sampling_params=g)
+        runs[one_call] = [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+        assert (eng.core.model.one_call_forwards > 0) == one_call
+    assert runs[True] == runs[False]
+    off = make_engine(dtype="bfloat16", quantization="int4", cpu_amx="off")
+    assert off.core.model.net.layers[0].attn.qkv.qw.amx_rows == 0 and off.core.model.net.decode_plan.amx_rows == 0

@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried"}
 
@@ -84,6 +84,12 @@ def has_bf16_dot() -> bool:
     return bool(_state["ok"]) and bool(torch.ops.kvledger_cpu.has_bf16_dot())
 
 
+def has_amx() -> bool:
+    """The quantized linear may run on AMX tiles here: the CPU has AMX-BF16 and Linux granted this
+    process the tile state (``csrc/qlinear_amx.cpp``)."""
+    return bool(_state["ok"]) and bool(torch.ops.kvledger_cpu.has_amx())
+
+
 def quant_isa() -> str:
     """``avx512-vnni`` or ``scalar``: the quantized linear kernels this CPU runs."""
     return str(torch.ops.kvledger_cpu.quant_isa()) if _state["ok"] else "none"
@@ -133,5 +139,5 @@ def _register_fakes() -> None:
         return y.new_empty(y.shape, dtype=like.dtype)
 
     @torch.library.register_fake(lib + "quant_linear")
-    def _(x, w, scales, wsum128, bits, n):
+    def _(x, w, scales, wsum128, bits, n, amx_rows=0):
         return x.new_empty(x.shape[0], n)

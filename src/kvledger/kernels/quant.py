@@ -32,6 +32,9 @@ class PackedWeight:
     w: torch.Tensor  # uint8 (int4, two codes a byte) or int8
     scales: torch.Tensor  # fp16
     wsum128: torch.Tensor | None  # int32, int8 only
+    amx_rows: int = 0
+    """Calls of at least this many bf16 rows run on AMX tiles where the CPU has them (the weights
+    dequantized to bf16 in the call, float sums; ``model/linear.AMX_TILE_ROWS``); 0: never."""
 
     def nbytes(self) -> int:
         extra = 0 if self.wsum128 is None else self.wsum128.numel() * 4
@@ -39,7 +42,7 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvledger_cpu.quant_linear(
-            x, self.w, self.scales, self.wsum128, self.bits, self.out_features
+            x, self.w, self.scales, self.wsum128, self.bits, self.out_features, self.amx_rows
         )
 
     def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:

@@ -42,6 +42,16 @@ At 64 and not 32: batched decodes up to 63 rows keep the one-call C++ decode (``
 whose saved Python per layer is worth more than the GEMMs' difference at 32 rows."""
 
 
+AMX_TILE_ROWS = 32
+"""With AMX (``KernelSettings.cpu_amx`` and a CPU with AMX-BF16 tiles), kvledger's quantized-linear
+kernel takes calls of at least this many rows (up to ``amx_rows``, where the AMX copy's oneDNN GEMM
+takes over) on AMX tiles: each call dequantizes the int4/int8 weights to bf16 once (the AMX copy's
+values) and multiplies 16 rows at a time, instead of the VNNI path's per-row, per-group scaling.
+SmolLM2's 120 projections, both threads, on the Intel Xeon with AMX (bench/RESULTS.md): VNNI 9.6 ms
+vs tiles 10.1 ms at 16 rows, 15.0 vs 14.1 at 32, 25.5 vs 17.4 at 64 (oneDNN's bf16 GEMM: 18.7). The
+dequantization costs the same whatever the row count, hence not below 32."""
+
+
 def amx_available() -> bool:
     """This CPU has AMX tiles (oneDNN's bf16 GEMMs and torch's SDPA use them)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -160,6 +170,8 @@ class Linear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, PACK_ROWS_HINT)
             self.w = None
         self.amx_rows = AMX_MIN_ROWS  # read here, so a test may lower it for the layers it builds
+        if amx and self.qw is not None and kernels.has_amx():
+            self.qw.amx_rows = AMX_TILE_ROWS
         if amx and self.qw is not None:
             # The values the kernel computes with (the file's Q4_1/Q8_0 blocks, dequantized exactly),
             # so both paths share the weights and differ only in the kernel's int8 activations.

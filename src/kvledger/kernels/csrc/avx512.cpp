@@ -4,6 +4,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -157,6 +158,20 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
   const bool grouped = ND != 0 && G <= kMaxG;
   for (long t0 = 0; t0 < n; t0 += B) {
     const int nb = static_cast<int>(n - t0 < B ? n - t0 : B);
+    // The next block's K/V rows, fetched while this one is computed: with one-token pages a request's
+    // decoded tokens lie wherever the pool had a free slot (a step's tokens of all requests side by
+    // side), so each row is its own cache miss, and the hardware prefetcher cannot guess them.
+    // (A run of consecutive slots, as a prompt's, the hardware prefetcher streams by itself.)
+    const long j1 = std::min(t0 + 2 * B, n);
+    const bool run = j1 - 1 <= t0 + B || locs[j1 - 1] - locs[t0 + B] == j1 - 1 - (t0 + B);
+    for (long j = t0 + B; !run && j < j1; ++j) {
+      const char* kp = reinterpret_cast<const char*>(k + locs[j] * D);
+      const char* vp = reinterpret_cast<const char*>(v + locs[j] * D);
+      for (long off = 0; off < static_cast<long>(D * sizeof(T)); off += 64) {
+        _mm_prefetch(kp + off, _MM_HINT_T0);
+        _mm_prefetch(vp + off, _MM_HINT_T0);
+      }
+    }
     for (int j = 0; j < B; ++j) {  // past the end: repeat the last row (its scores are masked off)
       const int64_t loc = locs[t0 + (j < nb ? j : nb - 1)];
       kr[j] = k + loc * D;

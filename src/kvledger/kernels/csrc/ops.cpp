@@ -36,6 +36,7 @@ bool cpu_has_avx512() {
 const bool kAvx512 = cpu_has_avx512();
 const bool kVnni = kAvx512 && __builtin_cpu_supports("avx512vnni");
 const bool kBf16Dot = kAvx512 && __builtin_cpu_supports("avx512bf16");
+const bool kAmx = kBf16Dot && amx_ready();  // AMX-BF16 tiles granted to this process
 
 template <typename T> const Kernels<T>& portable();
 template <> const Kernels<float>& portable<float>() { static const auto k = scalar_f32(); return k; }
@@ -447,8 +448,10 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& scale, const c10::o
 // y = x @ W.T for weights packed by kernels/quant.py (layout in qlinear.h): x [M, K] float32 or bf16
 // (rows contiguous), y [M, N] of x's dtype. The activations are quantized here, once per call, to int8
 // per group of 32 (scale = max|x| / 127, round to nearest even); both ISA paths read the same codes.
+// amx_rows > 0: calls of at least that many bf16 rows run on AMX tiles where the CPU has them
+// (qlinear_amx.cpp: the weights dequantized to bf16 once per call, float sums), not the VNNI path.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                        const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n) {
+                        const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t amx_rows) {
   check_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
@@ -468,6 +471,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   }
   auto out = at::empty({M, n}, x.options());
   if (M == 0) return out;
+  if (amx_rows > 0 && M >= amx_rows && x.scalar_type() == at::kBFloat16 && kAmx) {
+    // Whole tiles of 16 rows: the last one padded with zero rows (their outputs are not written).
+    const int64_t Mpad = (M + 15) / 16 * 16;
+    at::Tensor xp = x;
+    if (Mpad != M) {
+      xp = at::zeros({Mpad, K}, x.options());
+      xp.narrow(0, 0, M).copy_(x);
+    }
+    const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr());
+    uint16_t* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+    at::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+      q_amx(xs, M, Mpad, K, static_cast<int>(bits), w.data_ptr(), sp, ys, n, p0, p1);
+    });
+    return out;
+  }
   static const QuantKernels scalar = quant_scalar();
 #if defined(__x86_64__) || defined(_M_X64)
   static const QuantKernels vnni = quant_vnni();
@@ -509,7 +528,7 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    at::TensorList in_norms, at::TensorList post_norms, at::Tensor& k_all, at::Tensor& v_all,
                    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& table,
                    const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& out_loc, int64_t heads,
-                   double scale, double eps) {
+                   double scale, double eps, int64_t amx_rows) {
   const int64_t layers = static_cast<int64_t>(in_norms.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(post_norms.size()) == layers, "one input and one post norm a layer");
   TORCH_CHECK(static_cast<int64_t>(w.size()) == 4 * layers && scales.size() == w.size() && wsum.size() == w.size() &&
@@ -521,7 +540,7 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
   const int64_t B = h.size(0), kvh = k_all.size(1), hd = k_all.size(3);
   const int64_t qs = heads * hd, kvs = kvh * hd;
   auto proj = [&](const at::Tensor& x, int64_t j) {
-    return quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j]);
+    return quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j], amx_rows);
   };
   at::Tensor x = rms_norm(h, in_norms[0], eps);
   for (int64_t l = 0; l < layers; ++l) {
@@ -549,6 +568,8 @@ std::string isa() { return kAvx512 ? "avx512" : "scalar"; }
 
 std::string quant_isa() { return kVnni ? "avx512-vnni" : "scalar"; }
 
+bool has_amx() { return kAmx; }
+
 }  // namespace
 }  // namespace kvl
 
@@ -562,7 +583,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
       "int head_stride=0) -> Tensor");
   m.def(
-      "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n) -> Tensor");
+      "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(
       "extend_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
       "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale) -> ()");
@@ -573,8 +594,9 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "decode_layers(Tensor(a!) h, Tensor[] w, Tensor[] scales, Tensor?[] wsum, int[] bits, int[] n, "
       "Tensor[] in_norms, Tensor[] post_norms, Tensor(b!) k_all, Tensor(c!) v_all, Tensor positions, Tensor cos, "
       "Tensor sin, Tensor req_to_token, Tensor rows, Tensor lens, Tensor out_loc, int heads, float scale, "
-      "float eps) -> ()");
+      "float eps, int amx_rows=0) -> ()");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
+  m.def("has_amx", &kvl::has_amx);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
   m.def("isa", &kvl::isa);

@@ -45,4 +45,11 @@ struct QuantKernels {
 QuantKernels quant_scalar();
 QuantKernels quant_vnni();
 
+// AMX tiles (qlinear_amx.cpp): true once this process may use them on a CPU with AMX-BF16.
+bool amx_ready();
+// y [M, N] bf16 = x [Mpad, K] bf16 (rows M.. zero) times the packed weights (int4 or int8, qlinear.h's
+// layout, wsum128 unused), for the pairs of 16-row weight blocks [p0, p1).
+void q_amx(const uint16_t* x, long M, long Mpad, long K, int bits, const void* w, const uint16_t* scales, uint16_t* y,
+           long N, long p0, long p1);
+
 }  // namespace kvl

@@ -35,6 +35,7 @@ VARIANTS: dict[str, tuple[bool, bool]] = {
 class DecodePlan:
     args: tuple  # kvledger_cpu::decode_layers' weight arguments, in its order
     max_rows: int  # the most rows (decodes) a step may have for it
+    amx_rows: int = 0  # calls of this many rows and more on AMX tiles (``PackedWeight.amx_rows``)
 
 
 class LlamaLayer(Projections, nn.Module):
@@ -136,7 +137,11 @@ class LlamaNet(CausalNet):
             + [p.amx_rows - 1 for p in projs if p.packed is not None],
             default=1 << 62,
         )
-        return DecodePlan(args, max_rows)
+        # One threshold for the AMX tiles (the kernel call takes one); layers built alike share it.
+        tile_rows = {q.amx_rows for q in qw}
+        if len(tile_rows) > 1:
+            return None
+        return DecodePlan(args, max_rows, tile_rows.pop())
 
     def decode_step(
         self,
@@ -156,7 +161,7 @@ class LlamaNet(CausalNet):
         h = self.embed(input_ids)
         torch.ops.kvledger_cpu.decode_layers(
             h, *plan.args, kv_buffer.k, kv_buffer.v, positions, self.rotary.cos, self.rotary.sin, table, rows,
-            lens, out_loc, self.cfg.num_heads, scale, self.cfg.rms_norm_eps,
+            lens, out_loc, self.cfg.num_heads, scale, self.cfg.rms_norm_eps, plan.amx_rows,
         )  # fmt: skip
         return self.lm_head(self.norm(h[logit_index]))
 
