@@ -34,22 +34,21 @@ threads: 0.78x oneDNN's time at 32 rows, 0.96x at 64, 1.04x at 128, 1.31x at 512
 stay on it and on the file's own weights."""
 
 
-AMX_MIN_ROWS = 64
+AMX_MIN_ROWS = 192
 """With the AMX copy (``KernelSettings.cpu_amx``), calls of at least this many rows take oneDNN's bf16
-GEMM on it instead of kvledger's kernel. On an Intel Xeon with AMX, SmolLM2's four projections on one
-thread: 0.70x the int4 kernel's time at 32 rows, 0.44x at 64, 0.33x at 128, 0.23x at 512 (bench/RESULTS.md).
-At 64 and not 32: batched decodes up to 63 rows keep the one-call C++ decode (``decode_plan``),
-whose saved Python per layer is worth more than the GEMMs' difference at 32 rows."""
-
+GEMM on it instead of kvledger's kernel. Below it, from ``AMX_TILE_ROWS``, the kernel's own AMX-tile
+path (the packed weights dequantized per call) is the faster: SmolLM2's 120 projections, both threads,
+on an Intel Xeon with AMX: tiles 16.0 vs oneDNN 18.3 ms at 64 rows, 20.0 vs 24.3 at 128, then about
+equal (28.6 vs 24.5 at 192, 49.5 vs 48.5 at 384, 66.0 vs 65.2 at 512; bench/RESULTS.md). Batched
+decodes below it keep the one-call C++ decode (``decode_plan``)."""
 
 AMX_TILE_ROWS = 32
 """With AMX (``KernelSettings.cpu_amx`` and a CPU with AMX-BF16 tiles), kvledger's quantized-linear
-kernel takes calls of at least this many rows (up to ``amx_rows``, where the AMX copy's oneDNN GEMM
-takes over) on AMX tiles: each call dequantizes the int4/int8 weights to bf16 once (the AMX copy's
+kernel takes calls of at least this many rows (up to ``AMX_MIN_ROWS``, where the AMX copy's oneDNN
+GEMM takes over) on AMX tiles: each call dequantizes the int4/int8 weights to bf16 once (the AMX copy's
 values) and multiplies 16 rows at a time, instead of the VNNI path's per-row, per-group scaling.
-SmolLM2's 120 projections, both threads, on the Intel Xeon with AMX (bench/RESULTS.md): VNNI 9.6 ms
-vs tiles 10.1 ms at 16 rows, 15.0 vs 14.1 at 32, 25.5 vs 17.4 at 64 (oneDNN's bf16 GEMM: 18.7). The
-dequantization costs the same whatever the row count, hence not below 32."""
+SmolLM2's 120 projections, both threads: VNNI 9.6 ms vs tiles 10.1 ms at 16 rows, 15.0 vs 14.1 at
+32, 25.5 vs 17.4 at 64. The dequantization costs the same whatever the row count, hence not below 32."""
 
 
 def amx_available() -> bool:
@@ -216,13 +215,16 @@ class Linear(nn.Module):
     def path(self, rows: int) -> str:
         """Which product a call of ``rows`` rows runs (eager): ``int8`` (oneDNN's int8 linear, from
         ``int8_batch_rows`` with ``int8_batch``), ``amx`` (the AMX copy's bf16 GEMM, from ``amx_rows``),
+        ``tiles`` (kvledger's kernel on AMX tiles, from ``qw.amx_rows``: ``AMX_TILE_ROWS``),
         ``kernel`` (kvledger's; without AMX it beats the prepacked bf16 GEMM at every row count:
         bench/RESULTS.md), ``torch`` (torch's weight-only kernels, up to ``small_rows``) or ``dense``
         (the bf16 or float weight: oneDNN's prepacked GEMM or ``F.linear``)."""
         if self.w8 is not None and rows >= self.int8_batch_rows:
             return "int8"
         if self.qw is not None:
-            return "amx" if self.packed is not None and rows >= self.amx_rows else "kernel"
+            if self.packed is not None and rows >= self.amx_rows:
+                return "amx"
+            return "tiles" if self.qw.amx_rows and rows >= self.qw.amx_rows else "kernel"
         return "torch" if self.q is not None and rows <= self.small_rows else "dense"
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -230,7 +232,7 @@ class Linear(nn.Module):
         path = self.path(x.shape[0])
         if path == "int8":
             return self.w8(x, self.b)
-        if path == "kernel":
+        if path in ("kernel", "tiles"):
             y = self.qw(x)
         elif path != "torch":
             return None
