@@ -38,17 +38,18 @@ AMX_MIN_ROWS = 192
 """With the AMX copy (``KernelSettings.cpu_amx``), calls of at least this many rows take oneDNN's bf16
 GEMM on it instead of kvledger's kernel. Below it, from ``AMX_TILE_ROWS``, the kernel's own AMX-tile
 path (the packed weights dequantized per call) is the faster: SmolLM2's 120 projections, both threads,
-on an Intel Xeon with AMX: tiles 16.0 vs oneDNN 18.3 ms at 64 rows, 20.0 vs 24.3 at 128, then about
-equal (28.6 vs 24.5 at 192, 49.5 vs 48.5 at 384, 66.0 vs 65.2 at 512; bench/RESULTS.md). Batched
-decodes below it keep the one-call C++ decode (``decode_plan``)."""
+on an Intel Xeon with AMX: tiles 11.7 vs oneDNN 16.1 ms at 64 rows, 18.7 vs 22.2 at 128; from 192 about
+equal or oneDNN ahead (25.4-25.9 vs 23.4-24.4 at 192, 33.3 vs 29.6 at 256, 60-62 vs 62 at 512, 137 vs
+126 at 1,024; bench/RESULTS.md). Batched decodes below it keep the one-call C++ decode (``decode_plan``)."""
 
-AMX_TILE_ROWS = 32
+AMX_TILE_ROWS = 24
 """With AMX (``KernelSettings.cpu_amx`` and a CPU with AMX-BF16 tiles), kvledger's quantized-linear
 kernel takes calls of at least this many rows (up to ``AMX_MIN_ROWS``, where the AMX copy's oneDNN
-GEMM takes over) on AMX tiles: each call dequantizes the int4/int8 weights to bf16 once (the AMX copy's
-values) and multiplies 16 rows at a time, instead of the VNNI path's per-row, per-group scaling.
-SmolLM2's 120 projections, both threads: VNNI 9.6 ms vs tiles 10.1 ms at 16 rows, 15.0 vs 14.1 at
-32, 25.5 vs 17.4 at 64. The dequantization costs the same whatever the row count, hence not below 32."""
+GEMM takes over) on AMX tiles: each call dequantizes the int4/int8 weights to bf16 (the AMX copy's
+values), the next block pair's while the tiles multiply the current one, and multiplies 16 rows at a
+time, instead of the VNNI path's per-row, per-group scaling. SmolLM2's 120 projections, both threads:
+VNNI 4.2 vs tiles 8.1 ms at 8 rows, 7.3 vs 7.3 at 16, 10.4 vs 9.2 at 24, 13.1 vs 8.1 at 32, 22.2 vs
+11.7 at 64. The dequantization costs the same whatever the row count, hence not below 24."""
 
 
 def amx_available() -> bool:

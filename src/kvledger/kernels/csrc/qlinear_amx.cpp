@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "qlinear.h"
@@ -119,8 +120,10 @@ void write_rows(const float* c, uint16_t* y, long N, long r0, long rows, long b)
 
 // Rows [r0, r0 + 16 * (1 + TWO_A)) of the (padded) activations times blocks b (and b + 1 with TWO_B),
 // whose dequantized tiles are at bt[0] (and bt[1]), over all G groups.
-template <bool TWO_A, bool TWO_B>
-void tiles(const uint16_t* x, long K, long G, long r0, const uint8_t* bt0, const uint8_t* bt1, float* c) {
+// side(g) runs after group g's products are issued: the next block pair's dequantization, on the
+// vector units while the tile unit multiplies (their work overlaps instead of adding up).
+template <bool TWO_A, bool TWO_B, typename F>
+void tiles(const uint16_t* x, long K, long G, long r0, const uint8_t* bt0, const uint8_t* bt1, float* c, F&& side) {
   _tile_zero(4);
   if (TWO_B) _tile_zero(5);
   if (TWO_A) _tile_zero(6);
@@ -135,6 +138,7 @@ void tiles(const uint16_t* x, long K, long G, long r0, const uint8_t* bt0, const
     if (TWO_B) _tile_dpbf16ps(5, 0, 3);
     if (TWO_A) _tile_dpbf16ps(6, 1, 2);
     if (TWO_A && TWO_B) _tile_dpbf16ps(7, 1, 3);
+    side(g);
   }
   _tile_stored(4, c, 64);
   if (TWO_B) _tile_stored(5, c + 256, 64);
@@ -154,28 +158,35 @@ void q_amx(const uint16_t* x, long M, long Mpad, long K, int bits, const void* w
   static const TileConfig cfg;
   _tile_loadconfig(&cfg);
   const long G = K / 32, NB = N / 16;
-  // This task's dequantized blocks: two at a time, every group.
-  std::vector<uint8_t> buf(static_cast<size_t>(2 * G * kGroupBytes + 64));
-  uint8_t* bt = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  // This task's dequantized block pairs, every group: the current one and the next (filled while the
+  // current one's products run).
+  std::vector<uint8_t> buf(static_cast<size_t>(4 * G * kGroupBytes + 64));
+  uint8_t* cur = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  uint8_t* nxt = cur + 2 * G * kGroupBytes;
+  auto dequant = [&](long p, long g, uint8_t* dst) {
+    for (long j = 0; j < (2 * p + 1 < NB ? 2 : 1); ++j) {
+      const long i = (2 * p + j) * G + g;
+      uint8_t* tile = dst + (j * G + g) * kGroupBytes;
+      if (bits == 4) dequant_q4(static_cast<const uint8_t*>(w) + i * 256, scales + i * 32, tile);
+      else dequant_q8(static_cast<const int8_t*>(w) + i * 512, scales + i * 16, tile);
+    }
+  };
+  for (long g = 0; g < G; ++g) dequant(p0, g, cur);
   alignas(64) float c[4 * 256];
   for (long p = p0; p < p1; ++p) {
     const long b = 2 * p;
     const bool two_b = b + 1 < NB;
-    for (long j = 0; j < (two_b ? 2 : 1); ++j) {
-      for (long g = 0; g < G; ++g) {
-        const long i = (b + j) * G + g;
-        uint8_t* tile = bt + (j * G + g) * kGroupBytes;
-        if (bits == 4) dequant_q4(static_cast<const uint8_t*>(w) + i * 256, scales + i * 32, tile);
-        else dequant_q8(static_cast<const int8_t*>(w) + i * 512, scales + i * 16, tile);
-      }
-    }
-    const uint8_t* bt1 = bt + G * kGroupBytes;
+    const uint8_t* bt1 = cur + G * kGroupBytes;
     for (long r0 = 0; r0 < Mpad; r0 += 2 * kTileRows) {
       const bool two_a = r0 + kTileRows < Mpad;
-      if (two_a && two_b) tiles<true, true>(x, K, G, r0, bt, bt1, c);
-      else if (two_a) tiles<true, false>(x, K, G, r0, bt, bt1, c);
-      else if (two_b) tiles<false, true>(x, K, G, r0, bt, bt1, c);
-      else tiles<false, false>(x, K, G, r0, bt, bt1, c);
+      const bool ahead = r0 == 0 && p + 1 < p1;
+      auto side = [&](long g) {
+        if (ahead) dequant(p + 1, g, nxt);
+      };
+      if (two_a && two_b) tiles<true, true>(x, K, G, r0, cur, bt1, c, side);
+      else if (two_a) tiles<true, false>(x, K, G, r0, cur, bt1, c, side);
+      else if (two_b) tiles<false, true>(x, K, G, r0, cur, bt1, c, side);
+      else tiles<false, false>(x, K, G, r0, cur, bt1, c, side);
       for (int a = 0; a < (two_a ? 2 : 1); ++a) {
         const long ra = r0 + a * kTileRows;
         const long rows = std::min<long>(kTileRows, M - ra);
@@ -184,6 +195,7 @@ void q_amx(const uint16_t* x, long M, long Mpad, long K, int bits, const void* w
         if (two_b) write_rows(c + a * 512 + 256, y, N, ra, rows, b + 1);
       }
     }
+    std::swap(cur, nxt);
   }
   _tile_release();
 }
