@@ -158,13 +158,13 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
   const bool grouped = ND != 0 && G <= kMaxG;
   for (long t0 = 0; t0 < n; t0 += B) {
     const int nb = static_cast<int>(n - t0 < B ? n - t0 : B);
-    // The next block's K/V rows, fetched while this one is computed: with one-token pages a request's
+    // The next block's K/V rows, fetched while this one is computed. With one-token pages a request's
     // decoded tokens lie wherever the pool had a free slot (a step's tokens of all requests side by
-    // side), so each row is its own cache miss, and the hardware prefetcher cannot guess them.
-    // (A run of consecutive slots, as a prompt's, the hardware prefetcher streams by itself.)
+    // side), so each row is its own cache miss that the hardware prefetcher cannot guess; a run of
+    // consecutive slots (a prompt's, or a page) it streams, but late: 32 decodes over 30 layers' K/V
+    // (bench/RESULTS.md) took 12.4 -> 9.9 ms a step at 256 tokens of consecutive context with this too.
     const long j1 = std::min(t0 + 2 * B, n);
-    const bool run = j1 - 1 <= t0 + B || locs[j1 - 1] - locs[t0 + B] == j1 - 1 - (t0 + B);
-    for (long j = t0 + B; !run && j < j1; ++j) {
+    for (long j = t0 + B; j < j1; ++j) {
       const char* kp = reinterpret_cast<const char*>(k + locs[j] * D);
       const char* vp = reinterpret_cast<const char*>(v + locs[j] * D);
       for (long off = 0; off < static_cast<long>(D * sizeof(T)); off += 64) {
