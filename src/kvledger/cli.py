@@ -98,8 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="compile the forward with torch.compile (faster decode; compiles at start-up)",
     )
     p.add_argument("--page-size", type=int, default=None,
-                   help=f"tokens per KV page (default {d.page_size}; 16 with --enable-hierarchical-cache or "
-                   "--enable-hisparse)")  # fmt: skip
+                   help=f"tokens per KV page (default {d.page_size}; at least 8 with --enable-hisparse)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=REASONING_PARSERS,
@@ -243,8 +242,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.section_of()
     values = {k: v for k, v in vars(args).items() if k in names}
     if values.get("page_size") is None:
-        paged = values.get("enable_hierarchical_cache") or values.get("enable_hisparse")
-        values["page_size"] = 16 if paged else EngineConfig().cache.page_size
+        values["page_size"] = EngineConfig().cache.page_size
     if values.get("disaggregation_bind_host") is None and getattr(args, "host", None):
         values["disaggregation_bind_host"] = args.host  # bootstrap where the HTTP server listens
     cfg = EngineConfig.from_flat(**values)

@@ -117,8 +117,11 @@ class ModelSettings:
 class CacheSettings:
     """The KV pool, its pages, the prefix cache and the books."""
 
-    page_size: int = 1
-    """Tokens per KV page (1 and 16 are both tested; 16 by default with the hierarchical cache)."""
+    page_size: int = 16
+    """Tokens per KV page (1 and 16 are both tested). 16 by default, as vLLM's blocks (SGLang's default
+    is 1): a request's tokens then lie in runs of 16 consecutive slots, which decode attention reads
+    1.4-1.7x faster than one-token pages scattered over the pool (32 streams: 816-829 -> 913-916 tok/s
+    offline, 743 -> 800 over HTTP; bench/RESULTS.md); a prefix-cache hit counts whole pages."""
     max_total_tokens: int | None = None
     """KV capacity in tokens (rounded down to whole pages). None: sized from the model and the machine."""
     enable_prefix_cache: bool = True
