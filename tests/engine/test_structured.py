@@ -233,6 +233,31 @@ def test_min_new_tokens_masks_the_stop_tokens(chat_loaded):
     assert_idle_clean(eng)
 
 
+def test_min_new_tokens_with_nothing_to_hold_back_builds_no_mask(chat_loaded, monkeypatch):
+    """ignore_eos and no stop_token_ids: min_new_tokens has no token to mask, so no bitmask goes to
+    the sampler (an all-ones mask for every row of every step was what slowed benchmark clients that
+    send min_tokens with ignore_eos, as kvledger bench does); with the EOS to hold back, masks go."""
+    from kvledger.scheduler.scheduler import Scheduler
+
+    seen: list[bool] = []
+    real = Scheduler._min_tokens_mask
+
+    def spy(self, req, rows, mask):
+        out = real(self, req, rows, mask)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Scheduler, "_min_tokens_mask", spy)
+    eng = engine(chat_loaded)
+    sp = {"max_new_tokens": 6, "temperature": 0, "min_new_tokens": 6}
+    eng.generate(input_ids=[9, 10, 11], sampling_params={**sp, "ignore_eos": True})
+    assert seen and not any(seen)
+    seen.clear()
+    eng.generate(input_ids=[9, 10, 11], sampling_params=sp)
+    assert any(seen)  # the EOS held back
+    assert_idle_clean(eng)
+
+
 def test_stop_regex_ends_and_cuts_the_text(chat_loaded):
     eng = engine(chat_loaded)
     out = eng.generate(

@@ -380,12 +380,13 @@ class Scheduler:
         """Below min_new_tokens the stop tokens are not drawn: their bits cleared in the rows of
         positions short of it (and'ed with a grammar's mask)."""
         short = req.params.min_new_tokens - len(req.output_ids)
-        if short <= 0:
+        stop = self.stop.stop_ids(req) if short > 0 else []
+        if not stop:  # (ignore_eos, no stop ids: nothing to hold back, so no all-ones mask per step)
             return mask
         if mask is None:
             mask = np.full((rows, bitmask_width(self.vocab_size)), -1, dtype=np.int32)
         bits = mask.view(np.uint32)
-        for t in self.stop.stop_ids(req):
+        for t in stop:
             bits[:short, t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
         return mask
 
