@@ -52,7 +52,7 @@ bool request_tiles() {
 }
 
 // Word 2l of the result = a's lane l, word 2l+1 = b's lane l (bf16, round to nearest even): one tile
-// row of an input pair for 16 outputs. cvtne2ps puts b's 16 words first, then a's; vpermw interleaves.
+// row of an input pair for 16 outputs. cvtne2ps_pbh(b, a) gives a's 16 words, then b's; vpermw interleaves.
 inline __m512i pair_bf16(__m512 a, __m512 b) {
   const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
                                        5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
