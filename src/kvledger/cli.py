@@ -97,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile the forward with torch.compile (faster decode; compiles at start-up)",
     )
-    p.add_argument("--page-size", type=int, default=None,
+    p.add_argument("--page-size", type=int, default=d.page_size,
                    help=f"tokens per KV page (default {d.page_size}; at least 8 with --enable-hisparse)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
     p.add_argument("--context-length", type=int, default=d.context_length)
@@ -241,8 +241,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings from the flags, checked before anything starts (a bad one: exit 2)."""
     names = EngineConfig.section_of()
     values = {k: v for k, v in vars(args).items() if k in names}
-    if values.get("page_size") is None:
-        values["page_size"] = EngineConfig().cache.page_size
     if values.get("disaggregation_bind_host") is None and getattr(args, "host", None):
         values["disaggregation_bind_host"] = args.host  # bootstrap where the HTTP server listens
     cfg = EngineConfig.from_flat(**values)

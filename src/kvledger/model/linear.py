@@ -170,9 +170,9 @@ class Linear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, PACK_ROWS_HINT)
             self.w = None
         self.amx_rows = AMX_MIN_ROWS  # read here, so a test may lower it for the layers it builds
-        if amx and self.qw is not None and kernels.has_amx():
-            self.qw.amx_rows = AMX_TILE_ROWS
         if amx and self.qw is not None:
+            if kernels.has_amx():
+                self.qw.amx_rows = AMX_TILE_ROWS
             # The values the kernel computes with (the file's Q4_1/Q8_0 blocks, dequantized exactly),
             # so both paths share the weights and differ only in the kernel's int8 activations.
             wb = self._cast(self.qw.rows())

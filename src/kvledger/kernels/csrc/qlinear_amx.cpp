@@ -160,7 +160,9 @@ void q_amx(const uint16_t* x, long M, long Mpad, long K, int bits, const void* w
   const long G = K / 32, NB = N / 16;
   // This task's dequantized block pairs, every group: the current one and the next (filled while the
   // current one's products run).
-  std::vector<uint8_t> buf(static_cast<size_t>(4 * G * kGroupBytes + 64));
+  // (Per thread and kept: a call per projection, 120 a decode step, need not allocate.)
+  thread_local std::vector<uint8_t> buf;
+  buf.resize(std::max(buf.size(), static_cast<size_t>(4 * G * kGroupBytes + 64)));
   uint8_t* cur = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
   uint8_t* nxt = cur + 2 * G * kGroupBytes;
   auto dequant = [&](long p, long g, uint8_t* dst) {
