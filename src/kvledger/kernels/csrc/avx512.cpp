@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -109,8 +110,8 @@ inline __m512 sum16x16(const __m512* a) {
 constexpr int kMaxG = 64;  // most query heads a KV head may serve on the grouped paths of attend_nd
 
 // acc[g] = acc[g] * corr[g] + sum_j p[g][j] v[j] for GN heads (p at p + g * ps), D = 16 * ND.
-template <typename T, int ND, int GN>
-inline void pv_heads(float* acc, int D, const float* corr, const float* p, int ps, const T* const* vr, int nb) {
+template <typename C, int ND, int GN>
+inline void pv_heads(float* acc, int D, const float* corr, const float* p, int ps, const C* const* vr, int nb) {
   __m512 o[GN][ND];
   for (int g = 0; g < GN; ++g) {
     const __m512 c = _mm512_set1_ps(corr[g]);
@@ -135,21 +136,24 @@ inline void pv_heads(float* acc, int D, const float* corr, const float* p, int p
 // K row (head dim 64) and V row is widened to float once for all the query heads of its KV head: the
 // widening took a third of the instructions when it was repeated per head. The sums are the same, in
 // the same order, whichever path runs (tests/unit/test_cpu_kernels.py holds them to the reference).
-template <typename T, int ND>
-void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
+// C is the cache's element type (T, or f8: widened to value / kF8Unit, the unit folded into the query's
+// scale and, at the end, into the output).
+template <typename T, typename C, int ND>
+void attend_nd(const T* q, long qs, const C* k, const C* v, const int64_t* locs, long n, int G, int D,
                float scale, float* m, float* l, float* acc) {
   constexpr int B = 16;
+  constexpr float unit = std::is_same_v<C, f8> ? kF8Unit : 1.f;
   const int nd = ND ? ND : D / 16;
   std::vector<float> qf(static_cast<size_t>(G) * D), sc(static_cast<size_t>(G) * B);
-  const __m512 vs = _mm512_set1_ps(scale);
+  const __m512 vs = _mm512_set1_ps(scale * unit);
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < nd; ++j) _mm512_storeu_ps(&qf[g * D + j * 16], _mm512_mul_ps(load16(q + g * qs + j * 16), vs));
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.f;
     for (int d = 0; d < D; d += 16) _mm512_storeu_ps(acc + g * D + d, _mm512_setzero_ps());
   }
-  const T* kr[B];
-  const T* vr[B];
+  const C* kr[B];
+  const C* vr[B];
   __m512 dots[B];
   __m512 quads[4 * kMaxG];  // per head, its four sum4of16 of a block
   float corr[kMaxG];         // per head, the block's rescale of its running output
@@ -167,7 +171,7 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
     for (long j = t0 + B; j < j1; ++j) {
       const char* kp = reinterpret_cast<const char*>(k + locs[j] * D);
       const char* vp = reinterpret_cast<const char*>(v + locs[j] * D);
-      for (long off = 0; off < static_cast<long>(D * sizeof(T)); off += 64) {
+      for (long off = 0; off < static_cast<long>(D * sizeof(C)); off += 64) {
         _mm_prefetch(kp + off, _MM_HINT_T0);
         _mm_prefetch(vp + off, _MM_HINT_T0);
       }
@@ -236,23 +240,34 @@ void attend_nd(const T* q, long qs, const T* k, const T* v, const int64_t* locs,
           const float* c = corr + g0;
           const float* p = &sc[g0 * B];
           switch (G - g0 >= GB ? GB : G - g0) {
-            case 1: pv_heads<T, ND, 1>(acc + g0 * D, D, c, p, B, vr, nb); break;
-            case 2: pv_heads<T, ND, 2>(acc + g0 * D, D, c, p, B, vr, nb); break;
-            case 3: pv_heads<T, ND, (GB >= 3 ? 3 : 1)>(acc + g0 * D, D, c, p, B, vr, nb); break;
-            default: pv_heads<T, ND, (GB >= 4 ? 4 : 1)>(acc + g0 * D, D, c, p, B, vr, nb);  // GB is 4 or 2
+            case 1: pv_heads<C, ND, 1>(acc + g0 * D, D, c, p, B, vr, nb); break;
+            case 2: pv_heads<C, ND, 2>(acc + g0 * D, D, c, p, B, vr, nb); break;
+            case 3: pv_heads<C, ND, (GB >= 3 ? 3 : 1)>(acc + g0 * D, D, c, p, B, vr, nb); break;
+            default: pv_heads<C, ND, (GB >= 4 ? 4 : 1)>(acc + g0 * D, D, c, p, B, vr, nb);  // GB is 4 or 2
           }
         }
       }
     }
   }
+  if constexpr (unit != 1.f) {
+    const __m512 u = _mm512_set1_ps(unit);
+    for (int i = 0; i < G * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_mul_ps(_mm512_loadu_ps(acc + i), u));
+  }
+}
+
+template <typename T, typename C>
+void attend(const T* q, long qs, const C* k, const C* v, const int64_t* locs, long n, int G, int D,
+            float scale, float* m, float* l, float* acc) {
+  if (D == 64) return attend_nd<T, C, 4>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
+  if (D == 128) return attend_nd<T, C, 8>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
+  attend_nd<T, C, 0>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
 }
 
 template <typename T>
-void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
-            float scale, float* m, float* l, float* acc) {
-  if (D == 64) return attend_nd<T, 4>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
-  if (D == 128) return attend_nd<T, 8>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
-  attend_nd<T, 0>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
+void to_f8s(const T* x, f8* out, long n) {
+  long i = 0;
+  for (; i + 16 <= n; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), to_f8(load16(x + i)));
+  for (; i < n; ++i) out[i].bits = f_to_f8(to_f(x[i]));
 }
 
 
@@ -290,7 +305,8 @@ void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N
 
 template <typename T>
 Kernels<T> make() {
-  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>, &quantize_rows<T>, &scale_rows<T>};
+  return Kernels<T>{&rms_norm<T>,       &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>,
+                    &quantize_rows<T>, &scale_rows<T>};
 }
 
 }  // namespace

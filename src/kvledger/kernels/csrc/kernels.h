@@ -3,11 +3,19 @@
 // whatever the build flags). ops.cpp picks one at run time from the CPU's flags and does the torch
 // side (checks, threads, registration). T is float or bf16 (stored as uint16_t).
 #pragma once
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 namespace kvl {
 
 using bf16 = uint16_t;
+
+// A float8 e4m3fn value of the KV cache (torch.float8_e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa
+// bits, no infinities, 0x7f/0xff NaN, largest 448). A struct so that overloads tell it from an int8.
+struct f8 {
+  uint8_t bits;
+};
 
 // Every kernel works on a range of rows [r0, r1) so that ops.cpp can split the rows over threads.
 // Rounding follows torch's eager ops in the same dtype: each op of the reference rounds its result to
@@ -27,6 +35,11 @@ struct Kernels {
   // running max m[G], sum l[G] and unnormalized output acc[G*D] (flash-decoding partials).
   void (*attend)(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
                  float scale, float* m, float* l, float* acc);
+  // attend over a float8 e4m3 cache: the same sums of the values widened to float.
+  void (*attend_f8)(const T* q, long qs, const f8* k, const f8* v, const int64_t* locs, long n, int G, int D,
+                    float scale, float* m, float* l, float* acc);
+  // out[i] = x[i] rounded to float8 e4m3 (nearest even, saturating at +-448), as torch's cast of x clamped.
+  void (*to_f8)(const T* x, f8* out, long n);
   // Rows of x [.., K] to uint8 codes nearbyint(x * 127 / max|row|) + 128 and scale[r] = max|row| / 127.
   void (*quantize_rows)(const T* x, int K, uint8_t* q, float* scale, long r0, long r1);
   // out[r, i] = T(y[r, i] * scale[r]) (+ bias[i] after rounding, as torch adds a bias), y float [.., N].
@@ -53,7 +66,41 @@ inline bf16 f_to_bf16(float f) {  // round to nearest even, NaN kept NaN
   return static_cast<bf16>(u >> 16);
 }
 
+// float8 e4m3 bits to float, exactly (NaN for 0x7f/0xff).
+inline float f8_to_f(uint8_t b) {
+  const uint32_t em = b & 0x7fu;
+  float f;
+  if (em == 0x7fu) {
+    f = std::numeric_limits<float>::quiet_NaN();
+  } else if (em < 8u) {
+    f = static_cast<float>(em) * 0.001953125f;  // subnormal: em * 2^-9
+  } else {
+    const uint32_t u = (((em >> 3) + 120u) << 23) | ((em & 7u) << 20);
+    __builtin_memcpy(&f, &u, 4);
+  }
+  return (b & 0x80u) ? -f : f;
+}
+
+// float to float8 e4m3: round to nearest even, saturating at +-448 (infinities too), NaN kept NaN: torch's
+// cast of the value clamped to +-448 (which the Python side does before its cast).
+inline uint8_t f_to_f8(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  const uint8_t s = static_cast<uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return s | 0x7fu;
+  if (u >= 0x43e00000u) return s | 0x7eu;  // 448 and above
+  if (u < 0x3c800000u) {                   // below 2^-6: subnormal steps of 2^-9
+    float a;
+    __builtin_memcpy(&a, &u, 4);
+    return s | static_cast<uint8_t>(std::nearbyint(a * 512.f));  // 8 rounds up to the smallest normal
+  }
+  u += 0x7ffffu + ((u >> 20) & 1u);  // nearest even at 3 mantissa bits
+  return s | static_cast<uint8_t>((u >> 20) - (120u << 3));
+}
+
 inline float to_f(float x) { return x; }
+inline float to_f(f8 x) { return f8_to_f(x.bits); }
 inline float to_f(bf16 x) { return bf16_to_f(x); }
 template <typename T> inline T from_f(float x);
 template <> inline float from_f<float>(float x) { return x; }

@@ -12,6 +12,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "flash.h"
@@ -152,10 +153,11 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   check_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, head_dim]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const bool f8cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D &&
                   k_cache.stride(2) == 1 && k_cache.stride(1) == D && v_cache.stride(2) == 1 && v_cache.stride(1) == D &&
-                  k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
+                  (f8cache || k_cache.scalar_type() == q.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype or float8_e4m3fn");
   const int64_t KVH = k_cache.size(0), L = k_cache.size(1);
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "heads (", H, ") must be a multiple of kv heads (", KVH, ")");
   const int G = static_cast<int>(H / KVH);
@@ -199,30 +201,47 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   by_dtype(q, [&](auto tag) {
     using T = decltype(tag);
     const auto& k = pick<T>(static_cast<int>(D));
-    T* kc = ptr<T>(k_cache);
-    T* vc = ptr<T>(v_cache);
-    if (write) {
-      const int64_t* op = out_loc->data_ptr<int64_t>();
-      const T* kn = ptr<T>(*k_new);
-      const T* vn = ptr<T>(*v_new);
-      for (int64_t b = 0; b < B; ++b) {
-        for (int64_t h = 0; h < KVH; ++h) {
-          std::memcpy(kc + h * k_cache.stride(0) + op[b] * D, kn + b * k_new->stride(0) + h * D, D * sizeof(T));
-          std::memcpy(vc + h * v_cache.stride(0) + op[b] * D, vn + b * v_new->stride(0) + h * D, D * sizeof(T));
+    // C: the cache's element type (T, or float8 e4m3: written rounded, read widened by attend_f8).
+    auto run = [&](auto ctag, auto attend) {
+      using C = decltype(ctag);
+      C* kc = ptr<C>(k_cache);
+      C* vc = ptr<C>(v_cache);
+      if (write) {
+        const int64_t* op = out_loc->data_ptr<int64_t>();
+        const T* kn = ptr<T>(*k_new);
+        const T* vn = ptr<T>(*v_new);
+        for (int64_t b = 0; b < B; ++b) {
+          for (int64_t h = 0; h < KVH; ++h) {
+            C* kd = kc + h * k_cache.stride(0) + op[b] * D;
+            C* vd = vc + h * v_cache.stride(0) + op[b] * D;
+            if constexpr (std::is_same_v<C, f8>) {
+              k.to_f8(kn + b * k_new->stride(0) + h * D, kd, D);
+              k.to_f8(vn + b * v_new->stride(0) + h * D, vd, D);
+            } else {
+              std::memcpy(kd, kn + b * k_new->stride(0) + h * D, D * sizeof(T));
+              std::memcpy(vd, vn + b * v_new->stride(0) + h * D, D * sizeof(T));
+            }
+          }
         }
       }
+      const T* qp = ptr<T>(q);
+      at::parallel_for(0, B * KVH * S, 1, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t b = i / (KVH * S), h = (i / S) % KVH, s = i % S;
+          const int64_t chunk = (lp[b] + S - 1) / S;
+          const int64_t t0 = std::min(lp[b], s * chunk), t1 = std::min(lp[b], t0 + chunk);
+          float* pm = partial.data() + i * part;
+          attend(qp + b * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
+                 tp + rp[b] * ts + h * head_stride + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm,
+                 pm + G, pm + 2 * G);
+        }
+      });
+    };
+    if (f8cache) {
+      run(f8{}, k.attend_f8);
+    } else {
+      run(T{}, k.attend);
     }
-    const T* qp = ptr<T>(q);
-    at::parallel_for(0, B * KVH * S, 1, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / (KVH * S), h = (i / S) % KVH, s = i % S;
-        const int64_t chunk = (lp[b] + S - 1) / S;
-        const int64_t t0 = std::min(lp[b], s * chunk), t1 = std::min(lp[b], t0 + chunk);
-        float* pm = partial.data() + i * part;
-        k.attend(qp + b * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
-                 tp + rp[b] * ts + h * head_stride + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm, pm + G, pm + 2 * G);
-      }
-    });
     T* o = ptr<T>(out);
     at::parallel_for(0, B * KVH, 16, [&](int64_t j0, int64_t j1) {
       std::vector<float> acc(D);

@@ -63,8 +63,8 @@ void rope(T* x, long xs, int heads, int head_dim, const int64_t* pos, const T* c
   }
 }
 
-template <typename T>
-void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, long n, int G, int D,
+template <typename T, typename C>
+void attend(const T* q, long qs, const C* k, const C* v, const int64_t* locs, long n, int G, int D,
             float scale, float* m, float* l, float* acc) {
   std::vector<float> qf(static_cast<size_t>(G) * D);
   for (int g = 0; g < G; ++g) {
@@ -74,8 +74,8 @@ void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, lo
     for (int d = 0; d < D; ++d) acc[g * D + d] = 0.f;
   }
   for (long t = 0; t < n; ++t) {
-    const T* kt = k + locs[t] * D;
-    const T* vt = v + locs[t] * D;
+    const C* kt = k + locs[t] * D;
+    const C* vt = v + locs[t] * D;
     for (int g = 0; g < G; ++g) {
       float s = 0.f;
       for (int d = 0; d < D; ++d) s += qf[g * D + d] * to_f(kt[d]);
@@ -88,6 +88,11 @@ void attend(const T* q, long qs, const T* k, const T* v, const int64_t* locs, lo
   }
 }
 
+
+template <typename T>
+void to_f8s(const T* x, f8* out, long n) {
+  for (long i = 0; i < n; ++i) out[i].bits = f_to_f8(to_f(x[i]));
+}
 
 template <typename T>
 void quantize_rows(const T* x, int K, uint8_t* q, float* scale, long r0, long r1) {
@@ -115,7 +120,8 @@ void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N
 }
 template <typename T>
 Kernels<T> make() {
-  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T>, &quantize_rows<T>, &scale_rows<T>};
+  return Kernels<T>{&rms_norm<T>,       &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>,
+                    &quantize_rows<T>, &scale_rows<T>};
 }
 
 }  // namespace

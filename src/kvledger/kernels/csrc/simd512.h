@@ -14,6 +14,30 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// 16 float8 e4m3 values widened to float and divided by kF8Unit: the byte's sign moved to bit 15 and its
+// exponent and mantissa to bits 7..13 make the fp16 of value / 256 (the biases differ by 8), which
+// VCVTPH2PS widens exactly, subnormals included. Callers fold the 256 into a scale (attend_nd).
+constexpr float kF8Unit = 256.f;
+inline __m512 load16(const f8* p) {
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));  // sign-extended
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80))));
+}
+
+// 16 floats to float8 e4m3, as f_to_f8 (kernels.h) does one.
+inline __m128i to_f8(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i s = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i r = _mm512_add_epi32(a, _mm512_add_epi32(_mm512_set1_epi32(0x7ffff),
+                                                         _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1))));
+  __m512i c = _mm512_sub_epi32(_mm512_srli_epi32(r, 20), _mm512_set1_epi32(120 << 3));
+  const __m512i sub = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(512.f)));  // nearest even
+  c = _mm512_mask_mov_epi32(c, _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(0x3c800000)), sub);
+  c = _mm512_mask_mov_epi32(c, _mm512_cmpge_epu32_mask(a, _mm512_set1_epi32(0x43e00000)), _mm512_set1_epi32(0x7e));
+  c = _mm512_mask_mov_epi32(c, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7f));
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(c, s));
+}
+
 inline __m256i to_bf16(__m512 v) {  // round to nearest even; NaN stays a (quiet) NaN
   __m512i u = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
