@@ -131,6 +131,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--quantization", default="auto")
     p.add_argument("--enable-int8-batch", action="store_true", help="the candidate with --enable-int8-batch")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the candidate's KV pool (fp8_e4m3: float8)")
     p.add_argument(
         "--llama-server", default=None, help="also compare llama.cpp's output (a llama-server binary)"
     )
@@ -141,11 +142,13 @@ def main() -> int:
     ids: list[list[int]] = []
     for name, kw in (
         ("fp32", {"dtype": "float32"}),
-        ("default", {"quantization": args.quantization, "enable_int8_batch": args.enable_int8_batch}),
+        ("default", {"quantization": args.quantization, "enable_int8_batch": args.enable_int8_batch,
+                     "kv_cache_dtype": args.kv_cache_dtype}),
     ):
         eng = Engine(loaded_model=load_model(args.model), max_total_tokens=16384, **kw)
         label = f"{name}: {eng.core.info.dtype}, attention {eng.core.model.attention}"
         label += ", int8 batch" if eng.core.cfg.kernels.enable_int8_batch else ""
+        label += f", KV {eng.core.cfg.cache.kv_cache_dtype}" if eng.core.cfg.cache.kv_cache_dtype != "auto" else ""
         print(label)
         ids = ids or chat_ids(eng, texts)
         outs[name] = (label, run(eng, ids, args.max_new_tokens))

@@ -61,6 +61,7 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "quantized": {"quantization": "INT4"},
         "unquantized": {"quantization": "none"},
         "fp32": {"dtype": "fp32"},
+        "fp8_kv": {"kv_cache_dtype": "FP8"},
         # Threshold 0: the workload's priorities (0-3) preempt whenever the slots or the pool are full.
         "priority": {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 0},
         "cache_aware_policy": {"schedule_policy": "LPM"},
@@ -224,8 +225,9 @@ def exact(row: Row) -> bool:
 
 
 def exact_to_row_model(row: Row) -> bool:
-    """Token-exact to the fp32 plain engine on the row's own model (``row_model``)."""
-    return "fp32" in row and "cuda" not in row and "hisparse" not in row
+    """Token-exact to the fp32 plain engine on the row's own model (``row_model``): not where the KV
+    pool rounds to float8."""
+    return "fp32" in row and "cuda" not in row and "hisparse" not in row and "fp8_kv" not in row
 
 
 WINDOW = 24

@@ -13,6 +13,7 @@ from .config import (
     CPU_AMX,
     DISAGGREGATION_MODES,
     DTYPES,
+    KV_CACHE_DTYPES,
     QUANTIZATIONS,
     REASONING_PARSERS,
     SAMPLING_BACKENDS,
@@ -100,6 +101,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=d.page_size,
                    help=f"tokens per KV page (default {d.page_size}; at least 8 with --enable-hisparse)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, type=str.lower, choices=(*KV_CACHE_DTYPES, "fp8"),
+                   help="the KV pool's element type: auto (the model's) or fp8_e4m3 (alias fp8: half the bytes, "
+                   "twice the tokens; attention widens it; on the CPU)")  # fmt: skip
     p.add_argument("--context-length", type=int, default=d.context_length)
     p.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=REASONING_PARSERS,
                    help="the model's reasoning markers (<think>...</think>): chat answers give them as "

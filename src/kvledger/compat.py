@@ -64,6 +64,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("unquantized", "unquantized weights", "--quantization none", "quantization",
             lambda c, d: c.model.quantization is None),
     Feature("fp32", "float32", "--dtype float32", "dtype", lambda c, d: c.model.dtype == "float32"),
+    Feature("fp8_kv", "float8 KV cache", "--kv-cache-dtype fp8_e4m3", "kv_cache_dtype",
+            lambda c, d: c.cache.kv_cache_dtype == "fp8_e4m3"),
     Feature("priority", "priority scheduling", "--enable-priority-scheduling", "enable_priority_scheduling",
             lambda c, d: c.scheduler.enable_priority_scheduling),
     Feature("cache_aware_policy", "cache-aware queue order", "--schedule-policy lpm/dfs-weight",
@@ -102,6 +104,13 @@ REFUSED: dict[frozenset[str], Refusal] = {
     ),
     frozenset({"tp", "hisparse"}): Refusal(
         NOT_YET, "the host pool and the page choice live in rank 0's process; each rank would keep its heads' share"
+    ),
+    frozenset({"cuda", "fp8_kv"}): Refusal(
+        NOT_YET, "the float8 pool is read by the CPU backends (the C++ decode kernel widens it); the CUDA "
+        "decode kernels and graphs take the model's dtype"
+    ),
+    frozenset({"hisparse", "fp8_kv"}): Refusal(
+        NOT_YET, "HiSparse's host pool, page choice and hot-page copies take the model's dtype"
     ),
     frozenset({"cuda", "cpu_attention"}): Refusal(NO_MEANING, "the cpu attention backend is C++ CPU kernels"),
     frozenset({"cuda", "int8_batch"}): Refusal(NO_MEANING, "int8 batches are oneDNN's CPU int8 linear"),

@@ -100,11 +100,17 @@ def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, de
     )
 
 
+def kv_cache_dtype(cfg: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: the model's ``dtype`` (auto), or float8 e4m3 (``--kv-cache-dtype``)."""
+    return torch.float8_e4m3fn if cfg.cache.kv_cache_dtype == "fp8_e4m3" else dtype
+
+
 def _runner(cfg: EngineConfig, model: LlamaModel, device: str) -> ModelRunner:
     """The model runner over a KV buffer of ``cfg.cache.max_total_tokens`` (this rank's KV heads)."""
     lc = model.cfg
     kv_buffer = KVBuffer(
-        lc.num_layers, cfg.cache.max_total_tokens, lc.num_kv_heads, lc.head_dim, model.dtype, device
+        lc.num_layers, cfg.cache.max_total_tokens, lc.num_kv_heads, lc.head_dim, kv_cache_dtype(cfg, model.dtype),
+        device,
     )
     table = PageTable(cfg.scheduler.max_running_requests, cfg.model.context_length, cfg.cache.page_size, device)
     return ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device))
@@ -171,7 +177,7 @@ def build_worker_connector(cfg: EngineConfig, rank: int, runner: ModelRunner) ->
     model = runner.model
     path = cfg.model.model or default_model_path()  # what ``build_runner`` loaded
     worker = build_worker_side(
-        cfg, path, model.quantization, model.cfg, model.dtype, runner.kv_buffer, rank, _tp_gather(cfg)
+        cfg, path, model.quantization, model.cfg, runner.kv_buffer.k.dtype, runner.kv_buffer, rank, _tp_gather(cfg)
     )
     if not cfg.disagg.enabled:
         return worker
@@ -239,7 +245,8 @@ class EngineCore:
                 self.loras.add(read_adapter(name, path, cfg.lora.max_lora_rank))
         ps = cfg.cache.page_size
         lc = self.model.cfg  # this rank's shapes (all of them on one rank)
-        per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, self.dtype)
+        kv_dtype = kv_cache_dtype(cfg, self.dtype)
+        per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, kv_dtype)
         num_pages = max(1, (cfg.cache.max_total_tokens or default_kv_tokens(per_token, device)) // ps)
         total = num_pages * ps
         # Decode steps in CUDA graphs keep one page for their padding rows, out of every request's reach.
@@ -250,7 +257,7 @@ class EngineCore:
         self.cfg = cfg.replace(max_total_tokens=total, context_length=context)
         tiers = None
         if cfg.hicache.enable_hierarchical_cache:
-            tiers = build_tiers(cfg, loaded.path, lc, self.dtype, num_pages, device)
+            tiers = build_tiers(cfg, loaded.path, lc, kv_dtype, num_pages, device)
         # Every layer windowed: the pages that leave the window go back while requests run.
         window = release_window(mc.layer_windows())
         self.kv_manager = KVManager(
@@ -370,9 +377,10 @@ class EngineCore:
         )
         log.info(
             "engine ready in %.1fs (model read %.1fs, built %.1fs) on %s: %s (%s, %s), weights %.0f MiB, "
-            "KV %d tokens in pages of %d (%.0f MiB), context %d",
+            "KV %d tokens in pages of %d (%.0f MiB%s), context %d",
             time.monotonic() - t0, t_read, t_model, device, mc.name, mc.arch, dtype_name,
-            self.info.weight_bytes / 2**20, total, ps, total * per_token / 2**20, context,
+            self.info.weight_bytes / 2**20, total, ps, total * per_token / 2**20,
+            "" if kv_dtype == self.dtype else f", {str(kv_dtype).removeprefix('torch.')}", context,
         )  # fmt: skip
 
     def _warm_up_compile(self) -> None:

@@ -22,6 +22,7 @@ class ModelRunner:
         ``device`` (batched on the logits' device, one copy of the ids back, ``model/sampler_device.py``)."""
         self.model = model
         self.kv_buffer = kv_buffer
+        model.attn.kv_dtype = kv_buffer.k.dtype  # what the backend writes and reads (float8: --kv-cache-dtype)
         self.page_table = page_table
         self.on_device = sampling == "device"
         self.sampler = DeviceSampler(seed) if self.on_device else Sampler(seed)

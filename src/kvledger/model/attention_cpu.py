@@ -116,6 +116,8 @@ class CpuAttention(TorchAttention):
 
     def _in_kernel(self, prefix: int, new: int) -> bool:
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
+        if self.kv_dtype not in (None, self.dtype):
+            return False  # the extend kernels read a pool of the model's dtype; SDPA takes it widened
         if self.sdpa_extends:
             return new < FLASH_MIN_NEW
         return self.flash or kernel_extend(prefix, new)
@@ -176,7 +178,7 @@ class CpuAttention(TorchAttention):
         if meta.flash is not None:
             self.flash_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale)
         if meta.long_ext:
-            self.extend(out.view_as(q), q, k_cache, v_cache, meta.long_ext)
+            self.extend(out.view_as(q), q, k_cache, v_cache, meta.long_ext, k, v)
         if meta.sparse is not None:
             self.sparse_decode(layer, q, k, v, kv_buffer, batch, out, meta.sparse)
         return out

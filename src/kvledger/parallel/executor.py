@@ -157,6 +157,14 @@ def gather(obj) -> list | None:
     return out
 
 
+def _wire(t):
+    """``t`` as gloo can send it: gloo knows no float8, so a float8 KV pool's pages cross as their
+    bytes (a view of the same memory, no copy)."""
+    import torch
+
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def gather_tensors(t):
     """Every rank's ``t`` (the same shape and dtype on all), in rank order, on rank 0 (None
     elsewhere): raw tensors over gloo, no pickling (PD's heads, ``disagg/tp.py``)."""
@@ -165,10 +173,10 @@ def gather_tensors(t):
 
     t = t.contiguous()
     if dist.get_rank() != 0:
-        dist.gather(t, dst=0)
+        dist.gather(_wire(t), dst=0)
         return None
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.gather(t, out, dst=0)
+    dist.gather(_wire(t), [_wire(o) for o in out], dst=0)
     return out
 
 
@@ -176,7 +184,7 @@ def scatter_tensors(parts, out) -> None:
     """Rank 0's ``parts[r]`` into rank ``r``'s ``out`` (``parts`` None on the other ranks)."""
     import torch.distributed as dist
 
-    dist.scatter(out, parts, src=0)
+    dist.scatter(_wire(out), None if parts is None else [_wire(p) for p in parts], src=0)
 
 
 class TPExecutor(Executor):

@@ -1,0 +1,161 @@
+"""``--kv-cache-dtype fp8_e4m3``: the KV pool in float8 e4m3, written clamped and rounded to nearest
+even (the C++ decode kernel and torch's cast agree bit for bit), read widened by every attention path
+(the decode kernel, the one-call decode, SDPA extends, the torch backend), in the ledger's books
+like any pool, and twice the tokens in the same bytes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvledger import kernels
+from kvledger.config import EngineConfig
+from kvledger.errors import ValidationError
+from kvledger.model.attention import FP8_MAX, to_cache
+
+F8 = torch.float8_e4m3fn
+GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, "logprobs": True}
+needs_kernels = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
+
+
+def _prompts(n: int, seed: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(rng.randrange(5, 120))] for _ in range(n)]
+
+
+def test_the_setting_takes_sglang_and_vllm_spellings_and_refuses_others():
+    assert EngineConfig.from_flat(kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8_e4m3"
+    assert EngineConfig.from_flat(kv_cache_dtype="FP8_E4M3").cache.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ValidationError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
+        EngineConfig.from_flat(kv_cache_dtype="int3").check()
+    with pytest.raises(ValidationError, match="HiSparse"):
+        EngineConfig.from_flat(kv_cache_dtype="fp8", enable_hisparse=True).check()
+
+
+def test_a_value_beyond_float8_saturates_instead_of_becoming_nan():
+    x = torch.tensor([1e6, -1e6, 500.0, 447.0, 0.3, float("inf")])
+    got = to_cache(x, F8).float()
+    assert not got.isnan().any()
+    assert got.tolist()[:4] == [FP8_MAX, -FP8_MAX, FP8_MAX, 448.0] and got[-1] == FP8_MAX
+
+
+@needs_kernels
+def test_the_decode_kernel_writes_what_torch_casts_for_every_bfloat16():
+    """Every finite bfloat16 through the kernel's write of the new tokens' K/V: the same bytes as
+    ``to_cache`` (torch's cast of the clamped value), subnormals and saturation included."""
+    kvh, d, b = 2, 64, 8
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[values.isfinite()]
+    n = values.numel() - values.numel() % (b * kvh * d)
+    want = to_cache(values[:n], F8).view(torch.uint8).view(-1, b, kvh, d)
+    x = values[:n].view(-1, b, kvh, d)
+    k_cache = torch.zeros(kvh, 64, d, dtype=F8)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.arange(64, dtype=torch.int64).view(1, -1).repeat(b, 1)
+    rows, lens, loc = torch.arange(b), torch.ones(b, dtype=torch.int64), torch.arange(b) * 3 + 1
+    q = torch.randn(b, 4, d).bfloat16()
+    for i in range(x.shape[0]):
+        torch.ops.kvledger_cpu.decode_attention(q, k_cache, v_cache, table, rows, lens, 0.1, x[i], x[i], loc)
+        assert torch.equal(k_cache[:, loc].transpose(0, 1).view(torch.uint8), want[i])
+        assert torch.equal(v_cache[:, loc].transpose(0, 1).view(torch.uint8), want[i])
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_decode_attention_over_float8_equals_attention_over_its_widened_values(head_dim):
+    torch.manual_seed(head_dim)
+    b, heads, kvh, pool = 6, 8, 2, 4096
+    k_cache = to_cache(torch.randn(kvh, pool, head_dim) * 4, F8)
+    v_cache = to_cache(torch.randn(kvh, pool, head_dim), F8)
+    lens = torch.tensor([1, 17, 64, 300, 700, 5])
+    table = torch.stack([torch.randperm(pool)[:700] for _ in range(b)])
+    q = torch.randn(b, heads, head_dim)
+    out = torch.ops.kvledger_cpu.decode_attention(q, k_cache, v_cache, table, torch.arange(b), lens, 0.2)
+    kf, vf = k_cache.float(), v_cache.float()
+    for i in range(b):
+        idx = table[i, : lens[i]]
+        ke, ve = kf[:, idx].repeat_interleave(heads // kvh, 0), vf[:, idx].repeat_interleave(heads // kvh, 0)
+        ref = torch.softmax(q[i].unsqueeze(1) @ ke.transpose(1, 2) * 0.2, -1) @ ve
+        torch.testing.assert_close(out[i], ref.reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_the_engine_keeps_float8_pages_sized_at_one_byte_a_value(make_engine, monkeypatch):
+    """The default pool is sized from the float8 bytes a token: twice bfloat16's tokens in the budget."""
+    from kvledger.engine import resources
+
+    monkeypatch.setattr(resources, "DEFAULT_MAX_KV_TOKENS", 1 << 40)  # the budget binds, not the cap
+    monkeypatch.setattr(resources, "DEFAULT_KV_BYTES", 1 << 22)
+    monkeypatch.setattr(resources, "_ram_bytes", lambda: 1 << 40)
+    auto = make_engine(dtype="bfloat16", max_total_tokens=None)
+    fp8 = make_engine(dtype="bfloat16", max_total_tokens=None, kv_cache_dtype="fp8_e4m3")
+    assert fp8.core.runner.kv_buffer.k.dtype == F8 and auto.core.runner.kv_buffer.k.dtype == torch.bfloat16
+    tokens = [e.core.cfg.cache.max_total_tokens for e in (auto, fp8)]
+    assert tokens[1] == 2 * tokens[0], tokens
+    assert fp8.core.runner.kv_buffer.k.nbytes == auto.core.runner.kv_buffer.k.nbytes  # the same memory
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_cpu_kernels_and_the_torch_backend_agree_over_a_float8_pool(make_engine, dtype):
+    """The same mixed workload (chunked prefills beside decodes, a prefix-cache hit) on both backends
+    over a float8 pool: both read the same widened values, so chosen-token logprobs agree within
+    0.05 and most outputs are equal throughout (the sums differ in order only: measured 6-8 of 9)."""
+    prompts = _prompts(8)
+    prompts.append(prompts[0] + [7, 8, 9])  # a prefix-cache hit on float8 pages
+    outs = {}
+    for backend in ("torch", "cpu"):
+        eng = make_engine(
+            dtype=dtype, attention_backend=backend, kv_cache_dtype="fp8", chunked_prefill_size=40,
+            enable_mixed_chunk=True,
+        )  # fmt: skip
+        outs[backend] = eng.generate(input_ids=prompts, sampling_params=GREEDY)
+        assert eng.core.runner.kv_buffer.k.dtype == F8
+    same = 0
+    for a, b in zip(outs["torch"], outs["cpu"]):
+        ids_a, ids_b = a["output_ids"], b["output_ids"]
+        n = next((i for i, (x, y) in enumerate(zip(ids_a, ids_b)) if x != y), len(ids_a))
+        same += n == len(ids_a)
+        lp_a = [t[0] for t in a["meta_info"]["output_token_logprobs"][:n]]
+        lp_b = [t[0] for t in b["meta_info"]["output_token_logprobs"][:n]]
+        assert max((abs(x - y) for x, y in zip(lp_a, lp_b)), default=0.0) < 0.05
+    assert same >= 6, same  # (as the bfloat16 kernels against torch: near-ties may flip)
+
+
+@needs_kernels
+def test_decodes_in_one_kernel_call_equal_the_python_loop_over_float8(make_engine, monkeypatch):
+    """The one-call decode writes and reads the float8 pool through the same kernel as the loop."""
+    from kvledger.model import causal_lm as llama
+
+    runs = {}
+    for one_call in (False, True):
+        monkeypatch.setattr(llama, "DECODE_IN_ONE_CALL", one_call)
+        eng = make_engine(dtype="bfloat16", quantization="int4", kv_cache_dtype="fp8_e4m3", chunked_prefill_size=32)
+        outs = eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)
+        runs[one_call] = [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in outs]
+        assert (eng.core.model.one_call_forwards > 0) == one_call
+    assert runs[True] == runs[False]
+
+
+@needs_kernels
+def test_float8_pages_go_down_the_hierarchy_and_come_back_the_same(make_engine):
+    """A float8 pool's pages written to the host tier and loaded back: the same outputs as an engine
+    whose pool holds everything (the host pool keeps the pool's element type)."""
+    rng = random.Random(2)
+    fams = [[rng.randrange(1, 250) for _ in range(96)] for _ in range(8)]
+    prompts = [f + [rng.randrange(1, 250) for _ in range(8)] for f in fams for _ in range(2)]
+    g = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def run(eng):
+        return [eng.generate(input_ids=p, sampling_params=g)["output_ids"] for _ in range(2) for p in prompts]
+
+    flat = run(make_engine(dtype="bfloat16", kv_cache_dtype="fp8", page_size=4, max_total_tokens=8192))
+    eng = make_engine(
+        dtype="bfloat16", kv_cache_dtype="fp8", page_size=4, max_total_tokens=256, enable_hierarchical_cache=True,
+        hicache_ratio=8,
+    )  # fmt: skip
+    assert run(eng) == flat
+    assert eng.memory()["hicache"]["l2_hit_tokens"] >= 96  # pages did come back from the host tier
+    assert eng.core.kv_manager.tiers.mover.host.data.dtype == F8
