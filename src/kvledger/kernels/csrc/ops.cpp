@@ -225,6 +225,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
         }
       }
       const T* qp = ptr<T>(q);
+      T* o = ptr<T>(out);
       at::parallel_for(0, B * KVH * S, 1, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t b = i / (KVH * S), h = (i / S) % KVH, s = i % S;
@@ -234,6 +235,13 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
           attend(qp + b * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
                  tp + rp[b] * ts + h * head_stride + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm,
                  pm + G, pm + 2 * G);
+          if (S == 1) {  // unsplit: normalized here (the merge below would add each value to 0 times 1)
+            for (int g = 0; g < G; ++g) {
+              const float inv = pm[G + g] > 0.f ? 1.f / pm[G + g] : 0.f;
+              T* ob = o + b * H * D + (h * G + g) * D;
+              for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T>(pm[2 * G + g * D + d] * inv);
+            }
+          }
         }
       });
     };
@@ -242,6 +250,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
     } else {
       run(T{}, k.attend);
     }
+    if (S == 1) return;  // (a parallel region fewer: 30 a decode step)
     T* o = ptr<T>(out);
     at::parallel_for(0, B * KVH, 16, [&](int64_t j0, int64_t j1) {
       std::vector<float> acc(D);
