@@ -119,7 +119,7 @@ inline void pv_heads(float* acc, int D, const float* corr, const float* p, int p
   }
   for (int j = 0; j < nb; ++j) {
     __m512 vj[ND];
-    for (int d = 0; d < ND; ++d) vj[d] = load16(vr[j] + d * 16);
+    load_row<ND>(vr[j], vj);
     for (int g = 0; g < GN; ++g) {
       const __m512 pj = _mm512_set1_ps(p[g * ps + j]);
       for (int d = 0; d < ND; ++d) o[g][d] = _mm512_fmadd_ps(pj, vj[d], o[g][d]);
@@ -187,7 +187,7 @@ void attend_nd(const T* q, long qs, const C* k, const C* v, const int64_t* locs,
       for (int j0 = 0; j0 < B; j0 += 4) {
         __m512 kk[4][4];
         for (int j = 0; j < 4; ++j)
-          for (int d = 0; d < 4; ++d) kk[j][d] = load16(kr[j0 + j] + d * 16);
+          load_row<4>(kr[j0 + j], kk[j]);
         for (int g = 0; g < G; ++g) {
           const float* qg = &qf[g * D];
           __m512 a[4];

@@ -23,6 +23,22 @@ inline __m512 load16(const f8* p) {
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<short>(0xbf80))));
 }
 
+// A row of 16 * N values widened to float (as load16 each), N even: float8 rows 32 bytes at a time
+// (one sign extension and one mask for 32 values; 40% fewer conversion instructions).
+template <int N, typename C> inline void load_row(const C* p, __m512* out) {
+  for (int d = 0; d < N; ++d) out[d] = load16(p + d * 16);
+}
+template <int N> inline void load_row(const f8* p, __m512* out) {
+  static_assert(N % 2 == 0, "pairs of 16");
+  const __m512i mask = _mm512_set1_epi16(static_cast<short>(0xbf80));
+  for (int d = 0; d < N; d += 2) {
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + d * 16)));
+    const __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), mask);
+    out[d] = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+    out[d + 1] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+  }
+}
+
 // 16 floats to float8 e4m3, as f_to_f8 (kernels.h) does one.
 inline __m128i to_f8(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
