@@ -7,7 +7,7 @@ Systems (a name given twice runs twice, e.g. kvledger first and last to bracket 
 - kvledger: ``kvledger serve`` with no flags but ``--num-threads`` (what a new user runs: the GGUF in its
   own precision, the C++ kernels); kvledger-bf16 (``--quantization none``), kvledger-compile
   (``--enable-torch-compile``), kvledger-fp32 (``--dtype float32``, the token-exact reference path),
-  kvledger-int8-batch (``--enable-int8-batch``).
+  kvledger-int8-batch (``--enable-int8-batch``), kvledger-fp8-kv (``--kv-cache-dtype fp8_e4m3``).
 - transformers: bench/hf_server.py, a minimal OpenAI wrapper around padded static ``generate``.
 - transformers-serve: ``transformers serve`` on the same GGUF converted to a transformers directory, when
   it starts (otherwise the reason is recorded and the run goes on).
@@ -476,6 +476,9 @@ def systems(args) -> dict[str, System]:
             "kvledger-int8-batch", [*kv, "--enable-int8-batch"], kv_version + " --enable-int8-batch"
         ),
         "kvledger-fp32": System("kvledger-fp32", [*kv, "--dtype", "float32"], kv_version + " fp32"),
+        "kvledger-fp8-kv": System(
+            "kvledger-fp8-kv", [*kv, "--kv-cache-dtype", "fp8_e4m3"], kv_version + " --kv-cache-dtype fp8_e4m3"
+        ),
         "kvledger-compile": System(
             "kvledger-compile",
             [*kv, "--enable-torch-compile"],
