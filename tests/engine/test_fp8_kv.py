@@ -14,6 +14,7 @@ from kvledger import kernels
 from kvledger.config import EngineConfig
 from kvledger.errors import ValidationError
 from kvledger.model.attention import FP8_MAX, to_cache
+from tests.engine.test_disagg import pd  # noqa: F401 (the PD pair fixture)
 
 F8 = torch.float8_e4m3fn
 GREEDY = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True, "logprobs": True}
@@ -159,3 +160,30 @@ def test_float8_pages_go_down_the_hierarchy_and_come_back_the_same(make_engine):
     assert run(eng) == flat
     assert eng.memory()["hicache"]["l2_hit_tokens"] >= 96  # pages did come back from the host tier
     assert eng.core.kv_manager.tiers.mover.host.data.dtype == F8
+
+
+def test_pd_moves_float8_pages_and_refuses_a_decode_side_of_another_dtype(pd, make_engine):
+    """Both sides float8: the decode side's greedy tokens equal one float8 engine's (the pages' bytes
+    cross as they are). A decode side whose pool is bfloat16 is refused by the prefill side (the
+    layout names the dtype): the request ends with the reason, and both sides' books balance."""
+    from tests.engine.test_disagg import drive, room, stats
+
+    g = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    prompts = _prompts(3, seed=9)
+    ref = make_engine(dtype="bfloat16", kv_cache_dtype="fp8")
+    want = [ref.generate(input_ids=p, sampling_params=g)["output_ids"] for p in prompts]
+    fp8 = {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}
+    pre, dec, port = pd(prefill_kw=fp8, decode_kw=fp8)
+    for i, p in enumerate(prompts):
+        pre.add_request(p, g, rid=f"p{i}", disagg=room(port, 300 + i))
+        dec.add_request(p, g, rid=f"d{i}", disagg=room(port, 300 + i))
+    res = drive([pre, dec], {id(pre): [f"p{i}" for i in range(3)], id(dec): [f"d{i}" for i in range(3)]})
+    assert [res[f"d{i}"]["output_ids"] for i in range(3)] == want
+    assert stats(dec)["transfers_ok"] == 3
+
+    pre2, dec2, port2 = pd(prefill_kw=fp8, decode_kw={"dtype": "bfloat16"})
+    pre2.add_request(prompts[0], g, rid="p", disagg=room(port2, 400))
+    dec2.add_request(prompts[0], g, rid="d", disagg=room(port2, 400))
+    out = drive([pre2, dec2], {id(pre2): ["p"], id(dec2): ["d"]})
+    reason = out["d"]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "layout" in str(reason.get("message", "")).lower(), reason
