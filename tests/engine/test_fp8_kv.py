@@ -162,7 +162,7 @@ def test_float8_pages_go_down_the_hierarchy_and_come_back_the_same(make_engine):
     assert eng.core.kv_manager.tiers.mover.host.data.dtype == F8
 
 
-def test_pd_moves_float8_pages_and_refuses_a_decode_side_of_another_dtype(pd, make_engine):
+def test_pd_moves_float8_pages_and_refuses_a_decode_side_of_another_dtype(pd, make_engine):  # noqa: F811
     """Both sides float8: the decode side's greedy tokens equal one float8 engine's (the pages' bytes
     cross as they are). A decode side whose pool is bfloat16 is refused by the prefill side (the
     layout names the dtype): the request ends with the reason, and both sides' books balance."""
