@@ -187,3 +187,49 @@ def test_pd_moves_float8_pages_and_refuses_a_decode_side_of_another_dtype(pd, ma
     out = drive([pre2, dec2], {id(pre2): ["p"], id(dec2): ["d"]})
     reason = out["d"]["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and "layout" in str(reason.get("message", "")).lower(), reason
+
+
+@needs_kernels
+@pytest.mark.parametrize("sdpa_extends", [False, True])
+def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
+    """The cpu backend's routing over a float8 pool on one layer of a real batch (decodes, short
+    extends after a prefix in the per-token kernel reading the pool widened, long ones in SDPA; no
+    flash kernel, which packs the model's dtype): every row within bf16 rounding of the torch
+    backend's over the same pool."""
+    from kvledger.engine.page_table import PageTable
+    from kvledger.engine.runner import ModelRunner
+    from kvledger.memory import KVBuffer, PageWrite
+    from kvledger.model.attention import TorchAttention
+    from kvledger.model.attention_cpu import CpuAttention
+    from kvledger.scheduler.output import ScheduledReq, SchedulerOutput
+
+    heads, kvh, d, bf16, ps = 9, 3, 64, torch.bfloat16, 16
+    torch.manual_seed(3)
+    reqs = [(0, 300, 1), (1, 40, 1), (2, 200, 5), (3, 0, 150), (4, 170, 90), (5, 0, 7)]  # slot, prefix, new
+    table = PageTable(len(reqs), 512, ps)
+    writes, nxt = [], 3
+    for slot, pre, n in reqs:
+        np_ = -(-(pre + n) // ps)
+        writes.append(PageWrite(slot, 0, list(range(nxt + np_ - 1, nxt - 1, -1))))
+        nxt += np_
+    table.apply(writes)
+    sched = SchedulerOutput([ScheduledReq(str(s), s, pre, [5] * n) for s, pre, n in reqs])
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.page_table, runner.sparse = table, None
+    batch = runner.build(sched)
+    t = batch.num_tokens
+    q = torch.randn(t, heads, d).to(bf16) * 2
+    k, v = torch.randn(t, kvh, d).to(bf16), torch.randn(t, kvh, d).to(bf16)
+    outs, routes = [], []
+    for backend in (TorchAttention(heads, kvh, d), CpuAttention(heads, kvh, d, bf16, sdpa_extends=sdpa_extends)):
+        backend.kv_dtype = F8
+        torch.manual_seed(4)  # the same cached prefix K/V for both
+        kv = KVBuffer(1, nxt * ps, kvh, d, F8)
+        kv.k.copy_(to_cache(torch.randn(kv.k.shape), F8))
+        kv.v.copy_(to_cache(torch.randn(kv.v.shape), F8))
+        backend.prepare(batch)
+        routes.append(batch.attn_meta)
+        outs.append(backend.forward(0, q, k, v, kv, batch).float())
+    meta = routes[1]
+    assert meta.flash is None and meta.ext is not None  # short extends in the per-token kernel
+    torch.testing.assert_close(outs[1], outs[0], rtol=2**-6, atol=2**-6)

@@ -284,10 +284,18 @@ class TorchAttention:
         return SparseWorker.attend_torch(q, k_cache, v_cache, pages, counts, page_size, self.scale)
 
     @staticmethod
-    def store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> None:
-        """Write the batch's new K/V ``[T, KVH, D]`` into their cache locations."""
-        k_cache[:, batch.out_loc] = to_cache(k.transpose(0, 1), k_cache.dtype)
-        v_cache[:, batch.out_loc] = to_cache(v.transpose(0, 1), v_cache.dtype)
+    def store(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> tuple:
+        """Write the batch's new K/V ``[T, KVH, D]`` into their cache locations; returns them as the
+        pool holds them, in ``k``'s dtype (over a float8 pool: rounded, so that a new prompt's own
+        attention sees what every later reader of its pages sees, whichever kernel reads them)."""
+        if k_cache.dtype == k.dtype:
+            k_cache[:, batch.out_loc] = k.transpose(0, 1)
+            v_cache[:, batch.out_loc] = v.transpose(0, 1)
+            return k, v
+        k8, v8 = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
+        k_cache[:, batch.out_loc] = k8.transpose(0, 1)
+        v_cache[:, batch.out_loc] = v8.transpose(0, 1)
+        return k8.to(k.dtype), v8.to(v.dtype)
 
     def extend(
         self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ext,
@@ -295,9 +303,9 @@ class TorchAttention:
     ) -> None:  # fmt: skip
         """Attention of each extend (a prefill chunk) over its whole sequence, into ``out`` rows. An
         extend without a cached prefix attends over its own new K/V, ``k``/``v`` [T, KVH, D] where
-        given: no gather from the pool (the same values in the model's dtype; over a float8 pool the
-        unrounded ones, as vLLM's prefill, and no widening copy: a 1,024-token prompt 289 -> 271 ms);
-        outside float32 several of those run in one SDPA call (``_fresh_together``)."""
+        given (``store``'s: the values the pool holds, in the model's dtype): no gather from the pool
+        (over a float8 pool no widening of the gathered copy either: a 1,024-token prompt 289 -> 271
+        ms); outside float32 several of those run in one SDPA call (``_fresh_together``)."""
         fresh = []
         for e in ext:
             start, n, kv_idx, mask = e
@@ -361,7 +369,7 @@ class TorchAttention:
 
     def forward(self, layer, q, k, v, kv_buffer, batch):
         k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]  # [KVH, locations, D]
-        self.store(k_cache, v_cache, k, v, batch)
+        k, v = self.store(k_cache, v_cache, k, v, batch)
         meta: _TorchMeta = batch.attn_meta
         if self.is_special(meta.special, layer):
             return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)

@@ -114,13 +114,17 @@ class CpuAttention(TorchAttention):
         self.sdpa_extends = sdpa_extends
         self.dtype = dtype
 
+    @property
+    def _flash_ok(self) -> bool:
+        """The bf16 flash kernel packs K/V of the model's dtype: not over a float8 pool (whose extends
+        take the per-token kernel, reading it widened as decodes do, or SDPA)."""
+        return self.flash and self.kv_dtype in (None, self.dtype)
+
     def _in_kernel(self, prefix: int, new: int) -> bool:
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
-        if self.kv_dtype not in (None, self.dtype):
-            return False  # the extend kernels read a pool of the model's dtype; SDPA takes it widened
         if self.sdpa_extends:
             return new < FLASH_MIN_NEW
-        return self.flash or kernel_extend(prefix, new)
+        return self._flash_ok or kernel_extend(prefix, new)
 
     def _additive(self, ext: list) -> list:
         """SDPA's extends with each causal-after-prefix mask as an additive one in the model's dtype,
@@ -139,7 +143,7 @@ class CpuAttention(TorchAttention):
         short: list[list[int]] = [[], [], [], []]
         long: list[list[int]] = [[], [], [], []]
         for ext in zip(*sp.kernel_ext):  # (row, first token, prefix, new)
-            for col, v in zip(long if self.flash and ext[3] >= FLASH_MIN_NEW else short, ext):
+            for col, v in zip(long if self._flash_ok and ext[3] >= FLASH_MIN_NEW else short, ext):
                 col.append(v)
         batch.attn_meta = _CpuMeta(
             torch.tensor(sp.dec_tok) if dec else None,
@@ -167,7 +171,7 @@ class CpuAttention(TorchAttention):
             return self.op(
                 q, k_cache, v_cache, table, meta.dec_rows, meta.dec_lens, self.scale, k, v, batch.out_loc
             )
-        self.store(k_cache, v_cache, k, v, batch)
+        k, v = self.store(k_cache, v_cache, k, v, batch)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if meta.dec_tok is not None:
             out[meta.dec_tok] = self.op(

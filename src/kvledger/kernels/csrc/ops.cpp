@@ -286,9 +286,11 @@ struct ExtendArgs {
   int64_t table_stride;
 };
 
+// With `f8_ok`, the cache may also be float8 e4m3 (read widened: the per-token kernel).
 ExtendArgs check_extend(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& table, const at::Tensor& rows,
-                        const at::Tensor& starts, const at::Tensor& prefix, const at::Tensor& lens) {
+                        const at::Tensor& starts, const at::Tensor& prefix, const at::Tensor& lens,
+                        bool f8_ok = false) {
   check_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [tokens, heads, head_dim]");
   ExtendArgs a{};
@@ -298,9 +300,11 @@ ExtendArgs check_extend(const at::Tensor& out, const at::Tensor& q, const at::Te
               "out must be [tokens, heads * head_dim] contiguous, of q's dtype");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == a.D &&
                   k_cache.stride(2) == 1 && k_cache.stride(1) == a.D && v_cache.stride(2) == 1 &&
-                  v_cache.stride(1) == a.D && k_cache.scalar_type() == q.scalar_type() &&
-                  v_cache.scalar_type() == q.scalar_type(),
-              "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
+                  v_cache.stride(1) == a.D &&
+                  (k_cache.scalar_type() == q.scalar_type() || (f8_ok && k_cache.scalar_type() == at::kFloat8_e4m3fn)) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              f8_ok ? "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype or float8_e4m3fn"
+                    : "k_cache/v_cache must be [kv_heads, locations, head_dim] of q's dtype");
   a.KVH = k_cache.size(0);
   TORCH_CHECK(a.KVH > 0 && a.H % a.KVH == 0, "heads (", a.H, ") must be a multiple of kv heads (", a.KVH, ")");
   a.G = a.H / a.KVH;
@@ -320,6 +324,33 @@ ExtendArgs check_extend(const at::Tensor& out, const at::Tensor& q, const at::Te
   return a;
 }
 
+// extend_attention's work over the threads, the cache's element type C (T, or float8 read widened by
+// `attend`, Kernels::attend_f8).
+template <typename T, typename C, typename A>
+void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at::Tensor& q, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const ExtendArgs& a, const std::vector<int64_t>& first, double scale) {
+  const int64_t H = a.H, D = a.D, KVH = a.KVH, E = a.E;
+  const int G = static_cast<int>(a.G);
+  const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *tp = a.table, ts = a.table_stride;
+  at::parallel_for(0, first[E], 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> part(static_cast<size_t>(G * (D + 2)));
+    int64_t e = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
+    for (int64_t i = i0; i < i1; ++i) {
+      while (i >= first[e + 1]) ++e;
+      const int64_t j = i - first[e], h = j % KVH, t = j / KVH;  // KV heads of one token adjacent
+      const int64_t row = sp[e] + t;
+      float *m = part.data(), *l = m + G, *acc = l + G;
+      attend(qp + row * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
+             tp + rp[e] * ts, pp[e] + t + 1, G, static_cast<int>(D), static_cast<float>(scale), m, l, acc);
+      for (int g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];  // >= 1 token: the query's own
+        T* ob = o + row * H * D + (h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
 // Attention of prefill chunks (extends) over the paged pool, in place: extend e's query rows
 // q[starts[e] .. starts[e] + lens[e]) [T, H, D] attend causally over the tokens at
 // req_to_token[rows[e], :prefix[e] + i + 1] (query i sees its prefix and the new tokens up to itself);
@@ -330,37 +361,21 @@ ExtendArgs check_extend(const at::Tensor& out, const at::Tensor& q, const at::Te
 void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& table, const at::Tensor& rows, const at::Tensor& starts,
                       const at::Tensor& prefix, const at::Tensor& lens, double scale) {
-  const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens);
-  const int64_t H = a.H, D = a.D, KVH = a.KVH, E = a.E;
-  const int G = static_cast<int>(a.G);
-  const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *lp = a.lens;
-  const int64_t *tp = a.table, ts = a.table_stride;
+  const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens, true);
+  const int64_t D = a.D, KVH = a.KVH, E = a.E;
   std::vector<int64_t> first(E + 1, 0);  // work items of extends before e
-  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + lp[e] * KVH;
+  for (int64_t e = 0; e < E; ++e) first[e + 1] = first[e] + a.lens[e] * KVH;
+  const bool f8cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   by_dtype(q, [&](auto tag) {
     using T_ = decltype(tag);
     const auto& k = pick<T_>(static_cast<int>(D));
-    const T_* kc = ptr<T_>(k_cache);
-    const T_* vc = ptr<T_>(v_cache);
-    const T_* qp = ptr<T_>(q);
-    T_* o = ptr<T_>(out);
-    at::parallel_for(0, first[E], 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> part(static_cast<size_t>(G * (D + 2)));
-      int64_t e = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
-      for (int64_t i = i0; i < i1; ++i) {
-        while (i >= first[e + 1]) ++e;
-        const int64_t j = i - first[e], h = j % KVH, t = j / KVH;  // KV heads of one token adjacent
-        const int64_t row = sp[e] + t;
-        float *m = part.data(), *l = m + G, *acc = l + G;
-        k.attend(qp + row * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
-                 tp + rp[e] * ts, pp[e] + t + 1, G, static_cast<int>(D), static_cast<float>(scale), m, l, acc);
-        for (int g = 0; g < G; ++g) {
-          const float inv = 1.f / l[g];  // >= 1 token: the query's own
-          T_* ob = o + row * H * D + (h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T_>(acc[g * D + d] * inv);
-        }
-      }
-    });
+    if (f8cache) {
+      run_extend(k.attend_f8, ptr<f8>(k_cache), ptr<f8>(v_cache), ptr<T_>(q), ptr<T_>(out), q, k_cache, v_cache, a,
+                 first, scale);
+    } else {
+      run_extend(k.attend, ptr<T_>(k_cache), ptr<T_>(v_cache), ptr<T_>(q), ptr<T_>(out), q, k_cache, v_cache, a,
+                 first, scale);
+    }
   });
 }
 
