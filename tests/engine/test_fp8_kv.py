@@ -64,6 +64,19 @@ def test_the_decode_kernel_writes_what_torch_casts_for_every_bfloat16():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_casts_equal_torchs(dtype):
+    """``to_f8`` is torch's cast of the clamped value, ``from_f8`` torch's widening, for every code
+    (the NaN codes included) and lengths that leave a tail to the scalar loop."""
+    codes = torch.arange(256 * 3 + 5, dtype=torch.int32).remainder(256).to(torch.uint8).view(F8)
+    wide = torch.ops.kvledger_cpu.from_f8(codes, torch.empty(0, dtype=dtype))
+    want = codes.to(dtype)
+    assert ((wide == want) | (wide.isnan() & want.isnan())).all()
+    x = (torch.randn(1003) * 200).to(dtype)
+    assert torch.equal(torch.ops.kvledger_cpu.to_f8(x).view(torch.uint8), x.clamp(-FP8_MAX, FP8_MAX).to(F8).view(torch.uint8))
+
+
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 def test_decode_attention_over_float8_equals_attention_over_its_widened_values(head_dim):
     torch.manual_seed(head_dim)

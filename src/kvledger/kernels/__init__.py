@@ -138,6 +138,14 @@ def _register_fakes() -> None:
     def _(y, scale, bias, like):
         return y.new_empty(y.shape, dtype=like.dtype)
 
+    @torch.library.register_fake(lib + "to_f8")
+    def _(x):
+        return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+
+    @torch.library.register_fake(lib + "from_f8")
+    def _(x, like):
+        return x.new_empty(x.shape, dtype=like.dtype)
+
     @torch.library.register_fake(lib + "quant_linear")
     def _(x, w, scales, wsum128, bits, n, amx_rows=0):
         return x.new_empty(x.shape[0], n)

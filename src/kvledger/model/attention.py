@@ -21,17 +21,33 @@ from .batch import ForwardBatch
 FP8_MAX = 448.0  # float8 e4m3's largest finite value: torch's cast makes NaN of what lies beyond
 
 
+def _f8_kernels(x: torch.Tensor) -> bool:
+    """The C++ float8 casts apply (torch's run ~2 ns an element, on one thread)."""
+    from .. import kernels
+
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernels.load()
+
+
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` in the pool's element type; into a float8 pool clamped to its range first (saturating, as
-    the C++ decode kernel writes it: a NaN in the cache would poison every later query's softmax)."""
+    """``x`` in the pool's element type; into a float8 pool rounded to nearest even and saturating at
+    +-448, as the C++ decode kernel writes new tokens (a NaN in the cache would poison every later
+    query's softmax): the kernels' cast where they load, torch's cast of the clamped value elsewhere
+    (the same bytes: a test holds them equal)."""
     if dtype == torch.float8_e4m3fn:
+        if _f8_kernels(x):
+            return torch.ops.kvledger_cpu.to_f8(x)
         return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
     return x.to(dtype)
 
 
 def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K/V gathered from the pool, in the queries' ``dtype`` (a copy only where the pool is float8)."""
-    return x if x.dtype == dtype else x.to(dtype)
+    """K/V gathered from the pool, in the queries' ``dtype`` (a copy only where the pool is float8;
+    exact either way)."""
+    if x.dtype == dtype:
+        return x
+    if x.dtype == torch.float8_e4m3fn and _f8_kernels(x.new_empty(0, dtype=dtype)):
+        return torch.ops.kvledger_cpu.from_f8(x, x.new_empty(0, dtype=dtype))
+    return x.to(dtype)
 
 
 class KVBuffer(Protocol):
@@ -295,7 +311,7 @@ class TorchAttention:
         k8, v8 = to_cache(k, k_cache.dtype), to_cache(v, v_cache.dtype)
         k_cache[:, batch.out_loc] = k8.transpose(0, 1)
         v_cache[:, batch.out_loc] = v8.transpose(0, 1)
-        return k8.to(k.dtype), v8.to(v.dtype)
+        return widen(k8, k.dtype), widen(v8, v.dtype)
 
     def extend(
         self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ext,

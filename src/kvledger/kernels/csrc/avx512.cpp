@@ -264,6 +264,21 @@ void attend(const T* q, long qs, const C* k, const C* v, const int64_t* locs, lo
 }
 
 template <typename T>
+void from_f8s(const f8* x, T* out, long n) {
+  long i = 0;
+  const __m512 unit = _mm512_set1_ps(kF8Unit);
+  const __m128i low7 = _mm_set1_epi8(0x7f);
+  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  for (; i + 16 <= n; i += 16) {
+    // (load16 reads the NaN codes 0x7f/0xff as +-480: the pool never holds them, writes saturate)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i));
+    const __mmask16 is_nan = _mm_cmpeq_epi8_mask(_mm_and_si128(b, low7), low7);
+    store16(out + i, _mm512_mask_mov_ps(_mm512_mul_ps(load16(x + i), unit), is_nan, nan));
+  }
+  for (; i < n; ++i) out[i] = from_f<T>(to_f(x[i]));
+}
+
+template <typename T>
 void to_f8s(const T* x, f8* out, long n) {
   long i = 0;
   for (; i + 16 <= n; i += 16) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), to_f8(load16(x + i)));
@@ -305,7 +320,7 @@ void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N
 
 template <typename T>
 Kernels<T> make() {
-  return Kernels<T>{&rms_norm<T>,       &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>,
+  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>, &from_f8s<T>,
                     &quantize_rows<T>, &scale_rows<T>};
 }
 

@@ -40,6 +40,8 @@ struct Kernels {
                     float scale, float* m, float* l, float* acc);
   // out[i] = x[i] rounded to float8 e4m3 (nearest even, saturating at +-448), as torch's cast of x clamped.
   void (*to_f8)(const T* x, f8* out, long n);
+  // out[i] = x[i] widened to T (exact: every e4m3 value is a bfloat16).
+  void (*from_f8)(const f8* x, T* out, long n);
   // Rows of x [.., K] to uint8 codes nearbyint(x * 127 / max|row|) + 128 and scale[r] = max|row| / 127.
   void (*quantize_rows)(const T* x, int K, uint8_t* q, float* scale, long r0, long r1);
   // out[r, i] = T(y[r, i] * scale[r]) (+ bias[i] after rounding, as torch adds a bias), y float [.., N].

@@ -95,6 +95,11 @@ void to_f8s(const T* x, f8* out, long n) {
 }
 
 template <typename T>
+void from_f8s(const f8* x, T* out, long n) {
+  for (long i = 0; i < n; ++i) out[i] = from_f<T>(to_f(x[i]));
+}
+
+template <typename T>
 void quantize_rows(const T* x, int K, uint8_t* q, float* scale, long r0, long r1) {
   for (long r = r0; r < r1; ++r) {
     const T* row = x + r * K;
@@ -120,7 +125,7 @@ void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N
 }
 template <typename T>
 Kernels<T> make() {
-  return Kernels<T>{&rms_norm<T>,       &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>,
+  return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>, &from_f8s<T>,
                     &quantize_rows<T>, &scale_rows<T>};
 }
 
