@@ -243,3 +243,29 @@ def peft_merged(base: str, adapter: str):
     from peft import PeftModel
 
     return PeftModel.from_pretrained(hf_model(base), adapter).merge_and_unload().eval()
+
+
+MIXED_LAYER_REQS = [(0, 300, 1), (1, 40, 1), (2, 200, 5), (3, 0, 150), (4, 170, 90), (5, 0, 7)]
+"""(slot, prefix, new tokens) of ``mixed_layer_batch``: decodes, short extends after a prefix, long
+extends with and without one."""
+
+
+def mixed_layer_batch(page_size: int, reqs=MIXED_LAYER_REQS):
+    """One forward's batch of ``reqs`` over a page table whose pages lie out of order, as a runner
+    builds it (no model): ``(batch, pool_tokens)``, the pool large enough for every page."""
+    from kvledger.engine.page_table import PageTable
+    from kvledger.engine.runner import ModelRunner
+    from kvledger.memory import PageWrite
+    from kvledger.scheduler.output import ScheduledReq, SchedulerOutput
+
+    table = PageTable(len(reqs), 512, page_size)
+    writes, nxt = [], 3
+    for slot, pre, n in reqs:
+        np_ = -(-(pre + n) // page_size)
+        writes.append(PageWrite(slot, 0, list(range(nxt + np_ - 1, nxt - 1, -1))))  # pages out of order
+        nxt += np_
+    table.apply(writes)
+    sched = SchedulerOutput([ScheduledReq(str(s), s, pre, [5] * n) for s, pre, n in reqs])
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.page_table, runner.sparse = table, None
+    return runner.build(sched), nxt * page_size

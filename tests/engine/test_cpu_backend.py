@@ -213,34 +213,21 @@ def test_one_layer_of_a_mixed_batch_equals_the_torch_backend(page_size):
     """The cpu backend's routing on one attention layer of a real batch (decodes, short extends after
     a prefix, long extends with and without one: per-token kernel, flash kernel where the CPU has
     AVX512-BF16, decode kernel): every row within bf16 rounding of the torch backend's."""
-    from kvledger.engine.page_table import PageTable
-    from kvledger.engine.runner import ModelRunner
-    from kvledger.memory import KVBuffer, PageWrite
+    from kvledger.memory import KVBuffer
     from kvledger.model.attention import TorchAttention
     from kvledger.model.attention_cpu import CpuAttention
-    from kvledger.scheduler.output import ScheduledReq, SchedulerOutput
+    from tests.helpers import mixed_layer_batch
 
     heads, kvh, d, bf16 = 9, 3, 64, torch.bfloat16
     torch.manual_seed(3)
-    reqs = [(0, 300, 1), (1, 40, 1), (2, 200, 5), (3, 0, 150), (4, 170, 90), (5, 0, 7)]  # slot, prefix, new
-    table = PageTable(len(reqs), 512, page_size)
-    writes, nxt = [], 3
-    for slot, pre, n in reqs:
-        np_ = -(-(pre + n) // page_size)
-        writes.append(PageWrite(slot, 0, list(range(nxt + np_ - 1, nxt - 1, -1))))  # pages out of order
-        nxt += np_
-    table.apply(writes)
-    sched = SchedulerOutput([ScheduledReq(str(s), s, pre, [5] * n) for s, pre, n in reqs])
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.page_table, runner.sparse = table, None
-    batch = runner.build(sched)
+    batch, pool = mixed_layer_batch(page_size)
     t = batch.num_tokens
     q = torch.randn(t, heads, d).to(bf16) * 2
     k, v = torch.randn(t, kvh, d).to(bf16), torch.randn(t, kvh, d).to(bf16)
     outs = []
     for backend in (TorchAttention(heads, kvh, d), CpuAttention(heads, kvh, d, bf16)):
         torch.manual_seed(4)  # the same cached prefix K/V for both
-        kv = KVBuffer(1, nxt * page_size, kvh, d, bf16)
+        kv = KVBuffer(1, pool, kvh, d, bf16)
         kv.k.normal_()
         kv.v.normal_()
         backend.prepare(batch)

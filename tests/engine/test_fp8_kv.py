@@ -69,7 +69,7 @@ def test_the_kernels_casts_equal_torchs(dtype):
     """``to_f8`` is torch's cast of the clamped value, ``from_f8`` torch's widening, for every code
     (the NaN codes included) and lengths that leave a tail to the scalar loop."""
     codes = torch.arange(256 * 3 + 5, dtype=torch.int32).remainder(256).to(torch.uint8).view(F8)
-    wide = torch.ops.kvledger_cpu.from_f8(codes, torch.empty(0, dtype=dtype))
+    wide = torch.ops.kvledger_cpu.from_f8(codes, dtype)
     want = codes.to(dtype)
     assert ((wide == want) | (wide.isnan() & want.isnan())).all()
     x = (torch.randn(1003) * 200).to(dtype)
@@ -209,27 +209,14 @@ def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
     extends after a prefix in the per-token kernel reading the pool widened, long ones in SDPA; no
     flash kernel, which packs the model's dtype): every row within bf16 rounding of the torch
     backend's over the same pool."""
-    from kvledger.engine.page_table import PageTable
-    from kvledger.engine.runner import ModelRunner
-    from kvledger.memory import KVBuffer, PageWrite
+    from kvledger.memory import KVBuffer
     from kvledger.model.attention import TorchAttention
     from kvledger.model.attention_cpu import CpuAttention
-    from kvledger.scheduler.output import ScheduledReq, SchedulerOutput
+    from tests.helpers import mixed_layer_batch
 
-    heads, kvh, d, bf16, ps = 9, 3, 64, torch.bfloat16, 16
+    heads, kvh, d, bf16 = 9, 3, 64, torch.bfloat16
     torch.manual_seed(3)
-    reqs = [(0, 300, 1), (1, 40, 1), (2, 200, 5), (3, 0, 150), (4, 170, 90), (5, 0, 7)]  # slot, prefix, new
-    table = PageTable(len(reqs), 512, ps)
-    writes, nxt = [], 3
-    for slot, pre, n in reqs:
-        np_ = -(-(pre + n) // ps)
-        writes.append(PageWrite(slot, 0, list(range(nxt + np_ - 1, nxt - 1, -1))))
-        nxt += np_
-    table.apply(writes)
-    sched = SchedulerOutput([ScheduledReq(str(s), s, pre, [5] * n) for s, pre, n in reqs])
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.page_table, runner.sparse = table, None
-    batch = runner.build(sched)
+    batch, pool = mixed_layer_batch(16)
     t = batch.num_tokens
     q = torch.randn(t, heads, d).to(bf16) * 2
     k, v = torch.randn(t, kvh, d).to(bf16), torch.randn(t, kvh, d).to(bf16)
@@ -237,7 +224,7 @@ def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
     for backend in (TorchAttention(heads, kvh, d), CpuAttention(heads, kvh, d, bf16, sdpa_extends=sdpa_extends)):
         backend.kv_dtype = F8
         torch.manual_seed(4)  # the same cached prefix K/V for both
-        kv = KVBuffer(1, nxt * ps, kvh, d, F8)
+        kv = KVBuffer(1, pool, kvh, d, F8)
         kv.k.copy_(to_cache(torch.randn(kv.k.shape), F8))
         kv.v.copy_(to_cache(torch.randn(kv.v.shape), F8))
         backend.prepare(batch)

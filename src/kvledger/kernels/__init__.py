@@ -143,8 +143,8 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
 
     @torch.library.register_fake(lib + "from_f8")
-    def _(x, like):
-        return x.new_empty(x.shape, dtype=like.dtype)
+    def _(x, dtype):
+        return x.new_empty(x.shape, dtype=dtype)
 
     @torch.library.register_fake(lib + "quant_linear")
     def _(x, w, scales, wsum128, bits, n, amx_rows=0):

@@ -21,11 +21,12 @@ from .batch import ForwardBatch
 FP8_MAX = 448.0  # float8 e4m3's largest finite value: torch's cast makes NaN of what lies beyond
 
 
-def _f8_kernels(x: torch.Tensor) -> bool:
-    """The C++ float8 casts apply (torch's run ~2 ns an element, on one thread)."""
+def _f8_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    """The C++ float8 casts apply to/from ``dtype`` on ``device`` (torch's run ~2 ns an element, on
+    one thread)."""
     from .. import kernels
 
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and kernels.load()
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and kernels.load()
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -34,7 +35,7 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     query's softmax): the kernels' cast where they load, torch's cast of the clamped value elsewhere
     (the same bytes: a test holds them equal)."""
     if dtype == torch.float8_e4m3fn:
-        if _f8_kernels(x):
+        if _f8_kernels(x.device, x.dtype):
             return torch.ops.kvledger_cpu.to_f8(x)
         return x.clamp(-FP8_MAX, FP8_MAX).to(dtype)
     return x.to(dtype)
@@ -45,8 +46,8 @@ def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     exact either way)."""
     if x.dtype == dtype:
         return x
-    if x.dtype == torch.float8_e4m3fn and _f8_kernels(x.new_empty(0, dtype=dtype)):
-        return torch.ops.kvledger_cpu.from_f8(x, x.new_empty(0, dtype=dtype))
+    if x.dtype == torch.float8_e4m3fn and _f8_kernels(x.device, dtype):
+        return torch.ops.kvledger_cpu.from_f8(x, dtype)
     return x.to(dtype)
 
 

@@ -281,35 +281,32 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
 // A float8 e4m3 KV pool's values and the model's: x rounded into float8 (nearest even, saturating at
 // +-448, as the decode kernel writes new tokens) and a float8 tensor widened to float32/bfloat16
 // (exact). torch's own casts run ~2 ns an element here (one thread, scalar); these ~0.1.
+// out = cast(x) over chunks of 64K elements on the threads (S, D: the element types).
+template <typename S, typename D, typename Cast>
+at::Tensor cast_elements(const at::Tensor& x, at::ScalarType to, Cast cast) {
+  const at::Tensor xc = x.contiguous();
+  auto out = at::empty(x.sizes(), x.options().dtype(to));
+  const S* xp = ptr<S>(xc);
+  D* op = ptr<D>(out);
+  at::parallel_for(0, x.numel(), 65536, [&](int64_t a, int64_t b) { cast(xp + a, op + a, b - a); });
+  return out;
+}
+
 at::Tensor to_f8(const at::Tensor& x) {
   check_float(x, "x");
-  const at::Tensor xc = x.contiguous();
-  auto out = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
-  const int64_t n = x.numel();
+  at::Tensor out;
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    const auto& k = pick<T>(16);
-    const T* xp = ptr<T>(xc);
-    f8* op = ptr<f8>(out);
-    at::parallel_for(0, n, 65536, [&](int64_t a, int64_t b) { k.to_f8(xp + a, op + a, b - a); });
+    out = cast_elements<T, f8>(x, at::kFloat8_e4m3fn, pick<T>(16).to_f8);
   });
   return out;
 }
 
-at::Tensor from_f8(const at::Tensor& x, const at::Tensor& like) {
+at::Tensor from_f8(const at::Tensor& x, at::ScalarType dtype) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat8_e4m3fn, "x must be a CPU float8_e4m3fn tensor");
-  check_float(like, "like");
-  const at::Tensor xc = x.contiguous();
-  auto out = at::empty(x.sizes(), x.options().dtype(like.scalar_type()));
-  const int64_t n = x.numel();
-  by_dtype(like, [&](auto tag) {
-    using T = decltype(tag);
-    const auto& k = pick<T>(16);
-    const f8* xp = ptr<f8>(xc);
-    T* op = ptr<T>(out);
-    at::parallel_for(0, n, 65536, [&](int64_t a, int64_t b) { k.from_f8(xp + a, op + a, b - a); });
-  });
-  return out;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16, got ", dtype);
+  if (dtype == at::kBFloat16) return cast_elements<f8, bf16>(x, dtype, pick<bf16>(16).from_f8);
+  return cast_elements<f8, float>(x, dtype, pick<float>(16).from_f8);
 }
 
 // The arguments of extend_attention_ / flash_attention_, checked (shapes, dtypes, every extend inside
@@ -677,7 +674,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
   m.def("to_f8(Tensor x) -> Tensor");
-  m.def("from_f8(Tensor x, Tensor like) -> Tensor");
+  m.def("from_f8(Tensor x, ScalarType dtype) -> Tensor");
   m.def("isa", &kvl::isa);
   m.def("quant_isa", &kvl::quant_isa);
 }
