@@ -11,6 +11,7 @@ from .common.pooling import POOLING_METHODS
 from .config import (
     ATTENTION_BACKENDS,
     CPU_AMX,
+    CPU_INTERLEAVE_PREFILL_TOKENS,
     DISAGGREGATION_MODES,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -109,6 +110,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the model's reasoning markers (<think>...</think>): chat answers give them as "
                    "reasoning_content, and a request's grammar starts after </think>")  # fmt: skip
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--interleave-prefill-tokens", type=int, default=d.interleave_prefill_tokens,
+                   help="while requests decode, the most prompt tokens a step brings, then a decode step "
+                   "runs (first tokens sooner under bursts); 0: prefill first (default: "
+                   f"{CPU_INTERLEAVE_PREFILL_TOKENS} on the CPU, 0 on CUDA)")  # fmt: skip
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--max-queued-prefill-tokens", type=int, default=d.max_queued_prefill_tokens,

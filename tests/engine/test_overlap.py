@@ -106,7 +106,9 @@ def test_speculation_waits_for_each_step(chat_loaded):
     """With a proposer a step that samples waits for the one before (drafts come from the output);
     prompt chunks short of the end still overlap."""
     jobs = [([3, 4, 5, 6] * (6 + 3 * i), {"temperature": 0, "ignore_eos": True, "max_new_tokens": 24}) for i in range(5)]
-    _, on, _ = both(chat_loaded, jobs, speculative_algorithm="ngram", chunked_prefill_size=16)
+    # Prefill first: an interleaved decode step between two chunks would wait for its drafts too.
+    _, on, _ = both(chat_loaded, jobs, speculative_algorithm="ngram", chunked_prefill_size=16,
+                    interleave_prefill_tokens=0)  # fmt: skip
     st = on.core.overlap_stats
     assert st["synchronous"] > st["overlapped"] > 0, st
     assert on.core.scheduler.spec_totals.drafted > 0

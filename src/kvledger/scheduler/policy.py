@@ -4,7 +4,9 @@ Running decodes first (oldest first; when the pool cannot hold a request's next 
 running request is *retracted*: its memory goes back through the release path and it requeues),
 then prefill chunks of admitted requests and of newly admitted ones within ``chunked_prefill_size``.
 Mixed mode puts both in one forward; unmixed, a prefill batch runs when there is prefill work that
-fits, else a decode batch. A progress guarantee retracts or ends requests that could never run.
+fits, else a decode batch. With interleaving (``--interleave-prefill-tokens``, on by default on the
+CPU), a step brings at most that many prompt tokens while requests decode, and unmixed a decode batch
+follows each such prefill batch. A progress guarantee retracts or ends requests that could never run.
 
 The waiting queue is ordered first (``queue_order.py``). With priority scheduling, decodes run most
 important first, the victim of a retraction is the least important (then the newest), and a waiting
@@ -43,6 +45,9 @@ class BatchPolicy:
         self.order = QueueOrder(sched.cfg.scheduler, sched.kv_manager.tree, sched.kv_manager.cache_key)
         self.priorities = sched.cfg.scheduler.enable_priority_scheduling
         self.total_preemptions = 0  # requests retracted for a more important one
+        # --interleave-prefill-tokens (0: prefill first), and whether the last batch was a prefill's.
+        self.interleave = sched.cfg.scheduler.interleave_tokens(sched.cfg.model.device)
+        self.prefilled_last = False
 
     def _live(self, r: Req) -> bool:
         """Not ending: no cause marked, and (overlap) no token in flight that surely ends it."""
@@ -282,12 +287,21 @@ class BatchPolicy:
         s = self.s
         decodes = [r for r in s.running if r.kv_len == r.seq_len - 1 and self._live(r)]
         budget = s.cfg.scheduler.chunked_prefill_size
+        if decodes and self.interleave:
+            budget = min(budget, self.interleave)
         if s.cfg.scheduler.enable_mixed_chunk:
             batch = self.schedule_decodes(decodes) if decodes else []
             batch += self.schedule_prefills(max(budget - len(batch), 1), len(s.running))
             return [c for c in batch if c.req.state is not ReqState.WAITING]  # preempted meanwhile
+        if decodes and self.interleave and self.prefilled_last:
+            # Interleaving: the running streams advance between two prefill steps.
+            batch = self.schedule_decodes(decodes)
+            if batch:
+                self.prefilled_last = False
+                return batch
         batch = self.schedule_prefills(budget, len(decodes))
         batch = [c for c in batch if c.req.state is not ReqState.WAITING]  # preempted meanwhile
+        self.prefilled_last = bool(batch)
         return batch or (self.schedule_decodes(decodes) if decodes else [])
 
     def schedule(self) -> list[Chunk]:
