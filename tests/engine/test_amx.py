@@ -59,6 +59,34 @@ def test_a_layer_takes_the_bf16_copy_from_amx_rows_and_the_kernel_below(mode):
     assert lin.packed_bytes() > lin.qw.nbytes()  # the copy is counted where weights are reported
 
 
+@needs_bf16_onednn
+def test_a_swiglu_mlp_takes_silu_and_the_product_in_the_gemm_epilogues():
+    """A gated MLP's gate_up with the AMX copy holds it as gate and up halves; from amx_rows rows the
+    MLP runs silu(gate) * up in oneDNN's post-ops (within bf16 rounding of the unfused product), below
+    it the kernel as before, and an adapter on the layer takes the unfused path."""
+    from kvledger.model.layers.mlp import GatedMLP
+
+    torch.manual_seed(3)
+    wgu, wd = torch.randn(256, 64) * 0.1, torch.randn(64, 128) * 0.1
+    gate_up = Linear(wgu, None, "int4", dtype=torch.bfloat16, amx=True)
+    mlp = GatedMLP(gate_up, Linear(wd, None, "int4", dtype=torch.bfloat16, amx=True))
+    assert gate_up.gated is not None and gate_up.packed is None
+    assert gate_up.packed_bytes() == gate_up.qw.nbytes() + 256 * 64 * 2  # the halves are counted
+    w = gate_up.qw.rows()
+    for rows in (AMX_MIN_ROWS - 1, AMX_MIN_ROWS, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        act = gate_up.silu_gated(x)
+        assert (act is None) == (rows < AMX_MIN_ROWS)
+        if act is None:
+            continue
+        gu = x.float() @ w.T
+        ref = torch.nn.functional.silu(gu[:, :128]) * gu[:, 128:]
+        assert ((act.float() - ref).norm() / ref.norm()) < 0.01
+        assert torch.equal(mlp(x), mlp.down(act))
+    gate_up.lora = object()  # an adapter on the layer: its output needs gate_up's whole product
+    assert gate_up.silu_gated(torch.randn(AMX_MIN_ROWS, 64).bfloat16()) is None
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 250) for _ in range(n)]

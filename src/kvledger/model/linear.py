@@ -170,6 +170,8 @@ class Linear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.w, PACK_ROWS_HINT)
             self.w = None
         self.amx_rows = AMX_MIN_ROWS  # read here, so a test may lower it for the layers it builds
+        # A gated MLP's gate_up with the AMX copy: its gate and up halves apart (``split_gated``).
+        self.gated: tuple[torch.Tensor, torch.Tensor] | None = None
         if amx and self.qw is not None:
             if kernels.has_amx():
                 self.qw.amx_rows = AMX_TILE_ROWS
@@ -178,6 +180,30 @@ class Linear(nn.Module):
             wb = self._cast(self.qw.rows())
             if can_prepack(wb):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, PACK_ROWS_HINT)
+
+    def split_gated(self) -> None:
+        """For a SwiGLU MLP's ``gate_up`` (gate rows, then up rows) with the AMX copy: that copy as two
+        oneDNN weights, gate and up, so that ``silu_gated`` runs SiLU and the product in the GEMMs'
+        epilogues (oneDNN post-ops) instead of writing both halves out and reading them back (at
+        2,048 rows 6 MB a layer, past the L2 cache). Calls of fewer rows use the kernel, as before."""
+        if self.packed is None or self.qw is None or self.b is not None or self.out_features % 2:
+            return
+        w = self.packed.to_dense()
+        half = self.out_features // 2
+        self.gated = tuple(torch.ops.mkldnn._reorder_linear_weight(p.contiguous(), PACK_ROWS_HINT)
+                           for p in (w[:half], w[half:]))  # fmt: skip
+        self.packed = None  # the halves replace it (path: calls here of amx_rows and more take tiles)
+
+    def silu_gated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate(x)) * up(x)`` from the split AMX copy, or None where this call does not take it
+        (no split copy, an adapter on the layer, or fewer rows than ``amx_rows``)."""
+        if self.gated is None or self.lora is not None or x.shape[0] < self.amx_rows:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        gate, up = self.gated
+        g = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
+        return torch.ops.mkldnn._linear_pointwise.binary(x, g, up, None, "mul")
 
     def _cast(self, w: torch.Tensor) -> torch.Tensor:
         return w.to(device=self.device, dtype=self.dtype).contiguous()
@@ -190,10 +216,12 @@ class Linear(nn.Module):
             self.packed = None
         elif self.w is None and self.qw is not None:
             self.w = nn.Parameter(self._cast(self.qw.rows()), requires_grad=False)
+        self.gated = None  # the compiled graph runs the dense weight (Inductor fuses the epilogue)
 
     def packed_bytes(self) -> int:
         """Bytes held outside parameters and buffers: the oneDNN weight and the kernel's quantized one."""
-        n = 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        dense = [self.packed] if self.packed is not None else list(self.gated or ())
+        n = sum(p.numel() * p.element_size() for p in dense)
         return n + (0 if self.qw is None else self.qw.nbytes()) + (0 if self.w8 is None else self.w8.nbytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,12 @@ class GatedMLP(nn.Module):
         self.gate_up, self.down = gate_up, down
         self.act_name = act
         self.act = activation(act)
+        if act in ("silu", "swish"):
+            gate_up.split_gated()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.act(g) * u)
+        act = self.gate_up.silu_gated(x) if self.act_name in ("silu", "swish") else None
+        if act is None:
+            g, u = self.gate_up(x).chunk(2, dim=-1)
+            act = self.act(g) * u
+        return self.down(act)

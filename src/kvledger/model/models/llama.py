@@ -189,11 +189,13 @@ class LlamaNet(CausalNet):
         n_layers = len(self.layers)
         for i, L in enumerate(self.layers):
             h, x = add_norm(h, comm.all_reduce(L.attn(x, positions, cs, kops)), L.post_norm)
-            gu = L.mlp.gate_up(x)
-            if fused and L.mlp.act_name == "silu":
-                act = kops.silu_mul(gu)
+            act = L.mlp.gate_up.silu_gated(x) if fused else None
+            if act is not None:
+                pass  # SiLU and the product in the GEMMs' epilogues
+            elif fused and L.mlp.act_name == "silu":
+                act = kops.silu_mul(L.mlp.gate_up(x))
             else:
-                g, u = gu.chunk(2, dim=-1)
+                g, u = L.mlp.gate_up(x).chunk(2, dim=-1)
                 act = L.mlp.act(g) * u
             delta = comm.all_reduce(L.mlp.down(act))
             if i + 1 < n_layers:
