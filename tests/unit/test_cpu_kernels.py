@@ -261,16 +261,25 @@ needs_bf16_dot = pytest.mark.skipif(
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("tiles", [False, True], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize(("heads", "kvh", "d"), [(4, 4, 64), (9, 3, 64), (16, 2, 64), (8, 2, 128)])
-def test_flash_attention_is_causal_over_prefix_and_new_tokens(ps, heads, kvh, d):
-    """The bf16 prefill kernel on the same contract as extend_attention_: extends with and without a
-    prefix, lengths that leave partial tiles of 4 query rows and partial chunks of 64 keys, a prefix
-    ending inside a chunk; other rows untouched. Within 2^-7 relative of the float reference (its
-    probabilities are rounded to bf16 before P @ V, as torch's CPU flash attention rounds them)."""
-    exts = [(0, 0, 1), (2, 0, 130), (1, 17, 64), (3, 100, 77), (4, 63, 2)]  # (slot row, prefix, new)
-    # q x 2: a sharper softmax than unit scores
-    _check_causal(ops.flash_attention_, exts, torch.bfloat16, ps, heads, kvh, d, 2**-7, 19, 2, q_scale=2.0)
+def test_flash_attention_is_causal_over_prefix_and_new_tokens(ps, heads, kvh, d, tiles):
+    """The bf16 prefill kernel on the same contract as extend_attention_, in both of its forms (4 query
+    rows a call with vdpbf16ps; 16 on AMX tiles where the CPU has them): extends with and without a
+    prefix, lengths that leave partial tiles of query rows and partial chunks of keys (64; 128 on AMX,
+    whose chunks past every row's position take the unmasked path), a prefix ending inside a chunk;
+    other rows untouched. Within 2^-7 relative of the float reference (its probabilities are rounded
+    to bf16 before P @ V, as torch's CPU flash attention rounds them)."""
+    if tiles and not kernels.has_amx():
+        pytest.skip("no AMX tiles on this CPU (or Linux refused the tile state)")
+    exts = [(0, 0, 1), (2, 0, 130), (1, 17, 64), (3, 100, 77), (4, 63, 2), (5, 0, 300), (6, 130, 140)]
+    was = ops.set_flash_amx(tiles)
+    try:
+        # q x 2: a sharper softmax than unit scores (slot row, prefix, new tokens)
+        _check_causal(ops.flash_attention_, exts, torch.bfloat16, ps, heads, kvh, d, 2**-7, 19, 2, q_scale=2.0)
+    finally:
+        ops.set_flash_amx(was)
 
 
 @needs_bf16_dot

@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried"}
 

@@ -16,11 +16,14 @@ SDPA 12.5; 512 tokens after 512 cached 3.8 vs 10.1; 8 prompts of 128 1.2 vs 3.4 
 AVX512-BF16), long extends go to SDPA (``KERNEL_EXTEND_WORK``): the per-token kernel re-reads K/V for
 every token.
 
-On a CPU with AMX (``sdpa_extends``, from ``KernelSettings.cpu_amx``), extends of at least
-``FLASH_MIN_NEW`` tokens go to torch's SDPA instead of the flash kernel: torch's CPU flash attention
-runs its bf16 products on the AMX tiles. Measured on an Intel Xeon with AMX, one thread, SmolLM2
-shapes: 1,024-token prompt 5.9 ms a layer vs the flash kernel's 15.2; 512 after 512 cached 4.7 vs
-11.5; 128 tokens 0.18 vs 0.36 (bench/RESULTS.md).
+On a CPU with AMX the flash kernel runs on the tiles (``flash_amx.cpp``: 16 query rows a call,
+S^T = K Q^T and O^T += V^T P^T on the tile unit, the online softmax one row per vector lane), and
+beats torch's SDPA, which also runs its bf16 products on AMX: SmolLM2 shapes, both threads, one
+1,024-token prompt 1.75 ms a layer vs SDPA 2.91 (the vdpbf16ps kernel 8.2), 2,048 tokens 6.9 vs 9.7,
+16 prompts of 128 1.35 vs 1.41. With ``sdpa_extends`` (``--cpu-amx``) and no AMX tiles, or over a
+float8 pool (the flash kernels pack the model's dtype), extends of at least ``FLASH_MIN_NEW`` tokens
+go to SDPA (on AMX it was 2-2.5x the vdpbf16ps kernel: 5.9 vs 15.2 ms a layer for 1,024 tokens on one
+thread).
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ class CpuAttention(TorchAttention):
         self.extend_op = torch.ops.kvledger_cpu.extend_attention_
         self.flash_op = torch.ops.kvledger_cpu.flash_attention_
         self.flash = flash_usable(dtype, head_dim)
+        # The flash kernel runs on AMX tiles where the CPU has them (csrc/flash_amx.cpp): then it beats
+        # SDPA too, and long extends of a bf16 pool stay in the kernels even with sdpa_extends.
+        self.flash_amx = self.flash and kernels.has_amx()
         self.sdpa_extends = sdpa_extends
         self.dtype = dtype
 
@@ -122,6 +128,8 @@ class CpuAttention(TorchAttention):
 
     def _in_kernel(self, prefix: int, new: int) -> bool:
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
+        if self.flash_amx and self._flash_ok:
+            return True
         if self.sdpa_extends:
             return new < FLASH_MIN_NEW
         return self._flash_ok or kernel_extend(prefix, new)

@@ -38,6 +38,8 @@ const bool kAvx512 = cpu_has_avx512();
 const bool kVnni = kAvx512 && __builtin_cpu_supports("avx512vnni");
 const bool kBf16Dot = kAvx512 && __builtin_cpu_supports("avx512bf16");
 const bool kAmx = kBf16Dot && amx_ready();  // AMX-BF16 tiles granted to this process
+// flash_attention_ on AMX tiles where kAmx (set_flash_amx turns it off: tests compare both kernels).
+bool flash_amx_enabled = true;
 
 template <typename T> const Kernels<T>& portable();
 template <> const Kernels<float>& portable<float>() { static const auto k = scalar_f32(); return k; }
@@ -426,12 +428,15 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *lp = a.lens;
   const int64_t *tp = a.table, ts = a.table_stride;
   std::vector<int64_t> pack_at(E * KVH + 1, 0);  // offsets of each (extend, KV head)'s packed K (and V)
+  const bool amx = kAmx && flash_amx_enabled;  // 16 rows a tile on AMX (flash_amx.cpp), else 4
+  const int64_t rows_per = amx ? kAmxFlashRows : kFlashRows;
   struct Tile { int64_t e, h, r0; };
   std::vector<Tile> tiles;
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t h = 0; h < KVH; ++h) {
-      pack_at[e * KVH + h + 1] = pack_at[e * KVH + h] + flash_padded(pp[e] + lp[e]) * D;
-      for (int64_t r0 = 0; r0 < lp[e] * G; r0 += kFlashRows) tiles.push_back({e, h, r0});
+      const int64_t Sp = flash_padded(pp[e] + lp[e]);
+      pack_at[e * KVH + h + 1] = pack_at[e * KVH + h] + (amx ? amx_flash_alloc(Sp, static_cast<int>(D)) : Sp * D);
+      for (int64_t r0 = 0; r0 < lp[e] * G; r0 += rows_per) tiles.push_back({e, h, r0});
     }
   }
   std::vector<bf16> kt(pack_at[E * KVH]), vt(pack_at[E * KVH]);
@@ -440,8 +445,8 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   at::parallel_for(0, E * KVH, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / KVH, h = i % KVH;
-      flash_pack(kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts, pp[e] + lp[e],
-                 static_cast<int>(D), kt.data() + pack_at[i], vt.data() + pack_at[i]);
+      (amx ? amx_pack : flash_pack)(kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts,
+                                    pp[e] + lp[e], static_cast<int>(D), kt.data() + pack_at[i], vt.data() + pack_at[i]);
     }
   });
   // Light and heavy alternately (by the keys a tile sees): ~equal work in each contiguous range.
@@ -457,9 +462,24 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const bf16* qp = ptr<bf16>(q);
   bf16* o = ptr<bf16>(out);
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch(flash_scratch_floats(static_cast<int>(D)));
+    std::vector<float> scratch(std::max(flash_scratch_floats(static_cast<int>(D)),
+                                        amx_flash_scratch_floats(static_cast<int>(D))));
     for (int64_t i = i0; i < i1; ++i) {
       const Tile& t = tiles[order[i]];
+      const int64_t at_ = pack_at[t.e * KVH + t.h];
+      if (amx) {
+        AmxFlashRows fr{};
+        fr.n = static_cast<int>(std::min<int64_t>(kAmxFlashRows, lp[t.e] * G - t.r0));
+        for (int j = 0; j < fr.n; ++j) {
+          const int64_t r = t.r0 + j, tok = r / G, head = t.h * G + r % G, row = sp[t.e] + tok;
+          fr.q[j] = qp + row * q.stride(0) + head * D;
+          fr.out[j] = o + row * H * D + head * D;
+          fr.limit[j] = pp[t.e] + tok;
+        }
+        flash_rows_amx(fr, kt.data() + at_, vt.data() + at_, flash_padded(pp[t.e] + lp[t.e]), static_cast<int>(D),
+                       static_cast<float>(scale), scratch.data());
+        continue;
+      }
       FlashRows fr{};
       fr.n = static_cast<int>(std::min<int64_t>(kFlashRows, lp[t.e] * G - t.r0));
       for (int j = 0; j < fr.n; ++j) {
@@ -468,13 +488,19 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
         fr.out[j] = o + row * H * D + head * D;
         fr.limit[j] = pp[t.e] + tok;
       }
-      const int64_t at_ = pack_at[t.e * KVH + t.h];
       flash_rows(fr, kt.data() + at_, vt.data() + at_, static_cast<int>(D), static_cast<float>(scale), scratch.data());
     }
   });
 }
 
 bool has_bf16_dot() { return kBf16Dot; }
+
+// Whether flash_attention_ runs on AMX tiles (where the CPU has them); returns the previous setting.
+bool set_flash_amx(bool on) {
+  const bool was = flash_amx_enabled;
+  flash_amx_enabled = on;
+  return was;
+}
 
 // Per-row (per-token) int8 quantization for oneDNN's u8 x s8 linear (model/linear.py): scale =
 // max|row| / 127, xq = nearbyint(x / scale) + 128 (zero point 128). Returns (xq [M, K] uint8, scale [M]).
@@ -671,6 +697,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "float eps, int amx_rows=0) -> ()");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);
+  m.def("set_flash_amx", &kvl::set_flash_amx);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
   m.def("to_f8(Tensor x) -> Tensor");
