@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 
+#include "amx_tiles.h"
 #include "flash.h"
 #include "simd512.h"
 
@@ -29,24 +30,7 @@ namespace {
 constexpr int kRows = kAmxFlashRows;  // 16: a tile's columns (one lane per query row)
 constexpr int kChunk = 128;           // keys per online-softmax step (computed 32 at a time)
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = kRows;
-  }
-};
-
 inline __m512i lane16() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-// Word 2l = a's lane l, word 2l+1 = b's lane l (bf16, round to nearest even): a VNNI row of two keys.
-inline __m512i pair_bf16(__m512 a, __m512 b) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
-                                       5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-}
 
 // 2^x on 16 floats, x <= 0 (clamped at -126): 2^n * p(f), f = x - n in [-1/2, 1/2], p the Taylor
 // polynomial of e^(f ln 2) of degree 5.

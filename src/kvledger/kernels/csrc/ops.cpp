@@ -467,27 +467,25 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     for (int64_t i = i0; i < i1; ++i) {
       const Tile& t = tiles[order[i]];
       const int64_t at_ = pack_at[t.e * KVH + t.h];
-      if (amx) {
-        AmxFlashRows fr{};
-        fr.n = static_cast<int>(std::min<int64_t>(kAmxFlashRows, lp[t.e] * G - t.r0));
+      // Tile t's query rows (token-major, the KV head's query heads adjacent), as many as the form takes.
+      auto fill = [&](auto& fr, int64_t most) {
+        fr.n = static_cast<int>(std::min<int64_t>(most, lp[t.e] * G - t.r0));
         for (int j = 0; j < fr.n; ++j) {
           const int64_t r = t.r0 + j, tok = r / G, head = t.h * G + r % G, row = sp[t.e] + tok;
           fr.q[j] = qp + row * q.stride(0) + head * D;
           fr.out[j] = o + row * H * D + head * D;
           fr.limit[j] = pp[t.e] + tok;
         }
+      };
+      if (amx) {
+        AmxFlashRows fr{};
+        fill(fr, kAmxFlashRows);
         flash_rows_amx(fr, kt.data() + at_, vt.data() + at_, flash_padded(pp[t.e] + lp[t.e]), static_cast<int>(D),
                        static_cast<float>(scale), scratch.data());
         continue;
       }
       FlashRows fr{};
-      fr.n = static_cast<int>(std::min<int64_t>(kFlashRows, lp[t.e] * G - t.r0));
-      for (int j = 0; j < fr.n; ++j) {
-        const int64_t r = t.r0 + j, tok = r / G, head = t.h * G + r % G, row = sp[t.e] + tok;
-        fr.q[j] = qp + row * q.stride(0) + head * D;
-        fr.out[j] = o + row * H * D + head * D;
-        fr.limit[j] = pp[t.e] + tok;
-      }
+      fill(fr, kFlashRows);
       flash_rows(fr, kt.data() + at_, vt.data() + at_, static_cast<int>(D), static_cast<float>(scale), scratch.data());
     }
   });

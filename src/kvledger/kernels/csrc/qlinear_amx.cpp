@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "qlinear.h"
 
 namespace kvl {
@@ -27,17 +28,6 @@ namespace {
 
 constexpr int kTileRows = 16;  // activation rows per A tile, 16 output rows per weight block
 constexpr int kGroupBytes = 1024;  // one group's B tile: 16 rows (pairs of inputs) x 16 outputs x 2 bf16
-
-// The tile configuration every call loads: eight tiles of 16 rows x 64 bytes (palette 1).
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int i = 0; i < 8; ++i) colsb[i] = 64, rows[i] = kTileRows;
-  }
-};
 
 bool request_tiles() {
   // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); the
@@ -49,14 +39,6 @@ bool request_tiles() {
 #else
   return false;
 #endif
-}
-
-// Word 2l of the result = a's lane l, word 2l+1 = b's lane l (bf16, round to nearest even): one tile
-// row of an input pair for 16 outputs. cvtne2ps_pbh(b, a) gives a's 16 words, then b's; vpermw interleaves.
-inline __m512i pair_bf16(__m512 a, __m512 b) {
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21,
-                                       5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  return _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
 }
 
 inline __m512 half16(const uint16_t* p) {
