@@ -189,12 +189,11 @@ class LlamaNet(CausalNet):
         n_layers = len(self.layers)
         for i, L in enumerate(self.layers):
             h, x = add_norm(h, comm.all_reduce(L.attn(x, positions, cs, kops)), L.post_norm)
+            # SiLU and the product in the GEMMs' epilogues where the layer has the split AMX copy.
             act = L.mlp.gate_up.silu_gated(x) if fused else None
-            if act is not None:
-                pass  # SiLU and the product in the GEMMs' epilogues
-            elif fused and L.mlp.act_name == "silu":
+            if act is None and fused and L.mlp.act_name == "silu":
                 act = kops.silu_mul(L.mlp.gate_up(x))
-            else:
+            elif act is None:
                 g, u = L.mlp.gate_up(x).chunk(2, dim=-1)
                 act = L.mlp.act(g) * u
             delta = comm.all_reduce(L.mlp.down(act))
