@@ -718,6 +718,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def copy_bandwidth_gbps(mib: int = 128, reps: int = 5) -> float:
+    """The machine's memory copy bandwidth now (GB/s read + written, best of ``reps`` copies of
+    ``mib`` MiB on torch's threads). A memory-bound decode (kvledger's: int4 weights and the KV read
+    every step) moves with it from one run to the next while a compute-bound peer's does not, so a
+    run records it at its start and end to be read beside another run."""
+    import torch
+
+    a = torch.ones(mib << 20, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)  # fault the pages in first
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return round(2 * a.numel() / best / 1e9, 1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -739,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
             "cores": os.cpu_count(),
             "python": platform.python_version(),
             "load_avg_at_start": os.getloadavg(),
+            "copy_gbps_at_start": copy_bandwidth_gbps(),
         },
         "pinning": {"server_cores": args.cores, "client_cores": args.client_cores},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -801,6 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     report["random"], report["prefill"], report["shared_prefix"] = random_rows, prefill_rows, shared_rows
     report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     report["machine"]["load_avg_at_end"] = os.getloadavg()
+    report["machine"]["copy_gbps_at_end"] = copy_bandwidth_gbps()
     (out / "compare.json").write_text(json.dumps(report, indent=2, default=str))
     md = render_md(report, args)
     (out / "compare.md").write_text(md)
