@@ -8,8 +8,9 @@
 // Scores go to base 2 in one multiply (scale * log2 e), the exponential is 2^x with a degree-5
 // polynomial (relative error < 3e-6, far under bf16's 2^-9), and only the chunks that reach past a
 // row's position (the diagonal ones) are masked.
-// Layouts (per extend and KV head, amx_pack): K rows as they are ([Sp][D]), V transposed with the
-// ones row ([D + 16][Sp]); the rows' queries go to Q^T's VNNI layout ([D/2][16][2]) once a call.
+// Layouts (per extend and KV head, amx_pack; flash.h): K rows as they are ([Sp][D]), V transposed with
+// the ones row ([D + 16][amx_v_stride(Sp)]); the rows' queries go to Q^T's VNNI layout ([D/2][16][2])
+// once a call.
 // Compiled for AMX whatever the build flags; ops.cpp calls it only where amx_ready() says the CPU has
 // AMX-BF16 and this process may use the tile registers.
 #if defined(__x86_64__) || defined(_M_X64)
@@ -147,16 +148,11 @@ void flash_rows_amx(const AmxFlashRows& r, const bf16* kr, const bf16* vt, long 
     // O^T += V^T P^T: 64 rows' accumulators in four tiles at once, the chunk's 32-key blocks in turn;
     // then the sum row's tile.
     for (int d0 = 0; d0 < DS; d0 += 64) {
-      const int t = std::min(4, (DS - d0) / 16);
-      const int tile_of[4] = {0, 1, 6, 7};
-      for (int u = 0; u < t; ++u) {
-        switch (tile_of[u]) {
-          case 0: _tile_loadd(0, ot + d0 * kRows, 64); break;
-          case 1: _tile_loadd(1, ot + (d0 + 16) * kRows, 64); break;
-          case 6: _tile_loadd(6, ot + (d0 + 32) * kRows, 64); break;
-          default: _tile_loadd(7, ot + (d0 + 48) * kRows, 64); break;
-        }
-      }
+      const int t = std::min(4, (DS - d0) / 16);  // accumulator tiles 0, 1, 6, 7 (tile ids are immediates)
+      _tile_loadd(0, ot + d0 * kRows, 64);
+      if (t > 1) _tile_loadd(1, ot + (d0 + 16) * kRows, 64);
+      if (t > 2) _tile_loadd(6, ot + (d0 + 32) * kRows, 64);
+      if (t > 3) _tile_loadd(7, ot + (d0 + 48) * kRows, 64);
       for (int b = 0; b < blocks; ++b) {
         const bf16* vb = vt + d0 * Vs + c0 + 32 * b;
         _tile_loadd(2, pt + 32 * b * kRows, 64);

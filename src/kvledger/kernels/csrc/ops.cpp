@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -439,14 +440,18 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       for (int64_t r0 = 0; r0 < lp[e] * G; r0 += rows_per) tiles.push_back({e, h, r0});
     }
   }
-  std::vector<bf16> kt(pack_at[E * KVH]), vt(pack_at[E * KVH]);
+  // Uninitialized: the packs write every value the kernels read (a zeroing vector cost a pass over
+  // both buffers each layer).
+  std::unique_ptr<bf16[]> kt_buf(new bf16[pack_at[E * KVH]]), vt_buf(new bf16[pack_at[E * KVH]]);
+  bf16* const kt = kt_buf.get();
+  bf16* const vt = vt_buf.get();
   const bf16* kc = ptr<bf16>(k_cache);
   const bf16* vc = ptr<bf16>(v_cache);
   at::parallel_for(0, E * KVH, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / KVH, h = i % KVH;
       (amx ? amx_pack : flash_pack)(kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts,
-                                    pp[e] + lp[e], static_cast<int>(D), kt.data() + pack_at[i], vt.data() + pack_at[i]);
+                                    pp[e] + lp[e], static_cast<int>(D), kt + pack_at[i], vt + pack_at[i]);
     }
   });
   // Light and heavy alternately (by the keys a tile sees): ~equal work in each contiguous range.
@@ -480,13 +485,13 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       if (amx) {
         AmxFlashRows fr{};
         fill(fr, kAmxFlashRows);
-        flash_rows_amx(fr, kt.data() + at_, vt.data() + at_, flash_padded(pp[t.e] + lp[t.e]), static_cast<int>(D),
+        flash_rows_amx(fr, kt + at_, vt + at_, flash_padded(pp[t.e] + lp[t.e]), static_cast<int>(D),
                        static_cast<float>(scale), scratch.data());
         continue;
       }
       FlashRows fr{};
       fill(fr, kFlashRows);
-      flash_rows(fr, kt.data() + at_, vt.data() + at_, static_cast<int>(D), static_cast<float>(scale), scratch.data());
+      flash_rows(fr, kt + at_, vt + at_, static_cast<int>(D), static_cast<float>(scale), scratch.data());
     }
   });
 }
