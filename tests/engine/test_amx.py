@@ -161,7 +161,7 @@ def test_long_extends_take_sdpa_and_short_ones_the_kernel(make_engine):
 
 needs_amx_tiles = pytest.mark.skipif(
     not (kernels.load() and kernels.has_amx()),
-    reason="needs a CPU with AMX-BF16 tiles that Linux grants this process (qlinear_amx.cpp)",
+    reason="the CPU has no AMX tiles (or Linux refused this process the tile state; qlinear_amx.cpp)",
 )
 
 

@@ -272,7 +272,7 @@ def test_flash_attention_is_causal_over_prefix_and_new_tokens(ps, heads, kvh, d,
     other rows untouched. Within 2^-7 relative of the float reference (its probabilities are rounded
     to bf16 before P @ V, as torch's CPU flash attention rounds them)."""
     if tiles and not kernels.has_amx():
-        pytest.skip("no AMX tiles on this CPU (or Linux refused the tile state)")
+        pytest.skip("the CPU has no AMX tiles (or Linux refused this process the tile state)")
     exts = [(0, 0, 1), (2, 0, 130), (1, 17, 64), (3, 100, 77), (4, 63, 2), (5, 0, 300), (6, 130, 140)]
     was = ops.set_flash_amx(tiles)
     try:
