@@ -74,6 +74,39 @@ def test_tp_sizes_that_do_not_fit_are_refused(tp_model):
         Engine(model=tp_model, tp_size=3)
 
 
+def test_a_start_that_fails_after_the_group_formed_closes_it(tp_model):
+    """A TP prefill engine whose PD bootstrap port is taken fails after its group formed and its
+    model loaded: the worker rank is gone and this process left the group, so the next TP engine in
+    the same process starts and serves (before, every later TP engine failed: "trying to initialize
+    the default process group twice", 40 tests in one CI run)."""
+    import socket
+
+    import psutil
+    import torch.distributed as dist
+
+    from tests.server_harness import free_port
+
+    me = psutil.Process()
+    before = {c.pid for c in me.children(recursive=True)}
+    port = free_port()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        with pytest.raises(ValidationError, match="cannot bind the disaggregation bootstrap port"):
+            Engine(model=tp_model, tp_size=2, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                   disaggregation_bind_host="127.0.0.1", **OPTS)  # fmt: skip
+    assert not dist.is_initialized()
+    started = {c.pid for c in me.children(recursive=True)} - before
+    assert not any(process_alive(p) for p in started)
+    two = Engine(model=tp_model, tp_size=2, **OPTS)
+    try:
+        out = two.generate(input_ids=[3, 4, 5, 6], sampling_params={**G, "max_new_tokens": 4})
+        assert len(out["output_ids"]) == 4
+        assert_idle_clean(two)
+    finally:
+        two.shutdown()
+
+
 def _turns(engines: list[Engine], sids: list[str]) -> None:
     """Session turns cut inside a run of accepted drafts (max_new_tokens lands mid-run): the lookahead
     pages of the drafts past the cut must not reach the session (seed 004). The first turn's verify

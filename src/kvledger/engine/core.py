@@ -211,30 +211,40 @@ class EngineCore:
 
             comm, workers = start_group(cfg)
         try:
-            loaded = loaded or load_model(cfg.model.model)
-            t_read = time.monotonic() - t0
-            mc = loaded.config
-            self.weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
-            check_tp(mc, cfg.parallel.tp_size)
-            self.dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
-            self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
-            t_model = time.monotonic() - t0 - t_read
-            # From here on the settings name what runs (the L3 cache keys, /get_server_info).
-            cfg = cfg.replace(
-                device=device,
-                quantization=model_quantization(cfg, loaded, self.dtype, device),
-                attention_backend=self.model.attention,
-            )
-            # The model's own features against the settings' (the compatibility table).
-            check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
+            self._build(cfg, loaded, connector, graph_capture, device, comm, workers, t0)
         except BaseException:
-            for p in workers:
-                p.kill()
-            if workers:
-                import torch.distributed as dist
-
-                dist.destroy_process_group()
+            self._close_partial_start(workers)
             raise
+
+    def _build(
+        self,
+        cfg: EngineConfig,
+        loaded: LoadedModel | None,
+        connector: KVConnector | None,
+        graph_capture: GraphCapture | None,
+        device: str,
+        comm: Comm,
+        workers: list,
+        t0: float,
+    ) -> None:
+        """Everything after the TP group formed: the model, the pools, the connectors, the scheduler.
+        Whatever raises here, ``__init__`` closes what was opened (``_close_partial_start``)."""
+        loaded = loaded or load_model(cfg.model.model)
+        t_read = time.monotonic() - t0
+        mc = loaded.config
+        self.weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
+        check_tp(mc, cfg.parallel.tp_size)
+        self.dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
+        self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
+        t_model = time.monotonic() - t0 - t_read
+        # From here on the settings name what runs (the L3 cache keys, /get_server_info).
+        cfg = cfg.replace(
+            device=device,
+            quantization=model_quantization(cfg, loaded, self.dtype, device),
+            attention_backend=self.model.attention,
+        )
+        # The model's own features against the settings' (the compatibility table).
+        check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
         self.tokenizer = loaded.tokenizer
         # LoRA adapters (``model/lora.py``): None unless --enable-lora / --lora-paths.
         self.loras: LoraSet | None = None
@@ -382,6 +392,29 @@ class EngineCore:
             self.info.weight_bytes / 2**20, total, ps, total * per_token / 2**20,
             "" if kv_dtype == self.dtype else f", {str(kv_dtype).removeprefix('torch.')}", context,
         )  # fmt: skip
+
+    def _close_partial_start(self, workers: list) -> None:
+        """A start that failed part-way (a bootstrap port in use, settings the model refuses, a
+        failed compile) closes what it opened: the forward thread, the connectors (their ports and
+        threads), the TP ranks and this process's group. Without this a second engine in the same
+        process could not form its group ("initialize the default process group twice")."""
+        state = vars(self)
+        if (fwd := state.get("_forward")) is not None:
+            fwd.shutdown()
+        conn = state["connector"] if "connector" in state else state.get("disagg_connector")
+        km = state.get("kv_manager")
+        closing = conn if conn is not None else getattr(km, "tiers", None)
+        if closing is not None:
+            try:
+                closing.close()
+            except Exception:  # the start's own error is the one to raise
+                log.exception("engine: closing a connector after a failed start")
+        for p in workers:
+            p.kill()
+        if workers:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
 
     def _warm_up_compile(self) -> None:
         """Compile the graph before serving: a batch of two short requests runs through the normal
