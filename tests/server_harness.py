@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,10 +13,29 @@ import time
 import httpx
 
 
+def _ephemeral_floor() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range. A port from ``bind(0)`` is ephemeral:
+    once the probe closes it, the next socket any process binds without a port (gloo's pairs, zmq's,
+    a TP worker's) may take it before the server under test does (seen in CI: a PD bootstrap port
+    taken while the TP group formed). Below the range only an explicit bind takes a port."""
+    top = _ephemeral_floor()
+    for _ in range(200):
+        port = random.randrange(10000, max(10001, top))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def wait_idle(url: str, timeout: float = 10, headers: dict | None = None) -> tuple[dict, bool]:

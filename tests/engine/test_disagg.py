@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import socket
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from kvledger.common.disagg import FAKE_BOOTSTRAP_HOST, DisaggParams
 from kvledger.disagg import wire
 from kvledger.disagg.mooncake import available as mooncake_missing
 from tests.helpers import assert_idle_clean, record_drafts
+from tests.server_harness import free_port
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 # The built-in transport always; Mooncake's engine where it is installed (.ci/run installs it).
@@ -30,12 +30,6 @@ BACKENDS = pytest.mark.parametrize(
         ),
     ],
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -88,17 +88,20 @@ def _seen(results):
     out = []
     for r in results:
         m = r["meta_info"]
-        lps = [_rounded(m.get(k)) for k in ("output_token_logprobs", "output_top_logprobs")]
+        lps = [m.get(k) for k in ("output_token_logprobs", "output_top_logprobs")]
         out.append((r["output_ids"], m["finish_reason"], *lps))
     return out
 
 
-def _rounded(v):
-    if isinstance(v, float):
-        return round(v, 4)
-    if isinstance(v, (list, tuple)):
-        return [_rounded(x) for x in v]
-    return v
+def _same(a, b, tol: float = 1e-4) -> bool:
+    """Tokens, finish reasons and ids exactly; logprobs within ``tol``. A replay pads the batch to its
+    bucket, and a float32 GEMM of 8 rows need not round as one of 5 does (on an AMD Zen 4 a top
+    logprob read -4.73334 in one and -4.73335 in the other), so rounding to 4 places was no tolerance."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, tol) for x, y in zip(a, b))
+    return a == b
 
 
 def _run(eng, jobs):
@@ -114,7 +117,7 @@ def test_replayed_steps_give_the_eager_outputs(make_engine, page_size, sampling)
     graphs = eng.core.runner.graphs
     assert graphs.sizes == [1, 2, 4, 8]
     rec = Recorder(graphs)
-    assert _run(eng, jobs) == want
+    assert _same(_run(eng, jobs), want)
     st = graphs.stats()
     assert st["replays"] == len(rec.steps) > 0
     assert st["eager_steps"]["prefill"] >= 1 and st["eager_steps"]["batch_size"] >= 1  # 11 > 8 rows
@@ -199,7 +202,7 @@ def test_grammars_and_overlap_with_graphs(chat_model):
         if kw:
             assert eng.core.overlap and eng.core.runner.graphs.replays > 0
         assert_idle_clean(eng)
-    assert out[0] == out[1]
+    assert _same(out[0], out[1])
 
 
 def test_eager_reasons(make_engine):
@@ -231,7 +234,7 @@ def test_eager_reasons(make_engine):
     spec = make_engine(graph_capture=EagerCapture(), speculative_algorithm="ngram", speculative_num_draft_tokens=3)
     plain = make_engine(speculative_algorithm="ngram", speculative_num_draft_tokens=3)
     jobs = [([1, 2, 3, 4] * 8, {**G, "max_new_tokens": 24})]
-    assert _run(spec, jobs) == _run(plain, jobs)
+    assert _same(_run(spec, jobs), _run(plain, jobs))
     assert spec.core.runner.graphs.eager_steps[gr.SPECULATIVE] > 0
 
 
@@ -250,7 +253,7 @@ def test_sliding_window_steps_run_eager_past_the_window(tmp_path):
             st = eng.core.runner.graphs.stats()
             assert st["replays"] > 0 and st["eager_steps"][gr.SLIDING_WINDOW] > 0, st
         assert_idle_clean(eng)
-    assert res[0] == res[1]
+    assert _same(res[0], res[1])
 
 
 def test_the_padding_page_in_the_books(make_engine):
@@ -275,12 +278,12 @@ def test_a_weight_update_recaptures(make_engine, tmp_path):
     jobs = _jobs(5)
     want = _run(fresh, jobs)
     eng = make_engine(graph_capture=EagerCapture())
-    assert _run(eng, jobs) != want
+    assert not _same(_run(eng, jobs), want)
     ok, message, _ = eng.update_weights_from_disk(new)
     assert ok, message
     graphs = eng.core.runner.graphs
     before = graphs.replays
-    assert _run(eng, jobs) == want and graphs.replays > before
+    assert _same(_run(eng, jobs), want) and graphs.replays > before
     assert graphs.model is eng.core.model
     assert_idle_clean(fresh)
 
