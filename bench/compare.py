@@ -7,7 +7,9 @@ Systems (a name given twice runs twice, e.g. kvledger first and last to bracket 
 - kvledger: ``kvledger serve`` with no flags but ``--num-threads`` (what a new user runs: the GGUF in its
   own precision, the C++ kernels); kvledger-bf16 (``--quantization none``), kvledger-compile
   (``--enable-torch-compile``), kvledger-fp32 (``--dtype float32``, the token-exact reference path),
-  kvledger-int8-batch (``--enable-int8-batch``), kvledger-fp8-kv (``--kv-cache-dtype fp8_e4m3``).
+  kvledger-int8-batch (``--enable-int8-batch``), kvledger-fp8-kv (``--kv-cache-dtype fp8_e4m3``),
+  kvledger-tuned / kvledger-tuned-ttft (float8 KV, ``--enable-int8-batch``, ``--interleave-prefill-tokens``
+  256 / 128: the 32-stream settings of a 2-core CPU without AMX).
 - transformers: bench/hf_server.py, a minimal OpenAI wrapper around padded static ``generate``.
 - transformers-serve: ``transformers serve`` on the same GGUF converted to a transformers directory, when
   it starts (otherwise the reason is recorded and the run goes on).
@@ -461,6 +463,9 @@ def run_client(
     return proc.returncode, usage.ru_utime + usage.ru_stime
 
 
+TUNED = ["--kv-cache-dtype", "fp8_e4m3", "--enable-int8-batch", "--interleave-prefill-tokens"]
+
+
 def systems(args) -> dict[str, System]:
     py = sys.executable
     model = args.model
@@ -478,6 +483,13 @@ def systems(args) -> dict[str, System]:
         "kvledger-fp32": System("kvledger-fp32", [*kv, "--dtype", "float32"], kv_version + " fp32"),
         "kvledger-fp8-kv": System(
             "kvledger-fp8-kv", [*kv, "--kv-cache-dtype", "fp8_e4m3"], kv_version + " --kv-cache-dtype fp8_e4m3"
+        ),
+        # kvledger tuned for 32 streams on a 2-core CPU without AMX (bench/RESULTS.md, issue 36): float8
+        # KV (decode attention reads half the bytes), oneDNN's int8 GEMMs for prefill chunks of 128+
+        # rows, and a prefill budget of 256 tokens (two 128-token prompts) or 128 (one) between decodes.
+        "kvledger-tuned": System("kvledger-tuned", [*kv, *TUNED, "256"], kv_version + " " + " ".join([*TUNED, "256"])),
+        "kvledger-tuned-ttft": System(
+            "kvledger-tuned-ttft", [*kv, *TUNED, "128"], kv_version + " " + " ".join([*TUNED, "128"])
         ),
         "kvledger-compile": System(
             "kvledger-compile",

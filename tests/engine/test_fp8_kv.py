@@ -206,9 +206,9 @@ def test_pd_moves_float8_pages_and_refuses_a_decode_side_of_another_dtype(pd, ma
 @pytest.mark.parametrize("sdpa_extends", [False, True])
 def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
     """The cpu backend's routing over a float8 pool on one layer of a real batch (decodes, short
-    extends after a prefix in the per-token kernel reading the pool widened, long ones in SDPA; no
-    flash kernel, which packs the model's dtype): every row within bf16 rounding of the torch
-    backend's over the same pool."""
+    extends after a prefix in the per-token kernel reading the pool widened; long ones in the
+    vdpbf16ps flash kernel, which widens the pool to bf16 as it packs, or with ``sdpa_extends`` in
+    SDPA): every row within bf16 rounding of the torch backend's over the same pool."""
     from kvledger.memory import KVBuffer
     from kvledger.model.attention import TorchAttention
     from kvledger.model.attention_cpu import CpuAttention
@@ -231,5 +231,9 @@ def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
         routes.append(batch.attn_meta)
         outs.append(backend.forward(0, q, k, v, kv, batch).float())
     meta = routes[1]
-    assert meta.flash is None and meta.ext is not None  # short extends in the per-token kernel
+    assert meta.ext is not None  # short extends in the per-token kernel
+    if sdpa_extends:
+        assert meta.flash is None and meta.long_ext  # long ones in SDPA
+    else:
+        assert meta.flash is not None and not meta.long_ext  # long ones in the flash kernel
     torch.testing.assert_close(outs[1], outs[0], rtol=2**-6, atol=2**-6)

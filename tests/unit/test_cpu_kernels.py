@@ -261,6 +261,37 @@ needs_bf16_dot = pytest.mark.skipif(
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(9, 3, 64), (8, 2, 128)])
+def test_flash_attention_over_a_float8_pool_equals_it_over_bf16_of_the_same_values(heads, kvh, d):
+    """The vdpbf16ps form packs a float8 e4m3 pool by widening each value to bf16 (exact: 3 mantissa
+    bits, e4m3's range): its outputs are bit-equal to those over a bf16 pool holding the float8
+    values, for extends with and without a prefix, partial tiles and chunks. Values up to 4 with
+    scale 2 (e4m3 subnormals and large codes both appear)."""
+    exts = [(0, 0, 70), (1, 37, 29), (2, 130, 5)]
+    lens = [p + n for _, p, n in exts]
+    ps = 16
+    pages = sum(-(-n // ps) for n in lens) + 2
+    k, v = _pool(kvh, pages, ps, d, torch.float32, 23)
+    k8, v8 = (k * 2).to(torch.float8_e4m3fn), (v * 2).to(torch.float8_e4m3fn)
+    table = _table(lens, ps, pages, 24)
+    t = sum(n for _, _, n in exts)
+    q = torch.randn(t, heads, d).to(torch.bfloat16)
+    starts = [0, 70, 99]
+    cols = [torch.tensor(c) for c in zip(*[(r, st, p, n) for (r, p, n), st in zip(exts, starts)])]
+    was = ops.set_flash_amx(False)  # the float8 pool takes this form on every CPU; compare like with like
+    try:
+        outs = []
+        for kc, vc in ((k8, v8), (k8.to(torch.bfloat16), v8.to(torch.bfloat16))):
+            out = torch.full((t, heads * d), 7.0).to(torch.bfloat16)
+            ops.flash_attention_(out, q, kc, vc, table, *cols, d**-0.5)
+            outs.append(out)
+    finally:
+        ops.set_flash_amx(was)
+    assert torch.equal(outs[0], outs[1])
+    assert not torch.equal(outs[0], torch.full_like(outs[0], 7.0))
+
+
+@needs_bf16_dot
 @pytest.mark.parametrize("tiles", [False, True], ids=["vdpbf16ps", "amx"])
 @pytest.mark.parametrize("ps", [1, 16])
 @pytest.mark.parametrize(("heads", "kvh", "d"), [(4, 4, 64), (9, 3, 64), (16, 2, 64), (8, 2, 128)])

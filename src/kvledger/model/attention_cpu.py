@@ -21,9 +21,10 @@ S^T = K Q^T and O^T += V^T P^T on the tile unit, the online softmax one row per 
 beats torch's SDPA, which also runs its bf16 products on AMX: SmolLM2 shapes, both threads, one
 1,024-token prompt 1.75 ms a layer vs SDPA 2.91 (the vdpbf16ps kernel 8.2), 2,048 tokens 6.9 vs 9.7,
 16 prompts of 128 1.35 vs 1.41. With ``sdpa_extends`` (``--cpu-amx``) and no AMX tiles, or over a
-float8 pool (the flash kernels pack the model's dtype), extends of at least ``FLASH_MIN_NEW`` tokens
+float8 pool on AMX (the AMX form packs the model's dtype), extends of at least ``FLASH_MIN_NEW`` tokens
 go to SDPA (on AMX it was 2-2.5x the vdpbf16ps kernel: 5.9 vs 15.2 ms a layer for 1,024 tokens on one
-thread).
+thread). Elsewhere the vdpbf16ps form serves a float8 pool too, widening its values to bf16 as it
+packs them (on an AMD Zen 4: a 1,024-token prompt over HTTP 0.74 s through SDPA, see bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -122,13 +123,19 @@ class CpuAttention(TorchAttention):
 
     @property
     def _flash_ok(self) -> bool:
-        """The bf16 flash kernel packs K/V of the model's dtype: not over a float8 pool (whose extends
-        take the per-token kernel, reading it widened as decodes do, or SDPA)."""
-        return self.flash and self.kv_dtype in (None, self.dtype)
+        """The bf16 flash kernel packs K/V of the model's dtype, or of a float8 pool widened to bf16
+        as it packs (exact: the products are those of a bf16 pool holding the float8 values)."""
+        return self.flash and self.kv_dtype in (None, self.dtype, torch.float8_e4m3fn)
+
+    @property
+    def _amx_ok(self) -> bool:
+        """The AMX form packs the model's dtype only: a float8 pool's long extends take SDPA there
+        (faster on AMX than the vdpbf16ps form: 2.9 vs 8.2 ms a layer at 1,024 tokens)."""
+        return self.flash_amx and self.kv_dtype in (None, self.dtype)
 
     def _in_kernel(self, prefix: int, new: int) -> bool:
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
-        if self.flash_amx and self._flash_ok:
+        if self._amx_ok:
             return True
         if self.sdpa_extends:
             return new < FLASH_MIN_NEW

@@ -47,6 +47,9 @@ void flash_rows_amx(const AmxFlashRows& r, const bf16* kr, const bf16* vt, long 
 // The keys/values at locs[0..S) of one KV head (rows of D in k, v) into the layouts flash_rows reads:
 // kt [Sp/16][D/2][16][2], vt [Sp/2][D][2] (Sp = flash_padded(S), zeros past S).
 void flash_pack(const bf16* k, const bf16* v, const int64_t* locs, long S, int D, bf16* kt, bf16* vt);
+// The same from a float8 e4m3 pool, each value widened to bf16 exactly (the products then run as for
+// a bf16 pool: the float8 values are what a bf16 pool of them would hold).
+void flash_pack(const f8* k, const f8* v, const int64_t* locs, long S, int D, bf16* kt, bf16* vt);
 
 // Softmax(q k^T * scale) v per row over its causal range; D a multiple of 64.
 void flash_rows(const FlashRows& r, const bf16* kt, const bf16* vt, int D, float scale, float* scratch);

@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "flash.h"
 #include "simd512.h"
@@ -36,15 +38,37 @@ inline __m512 dot(__m512 acc, __m512 a, __m512 b) {
 
 }  // namespace
 
-void flash_pack(const bf16* k, const bf16* v, const int64_t* locs, long S, int D, bf16* kt, bf16* vt) {
+namespace {
+
+// A row of D float8 e4m3 values widened to bf16, exactly (3 mantissa bits and e4m3's range fit bf16):
+// load16 gives value / kF8Unit as float, the product by kF8Unit is exact, so is the rounding to bf16.
+inline void widen_row(const f8* src, int D, bf16* dst) {
+  const __m512 unit = _mm512_set1_ps(kF8Unit);
+  for (int d = 0; d < D; d += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(load16(src + d), unit));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+// Rows of the pool as bf16: a bf16 row as it lies, a float8 row widened into buf.
+inline const bf16* row_bf16(const bf16* src, int, bf16*) { return src; }
+inline const bf16* row_bf16(const f8* src, int D, bf16* buf) {
+  widen_row(src, D, buf);
+  return buf;
+}
+
+template <typename C>
+void pack_t(const C* k, const C* v, const int64_t* locs, long S, int D, bf16* kt, bf16* vt) {
   const long Sp = flash_padded(S);
   const int D2 = D / 2;
+  std::vector<bf16> wide(std::is_same_v<C, f8> ? 2 * D : 0);  // two widened rows (V's pairs)
+  bf16* buf[2] = {wide.data(), wide.data() + (wide.empty() ? 0 : D)};
   uint32_t* k32 = reinterpret_cast<uint32_t*>(kt);
   for (long s = 0; s < Sp; ++s) {
     uint32_t* dst = k32 + (s / 16) * D2 * 16 + (s % 16);
     if (s < S) {
-      const uint32_t* src = reinterpret_cast<const uint32_t*>(k + locs[s] * D);
-      for (int d2 = 0; d2 < D2; ++d2) dst[d2 * 16] = src[d2];
+      const bf16* row = row_bf16(k + locs[s] * D, D, buf[0]);
+      for (int d2 = 0; d2 < D2; ++d2) std::memcpy(dst + d2 * 16, row + 2 * d2, 4);
     } else {
       for (int d2 = 0; d2 < D2; ++d2) dst[d2 * 16] = 0;
     }
@@ -52,10 +76,20 @@ void flash_pack(const bf16* k, const bf16* v, const int64_t* locs, long S, int D
   for (long s = 0; s < Sp; s += 2) {
     bf16* dst = vt + (s / 2) * D * 2;
     for (int j = 0; j < 2; ++j) {
-      const bf16* src = s + j < S ? v + locs[s + j] * D : nullptr;
+      const bf16* src = s + j < S ? row_bf16(v + locs[s + j] * D, D, buf[j]) : nullptr;
       for (int d = 0; d < D; ++d) dst[d * 2 + j] = src ? src[d] : bf16{0};
     }
   }
+}
+
+}  // namespace
+
+void flash_pack(const bf16* k, const bf16* v, const int64_t* locs, long S, int D, bf16* kt, bf16* vt) {
+  pack_t(k, v, locs, S, D, kt, vt);
+}
+
+void flash_pack(const f8* k, const f8* v, const int64_t* locs, long S, int D, bf16* kt, bf16* vt) {
+  pack_t(k, v, locs, S, D, kt, vt);
 }
 
 void flash_rows(const FlashRows& r, const bf16* kt, const bf16* vt, int D, float scale, float* scratch) {

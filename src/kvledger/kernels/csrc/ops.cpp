@@ -423,13 +423,15 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& prefix, const at::Tensor& lens, double scale) {
   TORCH_CHECK(kBf16Dot, "flash_attention_ needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "flash_attention_ takes bfloat16");
-  const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens);
+  const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens, true);
   const int64_t H = a.H, D = a.D, KVH = a.KVH, G = a.G, E = a.E;
   TORCH_CHECK(D % 64 == 0, "head_dim must be a multiple of 64, got ", D);
+  // A float8 pool is widened to bf16 as it is packed (flash_pack's float8 form; not on AMX tiles yet).
+  const bool f8cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *lp = a.lens;
   const int64_t *tp = a.table, ts = a.table_stride;
   std::vector<int64_t> pack_at(E * KVH + 1, 0);  // offsets of each (extend, KV head)'s packed K (and V)
-  const bool amx = kAmx && flash_amx_enabled;  // 16 rows a tile on AMX (flash_amx.cpp), else 4
+  const bool amx = kAmx && flash_amx_enabled && !f8cache;  // 16 rows a tile on AMX (flash_amx.cpp), else 4
   const int64_t rows_per = amx ? kAmxFlashRows : kFlashRows;
   struct Tile { int64_t e, h, r0; };
   std::vector<Tile> tiles;
@@ -445,13 +447,22 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   std::unique_ptr<bf16[]> kt_buf(new bf16[pack_at[E * KVH]]), vt_buf(new bf16[pack_at[E * KVH]]);
   bf16* const kt = kt_buf.get();
   bf16* const vt = vt_buf.get();
-  const bf16* kc = ptr<bf16>(k_cache);
-  const bf16* vc = ptr<bf16>(v_cache);
   at::parallel_for(0, E * KVH, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / KVH, h = i % KVH;
-      (amx ? amx_pack : flash_pack)(kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts,
-                                    pp[e] + lp[e], static_cast<int>(D), kt + pack_at[i], vt + pack_at[i]);
+      const int64_t e = i / KVH, h = i % KVH, S = pp[e] + lp[e];
+      const int64_t* locs = tp + rp[e] * ts;
+      if (f8cache) {
+        flash_pack(ptr<f8>(k_cache) + h * k_cache.stride(0), ptr<f8>(v_cache) + h * v_cache.stride(0), locs, S,
+                   static_cast<int>(D), kt + pack_at[i], vt + pack_at[i]);
+        continue;
+      }
+      const bf16* kc = ptr<bf16>(k_cache) + h * k_cache.stride(0);
+      const bf16* vc = ptr<bf16>(v_cache) + h * v_cache.stride(0);
+      if (amx) {
+        amx_pack(kc, vc, locs, S, static_cast<int>(D), kt + pack_at[i], vt + pack_at[i]);
+      } else {
+        flash_pack(kc, vc, locs, S, static_cast<int>(D), kt + pack_at[i], vt + pack_at[i]);
+      }
     }
   });
   // Light and heavy alternately (by the keys a tile sees): ~equal work in each contiguous range.
