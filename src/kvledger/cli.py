@@ -12,6 +12,7 @@ from .config import (
     ATTENTION_BACKENDS,
     CPU_AMX,
     CPU_INTERLEAVE_PREFILL_TOKENS,
+    CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX,
     DISAGGREGATION_MODES,
     DTYPES,
     KV_CACHE_DTYPES,
@@ -113,7 +114,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interleave-prefill-tokens", type=int, default=d.interleave_prefill_tokens,
                    help="while requests decode, the most prompt tokens a step brings, then a decode step "
                    "runs (first tokens sooner under bursts); 0: prefill first (default: "
-                   f"{CPU_INTERLEAVE_PREFILL_TOKENS} on the CPU, 0 on CUDA)")  # fmt: skip
+                   f"{CPU_INTERLEAVE_PREFILL_TOKENS} on a CPU with AMX, {CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX} "
+                   "on other CPUs, 0 on CUDA)")  # fmt: skip
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--max-queued-prefill-tokens", type=int, default=d.max_queued_prefill_tokens,

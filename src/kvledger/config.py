@@ -38,7 +38,22 @@ REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names (server/reasoning
 CPU_OVERLAP_DEFAULT = False
 # --interleave-prefill-tokens on the CPU when not given (bench/RESULTS.md, "Prefill while decoding").
 CPU_INTERLEAVE_PREFILL_TOKENS = 512
+"""The prefill budget between decode steps on a CPU with AMX tiles (prefill ~3,500 tok/s on 2 cores)."""
+CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX = 128
+"""The same without AMX (AVX-512 VNNI/BF16 kernels; an AMD Zen 4's prefill runs at ~1,600-1,900 tok/s,
+half the AMX box's): 32 streams of 128+128 tokens, vLLM's client, two runs each side by side on 2 Zen 4
+cores: TTFT p50 0.24-0.37 s and 504-506 tok/s at 128 against 0.60-0.71 s and 509-563 at 512 (256:
+0.37-0.43 s, 491-497 tok/s; bench/RESULTS.md)."""
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8_e4m3"}
+
+
+def cpu_interleave_default() -> int:
+    """The CPU's prefill budget between decode steps: a prefill step of ~0.1-0.15 s on either kind of
+    CPU (``CPU_INTERLEAVE_PREFILL_TOKENS`` with AMX tiles, ``..._NO_AMX`` without)."""
+    import torch  # (config stays importable without torch's start-up cost until a device is settled)
+
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return CPU_INTERLEAVE_PREFILL_TOKENS if probe and probe() else CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX
 
 
 def _norm(value: str | None, *, upper: bool = False, null: tuple[str, ...] = ()) -> str | None:
@@ -267,8 +282,8 @@ class SchedulerSettings:
     requests start decoding (and end, and are replaced) a chunk apart instead of all together: under
     closed-loop arrival the next wave's prompts come a few at a time and wait one short chunk, not the
     whole wave's prefill. 0: prefill first (every waiting prompt, ``chunked_prefill_size`` tokens a
-    step, before the next decode step: SGLang's order). None: ``CPU_INTERLEAVE_PREFILL_TOKENS`` on the
-    CPU, 0 on CUDA. With mixed chunks it caps a mixed step's prefill part. Measured on the CPU, 32
+    step, before the next decode step: SGLang's order). None: ``cpu_interleave_default()`` on the
+    CPU (512 with AMX tiles, 128 without), 0 on CUDA. With mixed chunks it caps a mixed step's prefill part. Measured on the CPU, 32
     streams of 128+128 tokens: TTFT p50 halved (0.56-0.60 s -> 0.31-0.34 s) for 3-8% fewer tokens
     per second (bench/RESULTS.md)."""
     enable_mixed_chunk: bool = False
@@ -320,7 +335,7 @@ class SchedulerSettings:
     def interleave_tokens(self, device: str) -> int:
         """``interleave_prefill_tokens`` on ``device`` (0: prefill first)."""
         if self.interleave_prefill_tokens is None:
-            return 0 if device.startswith("cuda") else CPU_INTERLEAVE_PREFILL_TOKENS
+            return 0 if device.startswith("cuda") else cpu_interleave_default()
         return self.interleave_prefill_tokens
 
     @property

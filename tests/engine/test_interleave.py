@@ -4,9 +4,14 @@ prompt tokens and a decode step follows it; 0 keeps prefill first. Outputs never
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvledger import Engine, ValidationError
-from kvledger.config import CPU_INTERLEAVE_PREFILL_TOKENS, SchedulerSettings
+from kvledger import Engine, ValidationError, config
+from kvledger.config import (
+    CPU_INTERLEAVE_PREFILL_TOKENS,
+    CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX,
+    SchedulerSettings,
+)
 
 G = {"temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[3 + i] * 10 + list(range(20 + i, 40 + i)) for i in range(6)]  # 30 tokens each
@@ -68,9 +73,12 @@ def test_without_decodes_the_chunk_budget_holds(make_engine):
     assert [pf for _, pf in steps[:2]] == [64, 56]
 
 
-def test_default_and_validation(tiny_loaded):
+def test_default_and_validation(tiny_loaded, monkeypatch):
     s = SchedulerSettings()
-    assert s.interleave_tokens("cpu") == CPU_INTERLEAVE_PREFILL_TOKENS
+    for amx, want in ((True, CPU_INTERLEAVE_PREFILL_TOKENS), (False, CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert s.interleave_tokens("cpu") == want == config.cpu_interleave_default()
+    monkeypatch.undo()
     assert s.interleave_tokens("cuda:0") == 0
     assert SchedulerSettings(interleave_prefill_tokens=0).interleave_tokens("cpu") == 0
     with pytest.raises(ValidationError, match="interleave_prefill_tokens must be >= 0"):
