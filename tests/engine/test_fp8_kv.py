@@ -203,6 +203,24 @@ def test_pd_moves_float8_pages_and_refuses_a_decode_side_of_another_dtype(pd, ma
 
 
 @needs_kernels
+def test_a_float8_pools_long_extends_take_the_flash_kernel_off_amx_and_sdpa_on_it():
+    """The vdpbf16ps flash kernel widens a float8 pool as it packs; the AMX form packs bf16 only, and
+    on AMX SDPA beats the vdpbf16ps form, so there a float8 pool's long extends go to SDPA."""
+    from kvledger.model.attention_cpu import FLASH_MIN_NEW, CpuAttention, flash_usable
+
+    if not flash_usable(torch.bfloat16, 64):
+        pytest.skip("the CPU has no AVX512-BF16")
+    att = CpuAttention(9, 3, 64, torch.bfloat16)
+    att.kv_dtype = F8
+    att.flash_amx = False
+    assert att._flash_ok and att._in_kernel(0, 4 * FLASH_MIN_NEW) and not att._amx_ok
+    att.flash_amx = True  # as on a CPU with AMX tiles
+    assert not att._flash_ok and not att._amx_ok and not att._in_kernel(0, 4 * FLASH_MIN_NEW)
+    att.kv_dtype = None  # a bf16 pool there: the AMX form
+    assert att._flash_ok and att._amx_ok
+
+
+@needs_kernels
 @pytest.mark.parametrize("sdpa_extends", [False, True])
 def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
     """The cpu backend's routing over a float8 pool on one layer of a real batch (decodes, short

@@ -123,15 +123,18 @@ class CpuAttention(TorchAttention):
 
     @property
     def _flash_ok(self) -> bool:
-        """The bf16 flash kernel packs K/V of the model's dtype, or of a float8 pool widened to bf16
-        as it packs (exact: the products are those of a bf16 pool holding the float8 values)."""
-        return self.flash and self.kv_dtype in (None, self.dtype, torch.float8_e4m3fn)
+        """The bf16 flash kernel packs K/V of the model's dtype, or off AMX of a float8 pool widened to
+        bf16 as it packs (exact: the products are those of a bf16 pool holding the float8 values). On
+        AMX a float8 pool's long extends take SDPA, faster there than the vdpbf16ps form."""
+        if self.kv_dtype in (None, self.dtype):
+            return self.flash
+        return self.flash and not self.flash_amx and self.kv_dtype == torch.float8_e4m3fn
 
     @property
     def _amx_ok(self) -> bool:
         """The AMX form packs the model's dtype only: a float8 pool's long extends take SDPA there
         (faster on AMX than the vdpbf16ps form: 2.9 vs 8.2 ms a layer at 1,024 tokens)."""
-        return self.flash_amx and self.kv_dtype in (None, self.dtype)
+        return self.flash_amx and self._flash_ok
 
     def _in_kernel(self, prefix: int, new: int) -> bool:
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
