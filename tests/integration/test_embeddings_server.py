@@ -80,7 +80,9 @@ def test_embeddings_with_the_openai_client(srv, client, chat_hf):
     many = client.embeddings.create(model="default", input=ids[1:], encoding_format="float")
     assert [close(d.embedding, hf_embedding(chat_hf, x)) for d, x in zip(many.data, ids[1:])] == [True, True]
     single = client.embeddings.create(model="default", input="Hello there", encoding_format="float")
-    assert single.data[0].embedding == floats.data[0].embedding
+    # The same text alone: within float32 rounding of its row in the batch of three (the prefill's
+    # GEMMs over other row counts need not round alike: 0.10939953 vs 0.10939950 on an AMD Zen 4).
+    assert close(single.data[0].embedding, torch.tensor(floats.data[0].embedding))
 
 
 def test_embedding_refusals_submit_nothing(srv, client):
