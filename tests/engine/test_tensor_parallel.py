@@ -86,8 +86,19 @@ def test_a_start_that_fails_after_the_group_formed_closes_it(tp_model):
 
     from tests.server_harness import free_port
 
-    me = psutil.Process()
-    before = {c.pid for c in me.children(recursive=True)}
+    def tp_workers() -> set[int]:
+        """This process's live TP worker ranks (other children, such as torch.compile's worker pool
+        from an earlier test, come and go on their own)."""
+        pids = set()
+        for c in psutil.Process().children(recursive=True):
+            try:
+                if "kvledger.parallel.worker" in " ".join(c.cmdline()) and process_alive(c.pid):
+                    pids.add(c.pid)
+            except psutil.Error:  # gone, or a zombie without a command line: not alive
+                pass
+        return pids
+
+    assert not tp_workers()
     port = free_port()
     with socket.socket() as held:
         held.bind(("127.0.0.1", port))
@@ -96,8 +107,7 @@ def test_a_start_that_fails_after_the_group_formed_closes_it(tp_model):
             Engine(model=tp_model, tp_size=2, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
                    disaggregation_bind_host="127.0.0.1", **OPTS)  # fmt: skip
     assert not dist.is_initialized()
-    started = {c.pid for c in me.children(recursive=True)} - before
-    assert not any(process_alive(p) for p in started)
+    assert not tp_workers()
     two = Engine(model=tp_model, tp_size=2, **OPTS)
     try:
         out = two.generate(input_ids=[3, 4, 5, 6], sampling_params={**G, "max_new_tokens": 4})
