@@ -50,10 +50,9 @@ _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8_e4m3"}
 def cpu_interleave_default() -> int:
     """The CPU's prefill budget between decode steps: a prefill step of ~0.1-0.15 s on either kind of
     CPU (``CPU_INTERLEAVE_PREFILL_TOKENS`` with AMX tiles, ``..._NO_AMX`` without)."""
-    import torch  # (config stays importable without torch's start-up cost until a device is settled)
+    from .model.linear import amx_available  # (lazily: config stays importable without torch)
 
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return CPU_INTERLEAVE_PREFILL_TOKENS if probe and probe() else CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX
+    return CPU_INTERLEAVE_PREFILL_TOKENS if amx_available() else CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX
 
 
 def _norm(value: str | None, *, upper: bool = False, null: tuple[str, ...] = ()) -> str | None:
