@@ -143,14 +143,20 @@ def test_quantize_rows_and_scale_rows_match_their_definitions(dtype, k):
     assert torch.equal(torch.ops.kvledger_cpu.scale_rows(y, s, None, x), (y * s[:, None]).to(dtype))
 
 
-def test_int8_linear_is_exact_integer_arithmetic_with_per_token_scales():
-    """oneDNN's u8 x s8 product at activation scale 1, then each row's scale: equal to the float64
-    product of the codes (rel 1e-6); ~1% from the float product for rows of very different sizes."""
+def _int8_routes() -> list[str]:
+    return [r for r in ("vnni", "onednn") if int8_linear(torch.zeros(16, 32), r) is not None]
+
+
+@pytest.mark.parametrize("route", ["vnni", "onednn"])
+def test_int8_linear_is_exact_integer_arithmetic_with_per_token_scales(route):
+    """u8 x s8 integer sums, then each channel's and each row's scale: equal to the float64 product of
+    the codes (rel 1e-6); ~1% from the float product for rows of very different sizes. Both routes
+    (kvledger's VNNI kernel, oneDNN's int8 linear)."""
     torch.manual_seed(7)
     w = torch.randn(96, 160) * 0.05
-    lin = int8_linear(w)
+    lin = int8_linear(w, route)
     if lin is None:
-        pytest.skip("this torch has no oneDNN int8 linear")
+        pytest.skip(f"no {route} route here (the CPU has no AVX512-VNNI, or this torch no oneDNN int8 linear)")
     x = torch.randn(12, 160) * torch.rand(12, 1) * 8
     y = lin(x)
     xq, s = torch.ops.kvledger_cpu.quantize_rows(x)
@@ -159,6 +165,37 @@ def test_int8_linear_is_exact_integer_arithmetic_with_per_token_scales():
     torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-6)
     ref = x @ w.T
     assert ((y - ref).norm() / ref.norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_routes_agree_bit_for_bit(dtype):
+    """kvledger's VNNI kernel computes what oneDNN's u8 x s8 linear and scale_rows computed: the same
+    integer sums, the same two float multiplications, a bias added to the value rounded to the dtype.
+    Row counts around the kernel's tiles of 4 (1, 3, 4, 5, 130) and output counts around its column
+    tiles of 64 (16, 48, 80, 960); K not a multiple of 32."""
+    if _int8_routes() != ["vnni", "onednn"]:
+        pytest.skip("needs both routes: AVX512-VNNI and oneDNN's int8 linear")
+    torch.manual_seed(3)
+    for n, k in ((16, 36), (48, 160), (80, 576), (960, 576)):
+        w = torch.randn(n, k) * 0.05
+        ours, theirs = int8_linear(w, "vnni"), int8_linear(w, "onednn")
+        assert torch.equal(ours.w_scale, theirs.w_scale)
+        for m in (1, 3, 4, 5, 130):
+            x = (torch.randn(m, k) * torch.rand(m, 1) * 8).to(dtype)
+            for b in (None, (torch.randn(n) * 0.1).to(dtype)):
+                y = ours(x, b)
+                assert y.dtype == dtype and y.shape == (m, n)
+                assert torch.equal(y, theirs(x, b)), (n, k, m, b is not None)
+
+
+def test_the_int8_route_by_cpu():
+    """kvledger's kernel where the CPU has VNNI and no AMX (oneDNN's int8 GEMM runs on the tiles)."""
+    lin = int8_linear(torch.randn(32, 64))
+    if lin is None:
+        pytest.skip("no int8 route here")
+    want = kernels.quant_isa() == "avx512-vnni" and not kernels.has_amx()
+    assert lin.vnni == want
+    assert lin(torch.randn(5, 64).bfloat16()).shape == (5, 32)
 
 
 @pytest.mark.skipif(

@@ -138,6 +138,10 @@ def _register_fakes() -> None:
     def _(y, scale, bias, like):
         return y.new_empty(y.shape, dtype=like.dtype)
 
+    @torch.library.register_fake(lib + "int8_linear")
+    def _(x, w, w_scale, wsum128, bias=None):
+        return x.new_empty(x.shape[0], w_scale.shape[0])
+
     @torch.library.register_fake(lib + "to_f8")
     def _(x):
         return x.new_empty(x.shape, dtype=torch.float8_e4m3fn)

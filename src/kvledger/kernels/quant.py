@@ -160,38 +160,70 @@ def dequantize(w: torch.Tensor, bits: int) -> torch.Tensor:
 
 @dataclass
 class Int8Weight:
-    """A layer for oneDNN's int8 linear (``onednn.qlinear_pointwise``: u8 activations x s8 weights,
-    VNNI), used for forwards of more rows than the GEMV kernel takes (batched decode, prefill).
-    Weights: int8 per output channel. Activations: int8 per row (token), quantized by
-    ``kvledger_cpu::quantize_rows``; oneDNN runs at activation scale 1 with fp32 output and
-    ``kvledger_cpu::scale_rows`` applies each row's own scale (and the bias), so the per-token scales
-    are exact (oneDNN itself takes one activation scale per call)."""
+    """A layer for forwards of more rows than the GEMV kernel takes (``--enable-int8-batch``: prefill
+    chunks): weights int8 per output channel, activations int8 per row (token), quantized by
+    ``kvledger_cpu::quantize_rows``. Two routes to the same integer sums and the same output bits:
 
-    packed: torch.Tensor  # oneDNN's prepacked int8 weight
+    - ``vnni`` (a CPU with AVX512-VNNI and no AMX): ``kvledger_cpu::int8_linear``, kvledger's own
+      kernel over ``w`` in the int8 layout of ``csrc/qlinear.h`` without groups (one call: quantize,
+      vpdpbusd over all of K, each row's and channel's scale once at the end);
+    - otherwise oneDNN's int8 linear (``onednn.qlinear_pointwise``, u8 x s8, on AMX tiles where the
+      CPU has them) at activation scale 1 with float32 output, then ``kvledger_cpu::scale_rows``
+      applies each row's own scale (and the bias): oneDNN takes one activation scale per call.
+    """
+
+    w: torch.Tensor  # oneDNN's prepacked int8 weight, or the VNNI layout [N/16 * K/4 * 16 * 4] int8
     w_scale: torch.Tensor  # float32 [N]
-    zero: torch.Tensor  # int64 zeros [N]
+    zero: torch.Tensor | None  # int64 zeros [N] (oneDNN)
+    wsum128: torch.Tensor | None  # int32 [N]: 128 * sum of row n's codes (VNNI)
     nbytes: int
+
+    @property
+    def vnni(self) -> bool:
+        return self.wsum128 is not None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         k = torch.ops.kvledger_cpu
+        if self.vnni:
+            return k.int8_linear(x, self.w, self.w_scale, self.wsum128, bias)
         xq, s = k.quantize_rows(x)
         y = torch.ops.onednn.qlinear_pointwise(
-            xq, 1.0, 128, self.packed, self.w_scale, self.zero, None, 1.0, 0, torch.float32, "none", [], ""
+            xq, 1.0, 128, self.w, self.w_scale, self.zero, None, 1.0, 0, torch.float32, "none", [], ""
         )
         return k.scale_rows(y, s, bias, x)
 
 
-def int8_linear(w: torch.Tensor) -> Int8Weight | None:
-    """Per-channel symmetric int8 of ``w [N, K]`` for oneDNN; None where this torch has no oneDNN int8."""
-    if w.device.type != "cpu" or not hasattr(torch.ops.onednn, "qlinear_prepack"):
+def int8_linear(w: torch.Tensor, route: str | None = None) -> Int8Weight | None:
+    """Per-channel symmetric int8 of ``w [N, K]``; None where neither route is available. ``route``:
+    ``"vnni"`` or ``"onednn"`` (tests compare them), else kvledger's kernel on a CPU with VNNI and
+    without AMX (oneDNN's int8 GEMM runs on the tiles there), oneDNN otherwise."""
+    if w.device.type != "cpu":
         return None
     wf = w.float()
     scale = (wf.abs().amax(1) / 127).clamp(min=1e-12)
     q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    n, k = q.shape
+    if route is None:
+        from . import has_amx  # (lazily: quant.py is imported by the kernels' own loader)
+
+        route = "vnni" if _vnni() and not has_amx() else "onednn"
+    if route == "vnni":
+        if not _vnni() or n % ROWS or k % 4:
+            return None
+        packed = q.view(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+        wsum = q.sum(1, dtype=torch.int32) * 128
+        return Int8Weight(packed, scale, None, wsum, q.numel() + n * 8)
+    if not hasattr(torch.ops.onednn, "qlinear_prepack"):
+        return None
     try:
         packed = torch.ops.onednn.qlinear_prepack(q, None)
     except RuntimeError:
         return None
-    return Int8Weight(
-        packed, scale, torch.zeros(w.shape[0], dtype=torch.int64), q.numel() + scale.numel() * 4
-    )
+    return Int8Weight(packed, scale, torch.zeros(n, dtype=torch.int64), None, q.numel() + scale.numel() * 4)
+
+
+def _vnni() -> bool:
+    """Whether kvledger's kernels are built and the CPU has AVX512-VNNI."""
+    from . import load, quant_isa
+
+    return load() and quant_isa() == "avx512-vnni"

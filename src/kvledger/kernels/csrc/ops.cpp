@@ -559,6 +559,52 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& scale, const c10::o
   return out;
 }
 
+// --enable-int8-batch's linear on AVX512-VNNI (qlinear.h, S8Gemm): x [M, K] float32 or bf16 quantized per
+// row as quantize_rows does, times int8 weights per output channel (w [N/16, K/4, 16, 4] int8, w_scale
+// [N] float32, wsum128 [N] int32), each row's scale applied and an optional bias [N] of x's dtype added
+// as scale_rows does: the oneDNN route's output bit for bit, in one call.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& wsum128,
+                       const c10::optional<at::Tensor>& bias) {
+  check_float(x, "x");
+  TORCH_CHECK(kVnni, "int8_linear needs AVX512-VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w_scale.numel();
+  TORCH_CHECK(K % 4 == 0 && N % 16 == 0 && N > 0, "in_features must be a multiple of 4 and out_features of 16");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.numel() == N * K,
+              "packed weights do not match [", N, ", ", K, "]");
+  TORCH_CHECK(w_scale.is_contiguous() && w_scale.scalar_type() == at::kFloat, "w_scale must be float32 [N]");
+  TORCH_CHECK(wsum128.is_contiguous() && wsum128.scalar_type() == at::kInt && wsum128.numel() == N,
+              "wsum128 must be int32 [N]");
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
+                "bias must be [n] of x's dtype");
+  }
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  std::vector<uint8_t> xu(static_cast<size_t>(M * K));
+  std::vector<float> sx(static_cast<size_t>(M));
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    const auto& k = pick<T>(static_cast<int>(K));
+    at::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
+      k.quantize_rows(ptr<T>(x), static_cast<int>(K), xu.data(), sx.data(), r0, r1);
+    });
+  });
+  const S8Gemm g{xu.data(), sx.data(), M, K, N, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
+                 wsum128.data_ptr<int32_t>(), bias ? bias->data_ptr() : nullptr, out.data_ptr(),
+                 x.scalar_type() == at::kBFloat16};
+  // Tiles of kS8Rows rows x 64 outputs, column tile major: each thread's contiguous range of tiles reads
+  // few column tiles' weights.
+  const int64_t NB = N / 16, CT = (NB + 3) / 4, RT = (M + kS8Rows - 1) / kS8Rows;
+  at::parallel_for(0, CT * RT, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t ct = i / RT, rt = i % RT;
+      s8_gemm_vnni(g, rt * kS8Rows, std::min(M, (rt + 1) * kS8Rows), ct * 4, std::min(NB, ct * 4 + 4));
+    }
+  });
+  return out;
+}
+
 // y = x @ W.T for weights packed by kernels/quant.py (layout in qlinear.h): x [M, K] float32 or bf16
 // (rows contiguous), y [M, N] of x's dtype. The activations are quantized here, once per call, to int8
 // per group of 32 (scale = max|x| / 127, round to nearest even); both ISA paths read the same codes.
@@ -714,6 +760,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def("set_flash_amx", &kvl::set_flash_amx);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor wsum128, Tensor? bias=None) -> Tensor");
   m.def("to_f8(Tensor x) -> Tensor");
   m.def("from_f8(Tensor x, ScalarType dtype) -> Tensor");
   m.def("isa", &kvl::isa);
@@ -732,6 +779,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("decode_layers", &kvl::decode_layers);
   m.impl("quantize_rows", &kvl::quantize_rows);
   m.impl("scale_rows", &kvl::scale_rows);
+  m.impl("int8_linear", &kvl::int8_linear);
   m.impl("to_f8", &kvl::to_f8);
   m.impl("from_f8", &kvl::from_f8);
 }

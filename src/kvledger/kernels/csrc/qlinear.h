@@ -45,6 +45,26 @@ struct QuantKernels {
 QuantKernels quant_scalar();
 QuantKernels quant_vnni();
 
+// --enable-int8-batch's linear: y [M, N] = sx[m] * ws[n] * (sum_k xu[m, k] * W[n, k] - wsum128[n]) (+ bias[n]),
+// W int8 per output channel in the int8 layout above without groups (per row block of 16: K/4 chunks
+// of 64 bytes, byte 4l+j = W[16b+l][4c+j]), xu the activations' int8 codes + 128 per row (scale sx[m]),
+// wsum128[n] = 128 * sum_k W[n, k]. The integer sums are exact, so the result is oneDNN's u8 x s8
+// linear's (at activation scale 1, float output) times the row scales, bit for bit.
+struct S8Gemm {
+  const uint8_t* xu;  // [M, K]
+  const float* sx;    // [M]
+  long M, K, N;
+  const int8_t* w;         // [N/16][K/4][16][4]
+  const float* ws;         // [N]
+  const int32_t* wsum128;  // [N]
+  const void* bias;        // [N] of y's dtype, or null
+  void* y;                 // [M, N] float or bf16
+  bool bf16;
+};
+constexpr long kS8Rows = 4;  // activation rows a tile (tiles of kS8Rows x 64 outputs)
+// Rows [r0, r1) x row blocks of 16 outputs [b0, b1), AVX512-VNNI (callers check the CPU has it).
+void s8_gemm_vnni(const S8Gemm& g, long r0, long r1, long b0, long b1);
+
 // AMX tiles (qlinear_amx.cpp): true once this process may use them on a CPU with AMX-BF16.
 bool amx_ready();
 // y [M, N] bf16 = x [Mpad, K] bf16 (rows M.. zero) times the packed weights (int4 or int8, qlinear.h's
