@@ -73,6 +73,13 @@ template <typename F> void by_dtype(const at::Tensor& t, F&& f) {
 }
 
 // Rows per task: about 16K elements, so that one-row (decode) calls stay on the calling thread.
+// n elements left uninitialized: scratch every element of which a kernel writes before any is read.
+// (std::vector<T>(n) zeroes them first: on a 32-decode step a memset per call of up to ~80 KB, on the
+// calling thread while the others wait.)
+template <typename T> std::unique_ptr<T[]> scratch_of(int64_t n) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]);
+}
+
 int64_t grain(int64_t dim) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1)); }
 
 at::Tensor norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res, const at::Tensor& w, double eps) {
@@ -198,7 +205,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   const int64_t want = (4 * threads + B * KVH - 1) / (B * KVH);
   const int64_t S = std::max<int64_t>(1, std::min<int64_t>(want, (max_len + 63) / 64));
   const int64_t part = G * (D + 2);  // m[G], l[G], acc[G*D] per item
-  std::vector<float> partial(static_cast<size_t>(B * KVH * S * part));
+  const auto partial = scratch_of<float>(B * KVH * S * part);  // each item writes its m, l and acc
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t ts = table.stride(0);
   by_dtype(q, [&](auto tag) {
@@ -253,7 +260,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
           const int64_t b = i / (KVH * S), h = (i / S) % KVH, s = i % S;
           const int64_t chunk = (lp[b] + S - 1) / S;
           const int64_t t0 = std::min(lp[b], s * chunk), t1 = std::min(lp[b], t0 + chunk);
-          float* pm = partial.data() + i * part;
+          float* pm = partial.get() + i * part;
           attend(qp + b * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
                  tp + rp[b] * ts + h * head_stride + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm,
                  pm + G, pm + 2 * G);
@@ -283,7 +290,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
           std::fill(acc.begin(), acc.end(), 0.f);
           float sum = 0.f;
           for (int64_t s = 0; s < S; ++s) {
-            const float* pm = partial.data() + (j * S + s) * part;
+            const float* pm = partial.get() + (j * S + s) * part;
             if (pm[G + g] == 0.f) continue;  // an empty range
             const float w = std::exp(pm[g] - mx);
             sum += pm[G + g] * w;
@@ -600,16 +607,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  std::vector<uint8_t> xu(static_cast<size_t>(M * K));
-  std::vector<float> sx(static_cast<size_t>(M));
+  const auto xu = scratch_of<uint8_t>(M * K);  // every row quantized below
+  const auto sx = scratch_of<float>(M);
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
     const auto& k = pick<T>(static_cast<int>(K));
     at::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
-      k.quantize_rows(ptr<T>(x), static_cast<int>(K), xu.data(), sx.data(), r0, r1);
+      k.quantize_rows(ptr<T>(x), static_cast<int>(K), xu.get(), sx.get(), r0, r1);
     });
   });
-  const S8Gemm g{xu.data(), sx.data(), M, K, N, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
+  const S8Gemm g{xu.get(), sx.get(), M, K, N, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
                  wsum128.data_ptr<int32_t>(), bias ? bias->data_ptr() : nullptr, out.data_ptr(),
                  x.scalar_type() == at::kBFloat16};
   // Tiles of kS8Rows rows x 64 outputs, column tile major: each thread's contiguous range of tiles reads
@@ -673,15 +680,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 #else
   const QuantKernels& qk = scalar;
 #endif
-  std::vector<int8_t> xq(static_cast<size_t>(M * K));
-  std::vector<uint8_t> xu(bits == 8 ? static_cast<size_t>(M * K) : 0);
-  std::vector<float> sx(static_cast<size_t>(M * G)), xsum(static_cast<size_t>(M * G));
+  const auto xq = scratch_of<int8_t>(M * K);  // all M * G groups quantized below
+  const auto xu = scratch_of<uint8_t>(bits == 8 ? M * K : 0);
+  const auto sx = scratch_of<float>(M * G), xsum = scratch_of<float>(M * G);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   // Groups over the threads from 512 on (~16K activations): a decode row stays on this thread.
   at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
-    qk.quantize(x.data_ptr(), bf16, xq.data(), bits == 8 ? xu.data() : nullptr, sx.data(), xsum.data(), i0, i1);
+    qk.quantize(x.data_ptr(), bf16, xq.get(), bits == 8 ? xu.get() : nullptr, sx.get(), xsum.get(), i0, i1);
   });
-  const QuantActs acts{xq.data(), xu.data(), sx.data(), xsum.data(), static_cast<int>(M), K};
+  const QuantActs acts{xq.get(), xu.get(), sx.get(), xsum.get(), static_cast<int>(M), K};
   void* y = out.data_ptr();
   // Row blocks of 16 over the threads; ~64K weights a task keeps one-row calls of small layers whole.
   const int64_t grain = std::max<int64_t>(1, 65536 / (16 * K));
