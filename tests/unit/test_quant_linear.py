@@ -189,13 +189,18 @@ def test_the_int8_routes_agree_bit_for_bit(dtype):
 
 
 def test_the_int8_route_by_cpu():
-    """kvledger's kernel where the CPU has VNNI and no AMX (oneDNN's int8 GEMM runs on the tiles)."""
+    """kvledger's kernel where the CPU has VNNI and no AMX (oneDNN's int8 GEMM runs on the tiles), for
+    the shapes it takes."""
     lin = int8_linear(torch.randn(32, 64))
     if lin is None:
         pytest.skip("no int8 route here")
     want = kernels.quant_isa() == "avx512-vnni" and not kernels.has_amx()
     assert lin.vnni == want
     assert lin(torch.randn(5, 64).bfloat16()).shape == (5, 32)
+    odd = int8_linear(torch.randn(24, 64))  # not whole blocks of 16 outputs: oneDNN's route
+    assert odd is None or not odd.vnni
+    if odd is not None:
+        assert odd(torch.randn(3, 64)).shape == (3, 24)
 
 
 @pytest.mark.skipif(

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import has_amx, load, quant_isa
+
 GROUP = 32
 ROWS = 16  # output rows per block: one int32 lane each in the kernel
 FP16_MAX = 65504.0
@@ -203,12 +205,11 @@ def int8_linear(w: torch.Tensor, route: str | None = None) -> Int8Weight | None:
     scale = (wf.abs().amax(1) / 127).clamp(min=1e-12)
     q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     n, k = q.shape
+    fits = _vnni() and n % ROWS == 0 and k % 4 == 0  # the kernel takes whole blocks of 16 outputs
     if route is None:
-        from . import has_amx  # (lazily: quant.py is imported by the kernels' own loader)
-
-        route = "vnni" if _vnni() and not has_amx() else "onednn"
+        route = "vnni" if fits and not has_amx() else "onednn"
     if route == "vnni":
-        if not _vnni() or n % ROWS or k % 4:
+        if not fits:
             return None
         packed = q.view(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
         wsum = q.sum(1, dtype=torch.int32) * 128
@@ -224,6 +225,4 @@ def int8_linear(w: torch.Tensor, route: str | None = None) -> Int8Weight | None:
 
 def _vnni() -> bool:
     """Whether kvledger's kernels are built and the CPU has AVX512-VNNI."""
-    from . import load, quant_isa
-
     return load() and quant_isa() == "avx512-vnni"
