@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvledger import Engine, kernels
 from kvledger.errors import ValidationError
@@ -148,3 +149,28 @@ def test_prepacked_bf16_linear_is_bit_identical_to_f_linear(rows):
     assert lin.packed is None and torch.equal(lin.w, w) and torch.equal(lin(x), F.linear(x, w, b))
     fp32 = Linear(w.float())
     assert fp32.packed is None  # the fp32 reference path stays F.linear
+
+
+@pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
+def test_packed_weights_move_into_one_allocation_and_compute_the_same():
+    """``place_packed_weights``: every packed tensor (the int4 and int8 codes, scales, sums; the VNNI
+    int8 copy's) becomes a view of one allocation, holding the same values; outputs are unchanged
+    bit for bit, at decode and prefill row counts; a tensor shared by two layers moves once."""
+    torch.manual_seed(4)
+    layers = nn.ModuleList(
+        [Linear(torch.randn(96, 64).bfloat16(), None, mode, int8_batch=True) for mode in ("int4", "int8")]
+    )
+    layers.append(nn.Module())
+    layers[2].tied = layers[0].qw  # the same PackedWeight under another module (tied embeddings)
+    xs = [torch.randn(r, 64).bfloat16() for r in (1, 32, INT8_BATCH_ROWS + 3)]
+    before = [[lin(x) for x in xs] for lin in layers[:2]]
+    old = [t.clone() for lin in layers[:2] for t in (lin.qw.w, lin.qw.scales)]
+    moved = linear.place_packed_weights(layers)
+    tensors = [t for lin in layers[:2] for t in (lin.qw.w, lin.qw.scales)]
+    assert moved >= sum(t.numel() * t.element_size() for t in tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(torch.equal(a, b) for a, b in zip(tensors, old))
+    assert layers[2].tied is layers[0].qw
+    for lin, want in zip(layers[:2], before):
+        assert all(torch.equal(lin(x), y) for x, y in zip(xs, want))
+    assert linear.place_packed_weights(nn.ModuleList([nn.Linear(4, 4)])) == 0  # nothing packed: nothing moved

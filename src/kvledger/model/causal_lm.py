@@ -15,7 +15,7 @@ from .attention import AttentionBackend, KVBuffer, attention_context, make_backe
 from .attention_cpu import resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
-from .linear import Linear, use_amx
+from .linear import Linear, place_packed_weights, use_amx
 from .models.base import Builder
 from .models.registry import family_for, supported
 
@@ -72,6 +72,8 @@ class CausalLM:
             amx=self.amx,
         )
         self.net = family.build(builder).eval()
+        if self.device.type == "cpu" and quantization is not None:
+            place_packed_weights(self.net)  # in huge pages: a decode step reads them all
         # After the build: attention sinks are weights (the backend reads the layers' own tensors).
         self.attn: AttentionBackend = make_backend(
             self.attention,
