@@ -84,7 +84,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enable-int8-batch",
         action="store_true",
-        help="with a quantization: forwards of 128 rows and more (prefill chunks) in oneDNN's int8 linear, "
+        help="with a quantization: forwards of 128 rows and more (prefill chunks) in an int8 linear, "
         "per-token int8 activations (faster long prefills; less faithful to the file)",
     )
     p.add_argument(

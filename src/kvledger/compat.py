@@ -113,7 +113,9 @@ REFUSED: dict[frozenset[str], Refusal] = {
         NOT_YET, "HiSparse's host pool, page choice and hot-page copies take the model's dtype"
     ),
     frozenset({"cuda", "cpu_attention"}): Refusal(NO_MEANING, "the cpu attention backend is C++ CPU kernels"),
-    frozenset({"cuda", "int8_batch"}): Refusal(NO_MEANING, "int8 batches are oneDNN's CPU int8 linear"),
+    frozenset({"cuda", "int8_batch"}): Refusal(
+        NO_MEANING, "int8 batches are a CPU int8 linear (kvledger's VNNI kernel or oneDNN's)"
+    ),
     frozenset({"cuda", "amx"}): Refusal(NO_MEANING, "the AMX paths are oneDNN's and torch's CPU kernels"),
     frozenset({"cuda", "quantized"}): Refusal(
         NOT_YET, "the weight-only int8/int4 kernels are CPU kernels (quantization auto serves a quantized "

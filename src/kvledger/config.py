@@ -485,8 +485,9 @@ class KernelSettings:
     """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
     fused norm/rotary/SiLU); auto picks it for bfloat16 on a CPU where they build, torch otherwise."""
     enable_int8_batch: bool = False
-    """In a quantized mode, run forwards of 128 rows and more (prefill chunks) through oneDNN's int8
-    linear (weights int8 per output channel, activations int8 per token) instead: faster for long
+    """In a quantized mode, run forwards of 128 rows and more (prefill chunks) through an int8 linear
+    (weights int8 per output channel, activations int8 per token; kvledger's VNNI kernel, or oneDNN's
+    on CPUs with AMX: ``kernels/quant.Int8Weight``) instead: faster for long
     prefills, but further from the file's weights (bench/quant_agreement.py), so off by default.
     Batched decodes stay on kvledger's kernel, the faster one below ~100 rows."""
     cpu_amx: str = "auto"

@@ -115,7 +115,7 @@ def test_default_engine_on_a_float_checkpoint_is_bf16_without_quantization(make_
 
 @needs_kernels
 def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mode(make_engine):
-    """--enable-int8-batch: prompts of INT8_BATCH_ROWS tokens and more go through oneDNN's int8
+    """--enable-int8-batch: prompts of INT8_BATCH_ROWS tokens and more go through the int8
     linear (counted on the first layer), the chosen first token's logprob stays within 0.1 of fp32;
     the decodes stay on the kernel; without a quantization, or in float32, the flag is refused
     before anything starts."""
@@ -258,7 +258,7 @@ def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypat
 @needs_kernels
 def test_one_call_decodes_only_where_the_layers_allow(make_engine, monkeypatch):
     """fp32 (no packed projections): the Python loop; with ``--enable-int8-batch`` only up to the rows
-    where each projection stays on the kernel (more go to oneDNN's int8 linear): by default every
+    where each projection stays on the kernel (more go to the int8 linear): by default every
     decode batch the engine allows, here with the threshold lowered to 5 the loop for 6 decodes. (The
     AMX copy off: it has a threshold of its own, tests/engine/test_amx.py.)"""
     from kvledger.model import linear

@@ -44,7 +44,7 @@ def test_int4_recovers_q4_1_blocks_exactly():
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32])
 def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, monkeypatch):
     """Both quantized paths. With kvledger's kernels and ``int8_batch``: calls below
-    ``INT8_BATCH_ROWS`` (lowered to 5 here) take the kernel, larger ones oneDNN's int8 linear (per-token int8
+    ``INT8_BATCH_ROWS`` (lowered to 5 here) take the kernel, larger ones the int8 linear (per-token int8
     activations); without them (torch's kernels): at most 4 rows the quantized copy, larger ones the
     dense bf16 weight (exactly F.linear's)."""
     if path == "kernel" and not kernels.load():
@@ -73,7 +73,7 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
 
 @pytest.mark.parametrize("rows", [64, INT8_BATCH_ROWS - 1, INT8_BATCH_ROWS, 300])
 def test_int8_batch_takes_only_prefill_sized_calls_by_default(rows):
-    """``int8_batch`` without a threshold of its own: oneDNN's int8 linear from INT8_BATCH_ROWS rows
+    """``int8_batch`` without a threshold of its own: the int8 linear from INT8_BATCH_ROWS rows
     (where it is the faster one), kvledger's kernel below it, bit for bit each path's own output."""
     if not kernels.load():
         pytest.skip(f"CPU kernels unavailable: {kernels.status()}")

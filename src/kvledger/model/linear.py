@@ -28,7 +28,8 @@ QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP = GROUP  # GGUF Q4_1 blocks: the same groups on both int4 paths
 PACK_ROWS_HINT = 32  # oneDNN picks the blocked layout for this many rows; 1..256 all run well with it
 INT8_BATCH_ROWS = 128
-"""With ``int8_batch``, calls of at least this many rows (prefill chunks) take oneDNN's int8 linear.
+"""With ``int8_batch``, calls of at least this many rows (prefill chunks) take the int8 linear
+(``quant.Int8Weight``).
 Below it kvledger's int4/int8 kernel is the faster one on this CPU (SmolLM2's four projections, both
 threads: 0.78x oneDNN's time at 32 rows, 0.96x at 64, 1.04x at 128, 1.31x at 512), so batched decodes
 stay on it and on the file's own weights."""
@@ -97,7 +98,7 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 class Linear(nn.Module):
     """``y = x @ W.T (+ b)``; with kvledger's quantized copy every call uses it, with torch's calls of
     at most ``small_rows`` rows; with ``int8_batch`` calls of at least ``INT8_BATCH_ROWS`` rows use
-    oneDNN's int8 linear instead (per-token int8 activations).
+    the int8 linear (``quant.Int8Weight``) instead (per-token int8 activations).
 
     ``w`` is the weight as loaded: a float tensor, or a GGUF file's blocks (``BlockWeight``), which
     the kernel packs as they are when their format is the mode's (Q4_1 for int4, Q8_0 for int8).
@@ -138,7 +139,7 @@ class Linear(nn.Module):
         self.mode = quantization
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
         self.qw: PackedWeight | None = None
-        self.w8: Int8Weight | None = None  # int8_batch_rows rows and more: oneDNN's int8 linear
+        self.w8: Int8Weight | None = None  # int8_batch_rows rows and more: the int8 linear
         if quantization is not None and self.device.type == "cpu" and kernels.load():
             self.qw = _pack(w, 4 if quantization == "int4" else 8)
             self.w8 = int8_linear(dense(w)) if self.qw is not None and int8_batch else None
@@ -242,7 +243,7 @@ class Linear(nn.Module):
         return F.linear(x, self.w, self.b)
 
     def path(self, rows: int) -> str:
-        """Which product a call of ``rows`` rows runs (eager): ``int8`` (oneDNN's int8 linear, from
+        """Which product a call of ``rows`` rows runs (eager): ``int8`` (the int8 linear, from
         ``int8_batch_rows`` with ``int8_batch``), ``amx`` (the AMX copy's bf16 GEMM, from ``amx_rows``),
         ``tiles`` (kvledger's kernel on AMX tiles, from ``qw.amx_rows``: ``AMX_TILE_ROWS``),
         ``kernel`` (kvledger's; without AMX it beats the prepacked bf16 GEMM at every row count:

@@ -130,7 +130,7 @@ class LlamaNet(CausalNet):
             [L.in_norm for L in self.layers],
             [L.post_norm for L in self.layers],
         )
-        # Calls from int8_batch_rows rows of a layer with oneDNN's int8 copy go there, and from
+        # Calls from int8_batch_rows rows of a layer with the int8 copy go there, and from
         # amx_rows rows of one with the AMX copy to oneDNN's bf16 GEMM (Linear._quantized), not the kernel.
         max_rows = min(
             [p.int8_batch_rows - 1 for p in projs if p.w8 is not None]
