@@ -16,12 +16,6 @@
 namespace kvl {
 namespace {
 
-// v rounded to T and back (where the reference rounds an intermediate result).
-inline __m512 round16(__m512 v, float*) { return v; }
-inline __m512 round16(__m512 v, bf16*) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-}
-template <typename T> inline __m512 rnd(__m512 v) { return round16(v, static_cast<T*>(nullptr)); }
 
 template <typename T>
 void rms_norm(const T* x, long xs, T* res, long rs, const T* w, T* out, long os, int dim, float eps,

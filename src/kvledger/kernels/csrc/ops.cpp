@@ -72,7 +72,6 @@ template <typename F> void by_dtype(const at::Tensor& t, F&& f) {
   else f(float{});
 }
 
-// Rows per task: about 16K elements, so that one-row (decode) calls stay on the calling thread.
 // n elements left uninitialized: scratch every element of which a kernel writes before any is read.
 // (std::vector<T>(n) zeroes them first: on a 32-decode step a memset per call of up to ~80 KB, on the
 // calling thread while the others wait.)
@@ -80,6 +79,7 @@ template <typename T> std::unique_ptr<T[]> scratch_of(int64_t n) {
   return std::unique_ptr<T[]>(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]);
 }
 
+// Rows per task: about 16K elements, so that one-row (decode) calls stay on the calling thread.
 int64_t grain(int64_t dim) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1)); }
 
 at::Tensor norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res, const at::Tensor& w, double eps) {

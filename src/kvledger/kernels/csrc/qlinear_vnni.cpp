@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 
 #include "kernels.h"
 #include "qlinear.h"
@@ -233,10 +232,7 @@ inline void s8_store(const S8Gemm& g, long m, long n0, __m512i acc) {
   const __m512i off = _mm512_loadu_si512(g.wsum128 + n0);
   __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off)), _mm512_loadu_ps(g.ws + n0));
   v = _mm512_mul_ps(v, _mm512_set1_ps(g.sx[m]));
-  if (g.bias) {
-    if constexpr (std::is_same_v<T, bf16>) v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-    v = _mm512_add_ps(v, load16(static_cast<const T*>(g.bias) + n0));
-  }
+  if (g.bias) v = _mm512_add_ps(rnd<T>(v), load16(static_cast<const T*>(g.bias) + n0));
   store16(static_cast<T*>(g.y) + m * g.N + n0, v);
 }
 
@@ -274,10 +270,8 @@ void s8_tile(const S8Gemm& g, long m0, long b) {
 
 template <typename T, int NB>
 void s8_rows(const S8Gemm& g, long m0, long mr, long b) {
-  static_assert(kS8Rows <= 6, "row tiles of up to 6");
+  static_assert(kS8Rows == 4, "the cases below");
   switch (mr) {
-    case 6: s8_tile<T, (kS8Rows >= 6 ? 6 : 1), NB>(g, m0, b); break;
-    case 5: s8_tile<T, (kS8Rows >= 5 ? 5 : 1), NB>(g, m0, b); break;
     case 4: s8_tile<T, 4, NB>(g, m0, b); break;
     case 3: s8_tile<T, 3, NB>(g, m0, b); break;
     case 2: s8_tile<T, 2, NB>(g, m0, b); break;

@@ -63,6 +63,13 @@ inline __m256i to_bf16(__m512 v) {  // round to nearest even; NaN stays a (quiet
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
+// v rounded to T and back (where the reference rounds an intermediate result).
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, bf16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+template <typename T> inline __m512 rnd(__m512 v) { return round16(v, static_cast<T*>(nullptr)); }
+
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
 
