@@ -1,12 +1,14 @@
 """How close the default quantized mode is to the GGUF's own weights, dequantized and run in fp32.
 
     python bench/quant_agreement.py [--prompts 50] [--max-new-tokens 32] [--quantization auto] \
-        [--llama-server PATH]
+        [--enable-int8-batch] [--kv-cache-dtype fp8_e4m3] [--batch] [--llama-server PATH]
 
 The reference is ``--dtype float32`` (token-exact with transformers on the dequantized file, see
 tests/unit/test_model_parity.py); the candidate is the default (``--dtype auto --quantization auto``:
 bf16 with int4 Q4_1 layers and the int8 Q8_0 head on SmolLM2). One request at a time, so every
-decode step runs the quantized kernels (forwards of <= 4 rows). Reports: greedy outputs identical,
+decode step runs the quantized kernels (forwards of <= 4 rows); ``--batch`` runs the candidate's
+prompts all at once instead (batched decodes: with ``--enable-int8-batch`` those of
+``linear.INT8_VNNI_ROWS`` rows and more take the int8 copies on a CPU with VNNI and no AMX). Reports: greedy outputs identical,
 mean tokens matched before the first difference, and the mean |logprob delta| of the chosen token
 over the matched positions (both engines scored the same token there).
 
@@ -58,8 +60,12 @@ def chat_ids(eng: Engine, texts: list[str]) -> list[list[int]]:
     return [list(i["input_ids"]) if isinstance(i, dict) or hasattr(i, "keys") else list(i) for i in ids]
 
 
-def run(eng: Engine, ids: list[list[int]], max_new: int) -> list[dict]:
+def run(eng: Engine, ids: list[list[int]], max_new: int, batch: bool = False) -> list[dict]:
+    """Each prompt's greedy output with logprobs: one at a time, or (``batch``) all in one call, so
+    that decode steps run every prompt together (batched forwards: ``--enable-int8-batch``'s path)."""
     params = {"max_new_tokens": max_new, "temperature": 0, "logprobs": True}
+    if batch:
+        return eng.generate(input_ids=ids, sampling_params=params)
     return [eng.generate(input_ids=i, sampling_params=params) for i in tqdm(ids)]
 
 
@@ -133,6 +139,9 @@ def main() -> int:
     p.add_argument("--enable-int8-batch", action="store_true", help="the candidate with --enable-int8-batch")
     p.add_argument("--kv-cache-dtype", default="auto", help="the candidate's KV pool (fp8_e4m3: float8)")
     p.add_argument(
+        "--batch", action="store_true", help="the candidate runs every prompt at once (batched decodes)"
+    )
+    p.add_argument(
         "--llama-server", default=None, help="also compare llama.cpp's output (a llama-server binary)"
     )
     p.add_argument("--out", default=str(Path(__file__).parent / "out" / "quant_agreement.json"))
@@ -151,7 +160,9 @@ def main() -> int:
         label += f", KV {eng.core.cfg.cache.kv_cache_dtype}" if eng.core.cfg.cache.kv_cache_dtype != "auto" else ""
         print(label)
         ids = ids or chat_ids(eng, texts)
-        outs[name] = (label, run(eng, ids, args.max_new_tokens))
+        batch = args.batch and name == "default"
+        label += f", all {len(ids)} prompts at once" if batch else ""
+        outs[name] = (label, run(eng, ids, args.max_new_tokens, batch))
         eng.shutdown()
     report = {
         "reference": outs["fp32"][0],

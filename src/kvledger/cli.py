@@ -85,7 +85,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--enable-int8-batch",
         action="store_true",
         help="with a quantization: forwards of 128 rows and more (prefill chunks) in an int8 linear, "
-        "per-token int8 activations (faster long prefills; less faithful to the file)",
+        "int8 activations per token (segments of 64 on kvledger's VNNI kernel, which also takes decode "
+        "batches of 16 and more): faster prefills and large batches; less faithful to the file",
     )
     p.add_argument(
         "--cpu-amx",

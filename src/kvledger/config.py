@@ -485,11 +485,13 @@ class KernelSettings:
     """auto | torch | cpu. cpu: kvledger's C++ kernels (decode attention over the pages in place,
     fused norm/rotary/SiLU); auto picks it for bfloat16 on a CPU where they build, torch otherwise."""
     enable_int8_batch: bool = False
-    """In a quantized mode, run forwards of 128 rows and more (prefill chunks) through an int8 linear
-    (weights int8 per output channel, activations int8 per token; kvledger's VNNI kernel, or oneDNN's
-    on CPUs with AMX: ``kernels/quant.Int8Weight``) instead: faster for long
-    prefills, but further from the file's weights (bench/quant_agreement.py), so off by default.
-    Batched decodes stay on kvledger's kernel, the faster one below ~100 rows."""
+    """In a quantized mode, run large forwards through an int8 linear (weights int8 per output
+    channel; ``kernels/quant.Int8Weight``) instead of the file's blocks: on kvledger's VNNI kernel (a
+    CPU with AVX512-VNNI and no AMX) forwards of ``linear.INT8_VNNI_ROWS`` (16) rows and more, decode
+    batches included, activations int8 per token and per segment of 64 inputs; elsewhere oneDNN's,
+    forwards of ``linear.INT8_BATCH_ROWS`` (128) rows and more (prefill chunks; batched decodes stay on
+    kvledger's kernel, the faster one below that), activations int8 per token. Faster prefills and
+    large batches, but further from the file's weights (bench/quant_agreement.py), so off by default."""
     cpu_amx: str = "auto"
     """auto | on | off. on: quantized layers keep a oneDNN-prepacked bfloat16 copy of their weights
     (the file's own values, dequantized) and run calls of ``linear.AMX_MIN_ROWS`` rows and more (prefill

@@ -117,7 +117,7 @@ def test_default_engine_on_a_float_checkpoint_is_bf16_without_quantization(make_
 def test_int8_batch_runs_prefill_in_int8_close_to_fp32_and_needs_a_quantized_mode(make_engine):
     """--enable-int8-batch: prompts of INT8_BATCH_ROWS tokens and more go through the int8
     linear (counted on the first layer), the chosen first token's logprob stays within 0.1 of fp32;
-    the decodes stay on the kernel; without a quantization, or in float32, the flag is refused
+    decode batches of 6 (below INT8_VNNI_ROWS) stay on the kernel; without a quantization, or in float32, the flag is refused
     before anything starts."""
     from kvledger.errors import ValidationError
 
@@ -236,18 +236,29 @@ def test_one_layer_of_a_mixed_batch_equals_the_torch_backend(page_size):
 
 
 @needs_kernels
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypatch, page_size):
+@pytest.mark.parametrize("page_size,int8_batch", [(1, False), (16, False), (16, True)])
+def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypatch, page_size, int8_batch):
     """``kvledger_cpu::decode_layers`` runs every layer of a batch of decodes in one call: the same
     ops in the same order as the Python loop, so the same tokens and logprobs bit for bit. Batches
-    with a prefill chunk beside the decodes keep the loop."""
+    with a prefill chunk beside the decodes keep the loop. With ``--enable-int8-batch`` on kvledger's
+    VNNI int8 kernel, batches of ``INT8_VNNI_ROWS`` decodes and more run the int8 copies in the call
+    (14 prompts: such batches, then smaller ones as requests end), as the loop's layers do."""
     from kvledger.model import causal_lm as llama
+    from kvledger.model.linear import INT8_VNNI_ROWS
 
     runs = {}
     for one_call in (False, True):
         monkeypatch.setattr(llama, "DECODE_IN_ONE_CALL", one_call)
-        eng = make_engine(dtype="bfloat16", quantization="int4", page_size=page_size, chunked_prefill_size=32)
-        outs = eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)
+        eng = make_engine(
+            dtype="bfloat16", quantization="int4", page_size=page_size, chunked_prefill_size=32,
+            enable_int8_batch=int8_batch,
+        )  # fmt: skip
+        plan = eng.core.model.net.decode_plan
+        vnni = int8_batch and eng.core.model.net.layers[0].attn.qkv.w8.vnni
+        assert plan.int8_rows == (INT8_VNNI_ROWS if vnni else 0)
+        if int8_batch and not vnni:
+            pytest.skip("the int8 copies run in the call only on kvledger's VNNI kernel")
+        outs = eng.generate(input_ids=_prompts(14 if int8_batch else 6), sampling_params=GREEDY)
         one = eng.generate(input_ids=_prompts(1, seed=3)[0], sampling_params=GREEDY)  # a single stream
         runs[one_call] = [(o["output_ids"], o["meta_info"]["output_token_logprobs"]) for o in [*outs, one]]
         assert (eng.core.model.one_call_forwards > 0) == one_call
@@ -257,9 +268,10 @@ def test_decodes_in_one_kernel_call_equal_the_python_loop(make_engine, monkeypat
 
 @needs_kernels
 def test_one_call_decodes_only_where_the_layers_allow(make_engine, monkeypatch):
-    """fp32 (no packed projections): the Python loop; with ``--enable-int8-batch`` only up to the rows
-    where each projection stays on the kernel (more go to the int8 linear): by default every
-    decode batch the engine allows, here with the threshold lowered to 5 the loop for 6 decodes. (The
+    """fp32 (no packed projections): the Python loop; with ``--enable-int8-batch`` on kvledger's VNNI
+    int8 kernel every decode batch (the call takes the int8 copies from their threshold), on oneDNN's
+    int8 linear only up to the rows where each projection stays on the kernel: by default every
+    decode batch the engine allows, here with the thresholds lowered to 5 the loop for 6 decodes. (The
     AMX copy off: it has a threshold of its own, tests/engine/test_amx.py.)"""
     from kvledger.model import linear
 
@@ -267,14 +279,18 @@ def test_one_call_decodes_only_where_the_layers_allow(make_engine, monkeypatch):
     eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
     assert eng.core.model.net.decode_plan is None and eng.core.model.one_call_forwards == 0
     eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True, cpu_amx="off")
-    assert eng.core.model.net.decode_plan.max_rows == INT8_BATCH_ROWS - 1
+    vnni = eng.core.model.net.layers[0].attn.qkv.w8.vnni
+    plan = eng.core.model.net.decode_plan
+    assert plan.max_rows == (1 << 62 if vnni else INT8_BATCH_ROWS - 1)
     eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)
     assert eng.core.model.one_call_forwards > 0
     monkeypatch.setattr(linear, "INT8_BATCH_ROWS", 5)
+    monkeypatch.setattr(linear, "INT8_VNNI_ROWS", 5)
     eng = make_engine(dtype="bfloat16", quantization="int4", enable_int8_batch=True, cpu_amx="off")
     plan = eng.core.model.net.decode_plan
-    assert plan is not None and plan.max_rows == 4
-    eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)  # decode batches of 6: the loop
-    assert eng.core.model.one_call_forwards == 0
+    assert plan is not None and plan.max_rows == (1 << 62 if vnni else 4)
+    assert plan.int8_rows == (5 if vnni else 0)
+    eng.generate(input_ids=_prompts(6), sampling_params=GREEDY)  # decode batches of 6
+    assert (eng.core.model.one_call_forwards > 0) == vnni  # in the call on int8 copies, or the loop
     eng.generate(input_ids=_prompts(2), sampling_params=GREEDY)
     assert eng.core.model.one_call_forwards > 0

@@ -11,7 +11,14 @@ from torch import nn
 from kvledger import Engine, kernels
 from kvledger.errors import ValidationError
 from kvledger.model import linear
-from kvledger.model.linear import INT8_BATCH_ROWS, Linear, can_prepack, quantize_int4, quantize_int8
+from kvledger.model.linear import (
+    INT8_BATCH_ROWS,
+    INT8_VNNI_ROWS,
+    Linear,
+    can_prepack,
+    quantize_int4,
+    quantize_int8,
+)
 
 
 def test_quantize_int8_roundtrip_error_is_half_a_step():
@@ -44,8 +51,8 @@ def test_int4_recovers_q4_1_blocks_exactly():
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 32])
 def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, monkeypatch):
     """Both quantized paths. With kvledger's kernels and ``int8_batch``: calls below
-    ``INT8_BATCH_ROWS`` (lowered to 5 here) take the kernel, larger ones the int8 linear (per-token int8
-    activations); without them (torch's kernels): at most 4 rows the quantized copy, larger ones the
+    ``INT8_BATCH_ROWS`` / ``INT8_VNNI_ROWS`` (oneDNN's / kvledger's int8 route; both lowered to 5 here)
+    take the kernel, larger ones the int8 linear (per-token int8 activations); without them (torch's kernels): at most 4 rows the quantized copy, larger ones the
     dense bf16 weight (exactly F.linear's)."""
     if path == "kernel" and not kernels.load():
         pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
@@ -55,6 +62,7 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
     w = torch.randn(96, 64).bfloat16()
     b = torch.randn(96).bfloat16()
     monkeypatch.setattr(linear, "INT8_BATCH_ROWS", 5)
+    monkeypatch.setattr(linear, "INT8_VNNI_ROWS", 5)
     lin = Linear(w, b, mode, small_rows=4, int8_batch=True)
     assert (lin.qw is not None) == (lin.w8 is not None) == (path == "kernel")
     assert Linear(w, b, mode, small_rows=4).w8 is None  # off unless asked
@@ -71,17 +79,22 @@ def test_quantized_linear_close_to_bf16_and_switches_by_rows(mode, rows, path, m
     assert rel < (0.03 if mode == "int8" or rows > 4 else 0.08), rel
 
 
-@pytest.mark.parametrize("rows", [64, INT8_BATCH_ROWS - 1, INT8_BATCH_ROWS, 300])
-def test_int8_batch_takes_only_prefill_sized_calls_by_default(rows):
-    """``int8_batch`` without a threshold of its own: the int8 linear from INT8_BATCH_ROWS rows
-    (where it is the faster one), kvledger's kernel below it, bit for bit each path's own output."""
+@pytest.mark.parametrize(
+    "rows", [1, INT8_VNNI_ROWS - 1, INT8_VNNI_ROWS, 64, INT8_BATCH_ROWS - 1, INT8_BATCH_ROWS, 300]
+)
+def test_int8_batch_takes_calls_from_its_routes_threshold(rows):
+    """``int8_batch`` without thresholds of its own: the int8 linear from INT8_VNNI_ROWS rows on
+    kvledger's VNNI kernel (batched decodes too), from INT8_BATCH_ROWS on oneDNN's (prefill chunks),
+    where each is the faster one; kvledger's int4 kernel below, bit for bit each path's own output."""
     if not kernels.load():
         pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
     torch.manual_seed(5)
     w = torch.randn(96, 64).bfloat16()
     lin = Linear(w, None, "int4", int8_batch=True)
+    if lin.w8 is None:
+        pytest.skip("no int8 route here")
     x = torch.randn(rows, 64).bfloat16()
-    want = lin.w8(x, None) if rows >= INT8_BATCH_ROWS else lin.qw(x)
+    want = lin.w8(x, None) if rows >= (INT8_VNNI_ROWS if lin.w8.vnni else INT8_BATCH_ROWS) else lin.qw(x)
     assert torch.equal(lin(x), want)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvledger import kernels
-from kvledger.kernels.quant import dequantize, int8_linear, pack, q4_1, q8_0
+from kvledger.kernels.quant import S8_SEGMENT, dequantize, int8_linear, pack, q4_1, q8_0
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
 
@@ -143,20 +143,14 @@ def test_quantize_rows_and_scale_rows_match_their_definitions(dtype, k):
     assert torch.equal(torch.ops.kvledger_cpu.scale_rows(y, s, None, x), (y * s[:, None]).to(dtype))
 
 
-def _int8_routes() -> list[str]:
-    return [r for r in ("vnni", "onednn") if int8_linear(torch.zeros(16, 32), r) is not None]
-
-
-@pytest.mark.parametrize("route", ["vnni", "onednn"])
-def test_int8_linear_is_exact_integer_arithmetic_with_per_token_scales(route):
+def test_the_onednn_int8_route_is_exact_integer_arithmetic_with_per_token_scales():
     """u8 x s8 integer sums, then each channel's and each row's scale: equal to the float64 product of
-    the codes (rel 1e-6); ~1% from the float product for rows of very different sizes. Both routes
-    (kvledger's VNNI kernel, oneDNN's int8 linear)."""
+    the codes (rel 1e-6); ~1% from the float product for rows of very different sizes."""
     torch.manual_seed(7)
     w = torch.randn(96, 160) * 0.05
-    lin = int8_linear(w, route)
+    lin = int8_linear(w, "onednn")
     if lin is None:
-        pytest.skip(f"no {route} route here (the CPU has no AVX512-VNNI, or this torch no oneDNN int8 linear)")
+        pytest.skip("this torch has no oneDNN int8 linear")
     x = torch.randn(12, 160) * torch.rand(12, 1) * 8
     y = lin(x)
     xq, s = torch.ops.kvledger_cpu.quantize_rows(x)
@@ -167,25 +161,87 @@ def test_int8_linear_is_exact_integer_arithmetic_with_per_token_scales(route):
     assert ((y - ref).norm() / ref.norm()).item() < 0.02
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_int8_routes_agree_bit_for_bit(dtype):
-    """kvledger's VNNI kernel computes what oneDNN's u8 x s8 linear and scale_rows computed: the same
-    integer sums, the same two float multiplications, a bias added to the value rounded to the dtype.
-    Row counts around the kernel's tiles of 4 (1, 3, 4, 5, 130) and output counts around its column
-    tiles of 64 (16, 48, 80, 960); K not a multiple of 32."""
-    if _int8_routes() != ["vnni", "onednn"]:
-        pytest.skip("needs both routes: AVX512-VNNI and oneDNN's int8 linear")
+def _vnni_linear(w: torch.Tensor):
+    lin = int8_linear(w, "vnni")
+    if lin is None:
+        pytest.skip("kvledger's int8 kernel needs AVX512-VNNI")
+    return lin
+
+
+def segment_product(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The VNNI route's definition in float64: x's rows quantized per segment of S8_SEGMENT inputs (the
+    last one shorter), each segment's integer sum with the weights' codes times its scale, times the
+    channel's scale."""
+    wq = torch.round(w / w_scale[:, None]).clamp(-127, 127).double()
+    y = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for xs, ws in zip(x.float().split(S8_SEGMENT, 1), wq.split(S8_SEGMENT, 1)):
+        amax = xs.abs().amax(1)
+        # tensor / tensor: IEEE division, as the kernel (torch computes `127.0 / t` an ulp off)
+        inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+        codes = torch.round(xs * inv[:, None]).clamp(-127, 127).double()
+        y += (codes @ ws.T) * (amax / 127).double()[:, None]
+    return y * w_scale.double()
+
+
+def test_the_vnni_int8_route_is_exact_integer_arithmetic_per_segment():
+    """Each segment's integer sum exact, scaled by the segment's activation scale and the channel's:
+    the float64 definition within float32 rounding (1e-6 of the largest output), around the kernel's
+    tiles (rows 1, 3, 4, 5, 130 about its tiles of 4; outputs 16, 48, 80, 960 about its column tiles
+    of 48) and K with a short last segment (36, 160) or none (576); zero inputs give zeros."""
     torch.manual_seed(3)
     for n, k in ((16, 36), (48, 160), (80, 576), (960, 576)):
         w = torch.randn(n, k) * 0.05
-        ours, theirs = int8_linear(w, "vnni"), int8_linear(w, "onednn")
-        assert torch.equal(ours.w_scale, theirs.w_scale)
+        lin = _vnni_linear(w)
         for m in (1, 3, 4, 5, 130):
-            x = (torch.randn(m, k) * torch.rand(m, 1) * 8).to(dtype)
-            for b in (None, (torch.randn(n) * 0.1).to(dtype)):
-                y = ours(x, b)
-                assert y.dtype == dtype and y.shape == (m, n)
-                assert torch.equal(y, theirs(x, b)), (n, k, m, b is not None)
+            x = torch.randn(m, k) * torch.rand(m, 1) * 8
+            x[0, : min(k, S8_SEGMENT)] = 0  # a segment of zeros: scale 0
+            y = lin(x)
+            assert y.dtype == torch.float32 and y.shape == (m, n)
+            want = segment_product(x, w, lin.w_scale)
+            # float32 sums of a few segments: within a few ulps of the row's largest output
+            torch.testing.assert_close(y.double(), want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    assert torch.equal(lin(torch.zeros(2, 576)), torch.zeros(2, 960))
+
+
+@pytest.mark.parametrize("rows", [3, 33])
+def test_the_vnni_int8_route_in_bf16_is_its_float_result_rounded_then_the_bias_added(rows):
+    """bf16 activations read as their float values, one rounding to bf16, then a bias added (rounded
+    again), as torch adds a bias to a bf16 product."""
+    torch.manual_seed(4)
+    lin = _vnni_linear(torch.randn(80, 160) * 0.05)
+    x = (torch.randn(rows, 160) * 4).bfloat16()
+    b = (torch.randn(80) * 0.1).bfloat16()
+    y32 = lin(x.float())
+    assert torch.equal(lin(x), y32.bfloat16())
+    assert torch.equal(lin(x, b), y32.bfloat16() + b)
+    assert torch.equal(lin(x.float(), b.float()), (y32 + b.float()))
+
+
+def test_segments_keep_the_channels_beside_a_large_one_precise():
+    """Activations with a few channels ~50x the others (as in real models' hidden states): one scale per
+    segment is more than twice as close to the float product as one per row (oneDNN's route)."""
+    torch.manual_seed(5)
+    w = torch.randn(64, 576) * 0.05
+    x = torch.randn(16, 576)
+    x[:, [7, 300]] *= 50
+    lin = _vnni_linear(w)
+    ref = x.double() @ w.double().T
+    seg = ((lin(x).double() - ref).norm() / ref.norm()).item()
+    amax = x.abs().amax(1, keepdim=True)
+    wq = torch.round(w / lin.w_scale[:, None]).clamp(-127, 127) * lin.w_scale[:, None]
+    per_row = torch.round(x * 127 / amax) * amax / 127 @ wq.T
+    row = ((per_row.double() - ref).norm() / ref.norm()).item()
+    assert seg < 0.5 * row, (seg, row)
+
+
+def test_the_vnni_int8_route_refuses_what_does_not_match():
+    lin = _vnni_linear(torch.randn(32, 160))
+    op = torch.ops.kvledger_cpu.int8_linear
+    with pytest.raises(RuntimeError, match="woff"):
+        op(torch.randn(2, 160), lin.w, lin.w_scale, lin.woff[:2], None)  # 2 segments' offsets, 3 needed
+    with pytest.raises(RuntimeError, match="do not match"):
+        op(torch.randn(2, 128), lin.w, lin.w_scale, lin.woff[:2], None)
+    assert op(torch.randn(0, 160), lin.w, lin.w_scale, lin.woff, None).shape == (0, 32)
 
 
 def test_the_int8_route_by_cpu():

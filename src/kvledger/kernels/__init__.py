@@ -139,7 +139,7 @@ def _register_fakes() -> None:
         return y.new_empty(y.shape, dtype=like.dtype)
 
     @torch.library.register_fake(lib + "int8_linear")
-    def _(x, w, w_scale, wsum128, bias=None):
+    def _(x, w, w_scale, woff, bias=None):
         return x.new_empty(x.shape[0], w_scale.shape[0])
 
     @torch.library.register_fake(lib + "to_f8")

@@ -160,34 +160,42 @@ def dequantize(w: torch.Tensor, bits: int) -> torch.Tensor:
     return (q.view(w.shape[0], -1, GROUP).float() * d[..., None]).view(w.shape)
 
 
+S8_SEGMENT = 64
+"""The VNNI int8 linear's activation segment (``csrc/qlinear.h``'s ``kS8Seg``): one scale per row per
+this many inputs."""
+
+
 @dataclass
 class Int8Weight:
     """A layer for forwards of more rows than the GEMV kernel takes (``--enable-int8-batch``: prefill
-    chunks): weights int8 per output channel, activations int8 per row (token), quantized by
-    ``kvledger_cpu::quantize_rows``. Two routes to the same integer sums and the same output bits:
+    chunks, and batched decodes on the VNNI route): weights int8 per output channel, activations int8
+    per token, quantized at each call. Two routes:
 
     - ``vnni`` (a CPU with AVX512-VNNI and no AMX): ``kvledger_cpu::int8_linear``, kvledger's own
-      kernel over ``w`` in the int8 layout of ``csrc/qlinear.h`` without groups (one call: quantize,
-      vpdpbusd over all of K, each row's and channel's scale once at the end);
+      kernel over ``w`` in the int8 layout of ``csrc/qlinear.h`` without groups; the activations take
+      one scale per row and per segment of ``S8_SEGMENT`` inputs (each segment's integer sum scaled
+      once), which keeps the channels beside a large one precise: on SmolLM2's projections about
+      half the per-row scheme's error (bench/RESULTS.md);
     - otherwise oneDNN's int8 linear (``onednn.qlinear_pointwise``, u8 x s8, on AMX tiles where the
-      CPU has them) at activation scale 1 with float32 output, then ``kvledger_cpu::scale_rows``
-      applies each row's own scale (and the bias): oneDNN takes one activation scale per call.
+      CPU has them) with one scale per row: ``kvledger_cpu::quantize_rows``, oneDNN at activation
+      scale 1 with float32 output (it takes one activation scale per call), then
+      ``kvledger_cpu::scale_rows`` applies each row's own scale (and the bias).
     """
 
     w: torch.Tensor  # oneDNN's prepacked int8 weight, or the VNNI layout [N/16 * K/4 * 16 * 4] int8
     w_scale: torch.Tensor  # float32 [N]
     zero: torch.Tensor | None  # int64 zeros [N] (oneDNN)
-    wsum128: torch.Tensor | None  # int32 [N]: 128 * sum of row n's codes (VNNI)
+    woff: torch.Tensor | None  # int32 [segments, N]: -128 * each segment's sum of row n's codes (VNNI)
     nbytes: int
 
     @property
     def vnni(self) -> bool:
-        return self.wsum128 is not None
+        return self.woff is not None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         k = torch.ops.kvledger_cpu
         if self.vnni:
-            return k.int8_linear(x, self.w, self.w_scale, self.wsum128, bias)
+            return k.int8_linear(x, self.w, self.w_scale, self.woff, bias)
         xq, s = k.quantize_rows(x)
         y = torch.ops.onednn.qlinear_pointwise(
             xq, 1.0, 128, self.w, self.w_scale, self.zero, None, 1.0, 0, torch.float32, "none", [], ""
@@ -197,7 +205,7 @@ class Int8Weight:
 
 def int8_linear(w: torch.Tensor, route: str | None = None) -> Int8Weight | None:
     """Per-channel symmetric int8 of ``w [N, K]``; None where neither route is available. ``route``:
-    ``"vnni"`` or ``"onednn"`` (tests compare them), else kvledger's kernel on a CPU with VNNI and
+    ``"vnni"`` or ``"onednn"`` (tests take each), else kvledger's kernel on a CPU with VNNI and
     without AMX (oneDNN's int8 GEMM runs on the tiles there), oneDNN otherwise."""
     if w.device.type != "cpu":
         return None
@@ -212,8 +220,8 @@ def int8_linear(w: torch.Tensor, route: str | None = None) -> Int8Weight | None:
         if not fits:
             return None
         packed = q.view(n // ROWS, ROWS, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
-        wsum = q.sum(1, dtype=torch.int32) * 128
-        return Int8Weight(packed, scale, None, wsum, q.numel() + n * 8)
+        woff = torch.stack([c.sum(1, dtype=torch.int32) for c in q.split(S8_SEGMENT, dim=1)]) * -128
+        return Int8Weight(packed, scale, None, woff.contiguous(), q.numel() + n * 4 + woff.numel() * 4)
     if not hasattr(torch.ops.onednn, "qlinear_prepack"):
         return None
     try:

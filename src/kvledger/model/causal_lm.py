@@ -43,7 +43,8 @@ class CausalLM:
         (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
         (``resolve_backend``); ``cpu`` also runs the Llama family's norms, rotary and SiLU in the C++ kernels.
         ``int8_batch``: quantized layers run forwards of ``linear.INT8_BATCH_ROWS`` rows and more
-        (prefill chunks) in an int8 linear (``quant.Int8Weight``) instead of their own kernel. ``cpu_amx``:
+        (``INT8_VNNI_ROWS`` on kvledger's VNNI int8 kernel) in an int8 linear (``quant.Int8Weight``)
+        instead of their own kernel. ``cpu_amx``:
         auto | on | off, whether large calls take oneDNN's bf16 GEMM and SDPA (``linear.use_amx``)."""
         self.cfg = cfg
         self.dtype = dtype

@@ -32,7 +32,16 @@ INT8_BATCH_ROWS = 128
 (``quant.Int8Weight``).
 Below it kvledger's int4/int8 kernel is the faster one on this CPU (SmolLM2's four projections, both
 threads: 0.78x oneDNN's time at 32 rows, 0.96x at 64, 1.04x at 128, 1.31x at 512), so batched decodes
-stay on it and on the file's own weights."""
+stay on it and on the file's own weights. On kvledger's VNNI route ``INT8_VNNI_ROWS`` instead."""
+
+INT8_VNNI_ROWS = 16
+"""With ``int8_batch`` on kvledger's own int8 kernel (``Int8Weight.vnni``: a CPU with AVX512-VNNI and
+no AMX), calls of at least this many rows take it, batched decodes included (``decode_plan`` passes
+the int8 copies to the one-call decode): one scale a segment of 64 inputs instead of the int4 groups'
+three per 32. SmolLM2's 120 projections, both threads, Zen 4 (int4 kernel vs int8): 6.2 vs 7.2 ms at
+8 rows, 7.3 vs 7.6 at 12, 9.0 vs 8.7 at 16, 11.5 vs 10.7 at 24, 14.2 vs 12.7 at 32, 25.4 vs 21.8 at
+64; the Q8_0 LM head 4.1 vs 3.7 at 32 rows. Further from the file than the int4 kernel (per-channel
+int8 of the Q4_1 weights): ``bench/quant_agreement.py --batch`` in bench/RESULTS.md."""
 
 
 AMX_MIN_ROWS = 192
@@ -135,7 +144,6 @@ class Linear(nn.Module):
         self.register_buffer("q", None, persistent=False)
         self.register_buffer("q_scale", None, persistent=False)
         self.small_rows = small_rows
-        self.int8_batch_rows = INT8_BATCH_ROWS  # read here, so a test may lower it for the layers it builds
         self.mode = quantization
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
         self.qw: PackedWeight | None = None
@@ -143,6 +151,8 @@ class Linear(nn.Module):
         if quantization is not None and self.device.type == "cpu" and kernels.load():
             self.qw = _pack(w, 4 if quantization == "int4" else 8)
             self.w8 = int8_linear(dense(w)) if self.qw is not None and int8_batch else None
+        # read here, so a test may lower them for the layers it builds
+        self.int8_batch_rows = INT8_VNNI_ROWS if self.w8 is not None and self.w8.vnni else INT8_BATCH_ROWS
         if quantization == "int4" and self.in_features % INT4_GROUP:
             self.mode = "int8"  # int4 needs whole groups along K; int8 has no such constraint
         # The dense weight: every call of a layer without the kernel's copy may need it.
@@ -291,7 +301,7 @@ def place_packed_weights(net: nn.Module) -> int:
             if isinstance(v, PackedWeight):
                 names = ("w", "scales", "wsum128")
             elif isinstance(v, Int8Weight) and v.vnni:
-                names = ("w", "w_scale", "wsum128")
+                names = ("w", "w_scale", "woff")
             else:
                 continue
             seen.add(id(v))

@@ -586,21 +586,21 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& scale, const c10::o
 }
 
 // --enable-int8-batch's linear on AVX512-VNNI (qlinear.h, S8Gemm): x [M, K] float32 or bf16 quantized per
-// row as quantize_rows does, times int8 weights per output channel (w [N/16, K/4, 16, 4] int8, w_scale
-// [N] float32, wsum128 [N] int32), each row's scale applied and an optional bias [N] of x's dtype added
-// as scale_rows does: the oneDNN route's output bit for bit, in one call.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& wsum128,
+// row and per segment of kS8Seg inputs, times int8 weights per output channel (w [N/16, K/4, 16, 4] int8,
+// w_scale [N] float32, woff [segments, N] int32: -128 * each segment's weight sum), plus an optional bias
+// [N] of x's dtype, in one call.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& woff,
                        const c10::optional<at::Tensor>& bias) {
   check_float(x, "x");
   TORCH_CHECK(kVnni, "int8_linear needs AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w_scale.numel();
+  const int64_t M = x.size(0), K = x.size(1), N = w_scale.numel(), segs = (K + kS8Seg - 1) / kS8Seg;
   TORCH_CHECK(K % 4 == 0 && N % 16 == 0 && N > 0, "in_features must be a multiple of 4 and out_features of 16");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kChar && w.numel() == N * K,
               "packed weights do not match [", N, ", ", K, "]");
   TORCH_CHECK(w_scale.is_contiguous() && w_scale.scalar_type() == at::kFloat, "w_scale must be float32 [N]");
-  TORCH_CHECK(wsum128.is_contiguous() && wsum128.scalar_type() == at::kInt && wsum128.numel() == N,
-              "wsum128 must be int32 [N]");
+  TORCH_CHECK(woff.is_contiguous() && woff.scalar_type() == at::kInt && woff.numel() == segs * N,
+              "woff must be int32 [", segs, ", ", N, "]");
   if (bias) {
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
                 "bias must be [n] of x's dtype");
@@ -608,24 +608,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const auto xu = scratch_of<uint8_t>(M * K);  // every row quantized below
-  const auto sx = scratch_of<float>(M);
-  by_dtype(x, [&](auto tag) {
-    using T = decltype(tag);
-    const auto& k = pick<T>(static_cast<int>(K));
-    at::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
-      k.quantize_rows(ptr<T>(x), static_cast<int>(K), xu.get(), sx.get(), r0, r1);
-    });
+  const auto sx = scratch_of<float>(M * segs);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
+    s8_quantize(x.data_ptr(), bf16, K, xu.get(), sx.get(), r0, r1);
   });
-  const S8Gemm g{xu.get(), sx.get(), M, K, N, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
-                 wsum128.data_ptr<int32_t>(), bias ? bias->data_ptr() : nullptr, out.data_ptr(),
-                 x.scalar_type() == at::kBFloat16};
-  // Tiles of kS8Rows rows x 64 outputs, column tile major: each thread's contiguous range of tiles reads
-  // few column tiles' weights.
-  const int64_t NB = N / 16, CT = (NB + 3) / 4, RT = (M + kS8Rows - 1) / kS8Rows;
+  const S8Gemm g{xu.get(), sx.get(), M, K, N, segs, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
+                 woff.data_ptr<int32_t>(), bias ? bias->data_ptr() : nullptr, out.data_ptr(), bf16};
+  // Tiles of kS8Rows rows x kS8Blocks blocks of 16 outputs, column tile major: each thread's contiguous
+  // range of tiles reads few column tiles' weights.
+  const int64_t NB = N / 16, CT = (NB + kS8Blocks - 1) / kS8Blocks, RT = (M + kS8Rows - 1) / kS8Rows;
   at::parallel_for(0, CT * RT, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t ct = i / RT, rt = i % RT;
-      s8_gemm_vnni(g, rt * kS8Rows, std::min(M, (rt + 1) * kS8Rows), ct * 4, std::min(NB, ct * 4 + 4));
+      s8_gemm_vnni(g, rt * kS8Rows, std::min(M, (rt + 1) * kS8Rows), ct * kS8Blocks,
+                   std::min(NB, (ct + 1) * kS8Blocks));
     }
   });
   return out;
@@ -714,7 +711,8 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    at::TensorList in_norms, at::TensorList post_norms, at::Tensor& k_all, at::Tensor& v_all,
                    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& table,
                    const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& out_loc, int64_t heads,
-                   double scale, double eps, int64_t amx_rows) {
+                   double scale, double eps, int64_t amx_rows, at::TensorList w8, at::TensorList w8_scale,
+                   at::TensorList w8_off, int64_t int8_rows) {
   const int64_t layers = static_cast<int64_t>(in_norms.size());
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(post_norms.size()) == layers, "one input and one post norm a layer");
   TORCH_CHECK(static_cast<int64_t>(w.size()) == 4 * layers && scales.size() == w.size() && wsum.size() == w.size() &&
@@ -725,7 +723,13 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be [batch, hidden] contiguous");
   const int64_t B = h.size(0), kvh = k_all.size(1), hd = k_all.size(3);
   const int64_t qs = heads * hd, kvs = kvh * hd;
+  // From int8_rows decodes (> 0) every projection takes its int8 copy (--enable-int8-batch's, VNNI layout):
+  // at 32 rows its per-channel sums run ~20% faster than the int4 groups' epilogues (bench/RESULTS.md).
+  const bool int8 = int8_rows > 0 && B >= int8_rows;
+  TORCH_CHECK(int8_rows <= 0 || (w8.size() == w.size() && w8_scale.size() == w.size() && w8_off.size() == w.size()),
+              "int8_rows needs an int8 copy of every projection");
   auto proj = [&](const at::Tensor& x, int64_t j) {
+    if (int8) return int8_linear(x, w8[j], w8_scale[j], w8_off[j], c10::nullopt);
     return quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j], amx_rows);
   };
   at::Tensor x = rms_norm(h, in_norms[0], eps);
@@ -780,13 +784,13 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "decode_layers(Tensor(a!) h, Tensor[] w, Tensor[] scales, Tensor?[] wsum, int[] bits, int[] n, "
       "Tensor[] in_norms, Tensor[] post_norms, Tensor(b!) k_all, Tensor(c!) v_all, Tensor positions, Tensor cos, "
       "Tensor sin, Tensor req_to_token, Tensor rows, Tensor lens, Tensor out_loc, int heads, float scale, "
-      "float eps, int amx_rows=0) -> ()");
+      "float eps, int amx_rows, Tensor[] w8, Tensor[] w8_scale, Tensor[] w8_off, int int8_rows) -> ()");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);
   m.def("set_flash_amx", &kvl::set_flash_amx);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor wsum128, Tensor? bias=None) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor woff, Tensor? bias=None) -> Tensor");
   m.def("to_f8(Tensor x) -> Tensor");
   m.def("from_f8(Tensor x, ScalarType dtype) -> Tensor");
   m.def("isa", &kvl::isa);

@@ -45,23 +45,30 @@ struct QuantKernels {
 QuantKernels quant_scalar();
 QuantKernels quant_vnni();
 
-// --enable-int8-batch's linear: y [M, N] = sx[m] * ws[n] * (sum_k xu[m, k] * W[n, k] - wsum128[n]) (+ bias[n]),
-// W int8 per output channel in the int8 layout above without groups (per row block of 16: K/4 chunks
-// of 64 bytes, byte 4l+j = W[16b+l][4c+j]), xu the activations' int8 codes + 128 per row (scale sx[m]),
-// wsum128[n] = 128 * sum_k W[n, k]. The integer sums are exact, so the result is oneDNN's u8 x s8
-// linear's (at activation scale 1, float output) times the row scales, bit for bit.
+// --enable-int8-batch's linear on AVX512-VNNI: y [M, N] = ws[n] * sum_s sx[m, s] * (sum_{k in s} xu[m, k] *
+// W[n, k] + woff[s, n]) (+ bias[n]), W int8 per output channel in the int8 layout above without groups
+// (per row block of 16: K/4 chunks of 64 bytes, byte 4l+j = W[16b+l][4c+j]), the activations int8 per
+// row and per segment s of kS8Seg inputs (the last one shorter where K is not a multiple: scale sx[m, s],
+// codes + 128 in xu), woff[s, n] = -128 * the sum of W[n, k] over segment s (takes the +128 back out
+// exactly). Each segment's integer sum is exact; the segments' sums are scaled and added in float, in
+// order. One scale a segment rather than a row: activations with a few large channels keep their
+// other channels' precision (SmolLM2's projections: ~2x closer to the float product than per row).
+constexpr long kS8Seg = 64;
 struct S8Gemm {
   const uint8_t* xu;  // [M, K]
-  const float* sx;    // [M]
-  long M, K, N;
-  const int8_t* w;         // [N/16][K/4][16][4]
-  const float* ws;         // [N]
-  const int32_t* wsum128;  // [N]
-  const void* bias;        // [N] of y's dtype, or null
-  void* y;                 // [M, N] float or bf16
+  const float* sx;    // [M, segs]
+  long M, K, N, segs;
+  const int8_t* w;       // [N/16][K/4][16][4]
+  const float* ws;       // [N]
+  const int32_t* woff;   // [segs, N]
+  const void* bias;      // [N] of y's dtype, or null
+  void* y;               // [M, N] float or bf16
   bool bf16;
 };
-constexpr long kS8Rows = 4;  // activation rows a tile (tiles of kS8Rows x 64 outputs)
+constexpr long kS8Rows = 4;    // activation rows a tile
+constexpr long kS8Blocks = 3;  // blocks of 16 outputs a tile: 16 int32 accumulators
+// Rows [r0, r1) of x [M, K] (float or bf16) quantized per segment: xu [M, K] codes + 128, sx [M, segs].
+void s8_quantize(const void* x, bool x_bf16, long K, uint8_t* xu, float* sx, long r0, long r1);
 // Rows [r0, r1) x row blocks of 16 outputs [b0, b1), AVX512-VNNI (callers check the CPU has it).
 void s8_gemm_vnni(const S8Gemm& g, long r0, long r1, long b0, long b1);
 

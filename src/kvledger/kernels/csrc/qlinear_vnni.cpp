@@ -220,51 +220,109 @@ void quantize(const void* x, bool x_bf16, int8_t* xq, uint8_t* xu, float* sx, fl
 }
 
 
-// --- int8 weights per output channel x int8 activations per row (--enable-int8-batch) -------------
-// No per-group scale: a tile's integer sums run over the whole of K and are scaled once at the end, so
-// the loop is vpdpbusd and its operand loads only (the per-group kernels above spend a multiply and
-// two FMAs per 8 vpdpbusd on their scales). MR activation rows x NB blocks of 16 output channels:
-// MR * NB accumulators, NB weight loads and MR broadcasts per 4 inputs.
+// --- int8 weights per output channel x int8 activations per segment (--enable-int8-batch) ------------
+// No per-group weight scale: a tile's integer sums run over a segment of 64 inputs, then take the
+// segment's activation scale in one FMA each (the per-group kernels above spend a multiply and two FMAs
+// per 8 vpdpbusd on their scales; this, one per 16). MR activation rows x NB blocks of 16 output channels:
+// MR * NB int32 and as many float accumulators, NB weight loads and MR broadcasts per 4 inputs.
+
+inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16m(const bf16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 template <typename T>
-inline void s8_store(const S8Gemm& g, long m, long n0, __m512i acc) {
-  // As the oneDNN route computed it: float(sum - 128 * sum(w)) * w_scale, then * the row's scale
-  // (scale_rows), a bias added to the value rounded to T; one rounding to T at the store.
-  const __m512i off = _mm512_loadu_si512(g.wsum128 + n0);
-  __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, off)), _mm512_loadu_ps(g.ws + n0));
-  v = _mm512_mul_ps(v, _mm512_set1_ps(g.sx[m]));
+void s8_quant_t(const T* x, long K, uint8_t* xu, float* sx, long r0, long r1) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const long segs = (K + kS8Seg - 1) / kS8Seg;
+  for (long r = r0; r < r1; ++r) {
+    for (long s = 0; s < segs; ++s) {
+      const long k0 = s * kS8Seg, n = std::min(kS8Seg, K - k0);
+      const T* row = x + r * K + k0;
+      __m512 mx = _mm512_setzero_ps();
+      for (long i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+        mx = _mm512_max_ps(mx, _mm512_and_ps(load16m(row + i, m), sign));
+      }
+      const float amax = _mm512_reduce_max_ps(mx);
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      sx[r * segs + s] = amax / 127.f;
+      for (long i = 0; i < n; i += 16) {  // as quantize_rows: x * 127 / amax, nearest even, then + 128
+        const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load16m(row + i, m), inv),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+        const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+        _mm512_mask_cvtepi32_storeu_epi8(xu + r * K + k0 + i, m, c);
+      }
+    }
+  }
+}
+
+template <typename T>
+inline void s8_store(const S8Gemm& g, long m, long n0, __m512 f) {
+  // The channel's scale, then a bias added to the value rounded to T; one rounding to T at the store.
+  __m512 v = _mm512_mul_ps(f, _mm512_loadu_ps(g.ws + n0));
   if (g.bias) v = _mm512_add_ps(rnd<T>(v), load16(static_cast<const T*>(g.bias) + n0));
   store16(static_cast<T*>(g.y) + m * g.N + n0, v);
 }
 
-// One accumulator array per block of 16 outputs, 4 rows: 16 accumulators. (GCC 12 kept a 2-D array,
-// or 24 accumulators, on the stack, storing each every iteration: 40% of the vpdpbusd peak.)
+// One int32 accumulator array per block of 16 outputs (GCC 12 kept a 2-D array, or more accumulators than
+// registers, on the stack, storing each every iteration: 40% of the vpdpbusd peak); the float sums live
+// in memory (L1), read and written once a segment, so that the integer loop keeps its registers.
 template <typename T, int MR, int NB>
 void s8_tile(const S8Gemm& g, long m0, long b) {
   static_assert(NB >= 1 && NB <= 4, "1 to 4 blocks");
   __m512i a0[MR], a1[MR], a2[MR], a3[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
-  const long bs = g.K * 16;               // bytes a block of 16 outputs: [K/4][16][4]
+  __m512 f0[MR], f1[MR], f2[MR], f3[MR];
+  for (int r = 0; r < MR; ++r) f0[r] = f1[r] = f2[r] = f3[r] = _mm512_setzero_ps();
+  const long bs = g.K * 16;  // bytes a block of 16 outputs: [K/4][16][4]
   const int8_t* wb = g.w + b * bs;
   const uint8_t* x = g.xu + m0 * g.K;
-  for (long k = 0; k < g.K; k += 4) {
-    const int8_t* wk = wb + k * 16;
-    const __m512i w0 = _mm512_loadu_si512(wk);
-    const __m512i w1 = NB > 1 ? _mm512_loadu_si512(wk + bs) : w0;
-    const __m512i w2 = NB > 2 ? _mm512_loadu_si512(wk + 2 * bs) : w0;
-    const __m512i w3 = NB > 3 ? _mm512_loadu_si512(wk + 3 * bs) : w0;
+  for (long s = 0; s < g.segs; ++s) {
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
+    auto step = [&](long k) __attribute__((always_inline)) {
+      const int8_t* wk = wb + k * 16;
+      const __m512i w0 = _mm512_loadu_si512(wk);
+      const __m512i w1 = NB > 1 ? _mm512_loadu_si512(wk + bs) : w0;
+      const __m512i w2 = NB > 2 ? _mm512_loadu_si512(wk + 2 * bs) : w0;
+      const __m512i w3 = NB > 3 ? _mm512_loadu_si512(wk + 3 * bs) : w0;
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xa = bcast4(x + r * g.K + k);
+        a0[r] = _mm512_dpbusd_epi32(a0[r], xa, w0);
+        if constexpr (NB > 1) a1[r] = _mm512_dpbusd_epi32(a1[r], xa, w1);
+        if constexpr (NB > 2) a2[r] = _mm512_dpbusd_epi32(a2[r], xa, w2);
+        if constexpr (NB > 3) a3[r] = _mm512_dpbusd_epi32(a3[r], xa, w3);
+      }
+    };
+    const long k0 = s * kS8Seg;
+    if (k0 + kS8Seg <= g.K) {
+      // A whole segment: a loop of known length, unrolled (with a variable one inside the segment loop
+      // GCC copied every accumulator twice an iteration).
+#pragma GCC unroll 16
+      for (long k = 0; k < kS8Seg; k += 4) step(k0 + k);
+    } else {
+      for (long k = k0; k < g.K; k += 4) step(k);
+    }
+    // Each sum plus the segment's offset (-128 * its weights' sum: exact), scaled into the float sums.
+    const int32_t* off = g.woff + s * g.N + b * 16;
     for (int r = 0; r < MR; ++r) {
-      const __m512i xa = bcast4(x + r * g.K + k);
-      a0[r] = _mm512_dpbusd_epi32(a0[r], xa, w0);
-      if constexpr (NB > 1) a1[r] = _mm512_dpbusd_epi32(a1[r], xa, w1);
-      if constexpr (NB > 2) a2[r] = _mm512_dpbusd_epi32(a2[r], xa, w2);
-      if constexpr (NB > 3) a3[r] = _mm512_dpbusd_epi32(a3[r], xa, w3);
+      const __m512 sc = _mm512_set1_ps(g.sx[(m0 + r) * g.segs + s]);
+      auto fold = [&](int j, __m512i a, __m512 f) {
+        return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, _mm512_loadu_si512(off + j * 16))), sc, f);
+      };
+      f0[r] = fold(0, a0[r], f0[r]);
+      if constexpr (NB > 1) f1[r] = fold(1, a1[r], f1[r]);
+      if constexpr (NB > 2) f2[r] = fold(2, a2[r], f2[r]);
+      if constexpr (NB > 3) f3[r] = fold(3, a3[r], f3[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {  // (values, not the arrays: an array whose address escapes lives on the stack)
-    s8_store<T>(g, m0 + r, b * 16, a0[r]);
-    if constexpr (NB > 1) s8_store<T>(g, m0 + r, (b + 1) * 16, a1[r]);
-    if constexpr (NB > 2) s8_store<T>(g, m0 + r, (b + 2) * 16, a2[r]);
-    if constexpr (NB > 3) s8_store<T>(g, m0 + r, (b + 3) * 16, a3[r]);
+  for (int r = 0; r < MR; ++r) {
+    s8_store<T>(g, m0 + r, b * 16, f0[r]);
+    if constexpr (NB > 1) s8_store<T>(g, m0 + r, (b + 1) * 16, f1[r]);
+    if constexpr (NB > 2) s8_store<T>(g, m0 + r, (b + 2) * 16, f2[r]);
+    if constexpr (NB > 3) s8_store<T>(g, m0 + r, (b + 3) * 16, f3[r]);
   }
 }
 
@@ -281,14 +339,14 @@ void s8_rows(const S8Gemm& g, long m0, long mr, long b) {
 
 template <typename T>
 void s8_range(const S8Gemm& g, long r0, long r1, long b0, long b1) {
-  // Column tiles of 4 blocks outer (their weights, 64 x K bytes, stay in L2 while every row tile
-  // passes over them), row tiles of kS8Rows inner.
-  for (long b = b0; b < b1; b += 4) {
-    const long nb = std::min<long>(4, b1 - b);
+  // Column tiles of kS8Blocks blocks outer (their weights, 64 x K bytes, stay in L2 while every row
+  // tile passes over them), row tiles of kS8Rows inner.
+  static_assert(kS8Blocks == 3, "the cases below");
+  for (long b = b0; b < b1; b += kS8Blocks) {
+    const long nb = std::min<long>(kS8Blocks, b1 - b);
     for (long m0 = r0; m0 < r1; m0 += kS8Rows) {
       const long mr = std::min<long>(kS8Rows, r1 - m0);
       switch (nb) {
-        case 4: s8_rows<T, 4>(g, m0, mr, b); break;
         case 3: s8_rows<T, 3>(g, m0, mr, b); break;
         case 2: s8_rows<T, 2>(g, m0, mr, b); break;
         default: s8_rows<T, 1>(g, m0, mr, b);
@@ -300,6 +358,11 @@ void s8_range(const S8Gemm& g, long r0, long r1, long b0, long b1) {
 }  // namespace
 
 QuantKernels quant_vnni() { return QuantKernels{&quantize, &q4, &q8}; }
+
+void s8_quantize(const void* x, bool x_bf16, long K, uint8_t* xu, float* sx, long r0, long r1) {
+  if (x_bf16) s8_quant_t(static_cast<const bf16*>(x), K, xu, sx, r0, r1);
+  else s8_quant_t(static_cast<const float*>(x), K, xu, sx, r0, r1);
+}
 
 void s8_gemm_vnni(const S8Gemm& g, long r0, long r1, long b0, long b1) {
   if (g.bf16) s8_range<bf16>(g, r0, r1, b0, b1);

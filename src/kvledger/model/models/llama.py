@@ -36,6 +36,8 @@ class DecodePlan:
     args: tuple  # kvledger_cpu::decode_layers' weight arguments, in its order
     max_rows: int  # the most rows (decodes) a step may have for it
     amx_rows: int = 0  # calls of this many rows and more on AMX tiles (``PackedWeight.amx_rows``)
+    int8: tuple = ([], [], [])  # the projections' int8 copies (VNNI route): weights, scales, sums
+    int8_rows: int = 0  # steps of this many decodes and more run on ``int8`` (0: never)
 
 
 class LlamaLayer(Projections, nn.Module):
@@ -130,10 +132,16 @@ class LlamaNet(CausalNet):
             [L.in_norm for L in self.layers],
             [L.post_norm for L in self.layers],
         )
-        # Calls from int8_batch_rows rows of a layer with the int8 copy go there, and from
-        # amx_rows rows of one with the AMX copy to oneDNN's bf16 GEMM (Linear._quantized), not the kernel.
+        # Every projection's int8 copy on kvledger's VNNI route, from one threshold: the kernel call
+        # takes them from there. Otherwise calls from int8_batch_rows rows of a layer with an int8
+        # copy (oneDNN's) go there, and from amx_rows rows of one with the AMX copy to oneDNN's bf16
+        # GEMM (Linear._quantized), not the kernel.
+        w8 = [p.w8 for p in projs]
+        rows8 = {p.int8_batch_rows for p in projs}
+        in_call = all(q is not None and q.vnni for q in w8) and len(rows8) == 1
+        int8 = ([q.w for q in w8], [q.w_scale for q in w8], [q.woff for q in w8]) if in_call else ([], [], [])
         max_rows = min(
-            [p.int8_batch_rows - 1 for p in projs if p.w8 is not None]
+            [p.int8_batch_rows - 1 for p in projs if p.w8 is not None and not in_call]
             + [p.amx_rows - 1 for p in projs if p.packed is not None],
             default=1 << 62,
         )
@@ -141,7 +149,7 @@ class LlamaNet(CausalNet):
         tile_rows = {q.amx_rows for q in qw}
         if len(tile_rows) > 1:
             return None
-        return DecodePlan(args, max_rows, tile_rows.pop())
+        return DecodePlan(args, max_rows, tile_rows.pop(), int8, rows8.pop() if in_call else 0)
 
     def decode_step(
         self,
@@ -161,7 +169,8 @@ class LlamaNet(CausalNet):
         h = self.embed(input_ids)
         torch.ops.kvledger_cpu.decode_layers(
             h, *plan.args, kv_buffer.k, kv_buffer.v, positions, self.rotary.cos, self.rotary.sin, table, rows,
-            lens, out_loc, self.cfg.num_heads, scale, self.cfg.rms_norm_eps, plan.amx_rows,
+            lens, out_loc, self.cfg.num_heads, scale, self.cfg.rms_norm_eps, plan.amx_rows, *plan.int8,
+            plan.int8_rows,
         )  # fmt: skip
         return self.lm_head(self.norm(h[logit_index]))
 
