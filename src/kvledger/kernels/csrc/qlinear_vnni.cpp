@@ -222,9 +222,10 @@ void quantize(const void* x, bool x_bf16, int8_t* xq, uint8_t* xu, float* sx, fl
 
 // --- int8 weights per output channel x int8 activations per segment (--enable-int8-batch) ------------
 // No per-group weight scale: a tile's integer sums run over a segment of 64 inputs, then take the
-// segment's activation scale in one FMA each (the per-group kernels above spend a multiply and two FMAs
-// per 8 vpdpbusd on their scales; this, one per 16). MR activation rows x NB blocks of 16 output channels:
-// MR * NB int32 and as many float accumulators, NB weight loads and MR broadcasts per 4 inputs.
+// segment's offset and activation scale (an add, a conversion and an FMA per 16 vpdpbusd; the per-group
+// kernels above spend a multiply and two FMAs per 8 on their scales). MR activation rows x NB blocks of
+// 16 output channels: MR * NB int32 and as many float accumulators, NB weight loads and MR broadcasts
+// per 4 inputs.
 
 inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16m(const bf16* p, __mmask16 m) {
@@ -268,32 +269,30 @@ inline void s8_store(const S8Gemm& g, long m, long n0, __m512 f) {
   store16(static_cast<T*>(g.y) + m * g.N + n0, v);
 }
 
-// One int32 accumulator array per block of 16 outputs (GCC 12 kept a 2-D array, or more accumulators than
-// registers, on the stack, storing each every iteration: 40% of the vpdpbusd peak); the float sums live
-// in memory (L1), read and written once a segment, so that the integer loop keeps its registers.
+// One accumulator array per block of 16 outputs (GCC 12 kept a 2-D array on the stack, storing each
+// every iteration: 40% of the vpdpbusd peak). 4 x 3 blocks: 12 int32 and 12 float accumulators; against
+// 4 x 4 with the float sums in an L1 array, 5-12% faster at 32-512 rows (same bits; bench/RESULTS.md).
 template <typename T, int MR, int NB>
 void s8_tile(const S8Gemm& g, long m0, long b) {
-  static_assert(NB >= 1 && NB <= 4, "1 to 4 blocks");
-  __m512i a0[MR], a1[MR], a2[MR], a3[MR];
-  __m512 f0[MR], f1[MR], f2[MR], f3[MR];
-  for (int r = 0; r < MR; ++r) f0[r] = f1[r] = f2[r] = f3[r] = _mm512_setzero_ps();
+  static_assert(NB >= 1 && NB <= 3, "1 to 3 blocks");
+  __m512i a0[MR], a1[MR], a2[MR];
+  __m512 f0[MR], f1[MR], f2[MR];
+  for (int r = 0; r < MR; ++r) f0[r] = f1[r] = f2[r] = _mm512_setzero_ps();
   const long bs = g.K * 16;  // bytes a block of 16 outputs: [K/4][16][4]
   const int8_t* wb = g.w + b * bs;
   const uint8_t* x = g.xu + m0 * g.K;
   for (long s = 0; s < g.segs; ++s) {
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = _mm512_setzero_si512();
     auto step = [&](long k) __attribute__((always_inline)) {
       const int8_t* wk = wb + k * 16;
       const __m512i w0 = _mm512_loadu_si512(wk);
       const __m512i w1 = NB > 1 ? _mm512_loadu_si512(wk + bs) : w0;
       const __m512i w2 = NB > 2 ? _mm512_loadu_si512(wk + 2 * bs) : w0;
-      const __m512i w3 = NB > 3 ? _mm512_loadu_si512(wk + 3 * bs) : w0;
       for (int r = 0; r < MR; ++r) {
         const __m512i xa = bcast4(x + r * g.K + k);
         a0[r] = _mm512_dpbusd_epi32(a0[r], xa, w0);
         if constexpr (NB > 1) a1[r] = _mm512_dpbusd_epi32(a1[r], xa, w1);
         if constexpr (NB > 2) a2[r] = _mm512_dpbusd_epi32(a2[r], xa, w2);
-        if constexpr (NB > 3) a3[r] = _mm512_dpbusd_epi32(a3[r], xa, w3);
       }
     };
     const long k0 = s * kS8Seg;
@@ -315,14 +314,12 @@ void s8_tile(const S8Gemm& g, long m0, long b) {
       f0[r] = fold(0, a0[r], f0[r]);
       if constexpr (NB > 1) f1[r] = fold(1, a1[r], f1[r]);
       if constexpr (NB > 2) f2[r] = fold(2, a2[r], f2[r]);
-      if constexpr (NB > 3) f3[r] = fold(3, a3[r], f3[r]);
     }
   }
   for (int r = 0; r < MR; ++r) {
     s8_store<T>(g, m0 + r, b * 16, f0[r]);
     if constexpr (NB > 1) s8_store<T>(g, m0 + r, (b + 1) * 16, f1[r]);
     if constexpr (NB > 2) s8_store<T>(g, m0 + r, (b + 2) * 16, f2[r]);
-    if constexpr (NB > 3) s8_store<T>(g, m0 + r, (b + 3) * 16, f3[r]);
   }
 }
 
@@ -339,7 +336,7 @@ void s8_rows(const S8Gemm& g, long m0, long mr, long b) {
 
 template <typename T>
 void s8_range(const S8Gemm& g, long r0, long r1, long b0, long b1) {
-  // Column tiles of kS8Blocks blocks outer (their weights, 64 x K bytes, stay in L2 while every row
+  // Column tiles of kS8Blocks blocks outer (their weights, 48 x K bytes, stay in L2 while every row
   // tile passes over them), row tiles of kS8Rows inner.
   static_assert(kS8Blocks == 3, "the cases below");
   for (long b = b0; b < b1; b += kS8Blocks) {
