@@ -724,7 +724,7 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
   const int64_t B = h.size(0), kvh = k_all.size(1), hd = k_all.size(3);
   const int64_t qs = heads * hd, kvs = kvh * hd;
   // From int8_rows decodes (> 0) every projection takes its int8 copy (--enable-int8-batch's, VNNI layout):
-  // at 32 rows its per-channel sums run ~20% faster than the int4 groups' epilogues (bench/RESULTS.md).
+  // at 32 rows the 120 projections take ~10% less time than on the int4 groups (bench/RESULTS.md).
   const bool int8 = int8_rows > 0 && B >= int8_rows;
   TORCH_CHECK(int8_rows <= 0 || (w8.size() == w.size() && w8_scale.size() == w.size() && w8_off.size() == w.size()),
               "int8_rows needs an int8 copy of every projection");
