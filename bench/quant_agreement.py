@@ -8,7 +8,8 @@ tests/unit/test_model_parity.py); the candidate is the default (``--dtype auto -
 bf16 with int4 Q4_1 layers and the int8 Q8_0 head on SmolLM2). One request at a time, so every
 decode step runs the quantized kernels (forwards of <= 4 rows); ``--batch`` runs the candidate's
 prompts all at once instead (batched decodes: with ``--enable-int8-batch`` those of
-``linear.INT8_VNNI_ROWS`` rows and more take the int8 copies on a CPU with VNNI and no AMX). Reports: greedy outputs identical,
+``linear.INT8_VNNI_ROWS`` rows and more take the int8 copies on a CPU with VNNI and no AMX).
+Reports: greedy outputs identical,
 mean tokens matched before the first difference, and the mean |logprob delta| of the chosen token
 over the matched positions (both engines scored the same token there).
 

@@ -282,22 +282,7 @@ void to_f8s(const T* x, f8* out, long n) {
 
 template <typename T>
 void quantize_rows(const T* x, int K, uint8_t* q, float* scale, long r0, long r1) {
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (long r = r0; r < r1; ++r) {
-    const T* row = x + r * K;
-    __m512 mx = _mm512_setzero_ps();
-    for (int i = 0; i < K; i += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load16(row + i), sign));
-    const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    scale[r] = amax / 127.f;
-    const __m512i off = _mm512_set1_epi32(128);
-    for (int i = 0; i < K; i += 16) {
-      __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load16(row + i), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
-      const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(v), off);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + i), _mm512_cvtepi32_epi8(c));
-    }
-  }
+  for (long r = r0; r < r1; ++r) scale[r] = quantize_u8(x + r * K, K, q + r * K);
 }
 
 template <typename T>

@@ -66,7 +66,7 @@ struct S8Gemm {
   bool bf16;
 };
 constexpr long kS8Rows = 4;    // activation rows a tile
-constexpr long kS8Blocks = 3;  // blocks of 16 outputs a tile: 16 int32 accumulators
+constexpr long kS8Blocks = 3;  // blocks of 16 outputs a tile: 12 int32 and 12 float accumulators
 // Rows [r0, r1) of x [M, K] (float or bf16) quantized per segment: xu [M, K] codes + 128, sx [M, segs].
 void s8_quantize(const void* x, bool x_bf16, long K, uint8_t* xu, float* sx, long r0, long r1);
 // Rows [r0, r1) x row blocks of 16 outputs [b0, b1), AVX512-VNNI (callers check the CPU has it).

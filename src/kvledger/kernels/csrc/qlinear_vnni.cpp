@@ -227,36 +227,13 @@ void quantize(const void* x, bool x_bf16, int8_t* xq, uint8_t* xu, float* sx, fl
 // 16 output channels: MR * NB int32 and as many float accumulators, NB weight loads and MR broadcasts
 // per 4 inputs.
 
-inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16m(const bf16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 template <typename T>
 void s8_quant_t(const T* x, long K, uint8_t* xu, float* sx, long r0, long r1) {
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const long segs = (K + kS8Seg - 1) / kS8Seg;
   for (long r = r0; r < r1; ++r) {
     for (long s = 0; s < segs; ++s) {
-      const long k0 = s * kS8Seg, n = std::min(kS8Seg, K - k0);
-      const T* row = x + r * K + k0;
-      __m512 mx = _mm512_setzero_ps();
-      for (long i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
-        mx = _mm512_max_ps(mx, _mm512_and_ps(load16m(row + i, m), sign));
-      }
-      const float amax = _mm512_reduce_max_ps(mx);
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      sx[r * segs + s] = amax / 127.f;
-      for (long i = 0; i < n; i += 16) {  // as quantize_rows: x * 127 / amax, nearest even, then + 128
-        const __mmask16 m = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
-        __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load16m(row + i, m), inv),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
-        const __m512i c = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
-        _mm512_mask_cvtepi32_storeu_epi8(xu + r * K + k0 + i, m, c);
-      }
+      const long k0 = s * kS8Seg;
+      sx[r * segs + s] = quantize_u8(x + r * K + k0, std::min(kS8Seg, K - k0), xu + r * K + k0);
     }
   }
 }

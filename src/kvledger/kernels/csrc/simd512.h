@@ -70,6 +70,32 @@ inline __m512 round16(__m512 v, bf16*) {
 }
 template <typename T> inline __m512 rnd(__m512 v) { return round16(v, static_cast<T*>(nullptr)); }
 
+// The first popcount(m) of 16 values (the rest zero): a run's short last register.
+inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16m(const bf16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// n values of x as int8 codes + 128 in q (x * 127 / max|x|, nearest even, clamped to +-127); returns the
+// scale max|x| / 127 (0 for all zeros: every code 128). The int8 linears' activations: a row (oneDNN's
+// route, quantize_rows) or a segment of one (kvledger's VNNI kernel).
+template <typename T> inline float quantize_u8(const T* x, long n, uint8_t* q) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  auto mask = [n](long i) { return n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1); };
+  __m512 mx = _mm512_setzero_ps();
+  for (long i = 0; i < n; i += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load16m(x + i, mask(i)), sign));
+  const float amax = _mm512_reduce_max_ps(mx);
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  for (long i = 0; i < n; i += 16) {
+    __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load16m(x + i, mask(i)), inv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-127.f)), _mm512_set1_ps(127.f));
+    _mm512_mask_cvtepi32_storeu_epi8(q + i, mask(i), _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128)));
+  }
+  return amax / 127.f;
+}
+
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
 
