@@ -70,6 +70,7 @@ def books_balance(info: dict) -> bool:
 
 class Server:
     def __init__(self, model: str | None, *args: str, log_path: str, env: dict | None = None):
+        self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "kvledger", "serve", "--port", str(self.port), *args]

@@ -91,7 +91,8 @@ def test_embedding_refusals_submit_nothing(srv, client):
     cases = [
         ({"model": "default", "input": ""}, "input"),
         ({"model": "default", "input": []}, "input"),
-        ({"model": "default", "input": ["a", ""]}, "input"),
+        ({"model": "default", "input": ["a", ""]}, "input.1"),  # string items named by index too
+        ({"model": "default", "input": ["a", "b", ""]}, "input.2"),
         ({"model": "default", "input": [[1, 2], []]}, "input.1"),
         ({"model": "default", "input": {"text": "a"}}, "input"),
         ({"model": "default", "input": [1, "a"]}, "input"),

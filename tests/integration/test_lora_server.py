@@ -84,12 +84,14 @@ def _error(r: httpx.Response, status: int, code: str | None = None) -> dict:
     return err
 
 
-def test_adapters_are_models_whose_parent_is_the_base(ls):
+def test_adapters_are_models_whose_parent_is_the_base(ls, loras):
     c = openai.OpenAI(base_url=ls.url + "/v1", api_key="user-key", max_retries=0)
     models = {m.id: m for m in c.models.list().data}
     base = next(iter(models))
     assert set(models) == {base, "sql"}
-    assert models["sql"].parent == base and models["sql"].root.endswith("sql")
+    # ``root`` names the model, never a path on the server's disk (issue 56).
+    assert models["sql"].parent == base and models["sql"].root == "sql" and models[base].root == base
+    assert loras["sql"] not in httpx.get(ls.url + "/v1/models", headers=USER).text
     assert c.models.retrieve("sql").id == "sql"
 
 
@@ -102,6 +104,14 @@ def test_each_request_runs_its_own_adapter(ls, want):
     c = openai.OpenAI(base_url=ls.url + "/v1", api_key="user-key", max_retries=0)
     r = c.completions.create(model="sql", prompt=PROMPT, max_tokens=N, temperature=0, extra_body={"ignore_eos": True})
     assert r.model == "sql" and r.choices[0].text == native["text"]
+    # Every OpenAI route answers with the model the request named (issue 56: the Responses API
+    # named the base model), and runs that adapter.
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = c.chat.completions.create(model="sql", messages=msgs, max_tokens=N, temperature=0)
+    resp = c.responses.create(model="sql", input=msgs, max_output_tokens=N, temperature=0)
+    base = c.responses.create(model="default", input=msgs, max_output_tokens=N, temperature=0)
+    assert chat.model == resp.model == "sql" and base.model != "sql"
+    assert resp.output_text == chat.choices[0].message.content
     body = {"input_ids": [PROMPT, PROMPT], "lora_path": ["sql", None],
             "sampling_params": {"temperature": 0, "max_new_tokens": N, "ignore_eos": True}}  # fmt: skip
     outs = httpx.post(ls.url + "/generate", json=body, headers=USER, timeout=60).json()
@@ -138,7 +148,7 @@ def test_bad_input_is_a_4xx_in_the_openai_shape(ls, loras, tmp_path):
     assert [m["id"] for m in httpx.get(ls.url + "/v1/models", headers=USER).json()["data"]][1:] == ["sql"]
 
 
-def test_unloading_an_adapter_while_its_request_runs_is_refused(ls, want):
+def test_unloading_an_adapter_while_its_request_runs_is_refused(ls, want, loras):
     """409 while a request of it streams; the request ends normally, then the unload succeeds (and
     the adapter is loaded again for the other tests)."""
     body = {"input_ids": PROMPT, "lora_path": "sql", "stream": True,
@@ -159,6 +169,6 @@ def test_unloading_an_adapter_while_its_request_runs_is_refused(ls, want):
     t.join(60)
     assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert chunks[-1]["output_ids"][:N] == want["sql"]
-    path = next(m["root"] for m in httpx.get(ls.url + "/v1/models", headers=USER).json()["data"] if m["id"] == "sql")
+    path = loras["sql"]
     assert _admin(ls, "/unload_lora_adapter", {"lora_name": "sql"}).status_code == 200
     assert _admin(ls, "/load_lora_adapter", {"lora_name": "sql", "lora_path": path}).status_code == 200

@@ -108,7 +108,9 @@ def test_n_choices_logprobs_and_models(srv, client):
     models = client.models.list()
     assert models.data[0].id
     card = httpx.get(srv.url + "/v1/models").json()["data"][0]
-    assert card["max_model_len"] == 1024 and card["root"] and card["parent"] is None
+    # `root` is the served name, never the model's path on the server's disk (issue 56).
+    assert card["max_model_len"] == 1024 and card["root"] == card["id"] and card["parent"] is None
+    assert srv.model not in httpx.get(srv.url + "/v1/models").text
 
 
 def test_native_logprobs_and_stop_string(srv):

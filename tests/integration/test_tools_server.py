@@ -272,3 +272,35 @@ def test_tool_schemas_that_cannot_be_enforced_are_400_and_keep_the_connection(sr
     conn.request("GET", "/v1/models")
     assert conn.getresponse().status == 200 and conn.sock.getsockname() == local
     conn.close()
+
+
+def test_a_limit_that_cuts_the_calls_reads_length_and_keeps_only_the_complete_calls(client):
+    """Issue 56: a forced answer cut by max_tokens said ``finish_reason: "tool_calls"`` and kept the
+    cut call's raw markup in ``content`` beside the parsed calls. A limit reads ``length``; the
+    complete calls are returned, the cut one dropped, and no markup stays in ``content``, streamed or
+    not (the Responses API: ``incomplete``, the same calls)."""
+    kw = dict(model="default", messages=[{"role": "user", "content": "Pick a digit and flip a coin."}],
+              tools=[PICK, FLIP], tool_choice="required", temperature=1.0)  # fmt: skip
+    seed, full = next(
+        (s, r) for s in range(16)
+        if len((r := client.chat.completions.create(seed=s, max_tokens=400, **kw)).choices[0].message.tool_calls) >= 2
+    )  # fmt: skip
+    whole = [(x.function.name, x.function.arguments) for x in full.choices[0].message.tool_calls]
+    seen = set()
+    for cut in range(full.usage.completion_tokens - 1, 0, -1):
+        r = client.chat.completions.create(seed=seed, max_tokens=cut, **kw).choices[0]
+        calls = [(x.function.name, x.function.arguments) for x in r.message.tool_calls or []]
+        assert r.finish_reason == "length", (cut, r)
+        assert calls == whole[: len(calls)], (cut, calls)
+        assert not r.message.content, (cut, r.message.content)  # neither the cut call nor the parsed ones
+        content, streamed_calls, finish = streamed(client, seed=seed, max_tokens=cut, **kw)
+        assert finish == "length" and not content, (cut, content)
+        assert [(c["name"], c["arguments"]) for c in streamed_calls] == calls
+        seen.add(len(calls))
+        if {0, 1} <= seen:
+            break
+    assert {0, 1} <= seen, seen  # cut inside the first call, and after a complete one
+    resp = client.responses.create(model="default", input=kw["messages"], tools=[
+        {"type": "function", **t["function"]} for t in (PICK, FLIP)], tool_choice="required",
+        temperature=1.0, max_output_tokens=3)  # fmt: skip
+    assert resp.status == "incomplete" and resp.output_text == "", resp.output  # no markup: an empty message

@@ -20,8 +20,12 @@ def parse_prompts(
     if text is not None:
         single = isinstance(text, str)
         texts = [text] if single else text
-        if not isinstance(texts, list) or not texts or any(not isinstance(t, str) or not t for t in texts):
+        if not isinstance(texts, list) or not texts:
             raise ValidationError("the prompt is empty", param=text_param, code="empty_prompt")
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str) or not t), None)
+        if bad is not None:  # the item by its index, as token-id items are named (``input.2``)
+            where = text_param if single else f"{text_param}.{bad}"
+            raise ValidationError("the prompt is empty", param=where, code="empty_prompt")
         if tokenizer is None:
             raise ValidationError("this model has no tokenizer; send token ids instead", param=text_param)
         return [tokenizer.encode(t) for t in texts], single

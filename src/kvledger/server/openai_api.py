@@ -21,7 +21,7 @@ from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
 from .reasoning import ReasoningParser
 from .tool_grammar import tool_call_grammar
-from .tools import ToolParser, check_tools, make_parser, render_messages
+from .tools import ToolCall, ToolParser, check_tools, make_parser, render_messages
 
 
 def sse(obj: Any) -> str:
@@ -118,6 +118,19 @@ def finish_reason(st: GenState) -> str | None:
     return None if st.finish is None else st.finish.type
 
 
+def split_calls(tools: ToolParser, text: str, st: GenState) -> tuple[str, list[ToolCall] | None]:
+    """A completion's content and complete tool calls so far. One cut by ``max_tokens`` or the
+    context keeps only its complete calls: the call the limit cut is dropped, never shown as content
+    (and the finish reason stays ``length``: ``tool_finish_reason``)."""
+    return tools.split(text, st.finished, cut=st.finish is not None and st.finish.type == "length")
+
+
+def tool_finish_reason(st: GenState, calls) -> str | None:
+    """``tool_calls`` when the model ended its turn with calls; any other end (a limit) says itself."""
+    fr = finish_reason(st)
+    return "tool_calls" if calls and fr == "stop" else fr
+
+
 def matched_stop(st: GenState) -> int | str | None:
     """SGLang's ``matched_stop``: the stop token id, stop string or stop_regex pattern that ended the choice."""
     return st.finish.matched if st.finish is not None and st.finish.type == "stop" else None
@@ -171,6 +184,11 @@ class OpenAIServing:
             param="model",
             code="model_not_found",
         )
+
+    def answer_model(self, requested: str | None) -> str:
+        """The ``model`` an answer names: the adapter the request named, else the served name (an
+        alias or no model at all answers as the served model)."""
+        return requested if requested is not None and requested in self.adapters() else self.name
 
     def _check_common(self, body: _OpenAICommon) -> str | None:
         """The model check (an adapter's name selects it: returned) and ``n``'s range."""
@@ -374,7 +392,7 @@ class OpenAIServing:
         # PD: the router's bootstrap room(s), one per choice; validated before anything runs.
         rooms = parse_disagg(body.model_extra, len(jobs))
         echo = not chat and body.echo
-        model = body.model if body.model in self.adapters() else self.name  # an adapter answers as itself
+        model = self.answer_model(body.model)
         created = int(time.time())
         rids = [f"{base}-{i}" for i in range(len(jobs))]
         if not body.stream:
@@ -403,8 +421,8 @@ class OpenAIServing:
                     if reasoning is not None:
                         part = reasoning.split(text, final=True)
                         text, thought = part.content, part.reasoning or None
-                    content, calls = tools.split(text, final=True) if tools else (text, None)
-                    c["message"] = {"role": "assistant", "content": text, "reasoning_content": thought}
+                    content, calls = split_calls(tools, text, st) if tools else (text, None)
+                    c["message"] = {"role": "assistant", "content": content, "reasoning_content": thought}
                     if calls:
                         c["message"] = {
                             "role": "assistant",
@@ -412,7 +430,7 @@ class OpenAIServing:
                             "reasoning_content": thought,
                             "tool_calls": [call.to_openai() for call in calls],
                         }
-                        c["finish_reason"] = "tool_calls"
+                    c["finish_reason"] = tool_finish_reason(st, calls)
                 else:
                     c["text"] = (self._echo_text(i, jobs[i][0], body) if echo else "") + st.visible
                 choices.append(c)
@@ -557,7 +575,7 @@ class OpenAIServing:
                     if reasoning.stream or part.closed or st.finished:  # stream_reasoning false: whole, once
                         new_thought = (part.reasoning or "")[thought_shown[i] :]
                         thought_shown[i] += len(new_thought)
-                text, calls = tools.split(text, st.finished) if tools else (text, None)
+                text, calls = split_calls(tools, text, st) if tools else (text, None)
                 new_text = text[shown[i] :]
                 shown[i] = max(shown[i], len(text))
                 new_tokens = len(st.output_ids) - tok_shown[i]
@@ -576,8 +594,8 @@ class OpenAIServing:
                     yield sse(chunk(i, None, st, calls=[d]))
                     yield sse(chunk(i, None, st, calls=[{"index": j, "function": {"arguments": args}}]))
                     calls_sent[i] = j + 1
-                if calls_sent[i] and fr is not None:
-                    fr = "tool_calls"
+                if calls_sent[i]:
+                    fr = tool_finish_reason(st, True)
                 # A chunk before the last carries text or, with logprobs, the tokens whose text is
                 # still held back (an incomplete character, a possible stop string or tool call).
                 if new_text or (lp is not None and new_tokens) or st.finished:

@@ -7,13 +7,30 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from . import fields
 
 
 class _Strict(BaseModel):
+    """Every body type: strict types, peer fields kept for ``fields.check_fields``, and JSON null for
+    an optional field meaning "not given" (OpenAI's schema marks them nullable, and the JS and Go SDKs,
+    LangChain and curl scripts send null): the field takes its default. A required field stays
+    required: null there is refused as missing."""
+
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or _required(cls, k)}
+
+
+def _required(cls: type[BaseModel], name: str) -> bool:
+    f = cls.model_fields.get(name)
+    return f is not None and f.is_required()
 
 
 class GenerateRequest(_Strict):
@@ -92,8 +109,7 @@ class CompletionRequest(_OpenAICommon):
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None

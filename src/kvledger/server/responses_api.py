@@ -12,7 +12,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from ..errors import KVLedgerError, ValidationError
 from .generation import GenState
-from .openai_api import ChatJob, OpenAIServing
+from .openai_api import ChatJob, OpenAIServing, split_calls
 from .protocol import ChatRequest, ResponsesRequest
 from .responses import (
     OutputBuilder,
@@ -55,7 +55,7 @@ def _parts(job: ChatJob, st: GenState) -> dict[str, Any]:
     if job.reasoning is not None:
         part = job.reasoning.split(text, st.finished)
         text, thought, done = part.content, part.reasoning, part.closed
-    text, calls = job.tools.split(text, st.finished) if job.tools else (text, None)
+    text, calls = split_calls(job.tools, text, st) if job.tools else (text, None)
     return {"text": text, "calls": calls, "thought": thought, "thought_done": done}
 
 
@@ -99,7 +99,7 @@ class ResponsesServing:
             "id": rid, "object": "response", "created_at": created, "status": status, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": self.chat.name, "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "model": self.chat.answer_model(body.model), "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "temperature": body.temperature,
             "top_p": body.top_p, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
             "text": {"format": fmt}, "store": body.store, "truncation": "disabled", "metadata": {}, "usage": use,

@@ -91,22 +91,26 @@ class ToolParser:
         args = obj.get(self.args_key, obj.get("arguments", {}))
         return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
-    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall] | None]:
+    def split(self, text: str, final: bool, cut: bool = False) -> tuple[str, list[ToolCall] | None]:
         """``(content, calls)``: the text before the calls and the complete calls so far (None while
         there is none). While streaming (not ``final``), a partial ``start`` and what follows the last
         complete call are held back; at the end, text that is not a complete call is content, so
-        nothing is lost (an unfinished call is shown as text) and a streamed call is never taken back."""
+        nothing is lost (a model that writes a malformed call is shown it as text) and a streamed call
+        is never taken back. ``cut``: a limit (``max_tokens``, the context) ended the completion, so
+        what follows the calls' start after the last complete call is the call it cut: dropped,
+        neither a call nor content (so is a partial ``start`` at the very end)."""
         at = text.find(self.start)
         if at < 0:
-            if not final:  # hold back what may be the beginning of ``start``
+            if not final or cut:  # hold back (or, cut, drop) what may be the beginning of ``start``
                 for k in range(min(len(self.start) - 1, len(text)), 0, -1):
                     if self.start.startswith(text[-k:]):
                         return text[:-k], None
             return text, None
         calls, end = self.scan(text[at:])
+        whole = final and not cut
         if not calls:
-            return (text, None) if final else (text[:at].rstrip(), None)
-        rest = text[at + end :].strip() if final else ""
+            return (text, None) if whole else (text[:at].rstrip(), None)
+        rest = text[at + end :].strip() if whole else ""
         return "\n".join(x for x in (text[:at].rstrip(), rest) if x), calls
 
 
@@ -148,10 +152,10 @@ class Llama3Parser(ToolParser):
     args_key = "parameters"
     separator = "; "
 
-    def split(self, text: str, final: bool) -> tuple[str, list[ToolCall] | None]:
+    def split(self, text: str, final: bool, cut: bool = False) -> tuple[str, list[ToolCall] | None]:
         # Llama 3.1 may open its calls with <|python_tag|>: a marker, not content.
-        content, calls = super().split(text.replace(PYTHON_TAG, ""), final)
-        return (content, calls) if calls else super().split(text, final)
+        content, calls = super().split(text.replace(PYTHON_TAG, ""), final, cut)
+        return (content, calls) if calls else super().split(text, final, cut)
 
     def scan(self, text: str) -> tuple[list[ToolCall], int]:
         dec = json.JSONDecoder()

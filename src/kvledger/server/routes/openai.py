@@ -84,9 +84,10 @@ def model_card(request: Request) -> dict:
         "object": "model",
         "created": int(srv.started),
         "owned_by": "kvledger",
-        # vLLM's extra fields: the context length, and what the served name stands for.
+        # vLLM's extra fields: the context length, and what the served name stands for (vLLM writes
+        # the model's path there; no answer here shows a path on the server's disk: the served name).
         "max_model_len": srv.limits.context_length,
-        "root": srv.client.info.get("model_path") if srv.client else None,
+        "root": srv.name,
         "parent": None,
         # How its reasoning is answered (--reasoning-parser; None: left in content).
         "reasoning_parser": srv.cfg.engine.model.reasoning_parser,
@@ -119,11 +120,12 @@ def _adapters(request: Request) -> list[dict]:
 
 
 def lora_card(request: Request):
-    """A LoRA adapter as an OpenAI model object (vLLM's shape: ``root`` its path, ``parent`` the base)."""
+    """A LoRA adapter as an OpenAI model object (vLLM's shape, ``parent`` the base; ``root`` its name,
+    where vLLM writes the adapter's path: no answer shows a path on the server's disk)."""
     srv = state(request)
 
     def card(a: dict) -> dict:
         return {"id": a["name"], "object": "model", "created": int(srv.started), "owned_by": "kvledger",
-                "max_model_len": srv.limits.context_length, "root": a["path"], "parent": srv.name}  # fmt: skip
+                "max_model_len": srv.limits.context_length, "root": a["name"], "parent": srv.name}  # fmt: skip
 
     return card
