@@ -17,7 +17,9 @@ import httpx
 import pytest
 
 from kvledger.server.dp_launcher import port_free
+from tests import openai_suite
 from tests.integration.conftest import ENGINE_ARGS
+from tests.nulls import walk
 from tests.server_harness import Server, free_port
 
 pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
@@ -142,6 +144,16 @@ def reference(plain: Server, turns: int | list[int]) -> list[list[int]]:
     out = [turn(plain.url, sid, k)["output_ids"] for k in (range(turns) if isinstance(turns, int) else turns)]
     close_session(plain.url, sid)
     return out
+
+
+def test_the_openai_client_suite_and_every_null_field_through_the_one_url(dp):
+    """Issue 56: a body the single server accepts is accepted the same way behind the front (the
+    router refused null fields and bodies without a model, and did not serve score, rerank,
+    tokenize, detokenize or a stored response's follow-ups, retrieve, delete and cancel)."""
+    openai_suite.run(dp.url)
+    assert walk(dp.url) == []
+    for url in dp.replicas:
+        _clean(url)
 
 
 def test_session_turns_through_the_one_url_meet_their_kv(dp, plain):

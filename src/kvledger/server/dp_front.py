@@ -14,7 +14,21 @@ fewest keys), so a turn keyed by its session id lands on a replica that never op
   launcher) gets 503 with ``Retry-After`` and the session waits for it;
 - sends a session id it does not know to a replica, which answers in the API's own words (404
   ``session_not_found``, or 401 first without the key): the front checks no key itself;
-- passes every other request, unread and streamed both ways, to the router, which balances them.
+- sends a stored response's follow-ups (``previous_response_id``), retrieve, delete and cancel to the
+  replica that stored it (it asks each replica up for the id), so a conversation continues wherever
+  its first turn ran;
+- passes the routes the router balances as they are (``ROUTED``: /generate, completions, chat,
+  embeddings) to it, streamed both ways. The router parses those bodies into its own types: it
+  refuses a JSON null the server reads as "not given" and a body without ``model`` (a 422 in plain
+  text, or ``"model": "unknown"`` passed on), so the front hands it the body as the server reads it
+  (nulls of the body, its messages and stream options dropped, ``model`` the served model's alias);
+  an error of the router's that is not in the API's shape is put into it;
+- balances itself, in turn over the replicas up, the routes the router does not serve or mangles
+  (``BALANCED``: score, rerank, tokenize, detokenize, the model list, a new response), and sends
+  ``/abort_request`` to every replica (the request lives on one of them);
+- passes every other request (health, info, /flush_cache: the router's own answers) to the router.
+
+So a body the single server accepts is accepted the same way here (tests/nulls.py walks every field).
 
 A client that disconnects ends the upstream request too (the replica then aborts it). The sessions'
 replica map lives in the launcher's process: if the launcher dies, every replica dies with it.
@@ -47,6 +61,13 @@ _HOP = {
     b"upgrade", b"host", b"content-length",
 }  # fmt: skip
 _GONE = object()
+
+# The routes SGLang's router (0.3.2) balances faithfully once their bodies are in its types.
+ROUTED = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings")
+# The routes it answers itself (404, 501), with its own model list, or with a body it changed
+# ("model": "unknown" on /v1/rerank): the front balances them over the replicas.
+BALANCED = ("/v1/score", "/v1/rerank", "/tokenize", "/detokenize", "/v1/responses", "/v1/models")
+ANY_MODEL = "default"  # every replica's alias of its served model (an answer names the served model)
 
 
 class DPFront:
@@ -133,10 +154,54 @@ class DPFront:
             if path == "/close_session":  # not a body naming a session: a replica says what is wrong
                 await self._relay(self._any_replica(), scope, body, send)
                 return
-        await self._relay(self.router_url, scope, body, send)
+        stored = _stored_response(method, path, body)
+        if stored is not None:
+            await self._relay(await self._holder(scope, stored), scope, body, send)
+        elif method == "POST" and path == "/abort_request":
+            await self._abort(scope, body, send)
+        elif method == "POST" and path in ROUTED:
+            routed = _as_the_server_reads(body, path != "/generate")
+            await self._relay(self.router_url, scope, routed, send, unrouted=body)
+        elif path in BALANCED or path.startswith("/v1/models/"):
+            await self._relay(self._next_replica(), scope, body, send)
+        else:
+            await self._relay(self.router_url, scope, body, send)
 
     def _any_replica(self) -> str:
         return self.replicas[next((i for i, u in enumerate(self.up) if u), 0)]
+
+    def _next_replica(self) -> str:
+        """The replicas up, in turn (the routes the front balances itself)."""
+        live = [i for i, u in enumerate(self.up) if u] or [0]
+        self._turn += 1
+        return self.replicas[live[self._turn % len(live)]]
+
+    async def _holder(self, scope: Scope, response_id: str) -> str:
+        """The replica that stored ``response_id`` (asked with the client's own headers, so a key it
+        may not use finds nothing), or any replica up, which answers 404 in the API's words."""
+        probe = {**scope, "method": "GET", "path": f"/v1/responses/{response_id}", "query_string": b""}
+        for i, url in enumerate(self.replicas):
+            if not self.up[i]:
+                continue
+            try:
+                if (await self._request(url, probe, b"")).status_code == 200:
+                    return url
+            except httpx.TransportError:
+                continue
+        return self._any_replica()
+
+    async def _abort(self, scope: Scope, body: bytes, send: Send) -> None:
+        """``/abort_request`` on every replica up (the request runs on one): the first success, or
+        the first replica's answer when none knew it."""
+        answers = []
+        for i, url in enumerate(self.replicas):
+            if self.up[i]:
+                with contextlib.suppress(httpx.TransportError):
+                    answers.append(await self._request(url, scope, body))
+        if not answers:
+            await _reply(send, 503, error_body("no replica is up", "service_unavailable"), retry_after=True)
+            return
+        await _reply_raw(send, next((r for r in answers if r.status_code == 200), answers[0]))
 
     def _pick(self) -> list[int]:
         """Replicas to open a session on, best first: up ones, fewest of our sessions, ties in turn."""
@@ -216,8 +281,11 @@ class DPFront:
         assert self.http is not None
         return await self.http.send(self._build(base, scope, body))
 
-    async def _relay(self, base: str, scope: Scope, body: bytes, send: Send) -> int:
-        """Pass the request to ``base`` and its response back as it comes; returns the status."""
+    async def _relay(self, base: str, scope: Scope, body: bytes, send: Send, unrouted: bytes | None = None) -> int:
+        """Pass the request to ``base`` and its response back as it comes; returns the status.
+        ``unrouted``: the client's own body, sent to a replica instead if the router refuses the
+        request itself (its stricter types: an empty message, a temperature over 2), so a body the
+        server accepts is answered by a server."""
         assert self.http is not None
         try:
             r = await self.http.send(self._build(base, scope, body), stream=True)
@@ -226,6 +294,16 @@ class DPFront:
             await _reply(send, 503, error_body(f"{what} is not reachable ({e!r}); retry", "service_unavailable"),
                          retry_after=True)  # fmt: skip
             return 503
+        if unrouted is not None and r.status_code >= 400 and not _from_a_replica(r):
+            await r.aclose()
+            return await self._relay(self._next_replica(), scope, unrouted, send)
+        if base == self.router_url and r.status_code >= 400 and not _is_json(r):
+            # The router's own refusal, in plain text: in the API's error shape, as the server answers.
+            text = (await r.aread()).decode("utf-8", "replace").strip()[:500]
+            await r.aclose()
+            kind = "not_found_error" if r.status_code == 404 else "invalid_request_error"
+            await _reply(send, r.status_code, error_body(text or f"HTTP {r.status_code}", kind))
+            return r.status_code
         try:
             await send({"type": "http.response.start", "status": r.status_code, "headers": _headers(r)})
             try:
@@ -257,6 +335,61 @@ def _session_of(path: str, body: bytes) -> str | None:
         sp = doc.get("session_params")
         sid = sp.get("id") if isinstance(sp, dict) else None
     return sid if isinstance(sid, str) else None
+
+
+def _stored_response(method: str, path: str, body: bytes) -> str | None:
+    """The stored response a request needs (a follow-up's ``previous_response_id``, or the id of a
+    retrieve, delete or cancel), or None."""
+    if path.startswith("/v1/responses/"):
+        return path.removeprefix("/v1/responses/").removesuffix("/cancel") or None
+    if method != "POST" or path != "/v1/responses" or b"previous_response_id" not in body:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    prev = doc.get("previous_response_id") if isinstance(doc, dict) else None
+    return prev if isinstance(prev, str) else None
+
+
+def _as_the_server_reads(body: bytes, with_model: bool) -> bytes:
+    """``body`` as a replica reads it, for the router's stricter parser: JSON null is "not given"
+    (dropped from the body, its messages and stream options) and no ``model`` is the served one."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body  # not JSON: a replica's 400 would say so; the router's is put into that shape
+    if not isinstance(doc, dict):
+        return body
+    doc = _unset_nulls(doc)
+    if isinstance(doc.get("messages"), list):
+        doc["messages"] = [_message(m) if isinstance(m, dict) else m for m in doc["messages"]]
+    if isinstance(doc.get("stream_options"), dict):
+        doc["stream_options"] = _unset_nulls(doc["stream_options"])
+    if with_model:
+        doc.setdefault("model", ANY_MODEL)
+    return json.dumps(doc).encode()
+
+
+def _message(m: dict) -> dict:
+    out = _unset_nulls(m)
+    if "content" in m and m["content"] is None:  # the server reads a null content as "" (chat_input)
+        out["content"] = ""
+    return out
+
+
+def _unset_nulls(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if v is not None}
+
+
+def _from_a_replica(r: httpx.Response) -> bool:
+    """Whether the router passed a replica's answer on (it keeps the replica's headers; uvicorn,
+    which serves every replica, names itself) rather than answering itself."""
+    return r.headers.get("server") == "uvicorn"
+
+
+def _is_json(r: httpx.Response) -> bool:
+    return "json" in r.headers.get("content-type", "")
 
 
 def _headers(r: httpx.Response) -> list[tuple[bytes, bytes]]:

@@ -100,6 +100,24 @@ def _wait_healthy(procs: list[subprocess.Popen], urls: list[str], timeout: float
         time.sleep(0.3)
 
 
+def _wait_router(proc: subprocess.Popen, url: str, api_key: str | None, timeout: float = 120) -> None:
+    """Until the router lists the replicas' model (its workers are registered): the public port
+    opens only once the whole deployment can serve."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the router exited with {proc.returncode} while starting")
+        try:
+            r = httpx.get(url + "/v1/models", timeout=1, headers=headers)
+            if r.status_code == 200 and r.json().get("data"):
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"the router did not register the replicas in {timeout:.0f}s")
+
+
 def _stop(procs: list[subprocess.Popen], sig: int, timeout: float) -> None:
     for p in procs:
         if p.poll() is None:
@@ -192,6 +210,7 @@ def serve_dp(
         if api_key:
             cmd += ["--api-key", api_key]
         router = subprocess.Popen(cmd)
+        _wait_router(router, router_url, api_key)
         front = FrontThread(DPFront(router_url, urls, up, max_body_bytes, max_sessions), host, port)
         front.start()
         log.info("dp: serving on http://%s:%d (SGLang's router, %s, on %s; sessions kept on their replica)",

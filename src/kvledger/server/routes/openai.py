@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ...errors import ValidationError
 from ..handlers import parse_body
 from ..protocol import (
     ChatRequest,
@@ -74,6 +75,21 @@ async def delete_response(request: Request, response_id: str):
     srv = state(request)
     srv.live_client()
     return JSONResponse(srv.responses.delete(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(request: Request, response_id: str):
+    """OpenAI's cancel stops a response created with ``background: true``; this server runs none in
+    the background (refused at create), so a stored response is a 400, as OpenAI answers for a
+    synchronous one, and an unknown one a 404."""
+    srv = state(request)
+    srv.live_client()
+    srv.responses.retrieve(response_id)
+    raise ValidationError(
+        "cannot cancel a synchronous response: only a response created with background: true can be "
+        "cancelled, and this server runs none in the background",
+        param="response_id", code="response_not_cancellable",
+    )  # fmt: skip
 
 
 def model_card(request: Request) -> dict:
