@@ -16,12 +16,9 @@ def chat(c: openai.OpenAI, url: str) -> None:
     r = c.chat.completions.create(model="default", messages=MSGS, max_tokens=4, temperature=0, logprobs=True,
                                   top_logprobs=2)  # fmt: skip
     assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
-    text = "".join(
-        ch.choices[0].delta.content or ""
-        for ch in c.chat.completions.create(model="default", messages=MSGS, max_tokens=4, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
-        if ch.choices
-    )
+    stream = c.chat.completions.create(model="default", messages=MSGS, max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
     assert text == r.choices[0].message.content  # greedy: streamed or not, the same answer
     r2 = c.chat.completions.create(messages=MSGS, model="default", max_tokens=2, n=2, temperature=0)
     assert len(r2.choices) == 2
@@ -30,10 +27,8 @@ def chat(c: openai.OpenAI, url: str) -> None:
 def completions(c: openai.OpenAI, url: str) -> None:
     r = c.completions.create(model="default", prompt=["One", "Two"], max_tokens=3, temperature=0)
     assert len(r.choices) == 2 and r.usage.prompt_tokens >= 2
-    streamed = "".join(
-        ch.choices[0].text for ch in c.completions.create(model="default", prompt="One", max_tokens=3, temperature=0,
-                                                          stream=True) if ch.choices  # fmt: skip
-    )
+    stream = c.completions.create(model="default", prompt="One", max_tokens=3, temperature=0, stream=True)
+    streamed = "".join(ch.choices[0].text for ch in stream if ch.choices)
     assert streamed == next(x.text for x in r.choices if x.index == 0)
 
 

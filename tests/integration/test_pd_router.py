@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from kvledger.disagg.mooncake import available as mooncake_missing
+from tests import openai_suite
 from tests.integration.conftest import ENGINE_ARGS
 from tests.server_harness import Router, Server, free_port
 
@@ -67,6 +68,16 @@ def clean(*servers: Server) -> None:
 
 
 PROMPTS = ["Hello there", "A longer prompt that crosses a few pages of the decode side's pool " * 3]
+
+
+def test_the_openai_client_suite_through_the_pd_router(pd_pair):
+    """Issue 56: the OpenAI-client suite's parts that SGLang's router serves in PD mode (chat and
+    completions, streamed and not, n > 1). The router answers the Responses API and /v1/embeddings
+    itself with 501 in PD mode and lists models in its own shape: those parts run against the single
+    server and the --dp-size front (test_openai_suite.py, test_dp_sessions.py)."""
+    pre, dec, router, _ = pd_pair
+    openai_suite.run(router.url, parts=(openai_suite.chat, openai_suite.completions))
+    clean(pre, dec)
 
 
 def test_output_through_the_router_equals_one_server(pd_pair):
