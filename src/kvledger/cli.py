@@ -345,6 +345,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
+    p.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help="prompts (inputs, items, documents) one body may carry (400 past it)")  # fmt: skip
+    p.add_argument("--max-choices-per-request", type=int, default=d.max_choices_per_request,
+                   help="engine requests one body may fan out to, prompts x n (400 past it)")  # fmt: skip
+    p.add_argument("--max-prompt-tokens-per-request", type=int, default=d.max_prompt_tokens_per_request,
+                   help="prompt tokens of one body, all its prompts together (400 past it)")  # fmt: skip
+    p.add_argument("--max-requests-per-key", type=int, default=d.max_requests_per_key,
+                   help="engine requests one API key (or anonymous) may have in flight (429 past it)")  # fmt: skip
     p.add_argument("--max-stored-responses", type=int, default=d.max_stored_responses,
                    help="responses kept for previous_response_id and GET /v1/responses/{id} (an LRU)")  # fmt: skip
     p.add_argument("--pooling", default=d.pooling, choices=list(POOLING_METHODS),

@@ -662,6 +662,15 @@ class ServerConfig:
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
     max_n: int = 16
+    # What one body and one caller may ask of the engine (server/admission.py).
+    max_prompts_per_request: int = 2048
+    """Prompts (inputs, items, documents) in one body: OpenAI's embeddings limit."""
+    max_choices_per_request: int = 1024
+    """Engine requests one body fans out to (prompts x n)."""
+    max_prompt_tokens_per_request: int = 1 << 20
+    """Prompt tokens of one body, all its prompts together."""
+    max_requests_per_key: int = 1024
+    """Engine requests one caller (API key, or anonymous) may have in flight: 429 past it."""
     max_stored_responses: int = 1024
     """/v1/responses kept for previous_response_id and GET (the least recently used go first)."""
     pooling: str = "last"

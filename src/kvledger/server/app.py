@@ -24,6 +24,7 @@ from ..config import ServerConfig
 from ..errors import KVLedgerError
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from . import handlers
+from .admission import InFlight
 from .auth import AuthMiddleware
 from .control import Control
 from .engine_client import EngineClient
@@ -77,7 +78,9 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         )
         if srv.sessions.load_journal():  # a previous process of this server held sessions
             await reopen_journaled(client, srv.sessions)
-        srv.gen = GenerationService(client, tokenizer, srv.metrics, srv.sessions, srv.gate)
+        srv.gen = GenerationService(
+            client, tokenizer, srv.metrics, srv.sessions, srv.gate, InFlight(srv.admission.max_requests_per_key)
+        )
         srv.control = Control(client, srv.gate)
 
         async def restore_sessions() -> None:
@@ -96,12 +99,13 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             cfg.max_n,
             make_parser(cfg.tool_call_parser),
             cfg.engine.model.reasoning_parser,
+            srv.admission,
         )
         srv.openai.adapters = lambda: {a["name"] for a in (srv.client.info.get("loras") or [])}
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.pooling = PoolingServing(
             srv.gen, srv.openai.check_model, name, srv.limits, tokenizer, cfg.pooling,
-            client.engine_config["max_running_requests"],
+            client.engine_config["max_running_requests"], srv.admission,
         )  # fmt: skip
         srv.client = client  # last: the routes take a server with a client as started
         log.info("serving %s on http://%s:%d", name, cfg.host, cfg.port)

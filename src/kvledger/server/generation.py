@@ -4,7 +4,6 @@ abort it through the engine's release path if the client goes away."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,7 +14,8 @@ from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs, TopLogprobs
 from ..common.pooling import PoolingParams
 from ..engine.detok import TextState
-from ..errors import KVLedgerError
+from ..errors import KVLedgerError, OverloadedError
+from .admission import InFlight
 from .auth import current_principal
 from .control import GenerationGate
 from .engine_client import EngineClient
@@ -90,9 +90,16 @@ class GenerationService:
     """Runs requests against the engine for the HTTP handlers."""
 
     def __init__(
-        self, client: EngineClient, tokenizer, metrics: Metrics, sessions: SessionStore, gate: GenerationGate
+        self,
+        client: EngineClient,
+        tokenizer,
+        metrics: Metrics,
+        sessions: SessionStore,
+        gate: GenerationGate,
+        inflight: InFlight | None = None,
     ):
         self.client = client
+        self.inflight = inflight or InFlight(1 << 30)  # each caller's engine requests (--max-requests-per-key)
         self.gate = gate  # new requests wait here while generation is paused or weights update
         self.sessions = sessions
         self.tokenizer = tokenizer
@@ -120,6 +127,12 @@ class GenerationService:
         ``owner`` is who may abort it besides the admin (default: the calling principal);
         ``disagg`` its bootstrap room in PD mode; ``pooling`` makes it an embedding or score request
         (its answer on the final state)."""
+        who = current_principal()
+        with self.inflight.hold(who):  # 429 past --max-requests-per-key; given back however it ends
+            async for st in self._stream(input_ids, params, rid, session_params, owner or who, disagg, pooling):
+                yield st
+
+    async def _stream(self, input_ids, params, rid, session_params, owner, disagg, pooling) -> AsyncIterator[GenState]:
         rid = rid or uuid.uuid4().hex
         text = TextState(self.tokenizer, params.skip_special_tokens, params.stop, not params.no_stop_trim)
         st = GenState(rid, params, text, len(input_ids))
@@ -129,7 +142,7 @@ class GenerationService:
         last = None
         await self.gate.wait_open()  # holds nothing while it waits (a client may leave meanwhile)
         q = await self.client.submit(rid, input_ids, params, session_params, disagg, pooling)
-        self.owners[rid] = owner or current_principal()
+        self.owners[rid] = owner
         try:
             while st.finish is None:
                 items = [await q.get()]
@@ -188,15 +201,53 @@ class GenerationService:
                 last = state
             return last
 
-        task = asyncio.create_task(run())
-        if disconnected is None:
-            return await task
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise asyncio.CancelledError
+        return (await self.collect_all([run()], disconnected))[0]
+
+    async def collect_all(
+        self, runs: list, disconnected=None, concurrency: int | None = None, fail_fast: bool = True
+    ) -> list[GenState]:
+        """Await one body's runs (coroutines, each one engine request's: ``collect``), at most
+        ``concurrency`` at once; their states in order. If ``disconnected`` (polled) turns true, or,
+        with ``fail_fast`` (a body that fails as a whole), one fails (raises, or ends with an error:
+        a full queue's 429), every other is cancelled, which aborts its engine request through the
+        engine's one release path: none is left running (issue 50: a fanned-out body left 76,000
+        running after its client went away). The caller's room for all of them is checked first
+        (429)."""
+        limit = asyncio.Semaphore(concurrency or max(1, len(runs)))
+        try:
+            self.inflight.check_room(current_principal(), min(len(runs), concurrency or len(runs)))
+        except OverloadedError:
+            for r in runs:
+                r.close()  # never started
+            raise
+
+        async def gated(coro):
+            async with limit:
+                return await coro
+
+        tasks = [asyncio.ensure_future(gated(r)) for r in runs]
+        watch = asyncio.ensure_future(_until(disconnected)) if disconnected is not None else None
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending | {watch} - {None}, return_when=asyncio.FIRST_COMPLETED)
+                if watch is not None and watch in done:
+                    raise asyncio.CancelledError  # the client went away
+                pending.discard(watch)
+                for t in done:  # the first failure, raised after the rest are cancelled (finally)
+                    err = t.result().error() if fail_fast else None
+                    if err is not None:
+                        raise err
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+            if watch is not None:
+                watch.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until(disconnected) -> None:
+    """Return once ``disconnected()`` says the client has gone (polled every 0.25 s)."""
+    while not await disconnected():
+        await asyncio.sleep(0.25)

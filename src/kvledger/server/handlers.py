@@ -44,7 +44,9 @@ async def parse_body(request: Request, model: type[BaseModel]):
 def install(app: FastAPI) -> None:
     @app.exception_handler(KVLedgerError)
     async def kv_error(_: Request, e: KVLedgerError):
-        return JSONResponse(e.to_dict(), status_code=e.status)
+        # Overloaded or not ready: a client may come back (in a second: the engine steps in ms).
+        headers = {"Retry-After": "1"} if e.status in (429, 503) else None
+        return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_: Request, e: RequestValidationError):

@@ -17,6 +17,8 @@ from ..common.reasoning import REASONING_FORMATS
 from ..common.sampling import GRAMMAR_KINDS
 from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
+from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
+from .auth import current_principal
 from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
 from .reasoning import ReasoningParser
@@ -157,8 +159,10 @@ class OpenAIServing:
         max_n: int,
         tool_parser: ToolParser | None = None,
         reasoning_parser: str | None = None,
+        admission: AdmissionLimits | None = None,
     ):
         self.gen = gen
+        self.admission = admission or AdmissionLimits()
         self.tool_parser = tool_parser or make_parser("hermes")
         self.reasoning_format = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
         template = getattr(tokenizer, "chat_template", None) or ""
@@ -198,8 +202,13 @@ class OpenAIServing:
         return lora
 
     def completion_inputs(self, body: CompletionRequest) -> list[list[int]]:
+        """The prompts' token ids, after the body's fan-out is checked (before any is tokenized) and
+        with their total checked (issue 50: one body of 20,000 prompts x n=4)."""
+        check_fanout(self.admission, prompt_count(body.prompt), body.n, "prompt")
         text, ids = split_openai_prompt(body.prompt)
-        return parse_prompts(text, ids, self.tokenizer, text_param="prompt")[0]
+        prompts = parse_prompts(text, ids, self.tokenizer, text_param="prompt")[0]
+        check_prompt_tokens(self.admission, prompts, "prompt")
+        return prompts
 
     async def completions(self, body: CompletionRequest, disconnected) -> dict | AsyncIterator[str]:
         lora = self._check_common(body)
@@ -333,6 +342,7 @@ class OpenAIServing:
         return ChatJob(ids, params, self.tool_parser if tools else None, reasoning)
 
     async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
+        check_fanout(self.admission, 1, body.n, "messages")
         job = self.chat_job(body)
         base = body.rid or body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return await self._run(
@@ -396,11 +406,9 @@ class OpenAIServing:
         created = int(time.time())
         rids = [f"{base}-{i}" for i in range(len(jobs))]
         if not body.stream:
-            states = await asyncio.gather(
-                *(
-                    self.gen.collect(ids, p, rid, disconnected=disconnected, disagg=room)
-                    for (ids, p), rid, room in zip(jobs, rids, rooms)
-                )
+            states = await self.gen.collect_all(
+                [self.gen.collect(ids, p, rid, disagg=room) for (ids, p), rid, room in zip(jobs, rids, rooms)],
+                disconnected,
             )
             for st in states:
                 err = st.error()
@@ -444,6 +452,7 @@ class OpenAIServing:
             }
         opts = body.stream_options
         usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), body.n)
+        self.gen.inflight.check_room(current_principal(), len(jobs))  # all the choices, or none (429)
         queue, tasks = self._pump(jobs, rids, rooms)
         # Wait for each choice's first event: a request the engine refuses (a grammar that does not
         # compile, a full queue) is answered with its status code, not a 200 stream with an error.

@@ -5,7 +5,6 @@ allocates nothing for any of them."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
@@ -17,10 +16,10 @@ from ..common import Limits, SamplingParams, cache_salt_of, parse_prompts, valid
 from ..common.pooling import PoolingParams, label_scores, score_prompts, validate_pooling
 from ..common.prompts import split_openai_prompt
 from ..errors import ValidationError
+from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
 from .generation import GenerationService, GenState
 from .protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 
-MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request (also documents, items)
 RERANK_SCORE = "cosine_similarity"  # what /v1/rerank's relevance_score is (no cross-encoder here)
 
 
@@ -34,8 +33,10 @@ class PoolingServing:
         tokenizer,
         pooling: str,
         max_in_flight: int,
+        admission: AdmissionLimits | None = None,
     ):
         self.gen = gen
+        self.admission = admission or AdmissionLimits()
         self.max_in_flight = max_in_flight
         self.check_model = check_model
         self.name = name
@@ -46,10 +47,9 @@ class PoolingServing:
     # -- shared ------------------------------------------------------------------------------------------
     def _prompts(self, text, ids, param: str, sampling: dict | None = None) -> list[tuple[list[int], SamplingParams]]:
         """Parse and validate every prompt (the one validation) before anything is submitted."""
-        many = text if isinstance(text, list) else ids
-        if isinstance(many, list) and len(many) > MAX_INPUTS:
-            raise ValidationError(f"at most {MAX_INPUTS} inputs per request", param=param, code="too_many_inputs")
+        check_fanout(self.admission, prompt_count(text if text is not None else ids), 1, param)
         prompts, _ = parse_prompts(text, ids, self.tokenizer, text_param=param)
+        check_prompt_tokens(self.admission, prompts, param)
         jobs = []
         for i, p in enumerate(prompts):
             try:
@@ -62,18 +62,9 @@ class PoolingServing:
     async def _run(self, base: str, jobs, pooling: PoolingParams, disconnected) -> list[GenState]:
         # At most --max-running-requests of one call in the engine at a time: a batch larger than the
         # waiting queue (--max-queued-requests) is fed to it, not refused by it with 429s.
-        gate = asyncio.Semaphore(self.max_in_flight)
-
-        async def one(i: int, ids: list[int], p: SamplingParams) -> GenState:
-            async with gate:
-                return await self.gen.collect(ids, p, f"{base}-{i}", disconnected=disconnected, pooling=pooling)
-
-        tasks = [asyncio.ensure_future(one(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
-        try:
-            states = await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:  # one failed or the client left: the rest are aborted, not left running
-                t.cancel()
+        # One failed or the client left: the rest are aborted, not left running (collect_all).
+        runs = [self.gen.collect(ids, p, f"{base}-{i}", pooling=pooling) for i, (ids, p) in enumerate(jobs)]
+        states = await self.gen.collect_all(runs, disconnected, concurrency=self.max_in_flight)
         for st in states:
             err = st.error()
             if err is not None:

@@ -12,6 +12,7 @@ from fastapi import Request
 from ..common import Limits
 from ..config import ServerConfig
 from ..errors import ServiceUnavailable
+from .admission import AdmissionLimits
 from .control import Control, GenerationGate
 from .engine_client import EngineClient
 from .generation import GenerationService
@@ -43,6 +44,14 @@ class ServerState:
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     # Not None once the server must stop serving and exit with it (1: the engine cannot be started).
     exit_code: int | None = None
+    admission: AdmissionLimits = field(init=False)  # what one body may ask (from cfg)
+
+    def __post_init__(self) -> None:
+        c = self.cfg
+        self.admission = AdmissionLimits(
+            c.max_prompts_per_request, c.max_choices_per_request, c.max_prompt_tokens_per_request,
+            c.max_requests_per_key,
+        )  # fmt: skip
 
     def live_client(self) -> EngineClient:
         """The engine client, or 503 while shutting down / (re)starting."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from fastapi import APIRouter, Request
@@ -11,6 +10,7 @@ from fastapi.responses import StreamingResponse
 from ...common import cache_salt_of, parse_prompts, validate_request
 from ...common.disagg import parse_disagg
 from ...errors import ValidationError
+from ..admission import check_fanout, check_prompt_tokens, prompt_count
 from ..handlers import parse_body
 from ..openai_api import sse
 from ..protocol import GenerateRequest
@@ -24,7 +24,10 @@ async def generate(request: Request):
     srv = state(request)
     srv.live_client()
     body = await parse_body(request, GenerateRequest)
+    given = body.text if body.text is not None else body.input_ids
+    check_fanout(srv.admission, prompt_count(given), 1, "text" if body.text is not None else "input_ids")
     ids_list, single = parse_prompts(body.text, body.input_ids, srv.tokenizer)
+    check_prompt_tokens(srv.admission, ids_list, "text" if body.text is not None else "input_ids")
     if body.session_params is not None and not single:
         raise ValidationError("a session turn takes a single prompt", param="session_params")
     sp = dict(body.sampling_params or {})
@@ -53,11 +56,10 @@ async def generate(request: Request):
         if body.stream:
             raise ValidationError("stream takes a single prompt", param="stream")
         base = body.rid or uuid.uuid4().hex
-        states = await asyncio.gather(
-            *(
-                srv.gen.collect(ids, p, f"{base}-{i}", request.is_disconnected, disagg=room)
-                for i, ((ids, p), room) in enumerate(zip(jobs, rooms))
-            )
+        states = await srv.gen.collect_all(
+            [srv.gen.collect(ids, p, f"{base}-{i}", disagg=room) for i, ((ids, p), room) in enumerate(zip(jobs, rooms))],
+            request.is_disconnected,
+            fail_fast=False,  # SGLang's batch: each prompt answers for itself, a failed one with its abort
         )
         return [s.native(body.return_logprob, text_fn) for s in states]
     (ids, params), rid = jobs[0], body.rid or uuid.uuid4().hex
