@@ -176,7 +176,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor parallel ranks (processes over torch.distributed)")  # fmt: skip
     p.add_argument("--nnodes", type=int, default=d.nnodes, help="machines the TP ranks span")
     p.add_argument("--node-rank", type=int, default=d.node_rank, help="this machine's index (0 serves HTTP)")
-    p.add_argument("--dist-init-addr", default=d.dist_init_addr, help="host:port of node 0's rendezvous")
+    p.add_argument("--dist-init-addr", default=d.dist_init_addr,
+                   help="host:port of node 0's rendezvous (node 0 listens on that address only)")  # fmt: skip
+    p.add_argument("--dist-auth-key-file", default=d.dist_auth_key_file,
+                   help="the key every TP rank proves before the group forms (same file on every node; "
+                   "or KVLEDGER_DIST_AUTH_KEY); needed with --nnodes > 1")  # fmt: skip
     p.add_argument("--dist-timeout", dest="dist_timeout_s", type=float, default=d.dist_timeout_s,
                    help="seconds a collective may wait (idle ranks wait in one for the next step)")  # fmt: skip
     p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,

@@ -34,6 +34,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 STORAGE_BACKENDS = ("file",)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # SGLang's names (scheduler/queue_order.py)
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names (server/reasoning.py has their formats)
+DIST_AUTH_KEY_ENV = "KVLEDGER_DIST_AUTH_KEY"  # the tensor-parallel group's key, where no key file is given
 # Overlap scheduling on the CPU when --disable-overlap-schedule is not given (bench/overlap.py).
 CPU_OVERLAP_DEFAULT = False
 # --interleave-prefill-tokens on the CPU when not given (bench/RESULTS.md, "Prefill while decoding").
@@ -364,7 +365,11 @@ class ParallelSettings:
     """Machines the TP ranks span (tp_size / nnodes ranks on each); node 0 serves HTTP."""
     node_rank: int = 0
     dist_init_addr: str | None = None
-    """host:port of rank 0's rendezvous (multi-node); None picks a free port on 127.0.0.1."""
+    """host:port of rank 0's rendezvous (multi-node): node 0 listens there only, the others connect;
+    None: a free port on 127.0.0.1."""
+    dist_auth_key_file: str | None = None
+    """A file holding the key every rank proves before the group forms (the same file on every node;
+    or ``KVLEDGER_DIST_AUTH_KEY``); needed with several nodes, on one machine a random key per launch."""
     dist_timeout_s: float = 24 * 3600.0
     """How long a collective may wait. Idle workers wait in one for the next step, so this is long; a
     rank that dies breaks its connections at once, and a hung one is the front's watchdog's to catch."""
@@ -378,6 +383,11 @@ class ParallelSettings:
             raise ValidationError(f"node_rank must be in [0, {self.nnodes})", param="node_rank")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValidationError("several nodes need --dist-init-addr host:port (node 0's)", param="dist_init_addr")
+        if self.nnodes > 1 and not (self.dist_auth_key_file or os.environ.get(DIST_AUTH_KEY_ENV)):
+            raise ValidationError(
+                f"several nodes need a shared key: --dist-auth-key-file PATH (or {DIST_AUTH_KEY_ENV})",
+                param="dist_auth_key_file",
+            )
         _positive(self, "dist_timeout_s", "num_threads")
 
 

@@ -210,3 +210,73 @@ def test_tp_with_torch_compile_equals_plain_and_never_recompiles(tp_model):
         comp.shutdown()
         plain.shutdown()
     assert not any(process_alive(p) for p in pids)
+
+
+def _listening(pids: list[int]) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket the processes listen on."""
+    import psutil
+
+    return {(pid, c.laddr.ip, c.laddr.port) for pid in pids
+            for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp_model", ["kv_sharded"], indirect=True)
+def test_a_serving_tp_engine_listens_on_loopback_only(tp_model):
+    """Issue 50 item 8: one machine's group is reachable from this machine only. Every socket rank 0 and
+    its worker listen on while serving is on 127.0.0.1 (before: torch's TCPStore on every interface,
+    for the engine's life), and the rendezvous port itself is closed once the group formed."""
+    import os
+
+    before = _listening([os.getpid()])
+    two = Engine(model=tp_model, tp_size=2, **OPTS)
+    try:
+        pids = [os.getpid(), *two.core.info.tp_worker_pids]
+        out = two.generate(input_ids=[3, 4, 5, 6], sampling_params={**G, "max_new_tokens": 4})
+        assert len(out["output_ids"]) == 4
+        opened = _listening(pids) - before
+        assert opened and {ip for _, ip, _ in opened} == {"127.0.0.1"}, opened
+        assert [r["rank"] for r in two.core.rank_stats()] == [0, 1]  # a typed gather from the worker
+        assert_idle_clean(two)
+    finally:
+        two.shutdown()
+
+
+@pytest.mark.parametrize("tp_model", ["kv_sharded"], indirect=True)
+def test_a_worker_without_the_key_is_refused_and_the_group_still_forms(tp_model, tmp_path):
+    """Issue 50 item 8: a worker rank started with another key, waiting at the rendezvous before the
+    engine starts (so it reaches the store first), is refused before the group forms and exits; the
+    engine's own worker joins and the engine serves. Before, any process reaching the port joined."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from kvledger.config import EngineConfig
+    from tests.server_harness import free_port
+
+    addr = f"127.0.0.1:{free_port()}"
+    opts = {**OPTS, "tp_size": 2, "dist_init_addr": addr, "dist_timeout_s": 60.0}
+    log_path = tmp_path / "rogue.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVLEDGER_TP_KEY": os.urandom(32).hex(),
+           "KVLEDGER_TP_CONFIG": json.dumps(EngineConfig.from_flat(model=tp_model, **opts).flat())}  # fmt: skip
+    with open(log_path, "w") as log:
+        rogue = subprocess.Popen([sys.executable, "-m", "kvledger.parallel.worker", "1", addr, "INFO"],
+                                 env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while "joining the group" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        two = Engine(model=tp_model, **opts)
+        try:
+            out = two.generate(input_ids=[3, 4, 5, 6], sampling_params={**G, "max_new_tokens": 4})
+            assert len(out["output_ids"]) == 4
+            assert rogue.wait(timeout=60) != 0
+            assert "does not hold this rank's key" in log_path.read_text(), log_path.read_text()[-2000:]
+            assert_idle_clean(two)
+        finally:
+            two.shutdown()
+    finally:
+        if rogue.poll() is None:
+            rogue.kill()
+            rogue.wait()

@@ -84,7 +84,10 @@ def test_serve_tp2_survives_a_dead_worker(chat_model, tmp_path):
 
 def test_two_nodes_on_loopback(chat_model, tmp_path):
     addr = f"127.0.0.1:{free_port()}"
-    multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    key = tmp_path / "tp.key"
+    key.write_text(os.urandom(32).hex())
+    key.chmod(0o600)
+    multi = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--dist-auth-key-file", str(key)]
     node1_log = open(tmp_path / "node1.log", "w")  # noqa: SIM115 - closed below
     node1 = subprocess.Popen(
         [

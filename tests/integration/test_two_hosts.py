@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -188,10 +189,21 @@ def test_pd_across_two_hosts(hosts, chat_model, server, tmp_path):
     dec.wait_idle_clean()
 
 
+def listening(host) -> list[str]:
+    """The local address:port of every TCP socket listening in ``host``'s namespace."""
+    out = subprocess.run(["ip", "netns", "exec", host.name, "ss", "-ltnH"], check=True, capture_output=True, text=True)
+    return [line.split()[3] for line in out.stdout.splitlines()]
+
+
 def test_tensor_parallel_across_two_hosts(hosts, chat_model, server, tmp_path):
-    """Node 0 (rank 0, HTTP) on A, node 1 (rank 1) on B; the rendezvous on A's address."""
+    """Node 0 (rank 0, HTTP) on A, node 1 (rank 1) on B; the rendezvous on A's address, the nodes
+    sharing a key file. Once the group serves, nothing on A listens on every interface and the
+    rendezvous port is closed (issue 50 item 8: before, torch's store listened on *:34001 for good)."""
+    key = tmp_path / "tp.key"
+    key.write_text(os.urandom(32).hex())
+    key.chmod(0o600)
     multi = ["--model", chat_model, *ENGINE_ARGS, "--tp-size", "2", "--nnodes", "2",
-             "--dist-init-addr", f"{hosts.a.addr}:34001"]  # fmt: skip
+             "--dist-init-addr", f"{hosts.a.addr}:34001", "--dist-auth-key-file", str(key)]  # fmt: skip
     node1 = hosts.start(hosts.b, [*SERVE, "--host", hosts.b.addr, *multi, "--node-rank", "1"], str(tmp_path / "n1.log"))
     node0 = Remote(hosts, hosts.a, 34000, [*multi, "--node-rank", "0"], str(tmp_path / "n0.log"))
     node0.wait_healthy()
@@ -204,6 +216,9 @@ def test_tensor_parallel_across_two_hosts(hosts, chat_model, server, tmp_path):
         assert got.json()["output_ids"] == whole["output_ids"]
     node0.wait_idle_clean()
     assert node1.poll() is None, (tmp_path / "n1.log").read_text()[-2000:]
+    on_a = listening(hosts.a)
+    assert f"{hosts.a.addr}:34000" in on_a and not any(a.endswith(":34001") for a in on_a), on_a
+    assert all(a.startswith((f"{hosts.a.addr}:", "127.0.0.1:")) for a in on_a), on_a
 
 
 def readme_recipe(name: str) -> list[list[str]]:

@@ -142,9 +142,9 @@ def _tp_gather(cfg: EngineConfig):
     one rank)."""
     if cfg.parallel.tp_size == 1:
         return None
-    from ..parallel.executor import gather
+    from ..parallel.frames import gather_tier_reports
 
-    return gather
+    return gather_tier_reports
 
 
 def overlap_schedule(cfg: EngineConfig, connector: KVConnector | None) -> bool:

@@ -34,7 +34,7 @@ from .mover import TierMover
 from .ops import HiCacheMeta, Load, TierOp, TierReport
 from .tiers import Tiers
 
-# Every rank's report, in rank order, on rank 0 (``parallel.executor.gather``; None on the others).
+# Every rank's report, in rank order, on rank 0 (``parallel.frames.gather_tier_reports``; None on the others).
 Gather = Callable[[TierReport], list[TierReport] | None]
 
 

@@ -9,31 +9,33 @@ still holds what rank 0's held (L1 changes only in forwards and through these op
 File ops (``Store``, ``Read``) run on each rank's I/O thread, under that rank's own keys; an op is done
 when every rank has reported it (``TierReport``), and a read's result is the fewest pages any rank read
 (all ranks or none, page by page).
+
+The ops are tagged msgspec structs so that the step's frame to the other ranks decodes each into its
+own class (``parallel/frames.py``; a union of untagged classes could not be told apart).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(slots=True)
-class Save:
+
+class Save(msgspec.Struct, tag="save"):
     """L1 -> L2, every layer: ``host_pages[i]`` gets the KV of ``l1_pages[i]``."""
 
     l1_pages: list[int]
     host_pages: list[int]
 
 
-@dataclass(slots=True)
-class Restore:
+class Restore(msgspec.Struct, tag="restore"):
     """L2 -> L1, every layer (a demoted session's next turn)."""
 
     host_pages: list[int]
     l1_pages: list[int]
 
 
-@dataclass(slots=True)
-class Store:
+class Store(msgspec.Struct, tag="store"):
     """L2 -> L3: ``host_pages`` are the last pages of ``tokens`` (a radix node's path from the root);
     each rank writes its heads under its own chained keys of those tokens."""
 
@@ -42,8 +44,7 @@ class Store:
     host_pages: list[int]
 
 
-@dataclass(slots=True)
-class Read:
+class Read(msgspec.Struct, tag="read"):
     """L3 -> L2: pages ``start_page ..`` of ``tokens`` into ``host_pages`` (a prefetch)."""
 
     id: int
@@ -52,8 +53,7 @@ class Read:
     host_pages: list[int]
 
 
-@dataclass(slots=True)
-class Cancel:
+class Cancel(msgspec.Struct, tag="cancel"):
     """Stop ``Read`` ``id`` at its next page (its request ended)."""
 
     id: int

@@ -118,8 +118,13 @@ class ShmComm(TPComm):
         header = size * self.FLAG_STRIDE * 8
         nbytes = header + 2 * size * capacity * 4
         if create:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)
+            # This user's alone (the slots hold every request's hidden states), and a fresh file: an
+            # existing one (or a link planted at the name) is an error, never written through.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
         raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         self.path = path
         self.flags = raw[:header].view(torch.int64)

@@ -1,14 +1,18 @@
 """The tensor-parallel executor (rank 0, in the engine process) and the start of the group.
 
 Rank 0 owns the scheduler and the one set of books; each step it broadcasts the step's
-``SchedulerOutput`` (plain data) to the other ranks, every rank runs the same forward on its shards
-(the collectives inside it keep them in lock step), and rank 0 samples. Workers own no pages of their
+``SchedulerOutput`` (plain data, as a typed frame: ``parallel/frames.py``, never pickled) to the other
+ranks, every rank runs the same forward on its shards (the collectives inside it keep them in lock
+step), and rank 0 samples. Workers own no pages of their
 own: they apply the same page-table writes, so a page id means the same page on every rank.
 
 A rank that dies breaks the group: its connections close, the next collective fails,
 ``TPGroupBroken`` ends the engine process, and the front's restart path brings a new group up. A rank
 that hangs stalls the step, which the front's watchdog kills. Workers die with the engine process
 (PR_SET_PDEATHSIG), so none is left behind.
+
+The group forms through ``parallel/rendezvous.py``: rank 0 listens on the configured address only,
+every rank proves the group's key, and the rendezvous closes once the group is connected.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import socket
 import subprocess
 import sys
 import uuid
-from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..engine.executor import Executor
 from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
+from . import rendezvous
 from .comm import TPComm
 from .errors import TPGroupBroken
+from .frames import Setup, Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
 
 log = logging.getLogger("kvledger.engine")
 
@@ -37,52 +42,58 @@ def ranks_of_node(cfg: EngineConfig, node: int) -> range:
     return range(node * per, (node + 1) * per)
 
 
-def init_addr(cfg: EngineConfig) -> str:
-    if cfg.parallel.dist_init_addr:
-        return cfg.parallel.dist_init_addr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def launch_workers(
-    cfg: EngineConfig, addr: str, ranks: range, log_level: str = "WARNING"
+    cfg: EngineConfig, addr: str, ranks: range, key: bytes, log_level: str = "WARNING"
 ) -> list[subprocess.Popen]:
-    """Start the worker ranks of one node as processes (``python -m kvledger.parallel.worker``)."""
-    payload = json.dumps(cfg.flat())
+    """Start the worker ranks of one node as processes (``python -m kvledger.parallel.worker``), the
+    group's key in their environment (``rendezvous.handoff_env``)."""
+    env = {**os.environ, "KVLEDGER_TP_CONFIG": json.dumps(cfg.flat()), **rendezvous.handoff_env(key)}
     procs = []
     for r in ranks:
         if r == 0:
             continue
         cmd = [sys.executable, "-m", "kvledger.parallel.worker", str(r), addr, log_level]
-        procs.append(subprocess.Popen(cmd, env={**os.environ, "KVLEDGER_TP_CONFIG": payload}))
+        procs.append(subprocess.Popen(cmd, env=env))
     return procs
 
 
-def join_group(cfg: EngineConfig, rank: int, addr: str) -> TPComm:
+def join_group(
+    cfg: EngineConfig, rank: int, addr: str, key: bytes, listener: socket.socket | None = None
+) -> TPComm:
+    """Form the group through the authenticated rendezvous (``parallel/rendezvous.py``; rank 0 serves it
+    on ``listener``), then close the rendezvous: once every rank is connected nothing needs it."""
     import torch.distributed as dist
 
     from .netif import gloo_interface
 
-    with gloo_interface(addr):  # the interface the other ranks can reach, not the host name's
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{addr}",
-            rank=rank,
-            world_size=cfg.parallel.tp_size,
-            timeout=datetime.timedelta(seconds=cfg.parallel.dist_timeout_s),
-        )
+    timeout = datetime.timedelta(seconds=cfg.parallel.dist_timeout_s)
+    store = rendezvous.open_store(rank, addr, key, timeout, listener)
+    try:
+        with gloo_interface(addr):  # the interface the other ranks can reach, not the host name's
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.parallel.tp_size, timeout=timeout)
+        dist.barrier()  # every rank has read every address from the store
+    finally:
+        store.close()
     return TPComm(rank, cfg.parallel.tp_size)
 
 
 def start_group(cfg: EngineConfig) -> tuple[TPComm, list[subprocess.Popen]]:
-    """Rank 0's side: launch this node's other ranks and join the group with them."""
-    addr = init_addr(cfg)
-    workers = launch_workers(cfg, addr, ranks_of_node(cfg, 0), logging.getLevelName(log.getEffectiveLevel()))
+    """Rank 0's side: listen for the rendezvous, launch this node's other ranks, form the group."""
+    key = rendezvous.auth_key(cfg)
+    listener = rendezvous.listen(cfg.parallel.dist_init_addr)
+    host = rendezvous.split_addr(cfg.parallel.dist_init_addr)[0] if cfg.parallel.dist_init_addr else "127.0.0.1"
+    addr = rendezvous.join_addr(host, listener.getsockname()[1])
+    level = logging.getLevelName(log.getEffectiveLevel())
+    try:
+        workers = launch_workers(cfg, addr, ranks_of_node(cfg, 0), key, level)
+    except BaseException:
+        listener.close()
+        raise
     log.info("tensor parallel: %d ranks over %d node(s), rendezvous at %s", cfg.parallel.tp_size, cfg.parallel.nnodes, addr)
     try:
-        return join_group(cfg, 0, addr), workers
-    except Exception:
+        return join_group(cfg, 0, addr, key, listener), workers
+    except BaseException:
+        listener.close()  # a no-op once the store took it
         for p in workers:
             p.kill()
         raise
@@ -107,54 +118,31 @@ def share_setup(cfg: EngineConfig, mc, num_tokens: int, context: int, workers) -
 
     from .comm import ShmComm
 
-    setup = {"num_tokens": num_tokens, "context": context, "shm": None, "shm_capacity": 0}
+    setup = Setup(num_tokens, context)
     comm = TPComm(0, cfg.parallel.tp_size)
     if cfg.parallel.nnodes == 1:
-        setup["shm"] = f"/dev/shm/kvledger-tp-{uuid.uuid4().hex}"
-        setup["shm_capacity"] = shm_capacity(cfg, mc)
-        comm = ShmComm(0, cfg.parallel.tp_size, setup["shm"], setup["shm_capacity"], create=True,
+        setup = Setup(num_tokens, context, f"/dev/shm/kvledger-tp-{uuid.uuid4().hex}", shm_capacity(cfg, mc))
+        comm = ShmComm(0, cfg.parallel.tp_size, setup.shm, setup.shm_capacity, create=True,
                        peers_alive=lambda: all(p.poll() is None for p in workers))  # fmt: skip
-    broadcast(setup)
-    if setup["shm"]:
+    broadcast(setup, Setup)
+    if setup.shm:
         dist.barrier()  # every rank has mapped the file: it can go (the mappings stay)
-        os.unlink(setup["shm"])
+        os.unlink(setup.shm)
     return comm
 
 
-def join_setup(rank: int, size: int) -> tuple[dict, TPComm]:
+def join_setup(rank: int, size: int) -> tuple[Setup, TPComm]:
     """A worker's side of ``share_setup``."""
     import torch.distributed as dist
 
     from .comm import ShmComm
 
-    setup = broadcast(None)
-    if not setup["shm"]:
+    setup = broadcast(None, Setup)
+    if not setup.shm:
         return setup, TPComm(rank, size)
-    comm = ShmComm(rank, size, setup["shm"], setup["shm_capacity"], create=False)
+    comm = ShmComm(rank, size, setup.shm, setup.shm_capacity, create=False)
     dist.barrier()
     return setup, comm
-
-
-def broadcast(obj) -> object:
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-@dataclass(frozen=True)
-class StatsQuery:
-    """Broadcast instead of a step: every worker answers with its ``compile_stats`` (``gather``)."""
-
-
-def gather(obj) -> list | None:
-    """Every rank's ``obj``, in rank order, on rank 0 (None elsewhere)."""
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
-    return out
 
 
 def _wire(t):
@@ -202,7 +190,7 @@ class TPExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
         try:
-            broadcast(sched)
+            broadcast(Step.of(sched), ToWorker)
             return self.inner.execute_model(sched)
         except Exception as e:
             # The ranks may now disagree on where they are: no step can be trusted after this one.
@@ -211,15 +199,15 @@ class TPExecutor(Executor):
     def worker_stats(self) -> list[dict]:
         """Ranks 1..N-1's compile counts, between steps (rank 0's are in this process)."""
         self._check_alive()
-        broadcast(StatsQuery())
-        return gather(None)[1:]
+        broadcast(StatsQuery(), ToWorker)
+        return [{"rank": s.rank, **s.counts} for s in gather(Stats(0, {}), Stats)[1:]]
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
         try:
             if all(p.poll() is None for p in self.workers):
-                broadcast(None)
+                broadcast(Stop(), ToWorker)
         except Exception:
             log.warning("tensor parallel: could not tell the workers to stop; killing them")
         for p in self.workers:

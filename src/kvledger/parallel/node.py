@@ -10,6 +10,7 @@ import time
 
 from ..config import EngineConfig
 from .executor import launch_workers, ranks_of_node
+from .rendezvous import auth_key
 
 log = logging.getLogger("kvledger.node")
 
@@ -25,11 +26,12 @@ def run_node(cfg: EngineConfig) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     ranks = ranks_of_node(cfg, cfg.parallel.node_rank)
+    key = auth_key(cfg)  # the key file's (or KVLEDGER_DIST_AUTH_KEY's): node 0 checks it before the group forms
     log.info(
         "node %d: ranks %s of %d, joining %s", cfg.parallel.node_rank, list(ranks), cfg.parallel.tp_size, cfg.parallel.dist_init_addr
     )
     while not stop:
-        procs = launch_workers(cfg, cfg.parallel.dist_init_addr, ranks, "INFO")
+        procs = launch_workers(cfg, cfg.parallel.dist_init_addr, ranks, key, "INFO")
         while not stop and any(p.poll() is None for p in procs):
             time.sleep(0.2)
         for p in procs:
