@@ -141,3 +141,20 @@ def test_a_configured_address_that_is_not_this_machines_is_refused():
     with pytest.raises(ValidationError, match="must be an address of node 0") as e:
         rendezvous.listen("192.0.2.1:29999")  # TEST-NET-1: never a local address
     assert e.value.param == "dist_init_addr"
+
+
+def test_the_shared_memory_file_is_this_users_alone(tmp_path):
+    """One machine's ranks exchange hidden states through a file in /dev/shm: created 0600 (before:
+    0644, every local user could read every request's activations), and never through an existing
+    file or a link planted at its name."""
+    from kvledger.parallel.comm import ShmComm
+
+    path = tmp_path / "shm"
+    ShmComm(0, 2, str(path), 64, create=True)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    planted = tmp_path / "planted"
+    planted.write_bytes(b"keep")
+    (tmp_path / "link").symlink_to(planted)
+    with pytest.raises(FileExistsError):
+        ShmComm(0, 2, str(tmp_path / "link"), 64, create=True)
+    assert planted.read_bytes() == b"keep"
