@@ -123,3 +123,43 @@ def _with_bitmask(array) -> bytes:
 def test_connector_metadata_without_a_frame_is_refused_when_sent():
     with pytest.raises(TypeError, match="has no tensor-parallel frame"):
         frames.Step.of(SchedulerOutput(connector_meta={"any": "dict"}))
+
+
+def test_a_worker_refuses_a_pickle_sent_over_the_group(tmp_path):
+    """The same frame over a real group: a rank 0 holding the key sends a worker (``python -m
+    kvledger.parallel.worker``) a length and a pickle where the setup is due, the way
+    ``broadcast_object_list`` sent objects. The worker leaves with ``FrameError`` and the pickle never
+    ran (before: the worker unpickled it, and the file appeared)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from kvledger.config import EngineConfig
+    from kvledger.parallel import rendezvous
+    from kvledger.parallel.executor import join_group
+
+    planted = tmp_path / "planted"
+    evil = bytearray(pickle.dumps(Plant(str(planted))))
+    key = os.urandom(32)
+    listener = rendezvous.listen(None)
+    addr = f"127.0.0.1:{listener.getsockname()[1]}"
+    cfg = EngineConfig.from_flat(tp_size=2, dist_timeout_s=60)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVLEDGER_TP_CONFIG": json.dumps(cfg.flat()),
+           **rendezvous.handoff_env(key)}  # fmt: skip
+    worker = subprocess.Popen([sys.executable, "-m", "kvledger.parallel.worker", "1", addr, "INFO"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        join_group(cfg, 0, addr, key, listener)
+        dist.broadcast(torch.tensor([len(evil)], dtype=torch.int64), src=0)
+        dist.broadcast(torch.frombuffer(evil, dtype=torch.uint8), src=0)
+        out, _ = worker.communicate(timeout=60)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert worker.returncode == 1 and "FrameError" in out, out[-2000:]
+    assert not planted.exists()
