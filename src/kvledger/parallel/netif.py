@@ -5,7 +5,8 @@ on many machines the host name resolves to a loopback address (Debian's ``127.0.
 another machine is then told to connect to 127.0.0.1 and the group never forms (seen with two
 network namespaces, tests/integration/test_two_hosts.py). The interface that routes to the
 rendezvous address (``--dist-init-addr``) is the one the other ranks can reach, so that is the one
-used, unless the user chose.
+used, unless the user chose. It is also the only one gloo listens on (its pairs' sockets are bound
+to that interface's address: 127.0.0.1 on one machine), never every interface.
 """
 
 from __future__ import annotations
