@@ -162,7 +162,8 @@ EXCLUSIVE: frozenset[frozenset[str]] = frozenset(
     {frozenset({"draft", "ngram"}), frozenset({"quantized", "unquantized"})}
 )
 
-assert all(len(p) == 2 and p <= set(BY_NAME) for p in [*REFUSED, *EXCLUSIVE]), "the table names a pair wrongly"
+if not all(len(p) == 2 and p <= set(BY_NAME) for p in [*REFUSED, *EXCLUSIVE]):
+    raise TypeError("the compatibility table names a pair wrongly")
 
 
 def refusal(a: str, b: str) -> Refusal | None:

@@ -653,7 +653,8 @@ _SECTION_TYPES = {f.name: f.default_factory for f in fields(EngineConfig)}
 _SECTION_OF: dict[str, str] = {}
 for _section, _cls in _SECTION_TYPES.items():
     for _f in fields(_cls):
-        assert _f.name not in _SECTION_OF, f"setting {_f.name} is in two sections"
+        if _f.name in _SECTION_OF:
+            raise TypeError(f"setting {_f.name} is in two sections")
         _SECTION_OF[_f.name] = _section
 
 

@@ -55,7 +55,15 @@ class ModelLoadError(KVLedgerError, status=500, type_="model_load_error"):
 
 
 class MemoryLedgerError(KVLedgerError, status=500, type_="memory_ledger_error"):
-    """The ledger's books do not balance (raised in strict mode only)."""
+    """The ledger's books do not balance (raised in strict mode only), or an operation would unbalance
+    them (``OwnershipError``, every mode)."""
+
+
+class OwnershipError(MemoryLedgerError):
+    """A memory operation that would give a page or slot two owners or none (admitting a request that
+    holds a slot, truncating into borrowed pages, freeing the pages a running turn reads, giving back an
+    id outside its pool): refused before anything changes, in every mode. A real check, where an
+    ``assert`` would vanish under ``python -O``."""
 
 
 class TransferError(KVLedgerError, status=502, type_="kv_transfer_error"):

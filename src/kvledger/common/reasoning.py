@@ -36,4 +36,5 @@ REASONING_FORMATS: dict[str, ReasoningFormat] = {
     "deepseek-r1": ReasoningFormat("deepseek-r1"),
     "qwen3": ReasoningFormat("qwen3", toggle="enable_thinking", tool_start="<tool_call>"),
 }
-assert tuple(REASONING_FORMATS) == REASONING_PARSERS, "a --reasoning-parser value without its format"
+if tuple(REASONING_FORMATS) != REASONING_PARSERS:
+    raise TypeError("a --reasoning-parser value without its format")

@@ -31,7 +31,8 @@ from .base import KVConnector, Received
 
 class MultiConnector(KVConnector):
     def __init__(self, connectors: Sequence[KVConnector], page_size: int):
-        assert len(connectors) >= 2, "a MultiConnector composes two connectors or more"
+        if len(connectors) < 2:
+            raise ValueError("a MultiConnector composes two connectors or more")
         self.page_size = page_size
         self.connectors = list(connectors)
         self._parts: dict[str, list[tuple[KVConnector, int]]] = {}  # rid -> who matched how many
@@ -74,10 +75,12 @@ class MultiConnector(KVConnector):
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
         parts = self._parts[req.rid]
-        assert sum(n for _, n in parts) == num_external_tokens, (parts, num_external_tokens)
+        if sum(n for _, n in parts) != num_external_tokens:
+            raise RuntimeError(f"req {req.rid}: {num_external_tokens} tokens to load, the parts matched {parts}")
         at = 0
         for c, n in parts:
-            assert at % self.page_size == 0, "every part but the last is whole pages (a tier's match is)"
+            if at % self.page_size:
+                raise RuntimeError("every part but the last is whole pages (a tier's match is)")
             c.update_state_after_alloc(req, pages[at // self.page_size :], n)
             at += n
 

@@ -98,7 +98,8 @@ class GrammarState:
                     out[j + 1 :] = out[j]
                     break
                 accepted += 1
-                assert not m.is_terminated(), "a draft ends the grammar (see drafts_before_end)"
+                if m.is_terminated():
+                    raise RuntimeError("a draft ends the grammar (see drafts_before_end)")
         finally:
             if accepted:
                 m.rollback(accepted)

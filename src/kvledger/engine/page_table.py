@@ -28,7 +28,8 @@ class PageTable:
         (reserved in the books: ``KVManager.reserve``): the padding rows of a captured decode step
         read and write there (``engine/graph_runner.py``). Before the first step only (the table is
         reallocated). Returns its index."""
-        assert self.pad_row is None, "the page table has its padding row"
+        if self.pad_row is not None:
+            raise RuntimeError("the page table has its padding row already")
         t = self.req_to_token
         pad = torch.full((1, t.shape[1]), page * self.page_size, dtype=t.dtype, device=t.device)
         self.req_to_token = torch.cat([t, pad])

@@ -124,7 +124,10 @@ class HiCacheConnector(HiCacheWorker):
 
     def update_state_after_alloc(self, req, pages: list[int], num_external_tokens: int) -> None:
         host = self._matched.pop(req.rid)  # pinned since the match
-        assert len(host) * self.tiers.page_size == num_external_tokens
+        if len(host) * self.tiers.page_size != num_external_tokens:
+            raise RuntimeError(
+                f"req {req.rid}: {num_external_tokens} tokens to load from {len(host)} matched L2 pages"
+            )
         self._queued.append(Load(req.rid, host, list(pages[: len(host)])))
         self.tiers.stats.l2_hit_tokens += num_external_tokens
 

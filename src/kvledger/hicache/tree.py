@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable
 
+from ..errors import OwnershipError
 from ..memory.radix import RadixCache, TreeNode
 
 
@@ -41,7 +42,11 @@ class HiRadixCache(RadixCache):
 
     # -- L2 bookkeeping -----------------------------------------------------------------------------
     def attach_host(self, node: TreeNode, host: list[int]) -> None:
-        assert not node.host and len(host) * self.page_size == len(node.key)
+        if node.host or len(host) * self.page_size != len(node.key):
+            raise OwnershipError(
+                f"{node.owner} is given {len(host)} L2 pages for {len(node.key)} tokens while it holds "
+                f"{len(node.host)}: the tree would own L2 pages that hold none of its tokens, or lose some"
+            )
         node.host = host
         self.host_pages += len(host)
         self.tiers.host.set_owner(host, node.owner)
@@ -58,7 +63,7 @@ class HiRadixCache(RadixCache):
         for child in list(node.children.values()):
             freed += self._delete(child)
         parent = node.parent
-        assert parent is not None
+        assert parent is not None  # type narrowing only: a node in the tree has a parent
         del parent.children[self._child_key(node.key, 0)]
         if node.pages:
             self._count_pages(node, -len(node.pages))
@@ -154,7 +159,7 @@ class HiRadixCache(RadixCache):
             if not node.host and self.tiers.write_back:
                 self.tiers.backup(node)  # write_back: the copy is made on the way out
             parent = node.parent
-            assert parent is not None
+            assert parent is not None  # type narrowing only: a node in the tree has a parent
             if node.host:
                 pages, node.pages = node.pages, []
                 self._count_pages(node, -len(pages))

@@ -94,7 +94,8 @@ def decode(
     B, H, D = q.shape
     kvh = k_cache.shape[0]
     group = H // kvh
-    assert k_cache.stride(2) == 1 and v_cache.stride(2) == 1 and table.stride(1) == 1
+    if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or table.stride(1) != 1:
+        raise ValueError("decode attention needs the KV pool's head dim and the page table's rows contiguous")
     q = q.contiguous()
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     _kernel()[(B, kvh)](

@@ -11,8 +11,9 @@ Who owns a running request's pages (``req.pages``)::
                                        ``truncate`` or trimmed by ``release``
 
 ``release`` is the one way a request's memory goes back: every finish (stop, length, abort, error),
-every retraction and an admission that cannot complete call it. Page-table changes are queued as
-``PageWrite``s for the executor, which owns the request->token table.
+every retraction and an admission that cannot complete call it. Ownership checks raise
+``OwnershipError`` before anything changes (real checks: ``python -O`` keeps them). Page-table changes
+are queued as ``PageWrite``s for the executor, which owns the request->token table.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from ..errors import MemoryLedgerError
+from ..errors import MemoryLedgerError, OwnershipError
 from .cache_key import cache_key
 from .ledger import Holding, Ledger
 from .pools import PagePool, ReqSlotPool
@@ -84,11 +85,11 @@ class KVManager:
         if doubles:
             self.report_double_free(doubles, by)
 
-    def report_double_free(self, doubles: list[int], by: str, tier: str = "L1") -> None:
+    def report_double_free(self, doubles: list[int], by: str, tier: str = "L1", what: str = "pages") -> None:
         # Never silently: the audit cannot see a double free after the fact, so report it now.
         self.double_frees += len(doubles)
         self.ledger.violations += len(doubles)
-        msg = f"double free of {tier} pages {doubles[:20]} by {by}"
+        msg = f"double free of {tier} {what} {doubles[:20]} by {by}"
         if self.ledger.strict:
             raise MemoryLedgerError(msg)
         log.error(msg)
@@ -167,7 +168,10 @@ class KVManager:
 
     def admit(self, req) -> bool:
         """Give ``req`` a request slot and its cached prefix (locked). False: no slot free."""
-        assert req.slot is None and not req.pages
+        if req.slot is not None or req.pages:
+            raise OwnershipError(
+                f"req {req.rid} is admitted while it holds slot {req.slot} and {len(req.pages)} page entries"
+            )
         slot = self.slots.alloc(f"req {req.rid}")
         if slot is None:
             return False
@@ -206,11 +210,13 @@ class KVManager:
     def truncate(self, req, new_len: int) -> None:
         """Forget ``req``'s KV past ``new_len`` tokens (rejected drafts, unused lookahead) and give back
         the private pages past it. Borrowed pages are never given back here."""
-        assert new_len >= (req.num_tree_pages + req.num_out_pages) * self.page_size, (
-            "cannot truncate into borrowed or out-of-window pages"
-        )
+        if new_len < (req.num_tree_pages + req.num_out_pages) * self.page_size:
+            raise OwnershipError(
+                f"req {req.rid}: truncating its KV to {new_len} tokens would give back borrowed or "
+                f"out-of-window pages ({req.num_tree_pages} + {req.num_out_pages} of {self.page_size} tokens)"
+            )
         req.kv_len = min(req.kv_len, new_len)
-        keep = -(-new_len // self.page_size)  # >= num_tree_pages, by the assert above
+        keep = -(-new_len // self.page_size)  # >= num_tree_pages, by the check above
         if len(req.pages) > keep:
             self.free(req.pages[keep:], f"req {req.rid} truncate")
             del req.pages[keep:]
@@ -225,6 +231,8 @@ class KVManager:
         ``commit`` (an aborted turn, KV that must not be reused) every private page is freed.
         ``final``: the request ends here (False for a retraction or a failed admission).
         """
+        if req.slot is None and req.pages:
+            raise OwnershipError(f"req {req.rid} holds {len(req.pages)} page entries but no slot")
         if req.sparse is not None:
             # Its host and hot pages (HiSparse). Once it decodes sparsely its dense pages are gone
             # (the prompt cached at its first decode); its decoded KV lived in host pages only.
@@ -234,7 +242,6 @@ class KVManager:
             self.sessions.release_turn(req, commit, final)
             return
         if req.slot is None:
-            assert not req.pages
             return
         owner = f"req {req.rid}"
         self._return_pages(req, commit, req.kv_len, owner)
@@ -276,8 +283,10 @@ class KVManager:
         req.window_node = None
 
     def reset(self, req, owner: str) -> None:
-        """Forget a request's memory fields once its pages are accounted for; frees its slot."""
-        self.slots.free(req.slot, owner)
+        """Forget a request's memory fields once its pages are accounted for; frees its slot (a double
+        free of it is reported, as one of pages)."""
+        if not self.slots.free(req.slot, owner):
+            self.report_double_free([req.slot], owner, "request", "slot")
         req.slot = None
         req.pages = []
         req.num_tree_pages = 0

@@ -13,6 +13,8 @@ import sys
 
 import torch
 
+from ..errors import OwnershipError
+
 
 class KVBuffer:
     """K and V tensors of all layers: ``k[layer]`` is ``[kv_heads, num_pages * page_size, head_dim]``.
@@ -152,7 +154,12 @@ class IdPool:
 
     def _give_back(self, ids: list[int], by: str) -> list[int]:
         """Return ids to the free list; returns those that were already free (double frees), which
-        are not added twice. The caller reports them."""
+        are not added twice. The caller reports them. An id outside the pool (a negative entry would
+        index from the end) is refused before anything changes."""
+        n = len(self._is_free)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise OwnershipError(f"{by} gives back ids outside the pool of {n}: {bad[:20]}")
         doubles = []
         for i in ids:
             if self._is_free[i]:
@@ -197,5 +204,5 @@ class ReqSlotPool(IdPool):
         return got[0] if got else None
 
     def free(self, slot: int, by: str) -> bool:
-        """Returns False (and changes nothing) on a double free."""
+        """Returns False (and changes nothing) on a double free (the caller reports it)."""
         return not self._give_back([slot], by)

@@ -18,6 +18,8 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..errors import OwnershipError
+
 _node_ids = itertools.count(1)
 
 
@@ -82,7 +84,7 @@ class RadixCache:
             host=node.host[: at // ps],
             hit_count=node.hit_count,
         )
-        assert node.parent is not None
+        assert node.parent is not None  # type narrowing only: the root (no parent) has no key to split
         node.parent.children[self._child_key(upper.key, 0)] = upper
         node.key = node.key[at:]
         node.pages = node.pages[at // ps :]
@@ -156,7 +158,11 @@ class RadixCache:
         path's tokens): returns the leading tokens of the run already cached in L1, and the node the
         run ends at. ``node`` must be the root or hold L1 pages (``holds_path``). Sliding windows
         (``memory/window.py``) extend a request's released prefix this way without walking it again."""
-        assert len(tokens) % self.page_size == 0 and len(pages) * self.page_size == len(tokens)
+        if len(tokens) % self.page_size or len(pages) * self.page_size != len(tokens):
+            raise OwnershipError(
+                f"radix insert of {len(tokens)} tokens with {len(pages)} pages of {self.page_size}: the "
+                "tree would own pages that hold none of its tokens, or tokens without pages"
+            )
         if not self.enabled or not tokens:
             return 0, node
         ps = self.page_size
@@ -231,7 +237,7 @@ class RadixCache:
         while freed < num_pages and leaves:
             node = heapq.heappop(leaves)
             parent = node.parent
-            assert parent is not None
+            assert parent is not None  # type narrowing only: a leaf in the tree has a parent
             del parent.children[self._child_key(node.key, 0)]
             self.evictable_pages -= len(node.pages)
             freed += len(node.pages)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..errors import OwnershipError
 from .ledger import Holding
 from .window import OUT_OF_WINDOW, real_pages
 
@@ -77,7 +78,8 @@ class SessionKV:
         return s.pages[:n]
 
     def free_pages(self, s: Session) -> None:
-        assert s.busy_rid is None, "a running turn borrows these pages"
+        if s.busy_rid is not None:
+            raise OwnershipError(f"{s.owner}: its pages are freed while turn {s.busy_rid} borrows them")
         self._free(s)
 
     def drop_all_kv(self) -> int:

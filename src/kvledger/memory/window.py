@@ -28,6 +28,8 @@ every position, and all layers share one page per token, so nothing is out of wi
 
 from __future__ import annotations
 
+from ..errors import OwnershipError
+
 OUT_OF_WINDOW = -1
 """The entry of a released page in ``req.pages`` / ``Session.pages`` (and the page table's location
 for its tokens): never a page id, never freed or cached, never read by the attention."""
@@ -89,7 +91,10 @@ class WindowKV:
         n = end - start
         if n < self.run_pages:
             return 0
-        assert end * ps <= req.kv_len, "out-of-window pages past the computed KV"
+        if end * ps > req.kv_len:
+            raise OwnershipError(
+                f"req {req.rid}: pages up to {end} would go out of window past its computed KV ({req.kv_len} tokens)"
+            )
         pages = req.pages[start:end]
         owner = f"req {req.rid} (out of window)"
         tree, node = kvm.tree, req.window_node

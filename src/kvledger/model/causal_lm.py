@@ -127,7 +127,8 @@ class CausalLM:
     def forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None) -> torch.Tensor:
         """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``.
         ``connector``: a KV connector's worker side, called per layer (see ``connector/base.py``)."""
-        assert batch.pool_index is None, "a batch that pools runs through forward_pooled"
+        if batch.pool_index is not None:
+            raise ValueError("a batch that pools runs through forward_pooled")
         return self._forward(batch, kv_buffer, connector)
 
     @torch.inference_mode()

@@ -242,7 +242,8 @@ class Scheduler:
     # -- the one release path -------------------------------------------------------------------------
     def _finish(self, req: Req) -> None:
         reason = req.to_finish
-        assert reason is not None
+        if reason is None:
+            raise RuntimeError(f"request {req.rid} is finished without being marked (mark_finish)")
         strip_placeholders(req)  # (overlap) tokens it will not receive are not its output
         hold = False
         for hook in self.release_hooks:
@@ -352,7 +353,8 @@ class Scheduler:
         if t is not None:
             # Token u's logprob comes from row u - 1: the rows of this chunk give tokens a+1 .. b.
             last = min(b, len(req.input_ids) - 1)
-            assert t >= a + 1, "a wanted prompt logprob's row was taken from a cache"
+            if t < a + 1:
+                raise RuntimeError(f"request {req.rid}: a wanted prompt logprob's row ({t}) was taken from a cache")
             if t <= last:
                 sr.prompt_lp_targets, sr.prompt_lp_offset = req.input_ids[t : last + 1], t - 1 - a
                 sr.prompt_lp_top = req.params.top_logprobs
@@ -549,7 +551,8 @@ class Scheduler:
         if sr.pool_from >= 0 and result.pooled is not None and result.pooled[i] is not None:
             end = sr.start + sr.num_tokens
             if req.pooling.mean:
-                assert sr.start + sr.pool_from == req.pooled_count, "mean pooling skipped positions"
+                if sr.start + sr.pool_from != req.pooled_count:
+                    raise RuntimeError(f"request {req.rid}: mean pooling skipped positions")
                 req.pooled = result.pooled[i] if req.pooled is None else req.pooled + result.pooled[i]
             else:
                 req.pooled = result.pooled[i]

@@ -270,7 +270,7 @@ class DPFront:
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def _build(self, base: str, scope: Scope, body: bytes) -> httpx.Request:
-        assert self.http is not None
+        assert self.http is not None  # type narrowing only: None would fail at once on use
         url = base + scope["path"]
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
@@ -278,7 +278,7 @@ class DPFront:
         return self.http.build_request(scope["method"], url, headers=headers, content=body)
 
     async def _request(self, base: str, scope: Scope, body: bytes) -> httpx.Response:
-        assert self.http is not None
+        assert self.http is not None  # type narrowing only: None would fail at once on use
         return await self.http.send(self._build(base, scope, body))
 
     async def _relay(self, base: str, scope: Scope, body: bytes, send: Send, unrouted: bytes | None = None) -> int:
@@ -286,7 +286,7 @@ class DPFront:
         ``unrouted``: the client's own body, sent to a replica instead if the router refuses the
         request itself (its stricter types: an empty message, a temperature over 2), so a body the
         server accepts is answered by a server."""
-        assert self.http is not None
+        assert self.http is not None  # type narrowing only: None would fail at once on use
         try:
             r = await self.http.send(self._build(base, scope, body), stream=True)
         except httpx.TransportError as e:
