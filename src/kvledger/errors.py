@@ -66,6 +66,12 @@ class OwnershipError(MemoryLedgerError):
     ``assert`` would vanish under ``python -O``."""
 
 
+class ReleaseError(MemoryLedgerError):
+    """Strict mode: a component failed while memory was being released (a release hook, a radix tree
+    hook, a step of ``KVManager.release``). The release went on and completed; the failure was logged
+    and counted (``memory.leak_check.contained_errors``) and is raised at the step's books check."""
+
+
 class TransferError(KVLedgerError, status=502, type_="kv_transfer_error"):
     """PD disaggregation: the KV of a request did not arrive (the prefill side failed, refused, was
     refused or timed out). The request ends through the release path; nothing it held stays."""

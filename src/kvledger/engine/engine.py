@@ -279,8 +279,9 @@ class Engine:
 
     def run_until_idle(self) -> None:
         """Step until nothing is left to do. While generation is paused, one step (it ends what an
-        abort or a pause with mode abort marked) and no more: paused requests stay."""
-        while not self.core.scheduler.idle:
+        abort or a pause with mode abort marked) and no more: paused requests stay. Outputs the last
+        step kept (it raised in strict mode after its releases completed) are delivered too."""
+        while not self.core.scheduler.idle or self.core.scheduler.has_outputs:
             self._step()
             if self.core.scheduler.paused is not None:
                 return

@@ -11,9 +11,10 @@ Who owns a running request's pages (``req.pages``)::
                                        ``truncate`` or trimmed by ``release``
 
 ``release`` is the one way a request's memory goes back: every finish (stop, length, abort, error),
-every retraction and an admission that cannot complete call it. Ownership checks raise
-``OwnershipError`` before anything changes (real checks: ``python -O`` keeps them). Page-table changes
-are queued as ``PageWrite``s for the executor, which owns the request->token table.
+every retraction and an admission that cannot complete call it. It never stops in the middle: each
+step runs whatever the one before did (``Ledger.contain``), and the slot is always freed. Ownership
+checks raise ``OwnershipError`` before anything changes (real checks: ``python -O`` keeps them).
+Page-table changes are queued as ``PageWrite``s for the executor, which owns the request->token table.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class KVManager:
         self.ledger = Ledger(
             self.pages, self.slots, self.tree, lambda: itertools.chain(self.reserved, holdings()), strict
         )
+        self.tree.contain = self.ledger.contain  # a failing tree hook (a tier's backup) stops no release
         self.sessions = SessionKV(self)
         self.sparse = None  # memory/sparse_kv.py SparseKV: HiSparse's books, when it is on
         self.window = WindowKV(self, window) if window else None  # sliding windows' releases
@@ -230,27 +232,42 @@ class KVManager:
         partial last page and any over-allocation are freed first (seed 004's tail trim). Without
         ``commit`` (an aborted turn, KV that must not be reused) every private page is freed.
         ``final``: the request ends here (False for a retraction or a failed admission).
+
+        Every step runs whatever the one before did: a step that fails (HiSparse's release, a tree
+        hook such as a tier's backup, a session's close) is logged and counted by ``Ledger.contain``,
+        and the lock, the slot and the request's fields are given back all the same. What a failed
+        step left unaccounted is the audit's to find; strict mode
+        raises the failure at the step's books check, after this release completed.
         """
+        owner = f"req {req.rid}"
         if req.slot is None and req.pages:
-            raise OwnershipError(f"req {req.rid} holds {len(req.pages)} page entries but no slot")
+            raise OwnershipError(f"{owner} holds {len(req.pages)} page entries but no slot")
+        contain = self.ledger.contain
         if req.sparse is not None:
             # Its host and hot pages (HiSparse). Once it decodes sparsely its dense pages are gone
             # (the prompt cached at its first decode); its decoded KV lived in host pages only.
             commit = commit and not req.sparse.active
-            self.sparse.release(req)
-        if req.session is not None:
-            self.sessions.release_turn(req, commit, final)
-            return
-        if req.slot is None:
-            return
-        owner = f"req {req.rid}"
-        self._return_pages(req, commit, req.kv_len, owner)
-        self.reset(req, owner)
+            contain(f"{owner}: HiSparse release", self.sparse.release, req)
+            req.sparse = None  # (after a failure, what it held is the audit's to find)
+        if req.slot is not None:
+            if req.session is not None:
+                contain(f"{owner}: its session turn's pages", self.sessions.release_turn, req, commit, final)
+            else:
+                self._return_pages(req, commit, req.kv_len, owner)
+            self.reset(req, owner)
+        if req.session is not None and final:
+            contain(f"{owner}: the end of its session turn", self.sessions.end_turn, req)
 
     def _return_pages(self, req, commit: bool, kv_len: int, owner: str) -> None:
         """``req``'s pages go back: with ``commit`` its first ``kv_len`` tokens' page-aligned KV into
         the tree (duplicates, the partial page and over-allocation freed), else its private pages
-        freed; its lock on the borrowed prefix ends."""
+        freed; its lock on the borrowed prefix ends, even where the first part failed."""
+        contain = self.ledger.contain
+        contain(f"{owner}: commit or free its pages", self._give_back_pages, req, commit, kv_len, owner)
+        if req.prefix_node is not None:
+            contain(f"{owner}: unlock its prefix", self.tree.dec_lock, req.prefix_node)
+
+    def _give_back_pages(self, req, commit: bool, kv_len: int, owner: str) -> None:
         ps = self.page_size
         first_private = req.num_tree_pages + req.num_out_pages
         if req.num_out_pages:
@@ -268,8 +285,6 @@ class KVManager:
             self.pages.set_owner(req.pages[max(present, first_private) : aligned], "radix")
         else:
             self.free(req.pages[first_private:], owner)
-        if req.prefix_node is not None:
-            self.tree.dec_lock(req.prefix_node)  # type: ignore[arg-type]
 
     def give_back_dense(self, req, kv_len: int) -> None:
         """A request now decoding sparsely (HiSparse) gives back its dense pages, its first ``kv_len``
@@ -286,7 +301,9 @@ class KVManager:
         """Forget a request's memory fields once its pages are accounted for; frees its slot (a double
         free of it is reported, as one of pages)."""
         if not self.slots.free(req.slot, owner):
-            self.report_double_free([req.slot], owner, "request", "slot")
+            self.ledger.contain(
+                f"{owner}: its slot", self.report_double_free, [req.slot], owner, "request", "slot"
+            )
         req.slot = None
         req.pages = []
         req.num_tree_pages = 0

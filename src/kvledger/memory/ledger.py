@@ -11,6 +11,11 @@ Live requests *borrow* cached pages (the tree still owns them; the request's loc
 protected). With a sliding-window model, a request's or session's page list may have OUT OF WINDOW
 entries (``memory/window.py``): pages given back, which it no longer holds; the audit checks that
 they lie wholly outside the window of its KV.
+
+Containment: a component that fails while memory is released (a release hook, a radix tree hook, one
+step of ``KVManager.release``) never stops the release: ``contain`` runs each step, logs and counts a
+failure (``leak_check.contained_errors``) and the release goes on; strict mode raises ``ReleaseError``
+at the next books check, after the release completed.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from ..errors import MemoryLedgerError
+from ..errors import MemoryLedgerError, ReleaseError
 from .pools import PagePool, ReqSlotPool
 from .radix import RadixCache
 
@@ -47,6 +53,9 @@ class Holding:
     out_of_window: int = 0  # page entries given back out of window (sliding windows), not held
     entries: int | None = None  # a request: its page entries (borrowed + out of window + own)
     kv_len: int | None = None  # a request: the tokens whose KV is computed
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -125,6 +134,8 @@ class Ledger:
         self.last_audit_seconds = 0.0
         self.violations = 0
         self.reclaimed_pages = 0
+        self.contained_errors = 0  # component failures a release went on through (``contain``)
+        self._unraised: list[str] = []  # ... not yet raised (strict mode)
         self.last_report: AuditReport | None = None
         self.tiers = None  # hicache/books.py TierBooks: the L2 tier's books, when the hierarchy is on
         self.sparse = None  # memory/sparse_kv.py SparseBooks: HiSparse's host pool, when it is on
@@ -176,7 +187,12 @@ class Ledger:
             **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
             **({"hisparse": self.sparse.figures(list(self.holdings()))} if self.sparse is not None else {}),
             **({"window": self.window.figures(list(self.holdings()))} if self.window is not None else {}),
-            "leak_check": {"ok": self.violations == 0, "checks": self.checks, "violations": self.violations},
+            "leak_check": {
+                "ok": self.violations == 0,
+                "checks": self.checks,
+                "violations": self.violations,
+                "contained_errors": self.contained_errors,
+            },
             # The audits' cost: the last one's and all of them together.
             "audit": {
                 "last_ms": round(self.last_audit_seconds * 1000, 3),
@@ -217,6 +233,9 @@ class Ledger:
 
     # -- the cheap check (every step in strict mode) -----------------------------------------------
     def check_conservation(self) -> None:
+        """``free + cached + private + session + hisparse_hot + reserved == total`` (and the same for
+        slots); first, in strict mode, any failure a release contained is raised."""
+        self.raise_contained()
         c = self.page_counts()
         total = (
             c["free"] + c["cached_evictable"] + c["cached_protected"] + c["private"] + c["session"]
@@ -252,6 +271,8 @@ class Ledger:
         ~10^5 pages, and a dict of owner lists per page took ~200 ms of the engine loop (GC included)
         each time it went idle, a delay the next request paid. Names are gathered only for the ids
         found leaked or doubly owned."""
+        if count:
+            self.raise_contained()
         t0 = time.perf_counter()
         report = AuditReport()
         owners = _Owners()
@@ -319,6 +340,28 @@ class Ledger:
             self.audit_seconds += self.last_audit_seconds
             self._enforce(report)
         return report
+
+    # -- containment: a release never stops in the middle ---------------------------------------------
+    def contain(self, what: str, fn: Callable[..., T], *args) -> T | None:
+        """Run one step of a release (a component's hook, a part of ``KVManager.release``): a failure
+        is logged and counted, and the caller goes on with the next step (the result is then None);
+        strict mode raises it later (``raise_contained``), once the release has completed (a double
+        free the step reported in strict mode too)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            self.contained_errors += 1
+            log.exception("%s failed; the release goes on", what)
+            if self.strict:
+                self._unraised.append(f"{what}: {type(e).__name__}: {e}")
+            return None
+
+    def raise_contained(self) -> None:
+        """Strict mode: raise the failures releases went on through since the last call (at the books
+        check after the step, so no output is lost and each release has completed)."""
+        if self._unraised:
+            errors, self._unraised = self._unraised, []
+            raise ReleaseError("a release completed through failures: " + "; ".join(errors[:20]))
 
     def _window_problems(self, h: Holding) -> list[str]:
         """A sliding-window request: an entry for every token of its KV (held, borrowed or out of

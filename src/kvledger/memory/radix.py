@@ -52,6 +52,10 @@ class RadixCache:
         self._free_pages = free_pages
         self.root = TreeNode()
         self.root.lock_ref = 1  # the root is never evicted
+        # Runs a hook of the hierarchical cache (``_hit``, ``_inserted``) so that a failing one (a tier's
+        # backup) never stops the tree's own operation: ``KVManager`` sets ``Ledger.contain`` (log,
+        # count, strict mode raises it at the step's books check).
+        self.contain: Callable[..., object] = lambda what, fn, *args: fn(*args)
         self.evictable_pages = 0
         self.protected_pages = 0
         self._clock = 0
@@ -121,7 +125,7 @@ class RadixCache:
             return pages, node
         # A node without L1 pages ends the match: the rest is the host tier's (hicache/tree.py).
         for node in self.descend(self.root, tokens, 0, lambda c: bool(c.pages)):
-            self._hit(node)
+            self.contain("radix tree hook (hit)", self._hit, node)
             pages.extend(node.pages)
         return pages, node
 
@@ -174,7 +178,7 @@ class RadixCache:
                 leaf = TreeNode(key=tokens[at:], pages=pages[at // ps :], parent=node, last_access=now)
                 node.children[self._child_key(tokens, at)] = leaf
                 self.evictable_pages += len(leaf.pages)
-                self._inserted(leaf)
+                self.contain("radix tree hook (new leaf)", self._inserted, leaf)
                 return present, leaf
             m = self._match_len(child.key, tokens, at)
             if m < len(child.key):

@@ -139,28 +139,33 @@ class SessionKV:
         s.num_out = sum(1 for p in s.pages if p < 0)
 
     def release_turn(self, req, commit: bool, final: bool) -> None:
+        """A turn's pages, in ``KVManager.release`` (which then frees its slot): a completed turn
+        (``commit`` and ``final``) of a session not closing hands its KV to the session; any other
+        gives back its own pages, leaving the session as it was."""
         s = req.session
         owner = f"req {req.rid}"
-        if req.slot is not None:
-            borrowed = req.num_tree_pages
-            first = borrowed + req.num_out_pages  # (its own out-of-window pages are gone already)
-            if commit and final and not s.closing:
-                keep = -(-req.kv_len // self.kv_manager.page_size)
-                # superseded by the turn's pages
-                self.kv_manager.free(real_pages(s.pages[borrowed:]), s.owner)
-                self.kv_manager.free(req.pages[keep:], owner)  # over-allocation: trimmed before the handover
-                self.kv_manager.pages.set_owner(req.pages[first:keep], s.owner)
-                s.pages = req.pages[:keep]
-                self._drop_out_of_window(s, req.kv_len)
-                s.kv_len = req.kv_len
-                s.tokens = req.fill_ids
-                s.turns += 1
-            else:
-                self.kv_manager.free(req.pages[first:], owner)
-            self.kv_manager.reset(req, owner)
-        if final:
-            s.busy_rid = None
-            s.last_used = time.monotonic()
-            req.session = None
-            if s.closing:
-                self.release(s)  # close_on_finish
+        borrowed = req.num_tree_pages
+        first = borrowed + req.num_out_pages  # (its own out-of-window pages are gone already)
+        if commit and final and not s.closing:
+            keep = -(-req.kv_len // self.kv_manager.page_size)
+            # superseded by the turn's pages
+            self.kv_manager.free(real_pages(s.pages[borrowed:]), s.owner)
+            self.kv_manager.free(req.pages[keep:], owner)  # over-allocation: trimmed before the handover
+            self.kv_manager.pages.set_owner(req.pages[first:keep], s.owner)
+            s.pages = req.pages[:keep]
+            self._drop_out_of_window(s, req.kv_len)
+            s.kv_len = req.kv_len
+            s.tokens = req.fill_ids
+            s.turns += 1
+        else:
+            self.kv_manager.free(req.pages[first:], owner)
+
+    def end_turn(self, req) -> None:
+        """The last step of a turn's release: its session is idle again, and released if a close
+        waited for the turn (close_on_finish)."""
+        s = req.session
+        s.busy_rid = None
+        s.last_used = time.monotonic()
+        req.session = None
+        if s.closing:
+            self.release(s)

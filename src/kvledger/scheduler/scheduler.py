@@ -12,7 +12,10 @@ timeouts and finishes what they marked, but picks no batch: nothing is admitted 
 
 Causes never free memory themselves: they call ``Req.mark_finish``. ``_finish`` is the one release
 path: it tells every registered component (``release_hooks``, the KV connector), then
-``KVManager.release`` commits or frees the request's KV, then the final output is emitted.
+``KVManager.release`` commits or frees the request's KV, then the final output is emitted. It never
+stops in the middle: each hook and the memory release run under ``Ledger.contain`` (a failure is
+logged and counted in ``memory.leak_check.contained_errors``, and the next step runs); strict mode
+raises it (``ReleaseError``) at the step's books check, once the release has completed.
 """
 
 from __future__ import annotations
@@ -246,11 +249,12 @@ class Scheduler:
             raise RuntimeError(f"request {req.rid} is finished without being marked (mark_finish)")
         strip_placeholders(req)  # (overlap) tokens it will not receive are not its output
         hold = False
+        contain = self.kv_manager.ledger.contain
         for hook in self.release_hooks:
-            try:
-                hold |= bool(hook(req))
-            except Exception:  # a faulty component must not stop the release
-                log.exception("release hook %r failed for request %s", hook, req.rid)
+            # A faulty component must not stop the release: logged, counted, the next step runs (a
+            # failed hook keeps nothing: it cannot report a save done).
+            name = getattr(hook, "__qualname__", repr(hook))
+            hold |= bool(contain(f"release hook {name} for req {req.rid}", hook, req))
         if req.state is ReqState.RUNNING:
             self.running.remove(req)
         elif req.state is ReqState.WAITING_FOR_KV:
@@ -288,7 +292,8 @@ class Scheduler:
         ok = reason.status < 500 or reason.code == TIMEOUT_CODE
         commit = reason.type != "abort" if req.session is not None else ok
         commit = commit and req.kv_trusted
-        self.kv_manager.release(req, commit=commit)
+        # (Contained: whatever it failed to give back, the request leaves; the audit finds the rest.)
+        self.kv_manager.ledger.contain(f"req {req.rid}: its memory's release", self.kv_manager.release, req, commit)
         req.state = ReqState.FINISHED
         if self.sending.get(req.rid) is req:
             del self.sending[req.rid]

@@ -57,6 +57,11 @@ class Metrics:
         self.audit_violations = Gauge(
             "kvledger_memory_audit_violations", "Ledger violations found", registry=r
         )
+        self.contained_errors = Gauge(
+            "kvledger_memory_contained_errors",
+            "Component failures (release hooks, tree hooks, release steps) a release completed through",
+            registry=r,
+        )
         self.sessions = Gauge("kvledger_num_streaming_sessions", "Open streaming sessions", registry=r)
         self.session_tokens = Gauge(
             "kvledger_streaming_session_held_tokens", "KV tokens held by sessions", registry=r
@@ -153,7 +158,9 @@ class Metrics:
         self.audit_runs.set(m["leak_check"]["checks"])
         self.audit_last_seconds.set(m["audit"]["last_ms"] / 1000)
         self.audit_seconds.set(m["audit"]["seconds_total"])
-        self.audit_violations.set(m["leak_check"]["violations"])
+        lc = m["leak_check"]
+        self.audit_violations.set(lc["violations"])
+        self.contained_errors.set(lc["contained_errors"])
         h = m.get("hicache")
         if h:
             self._update_hicache(h)
