@@ -207,7 +207,9 @@ def test_retraction_keeps_output_unchanged(make_engine, tiny_loaded):
     assert_idle_clean(ref_eng)
 
 
-def test_production_mode_leak_is_reported_reclaimed_and_serving_goes_on(tiny_loaded):
+def test_production_mode_leak_is_reported_quarantined_and_serving_goes_on(tiny_loaded):
+    """Production mode: the leaked page is logged and counted, held aside (quarantined: not handed to
+    the next request), and freed by the audit after the requests live when it was found have ended."""
     from kvledger import Engine
 
     eng = Engine(
@@ -228,10 +230,15 @@ def test_production_mode_leak_is_reported_reclaimed_and_serving_goes_on(tiny_loa
     pool.free = real_free
     assert dropped
     lc = eng.memory()["leak_check"]
-    assert lc["violations"] == 1 and not lc["ok"]
+    assert lc["violations"] == 1 and not lc["ok"] and lc["quarantined_pages_total"] == 1
+    assert eng.memory()["kv_quarantined"] == 16 and not pool.is_free(dropped[0])
+    rid = eng.add_request(list(range(3, 30)), {**GREEDY, "max_new_tokens": 5})
+    eng.step()
+    assert dropped[0] not in eng.core.scheduler.running[0].pages  # never handed out while quarantined
+    eng.run_until_idle()
+    assert len(eng.result(rid)["output_ids"]) == 5
     assert eng.core.kv_manager.ledger.reclaimed_pages == 1 and pool.is_free(dropped[0])
-    out = eng.generate(input_ids=list(range(3, 30)), sampling_params={**GREEDY, "max_new_tokens": 5})
-    assert len(out["output_ids"]) == 5
+    assert eng.memory()["kv_quarantined"] == 0
     assert eng.audit().ok
 
 

@@ -12,11 +12,12 @@ import httpx
 import pytest
 
 from tests.browser import Browser, find_chromium
-from tests.integration.conftest import started_server
+from tests.integration.conftest import ENGINE_ARGS, started_server
+from tests.server_harness import Server, wait_idle
 
 USER = {"Authorization": "Bearer user-key"}
 ADMIN = {"Authorization": "Bearer admin-key"}
-KINDS = ("free", "cached_evictable", "cached_protected", "private", "session")
+KINDS = ("free", "cached_evictable", "cached_protected", "private", "session", "quarantined")
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,52 @@ def test_page_map_adds_up_under_load_and_names_owners(keyed):
     assert_map_matches_figures(snap)
     assert snap["requests"] == [] and snap["last_audit"]["ok"]
     assert httpx.post(keyed.url + "/close_session", json={"session_id": sid}, headers=USER).status_code == 200
+
+
+def test_quarantined_pages_are_shown_counted_and_given_back(chat_model, tmp_path):
+    """Production mode (issue 50, item 12): the audit's walk of owners misses a running request
+    (KVLEDGER_TEST_LEDGER_MISSES_RID): its pages and slot are quarantined, not freed — shown on
+    /memory/pages (kind ``quarantined``), in /get_server_info's memory and /metrics — and given back
+    when the request ends."""
+    args = [a for a in ENGINE_ARGS if a != "--strict-memory"]
+    s = Server(chat_model, *args, "--audit-interval-s", "0.2", log_path=str(tmp_path / "quarantine.log"),
+               env={"KVLEDGER_TEST_LEDGER_MISSES_RID": "hidden"})  # fmt: skip
+    try:
+        s.wait_healthy()
+        t = _start_long(s, {}, "hidden")
+        deadline = time.monotonic() + 30
+        while True:
+            snap = pages(s, {}).json()
+            runs = [r for r in snap["runs"] if r["kind"] == "quarantined"]
+            if runs and "hidden" in {r["rid"] for r in snap["requests"]}:
+                break
+            assert time.monotonic() < deadline, snap
+            time.sleep(0.05)
+        assert all(r["owner"].startswith("quarantine (last owner: req hidden") for r in runs)
+        # (Pages it took since the last audit are still unowned on the map: the walk misses them.)
+        m, ps = snap["memory"], snap["page_size"]
+        assert sum(r["count"] for r in snap["runs"]) == snap["num_pages"]
+        assert per_kind(snap)["quarantined"] * ps == m["kv_quarantined"] > 0
+        assert m["leak_check"]["quarantined_pages_total"] > 0 and m["req_slots_quarantined"] == 1
+        assert s.info()["memory"]["kv_quarantined"] > 0
+        while True:  # (the front's metrics follow the engine's stats, pushed as it steps)
+            metrics = httpx.get(s.url + "/metrics", timeout=10).text
+            line = next((x for x in metrics.splitlines() if x.startswith('kvledger_kv_tokens{state="quarantined"}')), "")
+            if line and float(line.split()[-1]) > 0:
+                break
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.1)
+        assert 'kvledger_memory_quarantine{what="quarantined_pages"}' in metrics
+        httpx.post(s.url + "/abort_request", json={"rid": "hidden"}, timeout=10)
+        t.join()
+        info, idle = wait_idle(s.url, 20)
+        m = info["memory"]
+        assert idle and m["kv_quarantined"] == 0 and m["req_slots_quarantined"] == 0, m
+        assert m["req_slots_free"] == m["req_slots_total"] and m["kv_free"] + m["kv_cached_evictable"] == m["kv_total"]
+        assert pages(s, {}).json()["last_audit"]["ok"]
+        assert info["engine_restarts"] == 0
+    finally:
+        s.stop()
 
 
 CHROMIUM = find_chromium()

@@ -195,15 +195,25 @@ def test_a_dropped_page_is_caught_and_named():
     assert report.leaked_pages == {dropped: "req victim"}
 
 
-def test_production_mode_reclaims_and_counts():
+def test_production_mode_quarantines_then_reclaims_and_counts():
+    """Production mode: a page nobody's books hold is quarantined (counted, shown, not free), and freed
+    by a later audit once proven unowned (no request live when it was found is left)."""
     kv, _reqs = _manager(strict=False)
     req = Req(rid="victim", input_ids=list(range(10)), params=SamplingParams())
     assert kv.admit(req) and kv.allocate(req, 10)
     kv.release(req, commit=False)
-    kv.ledger.audit()  # logs, counts, reclaims; does not raise
-    assert kv.ledger.violations == 1 and kv.ledger.reclaimed_pages == 1
-    assert kv.pages.num_free == kv.pages.num_pages
-    assert kv.ledger.audit().ok
+    dropped = kv.pages.dropped
+    kv.ledger.audit()  # logs, counts, quarantines; does not raise
+    assert kv.ledger.violations == 1 and kv.ledger.quarantined_pages == 1 and kv.ledger.reclaimed_pages == 0
+    assert kv.pages.num_free == kv.pages.num_pages - 1 and not kv.pages.is_free(dropped)
+    m = kv.ledger.figures()
+    assert m["kv_quarantined"] == kv.page_size and m["leak_check"]["quarantined_pages_total"] == 1
+    kv.ledger.check_conservation()  # free + ... + quarantined == total
+    runs = [r for r in kv.ledger.page_runs() if r["kind"] == "quarantined"]
+    assert runs == [{"start": dropped, "count": 1, "kind": "quarantined", "owner": "quarantine (last owner: req victim)"}]
+    assert kv.ledger.audit().ok  # not a new leak; nothing live: proven unowned, freed
+    assert kv.ledger.reclaimed_pages == 1 and kv.pages.num_free == kv.pages.num_pages
+    assert kv.ledger.figures()["kv_quarantined"] == 0 and kv.ledger.violations == 1
 
 
 def test_double_owned_page_is_reported():

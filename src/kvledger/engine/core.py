@@ -276,7 +276,7 @@ class EngineCore:
             num_slots=cfg.scheduler.max_running_requests,
             enable_prefix_cache=cfg.cache.enable_prefix_cache,
             strict=cfg.cache.strict_memory,
-            holdings=lambda: self.scheduler.holdings(),
+            holdings=faults.ledger_holdings(lambda: self.scheduler.holdings()),
             tiers=tiers,
             window=window,
         )

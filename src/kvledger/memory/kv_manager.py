@@ -236,7 +236,7 @@ class KVManager:
         Every step runs whatever the one before did: a step that fails (HiSparse's release, a tree
         hook such as a tier's backup, a session's close) is logged and counted by ``Ledger.contain``,
         and the lock, the slot and the request's fields are given back all the same. What a failed
-        step left unaccounted is the audit's to find; strict mode
+        step left unaccounted is the audit's to find (quarantined in production mode); strict mode
         raises the failure at the step's books check, after this release completed.
         """
         owner = f"req {req.rid}"

@@ -6,11 +6,22 @@ protected otherwise), PRIVATE (one live request's computed-but-uncached tail, ov
 included), SESSION (held by one streaming session), HISPARSE_HOT (a sparse-decoding request's hot
 buffer, ``memory/sparse_kv.py``; its host pages are in their own pool, checked by ``SparseBooks``),
 RESERVED (kept for the engine's life by a named component: the CUDA-graph runner's padding page,
-``KVManager.reserve``). A request slot is free, used by one live request, or held by one session.
+``KVManager.reserve``), QUARANTINED (below). A request slot is free, used by one live request, held by
+one session, or quarantined.
 Live requests *borrow* cached pages (the tree still owns them; the request's lock keeps them
 protected). With a sliding-window model, a request's or session's page list may have OUT OF WINDOW
 entries (``memory/window.py``): pages given back, which it no longer holds; the audit checks that
 they lie wholly outside the window of its KV.
+
+Quarantine (production mode): a page or slot the audit finds with no owner on its books is not freed,
+for the enumeration of owners may have missed one that still reads it (a freed page handed to another
+request would then hold two requests' KV). It is QUARANTINED, owner ``quarantine (last owner: X)``:
+counted (``kv_quarantined``, ``req_slots_quarantined``), shown in the page map, never handed out. It
+leaves quarantine when its missed owner gives it back or shows up on the books again, or, proven
+unowned, goes back to the free list: at an audit where no owner holds it and every request that was
+live when it was quarantined has ended (at the latest, the next idle audit). Transient owners (KV
+transfers, tier loads, steps in flight) all belong to requests, so none of them can still reach it;
+the tree, sessions and reserved pages are walked by the audit itself.
 
 Containment: a component that fails while memory is released (a release hook, a radix tree hook, one
 step of ``KVManager.release``) never stops the release: ``contain`` runs each step, logs and counts a
@@ -24,7 +35,7 @@ import itertools
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -133,9 +144,15 @@ class Ledger:
         self.audit_seconds = 0.0  # all audits together (their cost), and the last one's
         self.last_audit_seconds = 0.0
         self.violations = 0
-        self.reclaimed_pages = 0
+        self.quarantined_pages = 0  # pages put in quarantine, ever (production mode)
+        self.quarantined_slots = 0
+        self.reclaimed_pages = 0  # ... of them, freed once proven unowned
+        self.reclaimed_slots = 0
         self.contained_errors = 0  # component failures a release went on through (``contain``)
         self._unraised: list[str] = []  # ... not yet raised (strict mode)
+        # ``(newest request arrival so far, oldest arrival still live or None)``: the scheduler's, so
+        # that quarantine can wait for every request live when it began (none here: a bare manager).
+        self.arrivals: Callable[[], tuple[int, int | None]] = lambda: (0, None)
         self.last_report: AuditReport | None = None
         self.tiers = None  # hicache/books.py TierBooks: the L2 tier's books, when the hierarchy is on
         self.sparse = None  # memory/sparse_kv.py SparseBooks: HiSparse's host pool, when it is on
@@ -163,7 +180,9 @@ class Ledger:
             "session": session,
             "hisparse_hot": hot,
             "reserved": reserved,
+            "quarantined": self.pages.num_quarantined,
             "slots_used": slots_used,
+            "slots_quarantined": self.slots.num_quarantined,
         }
 
     def figures(self) -> dict:
@@ -182,8 +201,11 @@ class Ledger:
             # Only where a component reserved pages (CUDA graphs): idle, free + cached_evictable +
             # session + reserved == total.
             **({"kv_reserved": c["reserved"] * ps} if c["reserved"] else {}),
+            # Found unowned by a production-mode audit, held aside until proven unowned (never handed out).
+            "kv_quarantined": c["quarantined"] * ps,
             "req_slots_total": self.slots.num_slots,
             "req_slots_free": self.slots.num_free,
+            "req_slots_quarantined": c["slots_quarantined"],
             **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
             **({"hisparse": self.sparse.figures(list(self.holdings()))} if self.sparse is not None else {}),
             **({"window": self.window.figures(list(self.holdings()))} if self.window is not None else {}),
@@ -192,6 +214,10 @@ class Ledger:
                 "checks": self.checks,
                 "violations": self.violations,
                 "contained_errors": self.contained_errors,
+                "quarantined_pages_total": self.quarantined_pages,
+                "reclaimed_pages_total": self.reclaimed_pages,
+                "quarantined_slots_total": self.quarantined_slots,
+                "reclaimed_slots_total": self.reclaimed_slots,
             },
             # The audits' cost: the last one's and all of them together.
             "audit": {
@@ -202,8 +228,8 @@ class Ledger:
 
     def page_runs(self) -> list[dict]:
         """The pool as runs of consecutive pages with one owner: ``{start, count, kind, owner}``, kind
-        one of free / cached_evictable / cached_protected / private / session / hisparse_hot / reserved
-        (the figures' names),
+        one of free / cached_evictable / cached_protected / private / session / hisparse_hot / reserved /
+        quarantined (the figures' names; a quarantined page's owner is ``quarantine (last owner: X)``),
         or ``unowned`` for a page nobody's books hold (a leak; its owner is the last one on record).
         The counts of each kind times the page size are the figures' ``kv_*`` (same instant)."""
         n = self.pages.num_pages
@@ -211,6 +237,8 @@ class Ledger:
         owner: list[str | None] = [None] * n
         for p in self.pages.free_list():
             kind[p] = "free"
+        for p in self.pages.quarantined:
+            kind[p], owner[p] = "quarantined", self.pages.last_owner[p]
         for node in self.tree.nodes():
             k = "cached_protected" if node.lock_ref > 0 else "cached_evictable"
             for p in node.pages:
@@ -233,26 +261,26 @@ class Ledger:
 
     # -- the cheap check (every step in strict mode) -----------------------------------------------
     def check_conservation(self) -> None:
-        """``free + cached + private + session + hisparse_hot + reserved == total`` (and the same for
-        slots); first, in strict mode, any failure a release contained is raised."""
+        """``free + cached + private + session + hisparse_hot + reserved + quarantined == total`` (and
+        the same for slots); first, in strict mode, any failure a release contained is raised."""
         self.raise_contained()
         c = self.page_counts()
         total = (
             c["free"] + c["cached_evictable"] + c["cached_protected"] + c["private"] + c["session"]
-            + c["hisparse_hot"] + c["reserved"]
+            + c["hisparse_hot"] + c["reserved"] + c["quarantined"]
         )  # fmt: skip
         problems = []
         if total != self.pages.num_pages:
             problems.append(
                 f"page conservation broken: free {c['free']} + cached_evictable {c['cached_evictable']} + "
                 f"cached_protected {c['cached_protected']} + private {c['private']} + session {c['session']}"
-                f" + hisparse_hot {c['hisparse_hot']} + reserved {c['reserved']} = {total}"
-                f" != total {self.pages.num_pages}"
+                f" + hisparse_hot {c['hisparse_hot']} + reserved {c['reserved']} + quarantined"
+                f" {c['quarantined']} = {total} != total {self.pages.num_pages}"
             )
-        if self.slots.num_free + c["slots_used"] != self.slots.num_slots:
+        if self.slots.num_free + c["slots_used"] + c["slots_quarantined"] != self.slots.num_slots:
             problems.append(
-                f"slot conservation broken: free {self.slots.num_free} + used {c['slots_used']}"
-                f" != total {self.slots.num_slots}"
+                f"slot conservation broken: free {self.slots.num_free} + used {c['slots_used']} + quarantined"
+                f" {c['slots_quarantined']} != total {self.slots.num_slots}"
             )
         if self.tiers is not None:
             problems.extend(self.tiers.conservation_problems(list(self.holdings())))
@@ -270,7 +298,11 @@ class Ledger:
         Pages are counted in numpy (one owner each, or it is a leak / a double): a default pool has
         ~10^5 pages, and a dict of owner lists per page took ~200 ms of the engine loop (GC included)
         each time it went idle, a delay the next request paid. Names are gathered only for the ids
-        found leaked or doubly owned."""
+        found leaked or doubly owned.
+
+        A quarantined id is not an owner: with an owner on the books it leaves quarantine (that owner
+        is back), without one it stays, and is freed once proven unowned (``count``: a real audit;
+        the module docstring). Only ids not yet quarantined are reported as leaks."""
         if count:
             self.raise_contained()
         t0 = time.perf_counter()
@@ -328,18 +360,42 @@ class Ledger:
                     report.problems.append(f"{h.owner} reads page {p}, which the tree does not protect")
                 elif h.borrowed_from is not None and p not in session_pages.get(h.borrowed_from, ()):
                     report.problems.append(f"{h.owner} reads page {p}, which {h.borrowed_from} does not hold")
-        owners.classify(self.pages.last_owner, report.leaked_pages, report.double_pages)
-        classify(slot_owners, self.slots.last_owner, report.leaked_slots, report.double_slots)
+        held_pages = owners.classify(
+            self.pages.last_owner, report.leaked_pages, report.double_pages, self.pages.quarantined
+        )
+        held_slots = classify(
+            slot_owners, self.slots.last_owner, report.leaked_slots, report.double_slots, self.slots.quarantined
+        )
         if self.tiers is not None:
             self.tiers.audit(report, holdings)
         if self.sparse is not None:
             self.sparse.audit(report, holdings)
         if count:
             self.checks += 1
+            self._settle_quarantine(held_pages, held_slots)
             self.last_audit_seconds = time.perf_counter() - t0
             self.audit_seconds += self.last_audit_seconds
             self._enforce(report)
         return report
+
+    def _settle_quarantine(self, held_pages: list[int], held_slots: list[int]) -> None:
+        """Quarantined ids an owner holds again leave quarantine; those nobody holds are freed once
+        every request live when they were quarantined has ended (``arrivals``)."""
+        _newest, oldest_live = self.arrivals()
+        for pool, held, what in ((self.pages, held_pages, "pages"), (self.slots, held_slots, "request slots")):
+            if not pool.quarantined:
+                continue
+            if held:
+                pool.unquarantine(held)
+                log.warning("quarantined %s %s have an owner on the books again", what, held[:20])
+            proven = [i for i, w in pool.quarantined.items() if oldest_live is None or oldest_live > w]
+            if proven:
+                pool.release_quarantined(proven, "ledger reclaim (proven unowned)")
+                if pool is self.pages:
+                    self.reclaimed_pages += len(proven)
+                else:
+                    self.reclaimed_slots += len(proven)
+                log.warning("freed quarantined %s %s: proven unowned", what, proven[:20])
 
     # -- containment: a release never stops in the middle ---------------------------------------------
     def contain(self, what: str, fn: Callable[..., T], *args) -> T | None:
@@ -387,14 +443,17 @@ class Ledger:
         msg = f"memory ledger violation: {report.describe()}"
         if self.strict:
             raise MemoryLedgerError(msg)
-        # Production: one bug must not take every user down. Log it, count it, take back what
-        # nobody owns, and keep serving.
-        log.error("%s (reclaiming orphans, serving on)", msg)
+        # Production: one bug must not take every user down. Log it, count it, hold what nobody's
+        # books hold aside (quarantine: the owner the walk missed may still read it; freed once proven
+        # unowned, never handed out before), and keep serving.
+        log.error("%s (quarantining orphans, serving on)", msg)
+        newest, _oldest = self.arrivals()
         if report.leaked_pages:
-            self.pages.free(list(report.leaked_pages), by="ledger reclaim")
-            self.reclaimed_pages += len(report.leaked_pages)
-        for s in report.leaked_slots:
-            self.slots.free(s, by="ledger reclaim")
+            self.pages.quarantine(list(report.leaked_pages), newest)
+            self.quarantined_pages += len(report.leaked_pages)
+        if report.leaked_slots:
+            self.slots.quarantine(list(report.leaked_slots), newest)
+            self.quarantined_slots += len(report.leaked_slots)
         if self.tiers is not None:
             self.tiers.reclaim(report)
         if self.sparse is not None:
@@ -411,15 +470,17 @@ class _Owners:
         if len(ids):
             self.parts.append((label, ids))
 
-    def classify(self, last_owner: list[str], leaked: dict, double: dict) -> None:
+    def classify(self, last_owner: list[str], leaked: dict, double: dict, quarantined: Container[int]) -> list[int]:
         """As ``classify``: ids with no owner are leaks (named by their last owner), with several
-        doubles (with every owner's name)."""
+        doubles (with every owner's name); quarantined ids are no leaks. Returns the quarantined ids
+        that have an owner."""
         n = len(last_owner)
         ids = np.fromiter(itertools.chain.from_iterable(ids for _, ids in self.parts), dtype=np.int64)
         ids = ids[ids >= 0]  # (an id outside the pool is not counted, as before)
         counts = np.bincount(ids, minlength=n) if ids.size else np.zeros(n, dtype=np.int64)
         for i in np.flatnonzero(counts[:n] == 0).tolist():
-            leaked[i] = last_owner[i]
+            if i not in quarantined:
+                leaked[i] = last_owner[i]
         doubles = set(np.flatnonzero(counts[:n] > 1).tolist())
         if doubles:
             names: dict[int, list[str]] = defaultdict(list)
@@ -428,13 +489,24 @@ class _Owners:
                     if i in doubles:
                         names[i].append(label)
             double.update(names)
+        return [i for i in quarantined if i < n and counts[i] > 0]
 
 
-def classify(owners: dict[int, list[str]], last_owner: list[str], leaked: dict, double: dict) -> None:
-    """Ids with no owner are leaks (named by their last owner); with several, double ownership."""
+def classify(
+    owners: dict[int, list[str]], last_owner: list[str], leaked: dict, double: dict, quarantined: Container[int] = ()
+) -> list[int]:
+    """Ids with no owner are leaks (named by their last owner), unless quarantined; with several,
+    double ownership. Returns the quarantined ids that have an owner."""
+    held = []
     for i in range(len(last_owner)):
         o = owners.get(i)
         if not o:
-            leaked[i] = last_owner[i]
+            if i not in quarantined:
+                leaked[i] = last_owner[i]
+        elif i in quarantined:
+            held.append(i)
+            if len(o) > 1:
+                double[i] = o
         elif len(o) > 1:
             double[i] = o
+    return held

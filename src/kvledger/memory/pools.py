@@ -1,7 +1,9 @@
 """The two pools: KV pages (plus the tensors they index) and request slots (rows of the page table).
 
 Pools only hand out and take back ids; *who* owns an id is the ledger's business. Each id remembers
-its last owner so that an audit can name it.
+its last owner so that an audit can name it. An id is free, handed out, or QUARANTINED: one a
+production-mode audit found with no owner on its books, held aside (never handed out) until it is
+proven unowned (``Ledger``) or the owner the audit missed gives it back.
 """
 
 from __future__ import annotations
@@ -129,10 +131,17 @@ class IdPool:
         self._free: list[int] = list(range(n - 1, -1, -1))
         self._is_free = bytearray([1]) * n
         self.last_owner: list[str] = ["never allocated"] * n
+        # QUARANTINED ids (not free, never handed out) -> the arrival watermark of the requests that
+        # were live when the audit put them there (``Ledger``: released once all of those have ended).
+        self.quarantined: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self.quarantined)
 
     def is_free(self, i: int) -> bool:
         return bool(self._is_free[i])
@@ -154,8 +163,9 @@ class IdPool:
 
     def _give_back(self, ids: list[int], by: str) -> list[int]:
         """Return ids to the free list; returns those that were already free (double frees), which
-        are not added twice. The caller reports them. An id outside the pool (a negative entry would
-        index from the end) is refused before anything changes."""
+        are not added twice. The caller reports them. A quarantined id given back by the owner the
+        audit missed leaves quarantine (that owner is done with it). An id outside the pool (a
+        negative entry would index from the end) is refused before anything changes."""
         n = len(self._is_free)
         bad = [i for i in ids if not 0 <= i < n]
         if bad:
@@ -165,10 +175,36 @@ class IdPool:
             if self._is_free[i]:
                 doubles.append(i)
                 continue
+            if self.quarantined:
+                self.quarantined.pop(i, None)
             self._is_free[i] = 1
             self._free.append(i)
             self.last_owner[i] = f"freed by {by}"
         return doubles
+
+    # -- quarantine (the ledger's production-mode reclaim) --------------------------------------------
+    def quarantine(self, ids: list[int], watermark: int) -> None:
+        """Hold ``ids`` (handed out, no owner on the books) aside: not free, never handed out.
+        ``watermark``: the newest request arrival when they were found (see ``Ledger``)."""
+        for i in ids:
+            if self._is_free[i] or i in self.quarantined:
+                continue
+            self.quarantined[i] = watermark
+            self.last_owner[i] = f"quarantine (last owner: {self.last_owner[i]})"
+
+    def unquarantine(self, ids: list[int], owner: str | None = None) -> None:
+        """An owner holds ``ids`` again (the audit found it, or it adopted them): they leave
+        quarantine and stay handed out."""
+        for i in ids:
+            if self.quarantined.pop(i, None) is not None and owner is not None:
+                self.last_owner[i] = owner
+
+    def release_quarantined(self, ids: list[int], by: str) -> None:
+        """``ids`` are proven unowned: back to the free list."""
+        ids = [i for i in ids if i in self.quarantined]
+        for i in ids:
+            del self.quarantined[i]
+        self._give_back(ids, by)
 
 
 class PagePool(IdPool):
@@ -187,6 +223,10 @@ class PagePool(IdPool):
         return self._give_back(pages, by)
 
     def set_owner(self, pages: list[int], owner: str) -> None:
+        """``pages`` change hands (into the radix tree, to a session); one that was quarantined has
+        its owner back."""
+        if self.quarantined:
+            self.unquarantine(pages)
         for p in pages:
             self.last_owner[p] = owner
 

@@ -80,6 +80,9 @@ class Scheduler:
         self.stop = StopChecker(eos_token_ids, context_length, decode)
         self.policy = BatchPolicy(self)
         self._arrivals = itertools.count(1)
+        self.last_arrival = 0  # the newest request's arrival_seq
+        # Quarantined pages wait until every request live when they were found has ended (ledger.py).
+        kv_manager.ledger.arrivals = self._arrival_span
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.waiting_for_kv: list[Req] = []
@@ -145,7 +148,7 @@ class Scheduler:
     def submit(self, req: Req) -> None:
         """Queue a validated request (call ``check_submit`` first). On the engine's thread."""
         self.reqs[req.rid] = req
-        req.arrival_seq = next(self._arrivals)
+        req.arrival_seq = self.last_arrival = next(self._arrivals)
         req.priority_rank = self.policy.order.rank(req)
         limits = [t for t in (req.params.timeout, self.cfg.scheduler.request_timeout_s) if t is not None]
         if limits:
@@ -216,6 +219,12 @@ class Scheduler:
             yield self.kv_manager.holding(r)
             if r.sparse is not None:
                 yield from SparseKV.holdings(r)
+
+    def _arrival_span(self) -> tuple[int, int | None]:
+        """(the newest arrival so far, the oldest arrival of a request still live or None): every
+        request that may hold or reach pages, those released after a launched step included."""
+        live = [r.arrival_seq for r in itertools.chain(self.reqs.values(), self._release_later)]
+        return self.last_arrival, min(live, default=None)
 
     @property
     def has_requests(self) -> bool:

@@ -57,6 +57,13 @@ class Metrics:
         self.audit_violations = Gauge(
             "kvledger_memory_audit_violations", "Ledger violations found", registry=r
         )
+        self.quarantine = Gauge(
+            "kvledger_memory_quarantine",
+            "Production-mode quarantine since the engine started: pages and request slots found with no "
+            "owner and held aside, and those freed once proven unowned",
+            ["what"],
+            registry=r,
+        )
         self.contained_errors = Gauge(
             "kvledger_memory_contained_errors",
             "Component failures (release hooks, tree hooks, release steps) a release completed through",
@@ -153,6 +160,7 @@ class Metrics:
             self.kv_tokens.labels(state).set(m[f"kv_{state}"])
         if "kv_reserved" in m:  # CUDA graphs' padding page
             self.kv_tokens.labels("reserved").set(m["kv_reserved"])
+        self.kv_tokens.labels("quarantined").set(m["kv_quarantined"])
         self.req_slots_free.set(m["req_slots_free"])
         self.session_tokens.set(m["kv_session"])
         self.audit_runs.set(m["leak_check"]["checks"])
@@ -161,6 +169,8 @@ class Metrics:
         lc = m["leak_check"]
         self.audit_violations.set(lc["violations"])
         self.contained_errors.set(lc["contained_errors"])
+        for what in ("quarantined_pages", "reclaimed_pages", "quarantined_slots", "reclaimed_slots"):
+            self.quarantine.labels(what).set(lc[f"{what}_total"])
         h = m.get("hicache")
         if h:
             self._update_hicache(h)

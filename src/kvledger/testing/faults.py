@@ -5,16 +5,20 @@
 * ``KVLEDGER_TEST_CRASH_ON_RID=r``: the engine process exits when ``r`` arrives (the front survives);
 * ``KVLEDGER_TEST_STALL_RID=r``: the engine process hangs when ``r`` arrives (the watchdog fires);
 * ``KVLEDGER_TEST_STEP_DELAY_S=t``: every forward takes at least ``t`` seconds more, as on a slow
-  device (a test's pause or abort then lands mid-generation however fast the machine is).
+  device (a test's pause or abort then lands mid-generation however fast the machine is);
+* ``KVLEDGER_TEST_LEDGER_MISSES_RID=r``: the ledger's walk of owners misses request ``r`` (an
+  enumeration bug: a production-mode audit must quarantine the pages and slot it still uses, never
+  hand them to another request).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..engine.executor import Executor
+from ..memory import Holding
 from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -63,3 +67,16 @@ def engine_process_hook() -> Callable[[str], None] | None:
             time.sleep(3600)  # a hung step: the front's watchdog must notice
 
     return hook
+
+
+def ledger_holdings(holdings: Callable[[], Iterable[Holding]]) -> Callable[[], Iterable[Holding]]:
+    """The owner walk the ledger is given: ``holdings`` itself, or without one request's holdings."""
+    rid = os.environ.get("KVLEDGER_TEST_LEDGER_MISSES_RID")
+    if not rid:
+        return holdings
+    owner = f"req {rid}"
+
+    def missing() -> Iterable[Holding]:
+        return (h for h in holdings() if h.owner != owner and not h.owner.startswith(owner + " "))
+
+    return missing
