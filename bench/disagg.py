@@ -214,7 +214,8 @@ def start_pd(procs: Procs, tag: str = "") -> tuple[str, str]:
     threads = ["--num-threads", str(max(1, (os.cpu_count() or 2) // 2))]
     procs.start(f"prefill{tag}", [*SERVE, *threads, "--port", str(pport), "--disaggregation-mode", "prefill",
                                   "--disaggregation-bootstrap-port", str(bport)])  # fmt: skip
-    procs.start(f"decode{tag}", [*SERVE, *threads, "--port", str(dport), "--disaggregation-mode", "decode"])
+    procs.start(f"decode{tag}", [*SERVE, *threads, "--port", str(dport), "--disaggregation-mode", "decode",
+                                 "--disaggregation-prefill-peers", f"127.0.0.1:{bport}"])  # fmt: skip
     wait_up(f"http://127.0.0.1:{pport}")
     wait_up(f"http://127.0.0.1:{dport}")
     procs.start(f"router{tag}", [*router_cmd(), "--port", str(rport), "--pd-disaggregation", "--prefill",

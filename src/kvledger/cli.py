@@ -194,7 +194,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,
                    help="prefill: where decode servers fetch KV; decode: the port assumed if the router gives none")  # fmt: skip
     p.add_argument("--disaggregation-bind-host", default=d.disaggregation_bind_host,
-                   help="prefill: the address the bootstrap port binds (default: --host)")  # fmt: skip
+                   help="prefill: the address the bootstrap port binds (default: 127.0.0.1; another "
+                   "needs --disaggregation-auth-key-file); mooncake: the address its engine announces")  # fmt: skip
+    p.add_argument("--disaggregation-auth-key-file", default=d.disaggregation_auth_key_file, metavar="PATH",
+                   help="the key the PD nodes share (the same file on every prefill and decode server, at least "
+                   "32 bytes): every PD message is sealed with an HMAC under it (default: $KVLEDGER_DISAGGREGATION_"
+                   "AUTH_KEY, else none: loopback only)")  # fmt: skip
+    p.add_argument("--disaggregation-prefill-peers", nargs="+", default=d.disaggregation_prefill_peers,
+                   metavar="HOST:PORT",
+                   help="decode: the prefill bootstrap addresses it may fetch KV from, as the router names them; "
+                   "another is a 400 (default: 127.0.0.1 / localhost at --disaggregation-bootstrap-port)")  # fmt: skip
+    p.add_argument("--disaggregation-max-claims-per-peer", type=int, default=d.disaggregation_max_claims_per_peer,
+                   help="prefill: most rooms one decode connection may hold claimed and unacknowledged")  # fmt: skip
     p.add_argument("--disaggregation-transfer-backend", default=d.disaggregation_transfer_backend,
                    choices=TRANSFER_BACKENDS,
                    help="tcp: the built-in KV transport (ZMQ over TCP); mooncake: Mooncake's transfer engine (TCP)")  # fmt: skip
@@ -257,8 +268,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine settings from the flags, checked before anything starts (a bad one: exit 2)."""
     names = EngineConfig.section_of()
     values = {k: v for k, v in vars(args).items() if k in names}
-    if values.get("disaggregation_bind_host") is None and getattr(args, "host", None):
-        values["disaggregation_bind_host"] = args.host  # bootstrap where the HTTP server listens
     cfg = EngineConfig.from_flat(**values)
     cfg.check()
     return cfg

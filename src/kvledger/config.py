@@ -448,8 +448,10 @@ class DisaggregationSettings:
     disaggregation_bootstrap_port: int = 8998
     """prefill: the port decode servers fetch KV from; decode: the port assumed when the router
     passes none."""
-    disaggregation_bind_host: str | None = None
-    """prefill: the address the bootstrap port binds (None: the HTTP server's --host)."""
+    disaggregation_bind_host: str = "127.0.0.1"
+    """prefill: the address the bootstrap port binds (loopback unless set: a bootstrap port reachable
+    from other machines is a decision, and needs ``disaggregation_auth_key_file``); with Mooncake, the
+    address each side's transfer engine announces."""
     disaggregation_transfer_backend: str = "tcp"
     """tcp: the built-in transport (ZMQ over TCP, ``disagg/wire.py``); mooncake: Mooncake's transfer engine."""
     disaggregation_bootstrap_timeout_s: float = 300.0
@@ -457,10 +459,25 @@ class DisaggregationSettings:
     acknowledge it before it is released."""
     disaggregation_waiting_timeout_s: float = 300.0
     """decode: how long an admitted request waits for its KV before it fails (502) and is released."""
+    disaggregation_auth_key_file: str | None = None
+    """A file holding the key the PD nodes share (at least 32 bytes; the same on every prefill and
+    decode server): every message between them is sealed with an HMAC under it (``disagg/auth.py``).
+    None: the environment variable ``KVLEDGER_DISAGGREGATION_AUTH_KEY``, else no key, which only a
+    server whose PD sockets are all on loopback may run without."""
+    disaggregation_prefill_peers: list[str] | None = None
+    """decode: the prefill bootstrap addresses (``host:port``, as the router names them: the host of
+    each ``--prefill URL`` and its bootstrap port) this server may fetch KV from; a request naming
+    another is a 400 before anything is held or connected. None: loopback at
+    ``disaggregation_bootstrap_port`` only."""
+    disaggregation_max_claims_per_peer: int = 512
+    """prefill: most rooms one decode server (one connection) may have claimed and not acknowledged
+    at once; claims beyond it are refused (bounds what one peer makes this server hold)."""
 
     def __post_init__(self) -> None:
         self.disaggregation_mode = _norm(self.disaggregation_mode, null=("null", "none", ""))
         self.disaggregation_transfer_backend = _norm(self.disaggregation_transfer_backend) or "tcp"
+        if isinstance(self.disaggregation_prefill_peers, str):
+            self.disaggregation_prefill_peers = self.disaggregation_prefill_peers.split(",")
 
     @property
     def enabled(self) -> bool:
@@ -469,13 +486,39 @@ class DisaggregationSettings:
     def check(self) -> None:
         if not self.enabled:
             return
+        from .common.disagg import PrefillPeers, is_loopback  # (lazy: config imports none of the project)
+        from .disagg.auth import ENV_KEY, load_key
+
         _one_of(self.disaggregation_mode, DISAGGREGATION_MODES, "disaggregation_mode", optional=True)
         _one_of(self.disaggregation_transfer_backend, TRANSFER_BACKENDS, "disaggregation_transfer_backend")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValidationError(
                 "disaggregation_bootstrap_port must be a port number", param="disaggregation_bootstrap_port"
             )
-        _positive(self, "disaggregation_bootstrap_timeout_s", "disaggregation_waiting_timeout_s")
+        _positive(self, "disaggregation_bootstrap_timeout_s", "disaggregation_waiting_timeout_s",
+                  "disaggregation_max_claims_per_peer")  # fmt: skip
+        if not self.disaggregation_bind_host:
+            raise ValidationError(
+                "disaggregation_bind_host must be an address", param="disaggregation_bind_host"
+            )
+        try:
+            key = load_key(self.disaggregation_auth_key_file)
+        except ValueError as e:
+            raise ValidationError(str(e), param="disaggregation_auth_key_file") from None
+        peers = PrefillPeers(self.disaggregation_prefill_peers, self.disaggregation_bootstrap_port)
+        if key is None:
+            # Without a key anyone who reaches a PD socket is trusted: only loopback may go without.
+            exposed = None
+            if self.disaggregation_mode == "prefill" and not is_loopback(self.disaggregation_bind_host):
+                exposed = f"its bootstrap port binds {self.disaggregation_bind_host}"
+            elif self.disaggregation_mode == "decode" and not peers.all_loopback:
+                exposed = f"it fetches KV from {', '.join(peers.describe())}"
+            if exposed is not None:
+                raise ValidationError(
+                    f"a PD server whose sockets leave loopback needs the PD nodes' shared key ({exposed}): "
+                    f"--disaggregation-auth-key-file PATH or {ENV_KEY} (e.g. `openssl rand -hex 32`)",
+                    param="disaggregation_auth_key_file",
+                )
         if self.disaggregation_transfer_backend == "mooncake":
             from .disagg.mooncake import available
 

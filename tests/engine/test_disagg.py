@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from kvledger.common.disagg import FAKE_BOOTSTRAP_HOST, DisaggParams
-from kvledger.disagg import wire
+from kvledger.disagg import auth, wire
 from kvledger.disagg.mooncake import available as mooncake_missing
 from tests.helpers import assert_idle_clean, record_drafts
 from tests.server_harness import free_port
@@ -137,17 +137,29 @@ def test_pd_greedy_equals_a_single_engine(pd, make_engine, backend):
 
 
 class RogueDecodeClient:
-    """A decode side driven by hand over the wire (claims, and acks only when the test says)."""
+    """A decode side driven by hand over the wire (claims, and acks only when the test says); with
+    ``key`` its messages are sealed under it (a peer that holds the PD nodes' key)."""
 
-    def __init__(self, port: int, layout: wire.Layout):
+    def __init__(self, port: int, layout: wire.Layout, key: bytes | None = None):
         self.layout = layout
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.sealer = auth.Sealer(key, auth.TO_PREFILL)
+        self.opener = auth.Opener(key, auth.TO_DECODE)
 
-    def claim(self, room_id: int, prompt: list[int], tokens: list[int] | None = None) -> None:
+    def send(self, msg) -> list[bytes]:
+        """Send ``msg`` sealed; returns its frames (for a replay)."""
+        frames = wire.pack(msg, self.sealer)
+        self.sock.send_multipart(frames)
+        return frames
+
+    def recv(self):
+        return wire.unpack(self.sock.recv_multipart(), self.opener)[0]
+
+    def claim(self, room_id: int, prompt: list[int], tokens: list[int] | None = None) -> list[bytes]:
         c = wire.Claim(room_id, len(prompt), 0, wire.tokens_crc(prompt), self.layout, tokens=tokens)
-        self.sock.send(wire.encode(c))
+        return self.send(c)
 
     def until_done(self, pre, room_id: int, timeout: float = 10.0) -> None:
         """Step ``pre`` until the room's Done came (its KV frames before it)."""
@@ -156,12 +168,12 @@ class RogueDecodeClient:
             assert time.monotonic() < deadline, "prefill never sent the room's KV"
             pre.step()
             if self.sock.poll(5):
-                msg = wire.decode(self.sock.recv_multipart()[0])
+                msg = self.recv()
                 if isinstance(msg, wire.Done) and msg.room == room_id:
                     return
 
-    def ack(self, room_id: int) -> None:
-        self.sock.send(wire.encode(wire.Ack(room_id)))
+    def ack(self, room_id: int) -> list[bytes]:
+        return self.send(wire.Ack(room_id))
 
     def close(self) -> None:
         self.sock.close()
@@ -458,17 +470,22 @@ def test_a_claim_for_a_different_prompt_is_refused(pd):
 
 class RoguePrefillServer:
     """A bootstrap endpoint that answers claims with whatever the test says (a broken or hostile
-    prefill server)."""
+    prefill server; with ``key``, one that holds the PD nodes' key)."""
 
-    def __init__(self, port: int):
+    def __init__(self, port: int, key: bytes | None = None):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.sealer = auth.Sealer(key, auth.TO_DECODE)
+        self.opener = auth.Opener(key, auth.TO_PREFILL)
 
     def claim(self, timeout_ms=5000):
         assert self.sock.poll(timeout_ms), "no claim arrived"
-        peer, frame = self.sock.recv_multipart()
-        return peer, wire.decode(frame)
+        peer, *frames = self.sock.recv_multipart()
+        return peer, wire.unpack(frames, self.opener)[0]
+
+    def send(self, peer: bytes, msg, payload=None) -> None:
+        self.sock.send_multipart([peer, *wire.pack(msg, self.sealer, payload)])
 
     def close(self):
         self.sock.close()
@@ -486,15 +503,13 @@ def test_bad_frames_are_refused_counted_and_leave_no_trace(pd, attack):
         assert isinstance(claim, wire.Claim) and claim.room == 77 and claim.num_tokens == len(p)
         bpt = claim.layout.bytes_per_token
         if attack == "wrong_size":
-            rogue.sock.send_multipart(
-                [peer, wire.encode(wire.KVData(77, 0, len(p))), b"\0" * (bpt * len(p) - 1)]
-            )
+            rogue.send(peer, wire.KVData(77, 0, len(p)), b"\0" * (bpt * len(p) - 1))
         elif attack == "foreign_room":
-            rogue.sock.send_multipart([peer, wire.encode(wire.KVData(78, 0, len(p))), b"\0" * (bpt * len(p))])
+            rogue.send(peer, wire.KVData(78, 0, len(p)), b"\0" * (bpt * len(p)))
         elif attack == "bad_header":
-            rogue.sock.send_multipart([peer, b"KVL\x09garbage"])
+            rogue.sock.send_multipart([peer, b"KVL\x09garbage", rogue.sealer.seal([b"KVL\x09garbage"])])
         else:
-            rogue.sock.send_multipart([peer, wire.encode(wire.KVData(77, 4, 2)), b"\0" * (bpt * 2)])
+            rogue.send(peer, wire.KVData(77, 4, 2), b"\0" * (bpt * 2))
         res = drive([dec], {id(dec): ["d"]})
         fr = res["d"]["meta_info"]["finish_reason"]
         assert fr["type"] == "abort"
@@ -1007,7 +1022,7 @@ def test_a_session_turns_claim_without_its_prompt_is_refused(pd, bad):
         while not rogue.sock.poll(10):
             assert time.monotonic() < deadline, "the claimant was never told"
             pre.step()
-        msg = wire.decode(rogue.sock.recv_multipart()[0])
+        msg = rogue.recv()
         assert isinstance(msg, wire.Fail) and msg.room == 700
     finally:
         rogue.close()

@@ -58,7 +58,8 @@ class Pair:
         self.pre = Engine(model=model, tp_size=tp_pre, page_size=16, disaggregation_mode="prefill",
                           disaggregation_bootstrap_port=self.port, disaggregation_bind_host="127.0.0.1",
                           **both)  # fmt: skip
-        self.dec = Engine(model=model, tp_size=tp_dec, page_size=4, disaggregation_mode="decode", **both)
+        self.dec = Engine(model=model, tp_size=tp_dec, page_size=4, disaggregation_mode="decode",
+                          disaggregation_prefill_peers=[f"127.0.0.1:{self.port}"], **both)  # fmt: skip
         self.sizes = (tp_pre, tp_dec)
         self.rooms = 0
 

@@ -26,7 +26,7 @@ def test_health_generate_on_a_hisparse_decode_server_leaks_nothing(chat_model, t
     pre = Server(chat_model, *ENGINE_ARGS, *spec, "--disaggregation-mode", "prefill",
                  "--disaggregation-bootstrap-port", str(bport), log_path=str(tmp_path / "prefill.log"))  # fmt: skip
     dec = Server(chat_model, *ENGINE_ARGS, *spec, *HISPARSE, "--disaggregation-mode", "decode",
-                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+                 "--disaggregation-prefill-peers", f"127.0.0.1:{bport}", log_path=str(tmp_path / "decode.log"))  # fmt: skip
     router = None
     try:
         for s in (pre, dec):

@@ -8,6 +8,7 @@ other half never comes times out on either side and frees. Both servers' books c
 from __future__ import annotations
 
 import concurrent.futures as cf
+import socket
 import time
 
 import httpx
@@ -32,7 +33,8 @@ def pd_pair(chat_model, tmp_path_factory):
                  "--disaggregation-bootstrap-port", str(bport), "--disaggregation-bootstrap-timeout", TIMEOUT_S,
                  log_path=str(logs / "prefill.log"))  # fmt: skip
     dec = Server(chat_model, *ENGINE_ARGS, "--page-size", "4", "--disaggregation-mode", "decode",
-                 "--disaggregation-waiting-timeout", TIMEOUT_S, log_path=str(logs / "decode.log"))  # fmt: skip
+                 "--disaggregation-waiting-timeout", TIMEOUT_S, "--disaggregation-prefill-peers", f"127.0.0.1:{bport}",
+                 log_path=str(logs / "decode.log"))  # fmt: skip
     router = None
     try:
         pre.wait_healthy()
@@ -185,6 +187,36 @@ def test_bad_rendezvous_fields_are_400_and_hold_nothing(pd_pair, extra):
     clean(pre, dec)
 
 
+def test_a_bootstrap_host_that_is_not_an_allowed_peer_is_a_400_and_connects_nowhere(pd_pair):
+    """SSRF (issue 50, item 9): the body names where decode fetches KV from. A host or port that is not
+    one of its prefill peers is a 400 naming bootstrap_host on every route, streamed or not, before
+    anything is held or connected (a listener at the named port sees no connection)."""
+    pre, dec, _, bport = pd_pair
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(1.0)
+    other = listener.getsockname()[1]
+    try:
+        for k, (host, port) in enumerate([("127.0.0.1", other), ("169.254.169.254", bport), ("localhost", other)]):
+            rdv = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": 88000 + k}
+            for route, body in [
+                ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+                ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "stream": True}),
+                ("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 2}),
+                ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "hi"}]}),
+            ]:
+                r = httpx.post(dec.url + route, json={**body, **rdv}, timeout=30)
+                assert r.status_code == 400, (route, r.text)
+                err = r.json()["error"]
+                assert err["param"] == "bootstrap_host" and "not a prefill server" in err["message"], err
+        with pytest.raises(socket.timeout):
+            listener.accept()
+    finally:
+        listener.close()
+    clean(pre, dec)
+
+
 def test_a_batch_takes_one_room_per_prompt(pd_pair):
     pre, dec, _, bport = pd_pair
     body = {"text": ["one", "two"], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
@@ -265,7 +297,7 @@ def test_a_mooncake_pair_through_the_router(chat_model, tmp_path):
     pre = Server(chat_model, *ENGINE_ARGS, *mc, "--disaggregation-mode", "prefill",
                  "--disaggregation-bootstrap-port", str(bport), log_path=str(tmp_path / "prefill.log"))  # fmt: skip
     dec = Server(chat_model, *ENGINE_ARGS, *mc, "--page-size", "4", "--disaggregation-mode", "decode",
-                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+                 "--disaggregation-prefill-peers", f"127.0.0.1:{bport}", log_path=str(tmp_path / "decode.log"))  # fmt: skip
     router = None
     try:
         pre.wait_healthy()
@@ -390,7 +422,7 @@ def test_a_pair_with_tiers_and_a_draft_model_through_the_router(chat_model, tmp_
     pre = Server(chat_model, *ENGINE_ARGS, *both, "--disaggregation-mode", "prefill",
                  "--disaggregation-bootstrap-port", str(bport), log_path=str(tmp_path / "prefill.log"))  # fmt: skip
     dec = Server(chat_model, *ENGINE_ARGS, *both, "--page-size", "4", "--disaggregation-mode", "decode",
-                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+                 "--disaggregation-prefill-peers", f"127.0.0.1:{bport}", log_path=str(tmp_path / "decode.log"))  # fmt: skip
     one = Server(chat_model, *ENGINE_ARGS, log_path=str(tmp_path / "one.log"))
     router = None
     try:

@@ -22,7 +22,7 @@ def test_tp2_prefill_and_tp2_decode_through_the_router_equal_one_engine(chat_mod
     pre = Server(chat_model, *ENGINE_ARGS, *tp, "--disaggregation-mode", "prefill",
                  "--disaggregation-bootstrap-port", str(bport), log_path=str(tmp_path / "prefill.log"))  # fmt: skip
     dec = Server(chat_model, *ENGINE_ARGS, *tp, "--page-size", "4", "--disaggregation-mode", "decode",
-                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+                 "--disaggregation-prefill-peers", f"127.0.0.1:{bport}", log_path=str(tmp_path / "decode.log"))  # fmt: skip
     router = None
     one = Engine(model=chat_model, dtype="float32", page_size=16, max_total_tokens=4096, strict_memory=True)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -74,17 +75,29 @@ class Remote:
         self.proc.wait()
 
 
+def pd_key(tmp_path) -> str:
+    """The PD nodes' shared key, in a file both hosts read (a bootstrap port off loopback needs one)."""
+    path = tmp_path / "pd.key"
+    if not path.exists():
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o600)
+    return str(path)
+
+
 def start_prefill(hosts: TwoHosts, chat_model: str, tmp_path, port: int) -> Remote:
     """The prefill server on host A; its bootstrap port is ``port + 1``, on A's address."""
     args = ["--model", chat_model, *ENGINE_ARGS, "--disaggregation-mode", "prefill",
-            "--disaggregation-bootstrap-port", str(port + 1), "--disaggregation-bootstrap-timeout", TIMEOUT_S]  # fmt: skip
+            "--disaggregation-bootstrap-port", str(port + 1), "--disaggregation-bootstrap-timeout", TIMEOUT_S,
+            "--disaggregation-bind-host", hosts.a.addr, "--disaggregation-auth-key-file", pd_key(tmp_path)]  # fmt: skip
     return Remote(hosts, hosts.a, port, args, str(tmp_path / f"prefill{port}.log"))
 
 
-def start_decode(hosts: TwoHosts, chat_model: str, tmp_path, port: int) -> Remote:
-    """The decode server on host B (pages of 4: the transfer is token-granular)."""
+def start_decode(hosts: TwoHosts, chat_model: str, tmp_path, port: int, bport: int) -> Remote:
+    """The decode server on host B (pages of 4: the transfer is token-granular), fetching KV from the
+    prefill server's bootstrap port ``bport`` on A."""
     args = ["--model", chat_model, *ENGINE_ARGS, "--page-size", "4", "--disaggregation-mode", "decode",
-            "--disaggregation-waiting-timeout", TIMEOUT_S]  # fmt: skip
+            "--disaggregation-waiting-timeout", TIMEOUT_S, "--disaggregation-prefill-peers", f"{hosts.a.addr}:{bport}",
+            "--disaggregation-auth-key-file", pd_key(tmp_path)]  # fmt: skip
     return Remote(hosts, hosts.b, port, args, str(tmp_path / f"decode{port}.log"))
 
 
@@ -144,12 +157,13 @@ def test_pd_across_two_hosts(hosts, chat_model, server, tmp_path):
     session's KV, while a transfer is in flight (prefill frees within its timeout and serves on), a new decode server, and
     kill -9 of prefill while a transfer is in flight (decode frees within its timeout, serves on)."""
     pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
-    pre, dec = start_prefill(hosts, chat_model, tmp_path, 31000), start_decode(hosts, chat_model, tmp_path, 31002)
     bport = 31001
+    pre, dec = start_prefill(hosts, chat_model, tmp_path, 31000), start_decode(hosts, chat_model, tmp_path, 31002, bport)
     pre.wait_healthy()
     dec.wait_healthy()
     # The bootstrap port listens on host A's address, not loopback: decode on B reaches it there.
     assert pre.info()["disaggregation"]["bootstrap"] == f"{hosts.a.addr}:{bport}", pre.info()["disaggregation"]
+    assert pre.info()["disaggregation"]["authenticated"] and dec.info()["disaggregation"]["authenticated"]
     router = start_router(hosts, pre, dec, bport, tmp_path)
     for text in ["Two machines share one conversation", "A longer prompt that crosses pages " * 4]:
         body = {**BODY, "text": text}
@@ -177,7 +191,7 @@ def test_pd_across_two_hosts(hosts, chat_model, server, tmp_path):
 
     # A new decode server; kill -9 of prefill while decode waits for the KV it claimed: decode gives
     # up within its timeout, frees, and serves on.
-    dec = start_decode(hosts, chat_model, tmp_path, 31003)
+    dec = start_decode(hosts, chat_model, tmp_path, 31003, bport)
     dec.wait_healthy()
     d = decode_half(hosts, dec, bport, 78, LONG)
     pre.kill9()
@@ -234,8 +248,10 @@ def test_the_readmes_pd_tp_hicache_recipe_across_two_hosts(hosts, chat_model, se
     on B, the router on A. Only the model, the engine's test settings and the addresses change."""
     pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
     cmds = readme_recipe("pd-tp-hicache")
+    assert cmds[0][:2] == ["openssl", "rand"] and cmds[0][-1] == "pd.key", cmds[0]  # the shared key, made here
+    cmds = cmds[1:]
     assert [c[:2] for c in cmds] == [["kvledger", "serve"]] * 2 + [["python", "-m"]], cmds
-    swap = {"10.0.0.1": hosts.a.addr, "10.0.0.2": hosts.b.addr}
+    swap = {"10.0.0.1": hosts.a.addr, "10.0.0.2": hosts.b.addr, "pd.key": pd_key(tmp_path)}
 
     def addrs(tokens: list[str]) -> list[str]:
         out = []

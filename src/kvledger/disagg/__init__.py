@@ -4,17 +4,27 @@
 the decode server claims the room, then run their prompt (chunked, with the prefix cache) and sample
 one token; the KV and that token go to the claimant (``prefill.py``). ``decode``: such requests pre-allocate their slot and pages, wait for
 the KV (``decode.py``), then decode. Requests without a room are served whole on either. The
-built-in transport is ZMQ over TCP with its own wire format (``wire.py``). Under tensor parallelism
-rank 0 is the one endpoint and the wire carries every KV head (``tp.py``).
+built-in transport is ZMQ over TCP with its own wire format (``wire.py``), every message sealed with
+an HMAC under the PD nodes' shared key (``auth.py``). Under tensor parallelism rank 0 is the one
+endpoint and the wire carries every KV head (``tp.py``).
+
+What each socket trusts: the prefill side's bootstrap port (a ZMQ ROUTER, bound at
+``--disaggregation-bind-host``, loopback by default) applies only messages sealed under the key, and
+caps what one peer may claim; the decode side listens on nothing (its DEALERs connect out, only to
+the prefill servers it was given: ``common.disagg.PrefillPeers``) and applies only sealed frames from
+the peer it claimed from. Mooncake's engine (``mooncake.py``) listens on every interface whatever
+the bind host, and authenticates nothing: see there.
 """
 
 from __future__ import annotations
 
 import logging
 
+from ..common.disagg import PrefillPeers, is_loopback
 from ..config import EngineConfig
 from ..connector import KVConnector
 from ..memory.pools import KVBuffer
+from .auth import load_key
 from .tp import RankHeads
 
 log = logging.getLogger("kvledger.disagg")
@@ -28,7 +38,14 @@ def make_connector(
     ``prefill.py``); ``kv_heads`` is the model's count (the wire's layout)."""
     if not cfg.disagg.enabled:
         return None
-    host = cfg.disagg.disaggregation_bind_host or "127.0.0.1"
+    pd = cfg.disagg
+    host = pd.disaggregation_bind_host
+    key = load_key(pd.disaggregation_auth_key_file)  # (config.check refused a bad one already)
+    if key is None:
+        log.warning(
+            "PD: no --disaggregation-auth-key-file: messages are not authenticated; any process on this "
+            "machine may send them (loopback only)"
+        )
     data = heads = None
     if cfg.parallel.tp_size > 1:
         heads = RankHeads(0, cfg.parallel.tp_size)
@@ -41,32 +58,39 @@ def make_connector(
             from .mooncake import MooncakeData
 
             data = MooncakeData(kv, host)
-    if cfg.disagg.disaggregation_mode == "prefill":
+    if pd.disaggregation_mode == "prefill":
         from .prefill import PrefillConnector
 
+        if not is_loopback(host):
+            log.info("PD prefill: the bootstrap port is reachable beyond this machine (%s): sealed messages only",
+                     host)  # fmt: skip
         return PrefillConnector(
             kv,
             cfg.cache.page_size,
             host,
-            cfg.disagg.disaggregation_bootstrap_port,
-            cfg.disagg.disaggregation_bootstrap_timeout_s,
+            pd.disaggregation_bootstrap_port,
+            pd.disaggregation_bootstrap_timeout_s,
             abort,
             data,
             limits,
             heads,
             kv_heads,
+            key=key,
+            max_claims_per_peer=pd.disaggregation_max_claims_per_peer,
         )
     from .decode import DecodeConnector
 
     return DecodeConnector(
         kv,
         cfg.cache.page_size,
-        cfg.disagg.disaggregation_bootstrap_port,
-        cfg.disagg.disaggregation_waiting_timeout_s,
+        pd.disaggregation_bootstrap_port,
+        pd.disaggregation_waiting_timeout_s,
         abort,
         data,
         heads,
         kv_heads,
+        key=key,
+        peers=PrefillPeers(pd.disaggregation_prefill_peers, pd.disaggregation_bootstrap_port),
     )
 
 

@@ -13,9 +13,12 @@ Under tensor parallelism (``tp.py``) the frames are staged on rank 0 instead (on
 per request, exactly its claimed tokens), and the step after the last frame places each rank's heads
 into the pages; the request is reported received after that step.
 
-Frames are checked before anything is written: a room this side does not hold, from another peer,
-out of order, or with the wrong number of bytes is refused and counted (a wrong size also fails the
-request: its transfer is broken).
+Frames are checked before anything is written: a message whose seal does not open under the PD
+nodes' key (``auth.py``: forged, replayed, or from a peer without the key), a room this side does not
+hold, from another peer, out of order, or with the wrong number of bytes is refused and counted (a
+wrong size also fails the request: its transfer is broken). This side listens on nothing: its
+DEALER sockets connect out, and only to the prefill servers it was given (``PrefillPeers``: a
+request naming another is refused with a 400 before anything is held or connected).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from ..common.disagg import PrefillPeers
 from ..connector import KVConnector, Received
 from ..errors import ConflictError
 from ..memory.pools import KVBuffer
 from . import kv_copy, wire
-from .endpoint import Endpoint, TransferStats
+from .auth import TO_DECODE, TO_PREFILL, Opener, Sealer
+from .endpoint import CHUNK_TOKENS, Endpoint, RefusalLog, TransferStats, tcp_endpoint
 from .tp import PDMeta, RankHeads
 
 log = logging.getLogger("kvledger.disagg")
@@ -77,8 +82,17 @@ class DecodeConnector(KVConnector):
         data=None,
         heads: RankHeads | None = None,
         kv_heads: int | None = None,
+        key: bytes | None = None,
+        peers: PrefillPeers | None = None,
     ):
+        """``key``: the PD nodes' shared key (``auth.py``; None: unauthenticated, loopback only);
+        ``peers``: the prefill servers a request may name (None: loopback at ``default_port``)."""
         self.kv, self.page_size, self.default_port = kv, page_size, default_port
+        self.peers = peers or PrefillPeers(None, default_port)
+        self.key = key
+        self.opener = Opener(key, TO_DECODE)  # what prefill servers send here
+        self._sealers: dict[str, Sealer] = {}  # prefill address -> this side's session on that connection
+        self._refused_log = RefusalLog("decode")
         self.data = data  # a MooncakeData (mooncake.py): claims ask prefill to write the pages directly
         self.timeout_s, self.abort = timeout_s, abort
         self.heads = heads  # tensor parallel: rank 0's part of placing every rank's heads (tp.py)
@@ -104,9 +118,14 @@ class DecodeConnector(KVConnector):
         self.io.start()
 
     def _addr(self, d) -> str:
-        return f"{d.host}:{d.port or self.default_port}"
+        return self.peers.address(d)
 
     # -- scheduler side (engine thread) -----------------------------------------------------------------
+    def check_peer(self, d) -> None:
+        """400 (``bootstrap_host``) unless ``d`` names a prefill server this side may connect to: checked
+        when the request is submitted, before anything is held or connected."""
+        self.peers.check(d)
+
     def check_request(self, req) -> None:
         d = req.disagg
         if d is None or d.fake:
@@ -118,8 +137,8 @@ class DecodeConnector(KVConnector):
 
     def request_refused(self, req, why: str) -> None:
         d = req.disagg
-        if d is None or d.fake:
-            return
+        if d is None or d.fake or not self.peers.allows(d):
+            return  # (a peer it may not reach is not told either)
         # Refused here (a session turn too long, its session busy or gone, the queue full): the
         # prefill side's request for this room would otherwise wait out its bootstrap timeout.
         self.io.post(("send", self._addr(d), wire.Fail(d.room, f"the decode server refused the request: {why}")))
@@ -148,6 +167,10 @@ class DecodeConnector(KVConnector):
             with self._lock:
                 self._first[req.rid] = wire.Done(d.room, end, 0)
                 self._recv_done.add(req.rid)
+            return
+        if not self.peers.allows(d):  # refused at submit (check_peer); never connect there
+            why = f"bootstrap_host {d.host} is not an allowed prefill server"
+            self.abort(req.rid, why, 400, "bootstrap_host")
             return
         ps = self.page_size
         to_host = req.sparse is not None and req.sparse.host_from is not None  # (``lands_in_host``)
@@ -261,17 +284,24 @@ class DecodeConnector(KVConnector):
     def _dealer(self, addr: str) -> zmq.Socket:
         sock = self._dealers.get(addr)
         if sock is None:
+            host, _, port = addr.rpartition(":")
             sock = self.io.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{addr}")
+            # A frame larger than the biggest a prefill server sends drops the connection in ZMQ.
+            biggest = max(wire.MAX_HEADER_BYTES, CHUNK_TOKENS * self.layout.bytes_per_token)
+            sock.setsockopt(zmq.MAXMSGSIZE, biggest + 4096)
+            sock.setsockopt(zmq.IPV6, host.startswith("["))
+            sock.connect(tcp_endpoint(host.strip("[]"), int(port)))
             self._dealers[addr] = sock
+            self._sealers[addr] = Sealer(self.key, TO_PREFILL)
             self.io.watch(sock, addr)
         return sock
 
     def _on_post(self, item) -> None:
         _, addr, msg = item
         try:
-            self._dealer(addr).send(wire.encode(msg), zmq.NOBLOCK)
+            sock = self._dealer(addr)
+            sock.send_multipart(wire.pack(msg, self._sealers[addr]), zmq.NOBLOCK)
         except zmq.ZMQError as e:
             log.warning("PD decode: cannot send to prefill %s: %s", addr, e)
 
@@ -288,14 +318,14 @@ class DecodeConnector(KVConnector):
 
     def _refuse(self, addr: str, why: str, job: _RecvJob | None = None) -> None:
         self.stats.frames_refused += 1
-        log.warning("PD decode: refused a frame from %s: %s", addr, why)
+        self._refused_log("refused a frame from %s: %s", addr, why)
         if job is not None:
             self.stats.transfers_failed += 1
             self._fail(job, f"KV transfer refused: {why}", "kv_transfer_refused", tell_prefill=True)
 
     def _on_frames(self, _sock, addr: str, frames) -> None:
         try:
-            msg = wire.decode(bytes(frames[0]))
+            msg, payload = wire.unpack(frames, self.opener)
         except wire.WireError as e:
             return self._refuse(addr, str(e))
         with self._lock:
@@ -308,7 +338,7 @@ class DecodeConnector(KVConnector):
         if job is None or job.addr != addr:
             return self._refuse(addr, f"room {msg.room} is not expected from this prefill server")
         if isinstance(msg, wire.KVData):
-            self._on_data(job, msg, frames, addr)
+            self._on_data(job, msg, payload, addr)
         elif isinstance(msg, wire.Done):
             self._on_done(job, msg, addr)
         elif isinstance(msg, wire.Fail):
@@ -320,16 +350,13 @@ class DecodeConnector(KVConnector):
         else:
             self._refuse(addr, f"a {type(msg).__name__} message is not for a decode side", job)
 
-    def _on_data(self, job: _RecvJob, msg: wire.KVData, frames, addr: str) -> None:
-        if len(frames) != 2:
-            return self._refuse(addr, f"KV data of room {job.room} in {len(frames)} frames (want 2)", job)
+    def _on_data(self, job: _RecvJob, msg: wire.KVData, payload: memoryview, addr: str) -> None:
         want = msg.count * self.layout.bytes_per_token
-        payload = frames[1].buffer
         if msg.start != job.next or msg.count <= 0 or msg.start + msg.count > job.num_tokens:
             why = f"tokens {msg.start}+{msg.count} where {job.next}..{job.num_tokens} are expected"
             return self._refuse(addr, why, job)
-        if len(payload) != want:
-            return self._refuse(addr, f"{len(payload)} bytes for {msg.count} tokens (want {want})", job)
+        if payload.nbytes != want:
+            return self._refuse(addr, f"{payload.nbytes} bytes for {msg.count} tokens (want {want})", job)
         with job.lock:
             if job.cancelled:
                 return

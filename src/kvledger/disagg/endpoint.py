@@ -22,6 +22,7 @@ log = logging.getLogger("kvledger.disagg")
 
 TICK_S = 0.05  # timeouts are checked this often
 CHUNK_TOKENS = 256  # tokens per KV frame: bounds one frame (~12 MB for SmolLM2 in fp32)
+REFUSAL_LOG_S = 1.0  # at most one warning about refused frames this often (the rest are counted)
 
 
 @dataclass
@@ -31,7 +32,7 @@ class TransferStats:
     transfers_ok: int = 0
     transfers_failed: int = 0  # the other side failed or aborted
     transfers_timed_out: int = 0
-    frames_refused: int = 0  # wrong sizes, a foreign room, a bad header: counted, never applied
+    frames_refused: int = 0  # unauthenticated, replayed, malformed, a foreign room, over a cap: never applied
     tokens: int = 0
     bytes: int = 0
     kv_frames: int = 0  # KVData frames sent/received (0 when Mooncake writes the pages)
@@ -51,6 +52,38 @@ class TransferStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class RefusalLog:
+    """Warnings about refused frames, at most one per ``REFUSAL_LOG_S``: a peer sending garbage as fast
+    as it can must not flood the log (``TransferStats.frames_refused`` counts every one)."""
+
+    def __init__(self, side: str):
+        self.side = side
+        self._next = 0.0
+        self._quiet = 0  # refusals not logged since the last warning
+
+    def __call__(self, fmt: str, *args) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._quiet += 1
+            return
+        more = f" (and {self._quiet} more refused since the last warning)" if self._quiet else ""
+        log.warning("PD %s: " + fmt + "%s", self.side, *args, more)
+        self._next, self._quiet = now + REFUSAL_LOG_S, 0
+
+
+def peer_address(frame) -> str:
+    """Where a received ZMQ frame came from (``ip:port``, for the log), or ``?``."""
+    try:
+        return frame.get("Peer-Address")
+    except Exception:  # a copied frame, or a transport without the property
+        return "?"
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """ZMQ's ``tcp://`` address of ``host:port`` (an IPv6 address in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 class Endpoint:

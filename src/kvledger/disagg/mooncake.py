@@ -11,6 +11,13 @@ ends while its claim is open keeps its pages (ledger: ``kv sending``) until the 
 that it has stopped (its writes are synchronous in its I/O thread, so any answer comes after the
 last one), or the waiting timeout passes.
 
+What it trusts: nothing. Mooncake's engine (0.3.13) listens on every interface whatever ``host`` is
+(``host`` is only what it announces: its RPC port on 0.0.0.0, its TCP data port on ``*``; the library
+has no bind setting) and does not authenticate: whoever reaches those ports can read and write the
+registered KV buffer. The control messages are sealed as on the built-in transport (``auth.py``), so
+only a peer with the key names where prefill writes. Use this backend only on a network you trust
+(or firewall its ports); a warning at start says so.
+
 Optional: ``pip install 'kvledger[mooncake]'`` (``mooncake-transfer-engine-non-cuda``; it needs the
 Debian package ``libibverbs1``).
 """
@@ -62,6 +69,8 @@ class MooncakeData:
                 )
         log.info("PD: mooncake transfer engine at %s (%.0f MiB of KV registered)",
                  self.session, 2 * kv.k.numel() * kv.k.element_size() / 2**20)  # fmt: skip
+        log.warning("PD: Mooncake's transfer engine listens on every interface and authenticates nothing: "
+                    "whoever reaches its ports can read and write this KV buffer (trusted networks only)")  # fmt: skip
 
     def target(self, pages: list[int], page_size: int) -> MooncakeTarget:
         """What a claim tells the prefill side about where to write (decode)."""

@@ -24,8 +24,15 @@ Under tensor parallelism (``tp.py``) the KV of a finished request is first colle
 (in the next step: ``build_connector_meta`` names its locations, ``start_load_kv`` joins the heads on
 rank 0) and sent from that block; until then a claim waits as before the request finished.
 
-The bootstrap endpoint is a ZMQ ROUTER bound at ``--disaggregation-bind-host`` :
-``--disaggregation-bootstrap-port``; decode servers connect to it (see ``wire.py``).
+The bootstrap endpoint is a ZMQ ROUTER bound at ``--disaggregation-bind-host`` (loopback by default) :
+``--disaggregation-bootstrap-port``; decode servers connect to it (see ``wire.py``). What it trusts:
+a message is applied only if its seal opens under the PD nodes' key (``auth.py``: not forged, not
+replayed); anything else is counted (``frames_refused``), logged at most once a second and never
+answered. A room is the claimant's once claimed: another peer's claim, acknowledgement or failure for
+it is refused, and its KV is sent once (a second claim cannot restart the timeout or the transfer).
+One peer (connection) holds at most ``--disaggregation-max-claims-per-peer`` rooms claimed and not
+acknowledged, and a claim's prompt is bounded by the context, so what a peer makes this server hold is
+bounded; whatever it holds is released at the bootstrap timeout through the one release path.
 """
 
 from __future__ import annotations
@@ -44,11 +51,18 @@ from ..connector import KVConnector
 from ..errors import ConflictError, ValidationError
 from ..memory.pools import KVBuffer
 from . import kv_copy, wire
-from .endpoint import CHUNK_TOKENS, Endpoint, TransferStats
+from .auth import TO_DECODE, TO_PREFILL, Opener, Sealers
+from .endpoint import CHUNK_TOKENS, Endpoint, RefusalLog, TransferStats, peer_address, tcp_endpoint
 from .tp import PDMeta, RankHeads
 
 log = logging.getLogger("kvledger.disagg")
 CLAIM_BACKSTOP = 2.0  # a claim whose prefill request never comes is dropped after this x the timeout
+MAX_GONE = 65536  # rooms remembered as given up before their request came (the oldest forgotten first)
+MAX_REASON_CHARS = 512  # of a peer's reason, kept and shown
+# The bootstrap port takes messages of at most this many bytes per frame; a larger frame drops its
+# connection inside ZMQ before it is buffered. Frames between the header limit and this are refused
+# and counted here.
+MAX_FRAME_BYTES = 2 * wire.MAX_HEADER_BYTES
 
 # abort(rid, message, status, code): ends a request at the next safe point (thread-safe)
 AbortFn = Callable[[str, str, int, str], None]
@@ -94,8 +108,16 @@ class PrefillConnector(KVConnector):
         limits=None,
         heads: RankHeads | None = None,
         kv_heads: int | None = None,
+        key: bytes | None = None,
+        max_claims_per_peer: int = 512,
     ):
+        """``key``: the PD nodes' shared key (``auth.py``; None: unauthenticated, loopback only);
+        ``max_claims_per_peer``: rooms one connection may hold claimed and not acknowledged."""
         self.kv, self.page_size, self.timeout_s = kv, page_size, timeout_s
+        self.opener = Opener(key, TO_PREFILL)  # what decode servers send here
+        self.sealers = Sealers(key, TO_DECODE)  # one sending session per decode connection
+        self.max_claims_per_peer = max_claims_per_peer
+        self._refused_log = RefusalLog("prefill")
         self.limits = limits  # the engine's Limits: a prompt a claim carries is checked against them
         self.abort = abort or (lambda *a: None)
         self.data = data  # a MooncakeData (mooncake.py), or None: KV goes as KVData frames
@@ -121,8 +143,10 @@ class PrefillConnector(KVConnector):
         self.io = Endpoint("kvledger-pd-prefill")
         self.sock = self.io.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.IPV6, ":" in bind_host)
         try:
-            self.sock.bind(f"tcp://{bind_host}:{port}")
+            self.sock.bind(tcp_endpoint(bind_host, port))
         except zmq.ZMQError as e:
             self.sock.close()
             raise ValidationError(
@@ -294,8 +318,13 @@ class PrefillConnector(KVConnector):
 
     # -- the I/O thread ---------------------------------------------------------------------------------
     def _send(self, peer: bytes, msg, payload=None) -> None:
-        frames = [peer, wire.encode(msg)] + ([payload] if payload is not None else [])
+        frames = [peer, *wire.pack(msg, self.sealers(peer), payload)]
         self.sock.send_multipart(frames, copy=payload is None)
+
+    def _refuse(self, why: str, *args) -> None:
+        """Count a refused message and say why (at most once a second); it is never answered."""
+        self.stats.frames_refused += 1
+        self._refused_log(why, *args)
 
     def _job_done(self, job: _SendJob, outcome: str) -> None:
         """Report the job's rid through get_finished, so the scheduler releases its pages through the
@@ -322,27 +351,27 @@ class PrefillConnector(KVConnector):
     def _on_frames(self, sock, _peer, frames) -> None:
         peer = bytes(frames[0])
         try:
-            if len(frames) != 2:
-                raise wire.WireError(f"{len(frames) - 1} frames where a decode side sends 1")
-            msg = wire.decode(bytes(frames[1]))
+            msg, _ = wire.unpack(frames[1:], self.opener)
         except wire.WireError as e:
-            self.stats.frames_refused += 1
-            log.warning("PD prefill: refused a frame: %s", e)
-            return
+            return self._refuse("refused a message from %s: %s", peer_address(frames[-1]), e)
         if isinstance(msg, wire.Claim):
             self._on_claim(peer, msg)
         elif isinstance(msg, wire.Ack):
             with self._lock:
                 job = self._jobs.get(msg.room)
                 if job is None or job.peer != peer or job.sent_at is None:
-                    self.stats.frames_refused += 1
-                    log.warning("PD prefill: refused an ack for room %d (not sent to that peer)", msg.room)
-                    return
+                    return self._refuse("refused an ack for room %d (not sent to that peer)", msg.room)
                 del self._jobs[msg.room]
                 self._job_done(job, "ok")
         elif isinstance(msg, wire.Fail):
+            reason = msg.reason[:MAX_REASON_CHARS]
             with self._lock:
                 job = self._jobs.get(msg.room)
+                claimant = self._claimant(msg.room)
+                if claimant not in (None, peer):
+                    # Only the room's claimant may give it up (a room is not another peer's to end).
+                    return self._refuse("refused a failure for room %d from a peer that did not claim it",
+                                        msg.room)  # fmt: skip
                 pending = self._claims.pop(msg.room, None)
                 direct = (job is not None and job.direct) or (
                     pending is not None and pending.claim.mooncake is not None
@@ -351,19 +380,48 @@ class PrefillConnector(KVConnector):
                     del self._jobs[msg.room]
                     self._job_done(job, "failed")
                 else:  # not finished yet, or not even arrived (the router posts to both at once)
-                    self._gone[msg.room] = (time.monotonic(), msg.reason)
+                    self._gone[msg.room] = (time.monotonic(), reason)
+                    while len(self._gone) > MAX_GONE:
+                        del self._gone[next(iter(self._gone))]
                     rid = self._live.get(msg.room)
                     if rid is not None and msg.room not in self._aborting:
                         # Waiting for the claim (or computing for nobody): end it now.
                         self._aborting.add(msg.room)
-                        why = f"the decode server gave up this room: {msg.reason}"
+                        why = f"the decode server gave up this room: {reason}"
                         self.abort(rid, why, 502, "kv_transfer_failed")
                 if direct:  # a Mooncake claimant holds its pages until told no write will come
                     self._send(peer, wire.Fail(msg.room, "stopped: no more writes for this room"))
-            log.info("PD prefill: decode gave up room %d: %s", msg.room, msg.reason)
+            log.info("PD prefill: decode gave up room %d: %s", msg.room, reason)
         else:
-            self.stats.frames_refused += 1
-            log.warning("PD prefill: refused a %s message from a decode side", type(msg).__name__)
+            self._refuse("refused a %s message (not for a prefill side)", type(msg).__name__)
+
+    def _claimant(self, room: int) -> bytes | None:
+        """The peer that claimed ``room`` (caller holds the lock), or None."""
+        job = self._jobs.get(room)
+        if job is not None and job.peer is not None:
+            return job.peer
+        pending = self._claims.get(room)
+        return pending.peer if pending is not None else None
+
+    def _open_rooms(self, peer: bytes) -> int:
+        """Rooms ``peer`` has claimed and not acknowledged (caller holds the lock)."""
+        claimed = sum(c.peer == peer for c in self._claims.values())
+        return claimed + sum(j.peer == peer for j in self._jobs.values())
+
+    def _claim_refusal(self, peer: bytes, claim: wire.Claim) -> str | None:
+        """Why a claim is refused before it is kept (caller holds the lock), or None."""
+        lim = self.limits
+        n = claim.num_tokens if claim.tokens is None else max(claim.num_tokens, len(claim.tokens))
+        if lim is not None and n >= lim.context_length:
+            return f"a prompt of {n} tokens does not fit the context ({lim.context_length})"
+        if self._claimant(claim.room) == peer:
+            return None  # the same claim again: it takes nothing more
+        if self._open_rooms(peer) >= self.max_claims_per_peer:
+            return (
+                f"this decode server holds {self.max_claims_per_peer} claimed rooms not acknowledged "
+                "(--disaggregation-max-claims-per-peer)"
+            )
+        return None
 
     def _on_claim(self, peer: bytes, claim: wire.Claim) -> None:
         with self._lock:
@@ -372,13 +430,23 @@ class PrefillConnector(KVConnector):
             if ended is not None:
                 self._send(peer, wire.Fail(claim.room, ended[0]))
                 return
+            if job is not None and job.sent_at is not None and job.peer == peer:
+                # Sent already: a claim again neither restarts the timeout nor sends the KV twice.
+                return self._refuse("refused a second claim for room %d (its KV was sent)", claim.room)
+            why = self._claim_refusal(peer, claim)
+            if why is not None:
+                self._refuse("refused a claim for room %d: %s", claim.room, why)
+                self._send(peer, wire.Fail(claim.room, why))
+                return
             if job is None or not job.collected:  # not finished, or its heads not collected yet
                 prev = self._claims.get(claim.room)
                 if prev is not None and prev.peer != peer:
                     self.stats.frames_refused += 1
                     self._send(peer, wire.Fail(claim.room, "the room is claimed by another decode server"))
                     return
-                self._claims[claim.room] = _Claim(peer, claim)
+                # The same peer claiming again replaces its claim but keeps when it first came (the backstop).
+                at = prev.at if prev is not None else time.monotonic()
+                self._claims[claim.room] = _Claim(peer, claim, at)
                 return
             self._start(job, peer, claim)
 
@@ -407,8 +475,7 @@ class PrefillConnector(KVConnector):
         job waits on for the right claimant (or its timeout)."""
         why = self._refusal(job, peer, claim)
         if why is not None:
-            self.stats.frames_refused += 1
-            log.warning("PD prefill: refused a claim for room %d: %s", claim.room, why)
+            self._refuse("refused a claim for room %d: %s", claim.room, why)
             self._send(peer, wire.Fail(claim.room, why))
             return
         job.peer, job.start = peer, claim.start

@@ -1,10 +1,12 @@
 """The built-in KV transport's wire format (over ZMQ, TCP).
 
-A message is one or two ZMQ frames. Frame 0 is the header: the magic ``b"KVL"``, a version byte, then
-a msgpack-encoded tagged struct (typed: a decoder gives the right class or raises). Frame 1, only
+A message is two or three ZMQ frames. Frame 0 is the header: the magic ``b"KVL"``, a version byte,
+then a msgpack-encoded tagged struct (typed: a decoder gives the right class or raises). Frame 1, only
 after a ``KVData`` header, is the raw K/V bytes of ``count`` tokens, laid out ``[2, layers, kv_heads,
 count, head_dim]`` in the sender's dtype; its length must equal ``count * Layout.bytes_per_token``.
-Never pickle: a peer is another machine.
+The last frame is the seal (``auth.py``): the HMAC of the frames before it under the PD nodes' shared
+key, with the sender's session and sequence number against replays. A receiver opens the seal before
+it parses anything (``unpack``). Never pickle: a peer is another machine.
 
 decode -> prefill: ``Claim`` (I hold pages for this room: send me tokens ``start..num_tokens``),
 ``Ack`` (all received: free yours), ``Fail`` (this room is off: I aborted, or refused the request).
@@ -13,6 +15,7 @@ so only decode knows the history the turn's input is appended to; prefill comput
 it (its own prefix cache helps) and sends ``start..num_tokens``, what decode's session lacks.
 
 Version 2: ``Claim.tokens`` (version 1 had no way to send a prompt the prefill side was not given).
+Version 3: the seal frame (versions 1 and 2 trusted anything that reached the bootstrap port).
 prefill -> decode: ``KVData`` + payload, ``Done`` (the last KV frame sent; here is the first sampled
 token), ``Fail`` (this room will never be sent: the prefill failed, or the claim was refused).
 """
@@ -24,8 +27,10 @@ from typing import Union
 
 import msgspec
 
+from .auth import AuthError, Opener, Sealer
+
 MAGIC = b"KVL"
-VERSION = 2
+VERSION = 3
 # A Mooncake claim lists its pages (8 bytes or so per page), a session turn's its prompt (up to 5 per
 # token): either fits a context of several hundred thousand tokens.
 MAX_HEADER_BYTES = 4 * 1024 * 1024
@@ -120,6 +125,37 @@ def decode(frame: bytes) -> Message:
         return _decoder.decode(frame[4:])
     except msgspec.DecodeError as e:
         raise WireError(f"malformed header: {e}") from None
+
+
+def pack(msg: msgspec.Struct, sealer: Sealer, payload=None) -> list:
+    """The frames of one message: header, the payload (``KVData`` only), the seal."""
+    parts = [encode(msg)] if payload is None else [encode(msg), payload]
+    return [*parts, sealer.seal(parts)]
+
+
+def unpack(frames, opener: Opener) -> tuple[Message, memoryview | None]:
+    """A received message's frames (a ROUTER's identity frame removed) -> (message, payload or None).
+    ``WireError`` for anything that is not one authentic message of this version: the seal is opened
+    first (``auth.py``), so nothing of an unauthenticated frame is parsed."""
+    if not 2 <= len(frames) <= 3:
+        raise WireError(f"{len(frames)} frames where a message has 2 or 3")
+    parts = [_view(f) for f in frames]
+    if parts[0].nbytes > MAX_HEADER_BYTES:
+        raise WireError(f"header of {parts[0].nbytes} bytes (limit {MAX_HEADER_BYTES})")
+    try:
+        opener.open(parts[:-1], parts[-1])
+    except AuthError as e:
+        raise WireError(str(e)) from None
+    msg = decode(bytes(parts[0]))
+    if (len(parts) == 3) != isinstance(msg, KVData):
+        raise WireError(f"a {type(msg).__name__} message in {len(parts)} frames")
+    return msg, parts[1] if len(parts) == 3 else None
+
+
+def _view(frame) -> memoryview:
+    """A received frame's bytes without a copy (a ``zmq.Frame`` or bytes-like)."""
+    buf = getattr(frame, "buffer", frame)
+    return memoryview(buf)
 
 
 def tokens_crc(ids: list[int], adapter: str | None = None) -> int:

@@ -631,6 +631,11 @@ class EngineCore:
             req.prompt_from_claim = session_params is not None and not req.disagg.fake
             req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
         else:
+            # The body names the prefill server: one this server may not reach is a 400 now, before
+            # anything is held or connected (not an address of the client's choosing).
+            check_peer = getattr(self.disagg_connector, "check_peer", None)
+            if check_peer is not None:
+                check_peer(req.disagg)
             req.params = dataclasses.replace(req.params, logprob_start_len=-1)
             req.input_logprobs.clear()
             req.input_top_logprobs.clear()
@@ -766,6 +771,7 @@ class EngineCore:
         if stats is None:
             return None
         out = {"mode": self.cfg.disagg.disaggregation_mode, **stats.as_dict()}
+        out["authenticated"] = self.disagg_connector.opener.authenticates  # a shared key seals the wire
         if (addr := getattr(self.disagg_connector, "address", None)) is not None:
             out["bootstrap"] = addr  # prefill: where its bootstrap port listens (host:port)
         return out

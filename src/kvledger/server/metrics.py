@@ -91,7 +91,7 @@ class Metrics:
         )
         self.pd_frames_refused = Gauge(
             "kvledger_pd_frames_refused",
-            "PD: transfer frames refused (wrong sizes, a foreign room, a bad header)",
+            "PD: messages refused (unauthenticated or replayed, malformed, a foreign room, over a cap)",
             registry=r,
         )
         self.pd_kv_bytes = Gauge("kvledger_pd_kv_bytes", "PD: KV bytes sent or received", registry=r)
