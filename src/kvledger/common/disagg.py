@@ -104,17 +104,18 @@ def is_loopback(host: str) -> bool:
 def parse_peer(text: str, default_port: int) -> tuple[str, int]:
     """``host:port``, ``[v6]:port`` or a bare host (``default_port``) -> (host, port); ``ValueError``."""
     text = text.strip()
-    host, port = text, default_port
+    host, port = text, str(default_port)
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
         if rest:
             if not rest.startswith(":"):
                 raise ValueError(f"{text!r} is not host:port")
-            port = int(rest[1:])
+            port = rest[1:]
     elif text.count(":") == 1:
-        host, p = text.split(":")
-        port = int(p)
-    host = _norm_host(host)
+        host, port = text.split(":")
+    if not port.isdigit():
+        raise ValueError(f"{text!r} is not host:port")
+    host, port = _norm_host(host), int(port)
     if not 0 < port < 65536 or not (_is_ip(host) or _HOSTNAME.fullmatch(host)):
         raise ValueError(f"{text!r} is not host:port")
     return host, port
@@ -140,7 +141,7 @@ class PrefillPeers:
             given = [parse_peer(e, default_port) for e in entries or [] if e.strip()]
         except ValueError as e:
             raise ValidationError(
-                f"disaggregation_prefill_peers: {e} (want host:port)", param="disaggregation_prefill_peers"
+                f"disaggregation_prefill_peers: {e}", param="disaggregation_prefill_peers"
             ) from None
         self.peers = set(given) if entries else {(h, default_port) for h in LOOPBACK}
 
