@@ -90,7 +90,7 @@ RESPONSES_REFUSED: Refused = {
     "prompt_cache_options": _NONE,
     # vLLM / SGLang extras on their Responses bodies
     "top_k": (None, -1, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0), "seed": _NONE,
-    "stop": _EMPTY, "ignore_eos": _OFF, "request_id": _NONE, "cache_salt": _NONE,
+    "stop": _EMPTY, "ignore_eos": _OFF, "request_id": _NONE,
     "enable_response_messages": _OFF, "previous_input_messages": _EMPTY, "skip_special_tokens": (None, True),
     "include_stop_str_in_output": _OFF, "logit_bias": _EMPTY, "mm_processor_kwargs": _EMPTY,
     "chat_template_kwargs": _EMPTY, "structured_outputs": _NONE, "kv_transfer_params": _NONE,

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..common import SamplingParams, cache_salt_of, parse_prompts, validate_request
+from ..common import SamplingParams, parse_prompts, validate_request
 from ..common.disagg import parse_disagg
 from ..common.prompts import split_openai_prompt
 from ..common.reasoning import REASONING_FORMATS
@@ -71,7 +71,7 @@ def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, t
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "no_stop_trim": any(trims) if trims else None,
-        "cache_salt": cache_salt_of(body.cache_salt, body.extra_key),
+        "cache_salt": body.salt(),
         "timeout": body.timeout,
         "priority": body.priority,
     }

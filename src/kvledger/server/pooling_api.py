@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..common import Limits, SamplingParams, cache_salt_of, parse_prompts, validate_request
+from ..common import Limits, SamplingParams, parse_prompts, validate_request
 from ..common.pooling import PoolingParams, label_scores, score_prompts, validate_pooling
 from ..common.prompts import split_openai_prompt
 from ..errors import ValidationError
@@ -45,8 +45,10 @@ class PoolingServing:
         self.pooling = pooling  # --pooling: last | mean
 
     # -- shared ------------------------------------------------------------------------------------------
-    def _prompts(self, text, ids, param: str, sampling: dict | None = None) -> list[tuple[list[int], SamplingParams]]:
-        """Parse and validate every prompt (the one validation) before anything is submitted."""
+    def _prompts(self, text, ids, param: str, salt: str | None) -> list[tuple[list[int], SamplingParams]]:
+        """Parse and validate every prompt (the one validation) before anything is submitted; ``salt``
+        is the body's prefix-cache namespace (``_Salted.salt``)."""
+        sampling = {"cache_salt": salt} if salt is not None else None
         check_fanout(self.admission, prompt_count(text if text is not None else ids), 1, param)
         prompts, _ = parse_prompts(text, ids, self.tokenizer, text_param=param)
         check_prompt_tokens(self.admission, prompts, param)
@@ -72,9 +74,11 @@ class PoolingServing:
         return states
 
     @staticmethod
-    def _usage(jobs) -> dict[str, int]:
+    def _usage(jobs, states: list[GenState] | None = None) -> dict[str, Any]:
+        """OpenAI's usage, with the prompt tokens the prefix cache gave (as chat answers it)."""
         n = sum(len(ids) for ids, _ in jobs)
-        return {"prompt_tokens": n, "total_tokens": n}
+        cached = sum(st.cached_tokens for st in states or ())
+        return {"prompt_tokens": n, "total_tokens": n, "prompt_tokens_details": {"cached_tokens": cached}}
 
     # -- /v1/embeddings ----------------------------------------------------------------------------------
     async def embeddings(self, body: EmbeddingRequest, disconnected) -> dict[str, Any]:
@@ -92,8 +96,7 @@ class PoolingServing:
             text, ids = split_openai_prompt(body.input)
         except ValidationError as e:
             raise ValidationError(e.message.replace("prompt", "input"), param="input", code=e.code) from None
-        salt = cache_salt_of(body.cache_salt, body.extra_key)
-        jobs = self._prompts(text, ids, "input", {"cache_salt": salt} if salt else None)
+        jobs = self._prompts(text, ids, "input", body.salt())
         base = body.rid or body.request_id or f"embd-{uuid.uuid4().hex}"
         states = await self._run(base, jobs, PoolingParams(embed=self.pooling), disconnected)
         data = [
@@ -106,7 +109,7 @@ class PoolingServing:
             "created": int(time.time()),
             "model": self.name,
             "data": data,
-            "usage": self._usage(jobs),
+            "usage": self._usage(jobs, states),
         }
 
     # -- /v1/score ---------------------------------------------------------------------------------------
@@ -119,13 +122,13 @@ class PoolingServing:
         if not prompts:
             return {"scores": [], "model": self.name, "object": "scoring", "usage": self._usage([])}
         text, ids = (prompts, None) if isinstance(prompts[0], str) else (None, prompts)
-        jobs = self._prompts(text, ids, "items")
+        jobs = self._prompts(text, ids, "items", body.salt())
         states = await self._run(f"score-{uuid.uuid4().hex}", jobs, pooling, disconnected)
         return {
             "scores": [label_scores(st.label_logprobs, body.apply_softmax) for st in states],
             "model": self.name,
             "object": "scoring",
-            "usage": {**self._usage(jobs), "completion_tokens": 0},
+            "usage": {**self._usage(jobs, states), "completion_tokens": 0},
         }
 
     # -- /v1/rerank --------------------------------------------------------------------------------------
@@ -136,14 +139,15 @@ class PoolingServing:
         base = f"rerank-{uuid.uuid4().hex}"
         if not body.documents:
             return self._ranked(base, body, [], [])
-        jobs = self._prompts([body.query], None, "query") + self._prompts(body.documents, None, "documents")
+        salt = body.salt()
+        jobs = self._prompts([body.query], None, "query", salt) + self._prompts(body.documents, None, "documents", salt)
         states = await self._run(base, jobs, PoolingParams(embed=self.pooling), disconnected)
         q = np.asarray(states[0].embedding, dtype=np.float64)
         # Both are L2-normalised: the cosine is their dot product.
         scores = [float(np.dot(q, np.asarray(st.embedding, dtype=np.float64))) for st in states[1:]]
-        return self._ranked(base, body, scores, jobs)
+        return self._ranked(base, body, scores, jobs, states)
 
-    def _ranked(self, base: str, body: RerankRequest, scores: list[float], jobs) -> dict[str, Any]:
+    def _ranked(self, base: str, body: RerankRequest, scores: list[float], jobs, states=None) -> dict[str, Any]:
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if body.top_n:
             order = order[: body.top_n]
@@ -157,7 +161,7 @@ class PoolingServing:
             "id": base,
             "model": self.name,
             "results": results,
-            "usage": self._usage(jobs),
+            "usage": self._usage(jobs, states),
             # Not a cross-encoder's relevance: the cosine similarity of the query's and each
             # document's embedding (--pooling), said in every answer.
             "score_type": RERANK_SCORE,

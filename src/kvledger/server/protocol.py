@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..common.validation import cache_salt_of
 from . import fields
 
 
@@ -28,12 +29,25 @@ class _Strict(BaseModel):
         return {k: v for k, v in data.items() if v is not None or _required(cls, k)}
 
 
+class _Salted(_Strict):
+    """A body that runs prompts: its prefix-cache namespace is ``salt()``, the one derivation every
+    such route uses (issue 50: /v1/score, /v1/rerank and /v1/responses dropped the salt, so a salted
+    prefix was reusable, and timeable, by another tenant). Requests share cached KV only when their
+    ``cache_salt`` (vLLM) and ``extra_key`` (SGLang) are both equal."""
+
+    cache_salt: str | None = None
+    extra_key: str | None = None
+
+    def salt(self) -> str | None:
+        return cache_salt_of(self.cache_salt, self.extra_key)
+
+
 def _required(cls: type[BaseModel], name: str) -> bool:
     f = cls.model_fields.get(name)
     return f is not None and f.is_required()
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(_Salted):
     text: str | list[str] | None = None
     input_ids: list[Any] | None = None
     sampling_params: dict[str, Any] | None = None
@@ -44,8 +58,6 @@ class GenerateRequest(_Strict):
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
     session_params: dict[str, Any] | None = None
-    cache_salt: str | None = None  # prefix-cache isolation (vLLM); SGLang's extra_key is the same idea
-    extra_key: str | None = None
     priority: int | None = None  # SGLang's: used under --enable-priority-scheduling, ignored otherwise
     require_reasoning: bool = False  # SGLang: the output begins with reasoning; a grammar starts after it
     # SGLang: the LoRA adapter (by name) of the prompt, or one per prompt of a batch (None: the base model)
@@ -62,7 +74,7 @@ class StreamOptions(_Strict):
     known_fields: ClassVar[frozenset[str]] = frozenset({"include_obfuscation"})  # OpenAI's padding: none here
 
 
-class _OpenAICommon(_Strict):
+class _OpenAICommon(_Salted):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -92,8 +104,6 @@ class _OpenAICommon(_Strict):
     spaces_between_special_tokens: bool | None = None
     no_stop_trim: bool | None = None  # SGLang; vLLM's include_stop_str_in_output
     include_stop_str_in_output: bool | None = None
-    cache_salt: str | None = None
-    extra_key: str | None = None  # SGLang: isolates the prefix cache like cache_salt
     timeout: float | None = None  # seconds, queued and running together (sampling.SamplingParams.timeout)
     priority: int | None = None  # SGLang's convention (vLLM's is reversed); ignored without priority scheduling
 
@@ -146,7 +156,7 @@ class ChatRequest(_OpenAICommon):
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_CHAT
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Salted):
     """OpenAI's ``POST /v1/responses``: served on the chat path (``responses.py`` converts)."""
 
     model: str | None = None
@@ -169,7 +179,7 @@ class ResponsesRequest(_Strict):
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(_Salted):
     """OpenAI's ``POST /v1/embeddings`` (``input``: a string, strings, token ids or lists of them)."""
 
     model: str | None = None
@@ -179,14 +189,12 @@ class EmbeddingRequest(_Strict):
     user: str | None = None  # a tag: no effect
     rid: str | None = None
     request_id: str | None = None  # vLLM's name for rid
-    cache_salt: str | None = None
-    extra_key: str | None = None
 
     refused_fields: ClassVar[fields.Refused] = fields.EMBEDDINGS_REFUSED
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
 
 
-class ScoreRequest(_Strict):
+class ScoreRequest(_Salted):
     """SGLang's ``POST /v1/score``: per item, the probabilities of ``label_token_ids`` right after
     ``query + item`` (``item + query`` with ``item_first``)."""
 
@@ -201,7 +209,7 @@ class ScoreRequest(_Strict):
     known_fields: ClassVar[frozenset[str]] = fields.KNOWN_OPENAI
 
 
-class RerankRequest(_Strict):
+class RerankRequest(_Salted):
     """``POST /v1/rerank`` (SGLang's and vLLM's fields): ``documents`` ordered by their relevance to
     ``query``, here the cosine similarity of their embeddings."""
 

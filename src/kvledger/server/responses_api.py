@@ -88,6 +88,7 @@ class ResponsesServing:
                 "temperature": body.temperature, "top_p": body.top_p, "tools": chat_tools(body.tools),
                 "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
                 "response_format": chat_response_format(body.text), "priority": body.priority,
+                "cache_salt": body.cache_salt, "extra_key": body.extra_key,
             })  # fmt: skip
         except PydanticValidationError as e:  # a converted value of the wrong type: the client's input
             raise ValidationError(f"input: {e.errors()[0]['msg']}", param="input") from None

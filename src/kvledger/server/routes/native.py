@@ -7,7 +7,7 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from ...common import cache_salt_of, parse_prompts, validate_request
+from ...common import parse_prompts, validate_request
 from ...common.disagg import parse_disagg
 from ...errors import ValidationError
 from ..admission import check_fanout, check_prompt_tokens, prompt_count
@@ -31,7 +31,7 @@ async def generate(request: Request):
     if body.session_params is not None and not single:
         raise ValidationError("a session turn takes a single prompt", param="session_params")
     sp = dict(body.sampling_params or {})
-    salt = cache_salt_of(body.cache_salt, body.extra_key)
+    salt = body.salt()
     if salt is not None:
         if sp.get("cache_salt") is not None:
             raise ValidationError("give cache_salt once, at the top level", param="cache_salt")
