@@ -330,6 +330,7 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
         args.session_journal,
         args.max_body_bytes,
         engine.flat()["max_sessions"],
+        args.body_timeout_s,
     )
 
 
@@ -357,6 +358,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=d.served_model_name)
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--body-timeout", dest="body_timeout_s", type=float, default=d.body_timeout_s,
+                   help="seconds a request body may take to arrive whole (408 past it)")  # fmt: skip
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n (choices per request)")
     p.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
                    help="prompts (inputs, items, documents) one body may carry (400 past it)")  # fmt: skip

@@ -715,6 +715,8 @@ class ServerConfig:
     served_model_name: str | None = None
     log_level: str = "info"
     max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    """A request body not received whole within this is a 408 (a stalled client holds nothing)."""
     max_n: int = 16
     # What one body and one caller may ask of the engine (server/admission.py).
     max_prompts_per_request: int = 2048

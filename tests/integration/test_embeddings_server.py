@@ -147,7 +147,7 @@ def test_score_is_the_next_token_distribution(srv, chat_hf):
         ({"label_token_ids": [1, 10**6]}, "label_token_ids"),
         ({"label_token_ids": ["a"]}, "label_token_ids"),
         ({"items": [[1, 2]]}, "items"),  # text query, id items
-        ({"query": "", "items": ["a", ""]}, "items"),  # an empty prompt
+        ({"query": "", "items": ["a", ""]}, "items.1"),  # an empty prompt, named by its index
         ({"query": None}, "query"),
         ({"apply_softmax": "yes"}, "apply_softmax"),
     ]:

@@ -43,6 +43,7 @@ VALID: dict[str, dict] = {
                                   "abort_all_requests": False},
     "/load_lora_adapter": {"lora_name": "x", "lora_path": "/no/such/adapter"},
     "/unload_lora_adapter": {"lora_name": "no-such-adapter", "lora_int_id": None},
+    "/v1/responses/{response_id}/cancel": {},  # (the id in the path: no such response, a 404)
 }  # fmt: skip
 NESTED = {  # fields inside fields, replaced the same way
     "/generate": [("sampling_params", k) for k in ("max_new_tokens", "temperature", "stop", "top_k", "n",

@@ -140,7 +140,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             await srv.client.close()
 
     app = FastAPI(title="kvledger", version=__version__)
-    app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)
     if cfg.api_key or cfg.admin_api_key:
         app.add_middleware(AuthMiddleware, user_key=cfg.api_key, admin_key=cfg.admin_api_key)
     handlers.install(app)

@@ -77,12 +77,14 @@ class DPFront:
     this app's loop reads it."""
 
     def __init__(
-        self, router_url: str, replica_urls: list[str], up: list[bool], max_body_bytes: int, max_sessions: int
-    ):
+        self, router_url: str, replica_urls: list[str], up: list[bool], max_body_bytes: int, max_sessions: int,
+        body_timeout_s: float = 30.0,
+    ):  # fmt: skip
         self.router_url = router_url
         self.replicas = replica_urls
         self.up = up
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s  # a body not whole by then: 408 (a stalled client)
         # Session id -> the replica that holds it, least recently used first. The replicas together
         # hold at most ``max_sessions`` x N; past that the oldest entries are sessions they have let go
         # (expired, or dropped for a newer one) without this front seeing it: forgotten here too.
@@ -96,7 +98,12 @@ class DPFront:
         if scope["type"] == "lifespan":
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
-            body = await self._read_body(receive)
+            try:
+                body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+            except TimeoutError:
+                msg = f"the request body was not received within {self.body_timeout_s:g} s"
+                await _reply(send, 408, error_body(msg, "invalid_request_error", code="body_timeout"))
+                return
             if body is _GONE:
                 return
             if body is None:

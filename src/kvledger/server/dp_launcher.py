@@ -176,6 +176,7 @@ def serve_dp(
     session_journal: str | None = None,
     max_body_bytes: int = 8 * 1024 * 1024,
     max_sessions: int = 64,
+    body_timeout_s: float = 30.0,
 ) -> int:
     """Start the replicas, the router and the front; tend the replicas until a signal; stop them all
     (exit status). ``session_journal`` is the directory under which each replica keeps its sessions
@@ -211,7 +212,7 @@ def serve_dp(
             cmd += ["--api-key", api_key]
         router = subprocess.Popen(cmd)
         _wait_router(router, router_url, api_key)
-        front = FrontThread(DPFront(router_url, urls, up, max_body_bytes, max_sessions), host, port)
+        front = FrontThread(DPFront(router_url, urls, up, max_body_bytes, max_sessions, body_timeout_s), host, port)
         front.start()
         log.info("dp: serving on http://%s:%d (SGLang's router, %s, on %s; sessions kept on their replica)",
                  host, port, policy, router_url)  # fmt: skip
