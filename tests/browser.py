@@ -1,8 +1,9 @@
 """A real headless Chromium, driven over the DevTools protocol (CDP), for tests of the dashboard.
 
 Chromium is Debian's ``chromium`` package (.ci/run installs it); ``find_chromium()`` is None where it
-is absent and the tests skip with that reason. CDP lets the test send the admin key as a header
-(``Network.setExtraHTTPHeaders``), as an operator's browser does after its Basic-auth prompt.
+is absent and the tests skip with that reason. ``open`` can add headers to every request of the
+page (``Network.setExtraHTTPHeaders``); the dashboard test instead logs in through the page's own
+form, as an operator does.
 """
 
 from __future__ import annotations

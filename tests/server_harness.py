@@ -58,12 +58,13 @@ def wait_idle(url: str, timeout: float = 10, headers: dict | None = None) -> tup
 
 def books_balance(info: dict) -> bool:
     """Idle books: every page free, cached, held by a session or reserved (CUDA graphs' padding page),
-    the sessions hold what they say, and HiSparse holds nothing (no host page, no hot page)."""
+    the sessions (all of them, whoever asks: ``session_counts``) hold what they say, and HiSparse
+    holds nothing (no host page, no hot page)."""
     m = info["memory"]
     sparse_free = "hisparse" not in m or (m["hisparse"]["host_held"] == 0 and m["kv_hisparse_hot"] == 0)
     return (
         m["kv_free"] + m["kv_cached_evictable"] + m["kv_session"] + m.get("kv_reserved", 0) == m["kv_total"]
-        and m["kv_session"] == sum(s["held_tokens"] for s in info["sessions"])
+        and m["kv_session"] == info["session_counts"]["held_tokens"]  # every key's sessions, counted
         and sparse_free
     )
 
@@ -115,7 +116,7 @@ class Server:
         assert idle, m
         assert books_balance(info), info
         assert m["leak_check"]["ok"], m
-        assert all(s["busy_rid"] is None for s in info["sessions"]), info["sessions"]
+        assert info["session_counts"]["busy"] == 0, info["session_counts"]
         return info
 
     def stop(self) -> int:

@@ -331,6 +331,7 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
         args.max_body_bytes,
         engine.flat()["max_sessions"],
         args.body_timeout_s,
+        args.allowed_origins,
     )
 
 
@@ -341,14 +342,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument(
         "--api-key",
+        nargs="+",
+        metavar="KEY",
         default=d.api_key,
-        help="required as 'Authorization: Bearer KEY' (not on /health, /metrics)",
+        help="one or more user keys, each its own tenant: 'Authorization: Bearer KEY' (not on /health, /metrics)",
     )
     p.add_argument(
         "--admin-api-key",
         default=d.admin_api_key,
-        help="separate key for /dashboard, /memory/pages, /flush_cache and aborting others' requests",
+        help="the operator's key: admin paths (page map, /flush_cache, pause, weights, LoRA), aborting others' requests",
     )
+    p.add_argument("--admin-open", action="store_true", default=d.admin_open,
+                   help="without --admin-api-key, let user keys use the admin paths (refused otherwise)")  # fmt: skip
+    p.add_argument("--allowed-origins", nargs="+", metavar="ORIGIN", default=d.allowed_origins,
+                   help="web origins (scheme://host[:port]) besides the server's own whose browser requests are accepted")  # fmt: skip
     p.add_argument(
         "--tool-call-parser",
         default=d.tool_call_parser,

@@ -707,9 +707,14 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None
+    api_key: list[str] | None = None
+    """The user keys (vLLM's ``--api-key KEY [KEY ...]``); each is its own owner of sessions and requests."""
     admin_api_key: str | None = None
-    """Guards the page map, the dashboard, /flush_cache and aborting other callers' requests."""
+    """Guards the admin paths (page map, /flush_cache, pause, weights, LoRA) and aborting others' requests."""
+    admin_open: bool = False
+    """Without an admin key, let every user key use the admin paths (on purpose; refused otherwise)."""
+    allowed_origins: list[str] | None = None
+    """Web origins besides the server's own whose browser requests are accepted (and granted CORS)."""
     tool_call_parser: str = "hermes"
     """How tool calls are written and parsed: hermes (= qwen), llama3 or mistral."""
     served_model_name: str | None = None
@@ -739,4 +744,12 @@ class ServerConfig:
     """A directory where open sessions' committed tokens are kept, so that they survive the server
     process (re-opened on start, KV recomputed); ``--dp-size`` gives each replica one."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def check(self) -> None:
+        """The keys: none empty, and no user key that is also the admin key (a user key is never one)."""
+        keys = self.api_key or []
+        if any(not k for k in keys) or self.admin_api_key == "":
+            raise ValidationError("an API key must not be empty", param="api_key")
+        if self.admin_api_key is not None and self.admin_api_key in keys:
+            raise ValidationError("--admin-api-key must differ from every --api-key", param="admin_api_key")
 

@@ -114,7 +114,7 @@ def test_embedding_refusals_submit_nothing(srv, client):
     assert "Matryoshka" in r.json()["error"]["message"]
     r = httpx.post(url, json={"model": "nope", "input": "a"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(url, content=b"{not json", timeout=30)
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     with pytest.raises(openai.BadRequestError):
         client.embeddings.create(model="default", input="a", dimensions=4)

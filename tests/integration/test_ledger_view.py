@@ -60,15 +60,15 @@ def test_keys_guard_admin_paths(keyed):
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required"
     assert r.json()["error"]["type"] == "permission_error"
     assert pages(keyed).status_code == 200
-    basic = base64.b64encode(b"ops:admin-key").decode()
-    assert pages(keyed, {"Authorization": f"Basic {basic}"}).status_code == 200
-    assert pages(keyed, {"Authorization": "Basic !!not-base64"}).status_code == 401
     assert pages(keyed, {"x-api-key": "admin-key"}).status_code == 200
+    # HTTP Basic is not taken: a browser would resend it by itself to any request, a forged one too.
+    basic = base64.b64encode(b"ops:admin-key").decode()
+    r = pages(keyed, {"Authorization": f"Basic {basic}"})
+    assert r.status_code == 401 and "www-authenticate" not in r.headers
+    # The dashboard is a page without data, open to any browser, never framed by another site.
     r = httpx.get(url + "/dashboard", timeout=10)
-    assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
-    assert httpx.get(url + "/dashboard", headers=USER, timeout=10).status_code == 403
-    r = httpx.get(url + "/dashboard", headers=ADMIN, timeout=10)
     assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    assert r.headers["x-frame-options"] == "DENY" and "frame-ancestors 'none'" in r.headers["content-security-policy"]
     assert "http://" not in r.text and "https://" not in r.text  # self-contained: nothing from a CDN
     assert httpx.post(url + "/flush_cache", headers=USER, timeout=10).status_code == 403
     assert httpx.post(url + "/flush_cache", headers=ADMIN, timeout=10).status_code == 200
@@ -79,6 +79,28 @@ def test_keys_guard_admin_paths(keyed):
     assert httpx.post(url + "/generate", json=body, timeout=30).status_code == 401
     cfg = httpx.get(url + "/get_server_info", headers=USER, timeout=10).json()["server_config"]
     assert cfg["api_key"] == cfg["admin_api_key"] == "***"
+
+
+def test_the_dashboards_login_is_a_cookie_that_only_reads(keyed):
+    """POST /dashboard/login with the admin key gives a cookie (HttpOnly, SameSite=Strict) that opens
+    GET /memory/pages and nothing else; a user key cannot log in; a cross-site login is refused."""
+    url = keyed.url
+    r = httpx.post(url + "/dashboard/login", json={}, headers=USER, timeout=10)
+    assert r.status_code == 403 and "set-cookie" not in r.headers
+    r = httpx.post(url + "/dashboard/login", content=b"{}", headers={**ADMIN, "content-type": "text/plain"})
+    assert r.status_code == 415 and "set-cookie" not in r.headers
+    r = httpx.post(url + "/dashboard/login", json={}, headers={**ADMIN, "origin": "http://evil.example"})
+    assert r.status_code == 403 and "set-cookie" not in r.headers
+    r = httpx.post(url + "/dashboard/login", json={}, headers=ADMIN, timeout=10)
+    assert r.status_code == 200
+    cookie = r.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "admin-key" not in cookie
+    jar = {"Cookie": cookie.split(";", 1)[0]}
+    assert httpx.get(url + "/memory/pages", headers=jar, timeout=10).status_code == 200
+    assert httpx.post(url + "/flush_cache", headers=jar, timeout=10).status_code == 401  # reads only
+    assert httpx.get(url + "/get_server_info", headers=jar, timeout=10).status_code == 401
+    bad = {"Cookie": "kvledger_dashboard=forged"}
+    assert httpx.get(url + "/memory/pages", headers=bad, timeout=10).status_code == 401
 
 
 def _start_long(srv, headers: dict, rid: str) -> threading.Thread:
@@ -128,6 +150,9 @@ def test_page_map_adds_up_under_load_and_names_owners(keyed):
     assert seen_private
     assert any(r["kind"] == "session" and r["owner"] == f"session {sid}" for r in snap["runs"])
     assert any(s["id"] == sid for s in snap["sessions"])
+    # Session ids are the admin's on the page map only: /get_server_info counts other keys' sessions.
+    info = httpx.get(keyed.url + "/get_server_info", headers=ADMIN, timeout=10)
+    assert sid not in info.text and info.json()["session_counts"]["open"] >= 1
     for i in range(3):
         httpx.post(keyed.url + "/abort_request", json={"rid": f"load-{i}"}, headers=USER, timeout=10)
     for t in threads:
@@ -201,8 +226,17 @@ def test_dashboard_draws_the_page_map_in_a_browser(keyed, tmp_path):
     assert {"free", "session", "cached_evictable"} <= set(expected)
     browser = Browser(CHROMIUM)
     try:
-        browser.open(keyed.url + "/dashboard", headers=ADMIN)
+        browser.open(keyed.url + "/dashboard")  # no key: the page asks for it, once
+        browser.wait_for("!document.getElementById('login').hidden")
+        assert browser.evaluate("Number(document.body.dataset.draws || 0)") == 0
+        for key, drawn in (("user-key", False), ("admin-key", True)):
+            browser.evaluate(f"document.getElementById('key').value = '{key}'; "
+                             "document.getElementById('login').requestSubmit(); true")  # fmt: skip
+            if not drawn:
+                browser.wait_for("document.getElementById('status').textContent.includes('login refused')")
         browser.wait_for("Number(document.body.dataset.draws || 0) >= 1")
+        assert browser.evaluate("document.getElementById('login').hidden")
+        assert browser.evaluate("document.getElementById('key').value") == ""  # the page keeps no key
         # Count the pages by the colour the browser actually painted (the centre pixel of each page's
         # square on the canvas), named through the legend's swatches.
         drawn = browser.evaluate(

@@ -51,7 +51,7 @@ NESTED = {  # fields inside fields, replaced the same way
     "/v1/chat/completions": [("messages", 0, "role"), ("messages", 0, "content"), ("messages", 0)],
     "/v1/responses": [("input", 0, "role"), ("input", 0, "content"), ("input", 0)],
 }
-BODYLESS_POSTS = {"/flush_cache"}  # reads no body: anything sent is ignored
+BODYLESS_POSTS = {"/flush_cache", "/dashboard/login"}  # read no body: anything sent is ignored
 
 BAD_VALUES = [
     None, "x", "", 1.5, -1, 0, 2**70, -(2**70), 1e308, True, [], [None], {}, {"a": [{"b": None}]},

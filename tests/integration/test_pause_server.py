@@ -195,7 +195,8 @@ def test_admin_key_and_malformed_bodies(ps):
         r = post(ps, "/pause_generation", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == ("mode" if body != [1] else None), r.text
     for raw in (b"{not json", b""):  # no body pauses nothing: {} asks for the default mode
-        r = httpx.post(ps.url + "/pause_generation", content=raw, headers=ADMIN, timeout=10)
+        r = httpx.post(ps.url + "/pause_generation", content=raw, timeout=10,
+                       headers={**ADMIN, "content-type": "application/json"})  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     for body, param in [
         ({}, "model_path"),
@@ -244,7 +245,8 @@ def test_update_weights_from_disk(keyed, new_weights, tmp_path, chat_model, tmp_
         }
         info = ps.info()
         assert info["model_path"] == new_weights and info["memory"]["kv_cached_evictable"] == 0
-        assert info["memory"]["kv_session"] == 0 and info["sessions"][0]["kv_tokens"] == 0
+        [session] = httpx.get(ps.url + "/get_server_info", headers=USER, timeout=30).json()["sessions"]
+        assert info["memory"]["kv_session"] == 0 and session["kv_tokens"] == 0  # (the user key's session)
         res = generate(ps, P40, 24)
         assert res["output_ids"] == want and res["meta_info"]["cached_tokens"] == 0
         # The session stays open; its next turn recomputes the whole history on the new weights.

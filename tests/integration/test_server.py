@@ -186,3 +186,41 @@ def test_what_the_router_calls(srv):
     body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": None, "bootstrap_room": 12345}  # fmt: skip
     assert gen(srv, body).status_code == 200
+
+
+# -- cross-site requests ------------------------------------------------------------------------------
+
+
+def test_cross_site_posts_are_refused_and_change_nothing(srv):
+    """What a web page in an operator's browser can send to a local server without a CORS preflight
+    (a form, a text/plain fetch) or with another site's Origin is refused, and changes nothing: a
+    refused pause leaves generation running. JSON from the server's own origin, or from no browser,
+    works; a POST with no body and no content type (SGLang's router flushing its workers) too."""
+    url, own = srv.url, srv.url.replace("localhost", "127.0.0.1")
+    pause = b'{"mode": "abort"}'
+    try:
+        for headers, status, code in [
+            ({"content-type": "text/plain"}, 415, "unsupported_media_type"),
+            ({"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
+            ({"content-type": "text/plain", "origin": "http://evil.example"}, 403, "cross_origin"),
+            ({"content-type": "application/json", "origin": "http://evil.example"}, 403, "cross_origin"),
+            ({"content-type": "application/json", "origin": "null"}, 403, "cross_origin"),
+            ({"content-type": "application/json", "origin": own.rsplit(":", 1)[0] + ":1"}, 403, "cross_origin"),
+        ]:
+            r = httpx.post(url + "/pause_generation", content=pause, headers=headers, timeout=30)
+            assert r.status_code == status and r.json()["error"]["code"] == code, (headers, r.text)
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert srv.info()["generation_paused"] is None
+        r = gen(srv, {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 3}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 3  # still generating
+    finally:
+        httpx.post(url + "/continue_generation", json={}, timeout=30)  # (a broken build paused it)
+    # curl -d's default content type is refused with a hint, on every route.
+    r = httpx.post(url + "/generate", content=b'{"input_ids": [1]}',
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=30)  # fmt: skip
+    assert r.status_code == 415 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = httpx.get(url + "/get_server_info", headers={"origin": "http://evil.example"}, timeout=30)
+    assert r.status_code == 403
+    ok = {"content-type": "application/json; charset=utf-8", "origin": own}
+    assert httpx.post(url + "/generate", content=b'{"input_ids": [1, 2]}', headers=ok, timeout=30).status_code == 200
+    assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200

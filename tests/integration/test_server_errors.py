@@ -166,6 +166,12 @@ def test_api_key(chat_model, tmp_path):
         )
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="sekrit", max_retries=0)
         assert c.completions.create(model="default", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        # The user key is not an admin key: without --admin-api-key (or --admin-open) admin paths are 403.
+        key = {"Authorization": "Bearer sekrit"}
+        for path in ("/flush_cache", "/pause_generation"):
+            r = httpx.post(s.url + path, json={}, headers=key, timeout=30)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+        assert httpx.get(s.url + "/get_server_info", headers=key, timeout=30).json()["generation_paused"] is None
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="bad", max_retries=0).models.list()
     finally:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import stat
 import time
 
 import httpx
+import pytest
+
+from tests.integration.conftest import started_server
 
 G = {"temperature": 0, "ignore_eos": True}
 
@@ -227,3 +233,152 @@ def test_session_bad_inputs(srv):
     assert httpx.post(srv.url + "/open_session", json={"timeout": -1}).status_code == 400
     assert httpx.post(srv.url + "/close_session", json={}).status_code == 400
     close(srv, sid)
+
+
+# -- sessions are their owners' -------------------------------------------------------------------------
+
+KEY_A, KEY_B = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+HICACHE_SALT = "hicache-pepper-7f3a"
+APP = "http://app.example:8080"
+
+
+@pytest.fixture(scope="module")
+def tenants(chat_model, tmp_path_factory):
+    """Two user keys and no admin key (logs at info, to look for ids in them)."""
+    log = str(tmp_path_factory.mktemp("logs") / "tenants.log")
+    args = ("--api-key", "key-a", "key-b", "--hicache-salt", HICACHE_SALT, "--log-level", "info",
+            "--allowed-origins", APP)  # fmt: skip
+    for s in started_server(chat_model, log, *args):
+        s.headers = KEY_A
+        yield s
+        s.wait_idle_clean()
+
+
+def _unknown(sid: str, param: str) -> dict:
+    """The engine's answer for a session that does not exist."""
+    return {"error": {"message": f"no open session {sid!r}", "type": "not_found_error", "param": param,
+                      "code": "session_not_found"}}  # fmt: skip
+
+
+def test_a_session_is_its_keys_alone(tenants):
+    """Another key naming a session gets the 404 of a session that does not exist, on a turn and on a
+    close, and changes nothing; info, metrics and logs show no key's session ids, and no salt."""
+    url = tenants.url
+    sid = httpx.post(url + "/open_session", json={}, headers=KEY_A, timeout=30).json()
+    body = {"input_ids": [5, 6, 7], "sampling_params": {**G, "max_new_tokens": 3}, "session_params": {"id": sid}}
+    first = httpx.post(url + "/generate", json=body, headers=KEY_A, timeout=60)
+    assert first.status_code == 200, first.text
+    never = httpx.post(url + "/generate", json={**body, "session_params": {"id": "never"}}, headers=KEY_B)
+    assert never.status_code == 404 and never.json() == _unknown("never", "session_params.id")
+    for stream in (False, True):
+        r = httpx.post(url + "/generate", json={**body, "stream": stream}, headers=KEY_B, timeout=60)
+        assert r.status_code == 404 and r.json() == _unknown(sid, "session_params.id"), r.text
+    r = httpx.post(url + "/close_session", json={"session_id": sid}, headers=KEY_B, timeout=30)
+    assert r.status_code == 404 and r.json() == _unknown(sid, "session_id")
+    # The same salt or none: a turn with another salt is not this session's either.
+    salted = httpx.post(url + "/generate", json={**body, "cache_salt": "other"}, headers=KEY_A, timeout=60)
+    assert salted.status_code == 404 and salted.json() == _unknown(sid, "session_params.id")
+
+    info_b = httpx.get(url + "/get_server_info", headers=KEY_B, timeout=30)
+    info_a = httpx.get(url + "/get_server_info", headers=KEY_A, timeout=30).json()
+    assert sid not in info_b.text and HICACHE_SALT not in info_b.text and "key-a" not in info_b.text
+    assert info_b.json()["sessions"] == [] and info_b.json()["session_counts"]["open"] == 1
+    assert [s["id"] for s in info_a["sessions"]] == [sid] and HICACHE_SALT not in json.dumps(info_a)
+    assert info_a["engine_config"]["hicache_salt"] == "***" and info_a["server_config"]["api_key"] == "***"
+    assert sid not in httpx.get(url + "/metrics", timeout=30).text
+    # Key A's session was untouched by key B: its next turn continues the whole conversation.
+    again = httpx.post(url + "/generate", json=body, headers=KEY_A, timeout=60).json()
+    assert again["meta_info"]["prompt_tokens"] == 3 + 3 + 3
+    assert httpx.post(url + "/close_session", json={"session_id": sid}, headers=KEY_A).status_code == 200
+    logs = tenants.logs()  # (each record is flushed as it is logged)
+    assert "POST /close_session" in logs and sid not in logs and HICACHE_SALT not in logs
+
+
+def test_a_user_key_is_not_an_admin_key(tenants):
+    """With --api-key and no --admin-api-key the admin paths are refused (403) and change nothing:
+    a refused pause leaves generation running."""
+    url = tenants.url
+    for path, body in [("/pause_generation", {"mode": "abort"}), ("/flush_cache", {}),
+                       ("/update_weights_from_disk", {"model_path": "/nowhere"}),
+                       ("/unload_lora_adapter", {"lora_name": "x"}), ("/dashboard/login", {})]:  # fmt: skip
+        r = httpx.post(url + path, json=body, headers=KEY_A, timeout=30)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", (path, r.text)
+        assert "--admin-open" in r.json()["error"]["message"]
+    assert httpx.get(url + "/memory/pages", headers=KEY_A, timeout=30).status_code == 403
+    assert httpx.get(url + "/get_server_info", headers=KEY_A, timeout=30).json()["generation_paused"] is None
+    r = httpx.post(url + "/generate", json={"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}},
+                   headers=KEY_B, timeout=30)  # fmt: skip
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
+def test_allowed_origins_get_cors_and_others_are_refused(tenants):
+    pre = {"origin": APP, "access-control-request-method": "POST",
+           "access-control-request-headers": "authorization,content-type"}  # fmt: skip
+    r = httpx.options(tenants.url + "/generate", headers=pre, timeout=30)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
+    r = httpx.options(tenants.url + "/generate", headers={**pre, "origin": "http://evil.example"}, timeout=30)
+    assert r.status_code >= 400 and "access-control-allow-origin" not in r.headers
+    body = {"input_ids": [3], "sampling_params": {"max_new_tokens": 1}}
+    for origin, status in ((APP, 200), ("http://app.example", 403), ("http://evil.example", 403)):
+        r = httpx.post(tenants.url + "/generate", json=body, headers={**KEY_A, "origin": origin}, timeout=30)
+        assert r.status_code == status, (origin, r.text)
+
+
+def test_only_its_key_aborts_a_request(tenants):
+    """Without an admin key nobody may abort another key's request (before: anyone could)."""
+    body = {"rid": "a-long", "input_ids": [7] * 9, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=tenants.url, timeout=120) as c:
+            running = asyncio.create_task(c.post("/generate", json=body, headers=KEY_A))
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                r = await c.post("/abort_request", json={"rid": "a-long"}, headers=KEY_B)
+                if r.status_code != 404:
+                    break
+            assert r.status_code == 403 and r.json()["error"]["code"] == "not_request_owner", r.text
+            assert (await c.post("/abort_request", json={"rid": "a-long"}, headers=KEY_A)).status_code == 200
+            done = await running
+            assert done.json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+    asyncio.run(main())
+
+
+def test_the_journal_is_private_and_restores_only_live_sessions_of_known_keys(chat_model, tmp_path):
+    """--session-journal: the directory 0700 and its files 0600; after a restart, a session whose
+    timeout passed while the server was down is not re-opened, nor one whose key is no longer
+    configured (its file removed), and the live one continues its conversation. The second server
+    also shows --admin-open: a user key may then use the admin paths."""
+    journal = str(tmp_path / "journal")
+    args = ("--session-journal", journal, "--api-key", "key-a", "key-b")
+    ids = {}
+    for s in started_server(chat_model, str(tmp_path / "first.log"), *args):
+        s.headers = KEY_A
+        # ("short" last: opening a session prunes expired records, and it must still be journaled.)
+        for name, key, timeout in (("long", KEY_A, 600.0), ("b", KEY_B, 600.0), ("short", KEY_A, 2.0)):
+            ids[name] = httpx.post(s.url + "/open_session", json={"timeout": timeout}, headers=key).json()
+            body = {"input_ids": [5, 6, 7], "sampling_params": {**G, "max_new_tokens": 3},
+                    "session_params": {"id": ids[name]}}  # fmt: skip
+            assert httpx.post(s.url + "/generate", json=body, headers=key, timeout=60).status_code == 200
+        s.wait_idle_clean()
+    files = os.listdir(journal)
+    assert len(files) == 4 and "owner.key" in files  # three sessions and the owner tags' secret
+    assert stat.S_IMODE(os.stat(journal).st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(os.path.join(journal, f)).st_mode) == 0o600 for f in files)
+    time.sleep(2.5)  # "short" expires while the server is down
+    args = ("--session-journal", journal, "--api-key", "key-a", "--admin-open")  # key-b is gone
+    for s in started_server(chat_model, str(tmp_path / "second.log"), *args):
+        s.headers = KEY_A
+        info = s.info()
+        assert [x["id"] for x in info["sessions"]] == [ids["long"]] and info["session_counts"]["open"] == 1
+        assert len(os.listdir(journal)) == 2  # "long" and the secret: the others' files are gone
+        for name in ("short", "b"):
+            body = {"input_ids": [8], "session_params": {"id": ids[name]}}
+            r = httpx.post(s.url + "/generate", json=body, headers=KEY_A, timeout=60)
+            assert r.status_code == 404 and r.json() == _unknown(ids[name], "session_params.id")
+        body = {"input_ids": [8], "sampling_params": {**G, "max_new_tokens": 2}, "session_params": {"id": ids["long"]}}
+        r = httpx.post(s.url + "/generate", json=body, headers=KEY_A, timeout=60)
+        assert r.status_code == 200 and r.json()["meta_info"]["prompt_tokens"] == 3 + 3 + 1
+        assert httpx.post(s.url + "/flush_cache", headers=KEY_A, timeout=30).status_code == 200  # --admin-open
+        assert httpx.post(s.url + "/close_session", json={"session_id": ids["long"]}, headers=KEY_A).status_code == 200
+        s.wait_idle_clean()

@@ -11,11 +11,19 @@ dropped, least recently used first (their tokens are kept and recomputed on the 
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
 from ..errors import ConflictError, NotFoundError, OverloadedError, ValidationError
 from ..memory import Session, SessionKV
+
+
+def session_not_found(sid, param: str) -> NotFoundError:
+    """The one answer for a session that is not there (closed, expired, never opened) -- and, in the
+    HTTP front, for one that is another key's (``server/session_store.py``): the same words, so that
+    the answer does not tell them apart."""
+    return NotFoundError(f"no open session {sid!r}", param=param, code="session_not_found")
 
 
 class SessionManager:
@@ -48,29 +56,30 @@ class SessionManager:
 
     def restore(self, records: list[dict], vocab_size: int, context_length: int) -> int:
         """Re-open sessions a previous engine held (the front kept them across a restart), with their
-        tokens and no KV: the next turn recomputes it. Returns how many were restored."""
+        tokens and no KV: the next turn recomputes it. ``idle_s`` (how long each has been idle) keeps
+        its expiry where it was. Returns how many were restored."""
         n = 0
         for r in records:
-            tokens = r.get("tokens")
+            tokens, idle = r.get("tokens"), r.get("idle_s", 0.0)
             if not (
                 isinstance(tokens, list)
                 and len(tokens) < context_length
                 and all(type(t) is int and 0 <= t < vocab_size for t in tokens)
             ):
-                raise ValidationError(
-                    f"session {r.get('id')!r}: tokens must be ids of this model's vocabulary"
-                )
+                raise ValidationError("a restored session's tokens must be ids of this model's vocabulary")
+            if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 <= idle < math.inf:
+                raise ValidationError("a restored session's idle_s must be a number of seconds >= 0")
             self.open(r.get("id"), r.get("timeout"))
-            self.sessions[r["id"]].tokens = tokens
+            s = self.sessions[r["id"]]
+            s.tokens = tokens
+            s.last_used -= idle
             n += 1
         return n
 
     def close(self, session_id: str) -> None:
         s = self.sessions.get(session_id)
         if s is None or s.closing:
-            raise NotFoundError(
-                f"no open session {session_id!r}", param="session_id", code="session_not_found"
-            )
+            raise session_not_found(session_id, "session_id")
         if s.busy_rid is not None:
             s.closing = True  # released by the running turn's finish, through the release path
             return
@@ -115,9 +124,7 @@ class SessionManager:
         sid = params.get("id")
         s = self.sessions.get(sid) if isinstance(sid, str) else None
         if s is None or s.closing:
-            raise NotFoundError(
-                f"no open session {sid!r}", param="session_params.id", code="session_not_found"
-            )
+            raise session_not_found(sid, "session_params.id")
         if s.busy_rid is not None:
             raise ConflictError(
                 f"session {sid!r} is busy with request {s.busy_rid!r}; one turn at a time",

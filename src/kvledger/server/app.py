@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections.abc import Coroutine
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from ..common import Limits
@@ -25,12 +27,12 @@ from ..errors import KVLedgerError
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from . import handlers
 from .admission import InFlight
-from .auth import AuthMiddleware
+from .auth import AuthMiddleware, KeyRing
 from .control import Control
 from .engine_client import EngineClient
 from .generation import GenerationService
 from .metrics import Metrics
-from .middleware import BodyLimitMiddleware
+from .middleware import BodyLimitMiddleware, CSRFMiddleware, parse_origins
 from .openai_api import OpenAIServing
 from .pooling_api import PoolingServing
 from .responses import ResponseStore
@@ -52,14 +54,23 @@ async def reopen_journaled(client: EngineClient, store: SessionStore) -> None:
     for rec in store.snapshot():
         try:
             n += await client.call("restore_sessions", sessions=[rec])
-        except KVLedgerError as e:
-            log.warning("session journal: %r not re-opened (%s)", rec["id"], e.message)
+        except KVLedgerError as e:  # (logged without its id: logs are not private)
+            log.warning("session journal: a session not re-opened (%s)", e.message)
             store.closed(rec["id"])
     log.warning("re-opened %d session(s) from the session journal; their next turns recompute", n)
 
 
 def create_app(cfg: ServerConfig) -> FastAPI:
-    srv = ServerState(cfg, Metrics())
+    """The app, or a ValidationError (nothing started) for settings it refuses: keys, origins, a
+    journal directory that is not this user's."""
+    cfg.check()
+    origins = parse_origins(cfg.allowed_origins)
+    journal = SessionJournal(cfg.session_journal) if cfg.session_journal else None
+    secret = journal.secret() if journal is not None else secrets.token_bytes(32)
+    keys = KeyRing(cfg.api_key or [], cfg.admin_api_key, cfg.admin_open, secret)
+    srv = ServerState(cfg, Metrics(), keys=keys)
+    if cfg.admin_open and cfg.api_key:
+        log.warning("--admin-open: every user key may use the admin paths (pause, flush, weights, LoRA)")
 
     async def set_up(client: EngineClient) -> None:
         """Load the tokenizer while the engine loads the model; set the services up once it is ready."""
@@ -72,14 +83,14 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         srv.tokenizer, srv.name, srv.started = tokenizer, name, time.time()
         srv.limits = Limits(**client.limits)
         srv.sessions = SessionStore(
-            client.engine_config["max_sessions"],
-            client.engine_config["session_timeout_s"],
-            SessionJournal(cfg.session_journal) if cfg.session_journal else None,
+            client.engine_config["max_sessions"], client.engine_config["session_timeout_s"], journal, keys.tag
         )
-        if srv.sessions.load_journal():  # a previous process of this server held sessions
+        # A previous process of this server held sessions: those of keys still configured, not expired.
+        if srv.sessions.load_journal(keys.owners()):
             await reopen_journaled(client, srv.sessions)
+        holds = client.info.get("disaggregation_mode") != "prefill"  # (prefill holds no session)
         srv.gen = GenerationService(
-            client, tokenizer, srv.metrics, srv.sessions, srv.gate, InFlight(srv.admission.max_requests_per_key)
+            client, tokenizer, srv.metrics, srv.sessions, srv.gate, holds, InFlight(srv.admission.max_requests_per_key)
         )
         srv.control = Control(client, srv.gate)
 
@@ -140,9 +151,16 @@ def create_app(cfg: ServerConfig) -> FastAPI:
             await srv.client.close()
 
     app = FastAPI(title="kvledger", version=__version__)
+    # The last added runs first: CORS (preflights of --allowed-origins), then the cross-site guard,
+    # the keys, and the body-size limit.
     app.add_middleware(BodyLimitMiddleware, limit=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)
-    if cfg.api_key or cfg.admin_api_key:
-        app.add_middleware(AuthMiddleware, user_key=cfg.api_key, admin_key=cfg.admin_api_key)
+    app.add_middleware(AuthMiddleware, keys=keys, logins=srv.logins)
+    app.add_middleware(CSRFMiddleware, allowed=origins)
+    if origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "x-api-key"],
+        )  # fmt: skip
     handlers.install(app)
     for router in ROUTERS:
         app.include_router(router)

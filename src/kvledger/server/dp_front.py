@@ -60,6 +60,9 @@ _HOP = {
     b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
     b"upgrade", b"host", b"content-length",
 }  # fmt: skip
+# Origin is checked by this front (middleware.CSRFMiddleware, dp_launcher): upstream, Host is a
+# replica's or the router's address, which a browser's Origin would never match.
+_NOT_FORWARDED = _HOP | {b"origin"}
 _GONE = object()
 
 # The routes SGLang's router (0.3.2) balances faithfully once their bodies are in its types.
@@ -247,7 +250,7 @@ class DPFront:
                     sid = None
                 if isinstance(sid, str):
                     self._remember(sid, i)
-                    log.info("dp: session %s opened on replica %d", sid, i)
+                    log.info("dp: a session opened on replica %d", i)  # (never its id: logs are not private)
             await _reply_raw(send, r)
             return
         if last is not None:
@@ -271,8 +274,10 @@ class DPFront:
         if not closing:
             self._remember(sid, i)  # recently used
         status = await self._relay(self.replicas[i], scope, body, send)
-        if status == 404 or (closing and status == 200):
-            # Closed, or no longer there (expired, or closed on the replica directly): gone here too.
+        if closing and status == 200:
+            # Closed: gone here too. Not on a 404: another key naming the session gets one (the
+            # session is its owner's), and must not unroute it; a session that expired on its
+            # replica stays here until the cap pushes it out.
             self.sessions.pop(sid, None)
 
     # -- HTTP ---------------------------------------------------------------------------------------
@@ -281,7 +286,7 @@ class DPFront:
         url = base + scope["path"]
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
         return self.http.build_request(scope["method"], url, headers=headers, content=body)
 
     async def _request(self, base: str, scope: Scope, body: bytes) -> httpx.Response:

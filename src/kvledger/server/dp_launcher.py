@@ -34,6 +34,7 @@ import httpx
 
 from ..errors import ValidationError
 from .dp_front import DPFront, FrontThread
+from .middleware import CSRFMiddleware, parse_origins
 
 log = logging.getLogger("kvledger.dp")
 
@@ -171,12 +172,13 @@ def serve_dp(
     dp_size: int,
     policy: str,
     num_threads: int | None,
-    api_key: str | None,
+    api_key: list[str] | None,
     grace_period_s: float,
     session_journal: str | None = None,
     max_body_bytes: int = 8 * 1024 * 1024,
     max_sessions: int = 64,
     body_timeout_s: float = 30.0,
+    allowed_origins: list[str] | None = None,
 ) -> int:
     """Start the replicas, the router and the front; tend the replicas until a signal; stop them all
     (exit status). ``session_journal`` is the directory under which each replica keeps its sessions
@@ -208,11 +210,14 @@ def serve_dp(
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                "--port", str(router_port), "--worker-urls", *urls, "--policy", policy,
                "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"]  # fmt: skip
-        if api_key:
-            cmd += ["--api-key", api_key]
+        if api_key:  # the key of the router's own calls to the replicas (health, loads, flush)
+            cmd += ["--api-key", api_key[0]]
         router = subprocess.Popen(cmd)
         _wait_router(router, router_url, api_key)
-        front = FrontThread(DPFront(router_url, urls, up, max_body_bytes, max_sessions, body_timeout_s), host, port)
+        # The front is the public origin: it refuses cross-site requests itself (the replicas see the
+        # front's address as Host, so it drops Origin once checked).
+        dp = DPFront(router_url, urls, up, max_body_bytes, max_sessions, body_timeout_s)
+        front = FrontThread(CSRFMiddleware(dp, parse_origins(allowed_origins)), host, port)
         front.start()
         log.info("dp: serving on http://%s:%d (SGLang's router, %s, on %s; sessions kept on their replica)",
                  host, port, policy, router_url)  # fmt: skip

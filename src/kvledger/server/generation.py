@@ -96,16 +96,19 @@ class GenerationService:
         metrics: Metrics,
         sessions: SessionStore,
         gate: GenerationGate,
+        holds_sessions: bool = True,
         inflight: InFlight | None = None,
     ):
         self.client = client
         self.inflight = inflight or InFlight(1 << 30)  # each caller's engine requests (--max-requests-per-key)
         self.gate = gate  # new requests wait here while generation is paused or weights update
         self.sessions = sessions
+        # False on a PD prefill server: its engine holds no session (decode does, and checks the turn).
+        self.holds_sessions = holds_sessions
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._bg: set[asyncio.Task] = set()
-        self.owners: dict[str, str] = {}  # rid -> the principal that started it (auth.may_abort)
+        self.owners: dict[str, str] = {}  # rid -> the owner tag of who started it (auth.may_abort)
 
     def _abort_soon(self, rid: str, message: str) -> None:
         # Called from a finally block of a cancelled task: schedule, do not await.
@@ -124,16 +127,23 @@ class GenerationService:
         pooling: PoolingParams | None = None,
     ) -> AsyncIterator[GenState]:
         """Yield the request's state after each batch of new tokens; the last one is finished.
-        ``owner`` is who may abort it besides the admin (default: the calling principal);
+        ``owner`` is the owner tag of who may abort it besides the admin (default: the caller's);
         ``disagg`` its bootstrap room in PD mode; ``pooling`` makes it an embedding or score request
-        (its answer on the final state)."""
-        who = current_principal()
-        with self.inflight.hold(who):  # 429 past --max-requests-per-key; given back however it ends
+        (its answer on the final state). A session turn must be the caller's session, with its salt
+        (404 otherwise, before anything is submitted). The caller's requests in flight are counted
+        while it runs (429 past --max-requests-per-key)."""
+        who = current_principal().owner
+        with self.inflight.hold(who):
             async for st in self._stream(input_ids, params, rid, session_params, owner or who, disagg, pooling):
                 yield st
 
     async def _stream(self, input_ids, params, rid, session_params, owner, disagg, pooling) -> AsyncIterator[GenState]:
         rid = rid or uuid.uuid4().hex
+        owner = owner or current_principal().owner
+        if session_params is not None and self.holds_sessions and isinstance(session_params, dict):
+            self.sessions.check(
+                session_params.get("id"), owner, "session_params.id", params.cache_salt, turn=True
+            )
         text = TextState(self.tokenizer, params.skip_special_tokens, params.stop, not params.no_stop_trim)
         st = GenState(rid, params, text, len(input_ids))
         if params.logprob_start_len >= 0:
@@ -215,7 +225,7 @@ class GenerationService:
         (429)."""
         limit = asyncio.Semaphore(concurrency or max(1, len(runs)))
         try:
-            self.inflight.check_room(current_principal(), min(len(runs), concurrency or len(runs)))
+            self.inflight.check_room(current_principal().owner, min(len(runs), concurrency or len(runs)))
         except OverloadedError:
             for r in runs:
                 r.close()  # never started

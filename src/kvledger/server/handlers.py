@@ -25,7 +25,8 @@ def error_response(
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
-    """Parse a JSON body whatever its content type (curl -d sends form-urlencoded) into ``model``."""
+    """Parse the JSON body into ``model`` (``middleware.CSRFMiddleware`` let only an
+    ``application/json`` POST through)."""
     raw = await request.body()
     try:
         data = json.loads(raw)

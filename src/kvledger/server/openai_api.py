@@ -452,7 +452,7 @@ class OpenAIServing:
             }
         opts = body.stream_options
         usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), body.n)
-        self.gen.inflight.check_room(current_principal(), len(jobs))  # all the choices, or none (429)
+        self.gen.inflight.check_room(current_principal().owner, len(jobs))  # all the choices, or none (429)
         queue, tasks = self._pump(jobs, rids, rooms)
         # Wait for each choice's first event: a request the engine refuses (a grammar that does not
         # compile, a full queue) is answered with its status code, not a 200 stream with an error.

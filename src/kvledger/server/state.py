@@ -13,6 +13,7 @@ from ..common import Limits
 from ..config import ServerConfig
 from ..errors import ServiceUnavailable
 from .admission import AdmissionLimits
+from .auth import DashboardLogins, KeyRing
 from .control import Control, GenerationGate
 from .engine_client import EngineClient
 from .generation import GenerationService
@@ -27,6 +28,8 @@ from .session_store import SessionStore
 class ServerState:
     cfg: ServerConfig
     metrics: Metrics
+    keys: KeyRing
+    logins: DashboardLogins = field(default_factory=DashboardLogins)  # the dashboard's cookie
     client: EngineClient | None = None
     tokenizer: Any = None
     name: str = ""

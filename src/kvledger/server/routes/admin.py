@@ -23,6 +23,8 @@ from ..state import state
 router = APIRouter()
 
 HEALTH_GENERATE_TIMEOUT_S = 60
+SECRET = "***"
+SECRET_SETTINGS = ("hicache_salt",)  # engine settings shown masked (a salt keys other tenants' pages)
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -38,11 +40,9 @@ async def abort_request(request: Request):
     body = await parse_body(request, RidBody)
     if body.rid not in client.streams:
         raise NotFoundError(f"no running request with id {body.rid!r}", param="rid", code="rid_not_found")
-    if not auth.may_abort(
-        auth.current_principal(), srv.gen.owners.get(body.rid), bool(srv.cfg.admin_api_key)
-    ):
+    if not auth.may_abort(auth.current_principal(), srv.gen.owners.get(body.rid)):
         raise PermissionDenied(
-            "only the admin key may abort another caller's request", param="rid", code="not_request_owner"
+            "only the admin key may abort another key's request", param="rid", code="not_request_owner"
         )
     await client.abort(body.rid, "aborted by /abort_request")
     return {"success": True}
@@ -63,17 +63,26 @@ async def server_info(request: Request):
     client = srv.live_client()
     server = dataclasses.asdict(srv.cfg)
     server.pop("engine", None)
-    for key in ("api_key", "admin_api_key"):
-        server[key] = "***" if server[key] else None
+    for key in ("api_key", "admin_api_key"):  # (not even how many keys there are)
+        server[key] = SECRET if server[key] else None
+    engine_config = dict(client.engine_config)
+    for key in SECRET_SETTINGS:
+        if engine_config.get(key) is not None:
+            engine_config[key] = SECRET
+    caller = auth.current_principal()
+    sessions = await client.call("sessions")
+    mine = srv.sessions.owned_by(caller.owner)
     return {
         "version": __version__,
         "model": srv.name,
         "model_path": client.info.get("model_path"),
         "engine": client.info,
-        "engine_config": client.engine_config,
+        "engine_config": engine_config,
         "server_config": server,
         "memory": await client.call("memory"),
-        "sessions": await client.call("sessions"),
+        # The caller's own sessions; of the others only counts (ids are an admin's, on /memory/pages).
+        "sessions": [s for s in sessions if s["id"] in mine],
+        "session_counts": _session_counts(sessions),
         "generation_paused": srv.gate.paused,  # the pause mode, or None
         "engine_restarts": client.restarts,
         "engine_pid": client.pid,
@@ -84,6 +93,15 @@ async def server_info(request: Request):
         "dp_size": 1,
         "disaggregation_mode": client.info.get("disaggregation_mode") or "null",
         "disaggregation": (client.stats or {}).get("disagg"),
+    }
+
+
+def _session_counts(sessions: list[dict]) -> dict:
+    return {
+        "open": len(sessions),
+        "busy": sum(s["busy_rid"] is not None for s in sessions),
+        "closing": sum(bool(s["closing"]) for s in sessions),
+        "held_tokens": sum(s["held_tokens"] for s in sessions),
     }
 
 

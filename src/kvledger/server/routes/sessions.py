@@ -1,10 +1,13 @@
-"""Streaming sessions: ``/open_session`` and ``/close_session`` (turns go through /generate)."""
+"""Streaming sessions: ``/open_session`` and ``/close_session`` (turns go through /generate). A
+session is its opener's key's (``session_store.py``): another key closing it gets the 404 of a
+session that does not exist."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from ...errors import NotFoundError, ValidationError
+from ..auth import current_principal
 from ..handlers import parse_body
 from ..protocol import CloseSessionBody, OpenSessionBody
 from ..state import state
@@ -20,7 +23,7 @@ async def open_session(request: Request):
     if not body.streaming:
         raise ValidationError("only streaming sessions are supported", param="streaming")
     sid = await client.call("open_session", session_id=body.session_id, timeout=body.timeout)
-    srv.sessions.opened(sid, body.timeout)
+    srv.sessions.opened(sid, body.timeout, current_principal().owner)
     return sid
 
 
@@ -29,6 +32,7 @@ async def close_session(request: Request):
     srv = state(request)
     client = srv.live_client()
     body = await parse_body(request, CloseSessionBody)
+    srv.sessions.check(body.session_id, current_principal().owner, "session_id")
     try:
         await client.call("close_session", session_id=body.session_id)
     except NotFoundError:
