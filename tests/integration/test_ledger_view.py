@@ -150,9 +150,11 @@ def test_page_map_adds_up_under_load_and_names_owners(keyed):
     assert seen_private
     assert any(r["kind"] == "session" and r["owner"] == f"session {sid}" for r in snap["runs"])
     assert any(s["id"] == sid for s in snap["sessions"])
-    # Session ids are the admin's on the page map only: /get_server_info counts other keys' sessions.
-    info = httpx.get(keyed.url + "/get_server_info", headers=ADMIN, timeout=10)
-    assert sid not in info.text and info.json()["session_counts"]["open"] >= 1
+    # Session ids are the admin's on the page map only: /get_server_info counts sessions, for any key
+    # (the session's own user key included).
+    for key in (ADMIN, USER):
+        info = httpx.get(keyed.url + "/get_server_info", headers=key, timeout=10)
+        assert sid not in info.text and info.json()["session_counts"]["open"] >= 1
     for i in range(3):
         httpx.post(keyed.url + "/abort_request", json={"rid": f"load-{i}"}, headers=USER, timeout=10)
     for t in threads:

@@ -245,8 +245,8 @@ def test_update_weights_from_disk(keyed, new_weights, tmp_path, chat_model, tmp_
         }
         info = ps.info()
         assert info["model_path"] == new_weights and info["memory"]["kv_cached_evictable"] == 0
-        [session] = httpx.get(ps.url + "/get_server_info", headers=USER, timeout=30).json()["sessions"]
-        assert info["memory"]["kv_session"] == 0 and session["kv_tokens"] == 0  # (the user key's session)
+        [session] = httpx.get(ps.url + "/memory/pages", headers=ADMIN, timeout=30).json()["sessions"]
+        assert info["memory"]["kv_session"] == 0 and session["kv_tokens"] == 0  # (ids: the admin's page map)
         res = generate(ps, P40, 24)
         assert res["output_ids"] == want and res["meta_info"]["cached_tokens"] == 0
         # The session stays open; its next turn recomputes the whole history on the new weights.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import stat
 import time
@@ -279,12 +278,12 @@ def test_a_session_is_its_keys_alone(tenants):
     salted = httpx.post(url + "/generate", json={**body, "cache_salt": "other"}, headers=KEY_A, timeout=60)
     assert salted.status_code == 404 and salted.json() == _unknown(sid, "session_params.id")
 
-    info_b = httpx.get(url + "/get_server_info", headers=KEY_B, timeout=30)
-    info_a = httpx.get(url + "/get_server_info", headers=KEY_A, timeout=30).json()
-    assert sid not in info_b.text and HICACHE_SALT not in info_b.text and "key-a" not in info_b.text
-    assert info_b.json()["sessions"] == [] and info_b.json()["session_counts"]["open"] == 1
-    assert [s["id"] for s in info_a["sessions"]] == [sid] and HICACHE_SALT not in json.dumps(info_a)
-    assert info_a["engine_config"]["hicache_salt"] == "***" and info_a["server_config"]["api_key"] == "***"
+    # No user key sees a session id in /get_server_info, its own neither: counts only; and no salt, no key.
+    for key in (KEY_A, KEY_B):
+        info = httpx.get(url + "/get_server_info", headers=key, timeout=30)
+        assert sid not in info.text and HICACHE_SALT not in info.text and "key-a" not in info.text
+        assert "sessions" not in info.json() and info.json()["session_counts"]["open"] == 1
+        assert info.json()["engine_config"]["hicache_salt"] == info.json()["server_config"]["api_key"] == "***"
     assert sid not in httpx.get(url + "/metrics", timeout=30).text
     # Key A's session was untouched by key B: its next turn continues the whole conversation.
     again = httpx.post(url + "/generate", json=body, headers=KEY_A, timeout=60).json()
@@ -369,8 +368,7 @@ def test_the_journal_is_private_and_restores_only_live_sessions_of_known_keys(ch
     args = ("--session-journal", journal, "--api-key", "key-a", "--admin-open")  # key-b is gone
     for s in started_server(chat_model, str(tmp_path / "second.log"), *args):
         s.headers = KEY_A
-        info = s.info()
-        assert [x["id"] for x in info["sessions"]] == [ids["long"]] and info["session_counts"]["open"] == 1
+        assert s.info()["session_counts"]["open"] == 1
         assert len(os.listdir(journal)) == 2  # "long" and the secret: the others' files are gone
         for name in ("short", "b"):
             body = {"input_ids": [8], "session_params": {"id": ids[name]}}

@@ -109,9 +109,6 @@ class SessionStore:
         elif rec.salt != tag:
             raise session_not_found(sid, param)
 
-    def owned_by(self, owner: str) -> set[str]:
-        return {sid for sid, r in self.records.items() if r.owner == owner}
-
     def _trim(self) -> None:
         while len(self.records) > self.max_sessions:
             self._drop(min(self.records, key=lambda k: self.records[k].last_used))

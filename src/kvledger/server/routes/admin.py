@@ -69,10 +69,8 @@ async def server_info(request: Request):
     for key in SECRET_SETTINGS:
         if engine_config.get(key) is not None:
             engine_config[key] = SECRET
-    caller = auth.current_principal()
     sessions = await client.call("sessions")
-    mine = srv.sessions.owned_by(caller.owner)
-    return {
+    info = {
         "version": __version__,
         "model": srv.name,
         "model_path": client.info.get("model_path"),
@@ -80,8 +78,6 @@ async def server_info(request: Request):
         "engine_config": engine_config,
         "server_config": server,
         "memory": await client.call("memory"),
-        # The caller's own sessions; of the others only counts (ids are an admin's, on /memory/pages).
-        "sessions": [s for s in sessions if s["id"] in mine],
         "session_counts": _session_counts(sessions),
         "generation_paused": srv.gate.paused,  # the pause mode, or None
         "engine_restarts": client.restarts,
@@ -94,6 +90,11 @@ async def server_info(request: Request):
         "disaggregation_mode": client.info.get("disaggregation_mode") or "null",
         "disaggregation": (client.stats or {}).get("disagg"),
     }
+    # Session ids only where no key is configured: there everyone may read /memory/pages, which shows
+    # them. With keys, no key sees one here (counts only); the admin sees them on /memory/pages.
+    if srv.keys.open:
+        info["sessions"] = sessions
+    return info
 
 
 def _session_counts(sessions: list[dict]) -> dict:
