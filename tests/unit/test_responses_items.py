@@ -76,16 +76,28 @@ def test_the_store_keeps_the_most_recently_used():
     s = ResponseStore(2)
     for rid in ("resp_a", "resp_b", "resp_c"):
         if rid == "resp_c":
-            s.get("resp_a")  # a is used: b is the least recently used
-        s.put(rid, Stored({"id": rid}, []))
-    assert len(s) == 2 and s.get("resp_a").response == {"id": "resp_a"}
+            s.get("resp_a", "k")  # a is used: b is the least recently used
+        s.put(rid, Stored({"id": rid}, [], "k"))
+    assert len(s) == 2 and s.get("resp_a", "k").response == {"id": "resp_a"}
     with pytest.raises(NotFoundError):
-        s.get("resp_b")
-    s.delete("resp_a")
+        s.get("resp_b", "k")
+    s.delete("resp_a", "k")
     with pytest.raises(NotFoundError):
-        s.delete("resp_a")
+        s.delete("resp_a", "k")
     with pytest.raises(ValidationError):  # not a response id at all: a 400, not a 404
-        s.get("a")
+        s.get("a", "k")
+
+
+def test_a_stored_response_is_its_creators_alone():
+    """Another key's lookup, follow-up or delete finds nothing (issue 50: a second tenant read a
+    stored response by its id), with an unknown id's own 404."""
+    s = ResponseStore(4)
+    s.put("resp_a", Stored({"id": "resp_a"}, [{"role": "user", "content": "secret"}], "tenant-a"))
+    for call in (lambda: s.get("resp_a", "tenant-b"), lambda: s.delete("resp_a", "tenant-b")):
+        with pytest.raises(NotFoundError) as e:
+            call()
+        assert "no stored response" in e.value.message
+    assert s.get("resp_a", "tenant-a").conversation[0]["content"] == "secret"
 
 
 def test_reasoning_is_an_item_before_the_answer():

@@ -29,7 +29,8 @@ async def parse_body(request: Request, model: type[BaseModel]):
     ``application/json`` POST through)."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
+        # UTF-8 only (RFC 8259 8.1): json.loads would also guess UTF-16 or UTF-32 from bytes.
+        data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:
         # ValueError: not JSON, not UTF-8, or an integer too long to convert; RecursionError:
         # nesting deeper than the parser goes. All the client's body, none a fault of ours.

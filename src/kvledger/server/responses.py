@@ -173,6 +173,7 @@ class Stored:
 
     response: dict[str, Any]
     conversation: list[dict[str, Any]]
+    owner: str = ""  # the owner tag of the key that created it (auth.Principal.owner): only it finds it
 
 
 class ResponseStore:
@@ -193,11 +194,13 @@ class ResponseStore:
         while len(self._items) > self.capacity:
             self._items.popitem(last=False)
 
-    def get(self, rid: str, param: str = "previous_response_id") -> Stored:
+    def get(self, rid: str, owner: str, param: str = "previous_response_id") -> Stored:
+        """The stored response ``rid`` if ``owner`` created it; to another key it does not exist (the
+        same 404 as an unknown id: a tenant never reads, continues or deletes another's)."""
         if not rid.startswith("resp_"):  # not an id this API makes: a malformed value (OpenAI: 400)
             raise ValidationError(f"{param} {rid!r} is not a response id (they begin with 'resp_')", param=param)
         stored = self._items.get(rid)
-        if stored is None:
+        if stored is None or stored.owner != owner:
             raise NotFoundError(
                 f"no stored response {rid!r} (never stored, store: false, or evicted)", param=param,
                 code="response_not_found",
@@ -205,8 +208,8 @@ class ResponseStore:
         self._items.move_to_end(rid)
         return stored
 
-    def delete(self, rid: str) -> None:
-        self.get(rid, param="response_id")
+    def delete(self, rid: str, owner: str) -> None:
+        self.get(rid, owner, param="response_id")
         del self._items[rid]
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError as PydanticValidationError
 
 from ..errors import KVLedgerError, ValidationError
+from .auth import current_principal
 from .generation import GenState
 from .openai_api import ChatJob, OpenAIServing, split_calls
 from .protocol import ChatRequest, ResponsesRequest
@@ -67,10 +68,10 @@ class ResponsesServing:
         self.store = store
 
     def retrieve(self, rid: str) -> dict[str, Any]:
-        return self.store.get(rid, param="response_id").response
+        return self.store.get(rid, current_principal().owner, param="response_id").response
 
     def delete(self, rid: str) -> dict[str, Any]:
-        self.store.delete(rid)
+        self.store.delete(rid, current_principal().owner)
         return {"id": rid, "object": "response", "deleted": True}
 
     def _job(self, body: ResponsesRequest) -> tuple[list[dict], ChatJob]:
@@ -79,7 +80,7 @@ class ResponsesServing:
         if body.max_output_tokens is not None and body.max_output_tokens < 1:  # no prompt scoring here
             raise ValidationError("max_output_tokens must be at least 1", param="max_output_tokens")
         prev = body.previous_response_id
-        conversation = list(self.store.get(prev).conversation) if prev is not None else []
+        conversation = list(self.store.get(prev, current_principal().owner).conversation) if prev is not None else []
         conversation += input_messages(body.input, reasoning=self.chat.reasoning_format is not None)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         try:
@@ -112,7 +113,7 @@ class ResponsesServing:
         if status == "failed":  # aborted (by /abort_request, a shutdown): what it wrote, and why it ended
             resp["error"] = {"code": "request_aborted", "message": st.finish.message or "the request was aborted"}
         if body.store:
-            self.store.put(rid, Stored(resp, conversation + output_messages(out.items)))
+            self.store.put(rid, Stored(resp, conversation + output_messages(out.items), current_principal().owner))
         return resp
 
     async def create(self, body: ResponsesRequest, disconnected) -> dict | AsyncIterator[str]:
