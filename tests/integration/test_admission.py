@@ -149,10 +149,20 @@ def test_a_failed_body_leaves_none_of_its_requests_running(srv):
 
 
 def test_a_client_that_leaves_aborts_every_request_of_its_body(cap):
-    body = {"model": "default", "prompt": [[5], [6], [7]], "max_tokens": 400, "ignore_eos": True}
+    """Three long requests in one body; the client leaves at once: all three are aborted for the
+    disconnect (counted so), and the engine holds nothing soon after."""
+    def aborted() -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in httpx.get(cap.url + "/metrics", timeout=10).text.splitlines()
+            if line.startswith('kvledger_aborted_requests_total{reason="client_disconnect"}')
+        )
+
+    before = aborted()
+    body = {"model": "default", "prompt": [[5], [6], [7]], "max_tokens": 1000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(cap.url + "/v1/completions", headers=KEY, json=body, timeout=1.0)
-    deadline = time.monotonic() + 3
-    while running(cap) and time.monotonic() < deadline:
+        httpx.post(cap.url + "/v1/completions", headers=KEY, json=body, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while (running(cap) or aborted() < before + 3) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert running(cap) == 0
+    assert running(cap) == 0 and aborted() == before + 3

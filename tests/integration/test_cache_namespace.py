@@ -19,7 +19,7 @@ PROMPT_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/re
 NO_PROMPT = {
     "/tokenize", "/detokenize", "/abort_request", "/flush_cache", "/open_session", "/close_session",
     "/pause_generation", "/continue_generation", "/update_weights_from_disk", "/load_lora_adapter",
-    "/unload_lora_adapter", "/v1/responses/{response_id}/cancel",
+    "/unload_lora_adapter", "/v1/responses/{response_id}/cancel", "/dashboard/login",
 }  # fmt: skip
 
 

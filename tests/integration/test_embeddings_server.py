@@ -177,7 +177,7 @@ def test_rerank_by_embedding_cosine(srv, chat_hf):
     before = requests_seen(srv)
     for bad, param in [
         ({"top_n": -1}, "top_n"),
-        ({"documents": ["a", ""]}, "documents"),
+        ({"documents": ["a", ""]}, "documents.1"),  # named by its index
         ({"documents": "a"}, "documents"),
         ({"query": ""}, "query"),
         ({"instruct": "be nice"}, "instruct"),

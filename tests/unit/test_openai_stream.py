@@ -21,6 +21,9 @@ class RunAheadGen:
     """Yields the same state after each step without ever suspending: the consumer of the stream
     only runs once every step is done (the worst case of a busy event loop)."""
 
+    def check_room(self, count: int) -> None:
+        pass  # (no limit on requests in flight here)
+
     async def stream(self, input_ids, params, rid, disagg=None, **_):
         st = GenState(rid, params, TextState(None), len(input_ids))
         for k, toks in enumerate(STEPS):

@@ -213,6 +213,10 @@ class GenerationService:
 
         return (await self.collect_all([run()], disconnected))[0]
 
+    def check_room(self, count: int) -> None:
+        """429 unless the caller may start ``count`` more engine requests (--max-requests-per-key)."""
+        self.inflight.check_room(current_principal().owner, count)
+
     async def collect_all(
         self, runs: list, disconnected=None, concurrency: int | None = None, fail_fast: bool = True
     ) -> list[GenState]:
@@ -225,7 +229,7 @@ class GenerationService:
         (429)."""
         limit = asyncio.Semaphore(concurrency or max(1, len(runs)))
         try:
-            self.inflight.check_room(current_principal().owner, min(len(runs), concurrency or len(runs)))
+            self.check_room(min(len(runs), concurrency or len(runs)))
         except OverloadedError:
             for r in runs:
                 r.close()  # never started

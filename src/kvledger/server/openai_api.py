@@ -18,7 +18,6 @@ from ..common.sampling import GRAMMAR_KINDS
 from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
 from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
-from .auth import current_principal
 from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
 from .reasoning import ReasoningParser
@@ -452,7 +451,7 @@ class OpenAIServing:
             }
         opts = body.stream_options
         usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), body.n)
-        self.gen.inflight.check_room(current_principal().owner, len(jobs))  # all the choices, or none (429)
+        self.gen.check_room(len(jobs))  # all the choices, or none (429)
         queue, tasks = self._pump(jobs, rids, rooms)
         # Wait for each choice's first event: a request the engine refuses (a grammar that does not
         # compile, a full queue) is answered with its status code, not a 200 stream with an error.
