@@ -189,6 +189,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="longest stop string, in characters")  # fmt: skip
     p.add_argument("--max-top-logprobs", type=int, default=d.max_top_logprobs,
                    help="most alternatives a request may ask per token (top_logprobs)")  # fmt: skip
+    p.add_argument("--max-grammar-len", type=int, default=d.max_grammar_len,
+                   help="longest grammar a request may give (json_schema, regex, ebnf), in characters")  # fmt: skip
+    p.add_argument("--max-grammar-depth", type=int, default=d.max_grammar_depth,
+                   help="deepest nesting of a grammar (a schema's objects and arrays, a regex's or EBNF's groups)")  # fmt: skip
+    p.add_argument("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
+                   help="seconds a grammar may take to compile (off the engine's thread); past it a 400")  # fmt: skip
     p.add_argument("--disaggregation-mode", default=None, choices=["null", *DISAGGREGATION_MODES],
                    help="this server's part behind sglang-router --pd-disaggregation (default: null, neither)")  # fmt: skip
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port,

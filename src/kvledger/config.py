@@ -301,8 +301,17 @@ class SchedulerSettings:
     session_timeout_s: float | None = 600.0
     """Idle sessions are closed after this many seconds (a session's own timeout wins)."""
     max_stop_strings: int = 16
+    """Most stop strings a request may give, and most stop_regex patterns."""
     max_stop_string_len: int = 256
+    """Longest stop string or stop_regex pattern, in characters."""
     max_top_logprobs: int = 20
+    max_grammar_len: int = 65536
+    """Longest grammar a request may give (json_schema, regex or ebnf, as sent), in characters."""
+    max_grammar_depth: int = 32
+    """Deepest nesting of a grammar: a JSON schema's objects and arrays, a regex's or an EBNF's groups."""
+    grammar_compile_timeout_s: float = 30.0
+    """Seconds a grammar may take to compile (on the grammar threads, never the engine's); past it the
+    request is refused with a 400 (code grammar_compile_timeout)."""
     seed: int = 0
     """Seed of the engine's generator for requests that bring no seed of their own."""
     schedule_policy: str = "fcfs"
@@ -353,6 +362,11 @@ class SchedulerSettings:
         if self.request_timeout_s is not None and not math.isfinite(self.request_timeout_s):
             raise ValidationError("request_timeout_s must be a finite number of seconds", param="request_timeout_s")
         _positive(self, "max_sessions", "max_stop_strings", "max_stop_string_len", "max_top_logprobs", allow_zero=True)
+        _positive(self, "max_grammar_len", "max_grammar_depth", "grammar_compile_timeout_s")
+        if not math.isfinite(self.grammar_compile_timeout_s):
+            raise ValidationError(
+                "grammar_compile_timeout_s must be a finite number of seconds", param="grammar_compile_timeout_s"
+            )
 
 
 @dataclass

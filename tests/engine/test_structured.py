@@ -114,6 +114,7 @@ def test_masks_for_drafts_follow_the_grammar_and_roll_back(chat_loaded):
     eng = engine(chat_loaded)
     tok = chat_loaded.tokenizer
     req = eng.core.make_request([5, 6], {"regex": "ab(c|d)"})
+    eng.core.wait_grammar(req)  # (compiled off the engine's thread)
     state = req.grammar
     a, b, c, z = (tok.convert_tokens_to_ids(x) for x in "abcz")
 

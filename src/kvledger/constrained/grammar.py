@@ -1,25 +1,40 @@
 """Grammars for constrained decoding, on xgrammar.
 
 ``GrammarBackend`` (one per engine) compiles a request's grammar once, cached and bounded by
-xgrammar's compiler cache; a grammar that does not compile is a 400 naming the problem, raised before
-the request holds anything. ``GrammarState`` is one request's matcher: it fills the bitmask of the
-positions a step samples (several with speculative drafts, rolled back after) and accepts the tokens
-the request keeps. Retraction needs nothing: the matcher follows the output, which a retracted
-request keeps; chunked prefill samples nothing until its last chunk.
+xgrammar's compiler cache, on its own threads (``start``): a compile never runs on the engine's
+thread, so a grammar that is slow to compile delays only its own request. The request waits in the
+scheduler's ``compiling`` list, holding nothing, until its ``GrammarJob`` gives the matcher; one that
+does not compile is a 400 naming the problem, one that takes longer than
+``--grammar-compile-timeout-s`` a 400 (``grammar_compile_timeout``), both ending it through the one
+release path before it holds anything. The grammar's text was bounded before (``--max-grammar-len``,
+``--max-grammar-depth``: ``common/validation.check_grammar_bounds``).
+
+``GrammarState`` is one request's matcher: it fills the bitmask of the positions a step samples
+(several with speculative drafts, rolled back after) and accepts the tokens the request keeps, on the
+engine's thread. An ambiguous grammar makes that work grow with the output (``MASK_CPU_LIMIT_S``):
+past the limit the request ends (400, ``grammar_too_slow``) instead of slowing every step. Retraction
+needs nothing: the matcher follows the output, which a retracted request keeps; chunked prefill
+samples nothing until its last chunk.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..common.sampling import GRAMMAR_KINDS, SamplingParams
-from ..errors import ValidationError
+from ..common.validation import MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_LEN, check_grammar_bounds, grammar_too_deep
+from ..errors import KVLedgerError, ValidationError, error_for_status
 from .bitmask import bitmask_width
 from .keywords import unsupported_keywords
 from .reasoning import ReasoningGate
@@ -27,6 +42,16 @@ from .reasoning import ReasoningGate
 log = logging.getLogger(__name__)
 
 CACHE_LIMIT_BYTES = 256 * 2**20  # compiled grammars kept (xgrammar evicts beyond this)
+COMPILE_THREADS = 2  # grammars compiling at once; more wait their turn (their deadline runs meanwhile)
+DEFAULT_COMPILE_TIMEOUT_S = 30.0  # --grammar-compile-timeout-s
+# A matcher's work for one position (a bitmask, an accepted token) is microseconds for JSON and most
+# grammars. An ambiguous one makes xgrammar's Earley parser carry every way of reading the output so
+# far, so the work grows with it (the regex (x+x+)+y, with every x), on the engine's thread, in
+# every tenant's step. A position may take this much of
+# the thread's CPU time (CPU time: a busy machine does not make it look slow); past it in
+# MASK_STRIKES steps in a row (the first mask of a grammar can be slow once) the request ends.
+MASK_CPU_LIMIT_S = 0.02
+MASK_STRIKES = 3
 # JSON is generated compactly (xgrammar's any_whitespace=False): small models given free whitespace
 # tend to emit it until max_new_tokens, and the output is the same JSON either way. Schemas compile
 # in strict mode (an object's unlisted properties are not generated), as OpenAI's strict mode asks.
@@ -56,10 +81,26 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
         self.width = bitmask_width(vocab_size)
+        self.strikes = 0  # steps in a row whose positions took more than MASK_CPU_LIMIT_S each
+        self.slowest_s = 0.0  # the most CPU time one position took (named in the refusal)
+        self._accept_s = 0.0  # CPU time of the accepts since the last masks (charged with them)
 
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+    @property
+    def too_slow(self) -> bool:
+        """The matcher's work per position passed ``MASK_CPU_LIMIT_S`` in ``MASK_STRIKES`` steps in a row."""
+        return self.strikes >= MASK_STRIKES
+
+    def _charge(self, t0: float, positions: int) -> None:
+        """One step's matcher work: these masks and the accepts since the last ones (either may be
+        where an ambiguous grammar spends its time)."""
+        per = (time.thread_time() - t0 + self._accept_s) / max(positions, 1)
+        self._accept_s = 0.0
+        self.slowest_s = max(self.slowest_s, per)
+        self.strikes = self.strikes + 1 if per > MASK_CPU_LIMIT_S else 0
 
     def drafts_before_end(self, drafts: list[int]) -> int:
         """How many of ``drafts`` may be verified: all of them, unless one ends the grammar (its stop
@@ -89,6 +130,7 @@ class GrammarState:
         view = torch.from_numpy(out)
         m = self.matcher
         accepted = 0
+        t0 = time.thread_time()
         try:
             for j in range(len(drafts) + 1):
                 m.fill_next_token_bitmask(view, j)
@@ -103,11 +145,109 @@ class GrammarState:
         finally:
             if accepted:
                 m.rollback(accepted)
+            self._charge(t0, len(drafts) + 1)
         return out
 
     def accept(self, tokens: list[int]) -> bool:
         """Advance over the tokens the request kept; False if the grammar refuses one (a bug)."""
-        return all(self.matcher.accept_token(t) for t in tokens)
+        t0 = time.thread_time()
+        ok = all(self.matcher.accept_token(t) for t in tokens)
+        self._accept_s += time.thread_time() - t0  # charged with the next masks
+        return ok
+
+
+class GrammarJob:
+    """One request's grammar compiling on the backend's threads (``GrammarBackend.start``)."""
+
+    def __init__(self, kind: str, future: Future, timeout_s: float, wrap: Callable[[GrammarState], object]):
+        self.kind = kind
+        self.future = future
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+        self._wrap = wrap  # the compiled state -> the request's grammar (behind a ReasoningGate or not)
+
+    def poll(self, now: float | None = None) -> object | None:
+        """The request's grammar once compiled, None while it compiles; the compile's error
+        (a ``KVLedgerError``) if it failed or passed its deadline."""
+        if self.future.done():
+            return self._result(0.0)
+        if (time.monotonic() if now is None else now) >= self.deadline:
+            self.cancel()
+            raise self._timed_out()
+        return None
+
+    def wait(self) -> object:
+        """Block until the grammar is compiled (or its deadline): ``poll``'s answer, never None."""
+        return self._result(max(0.0, self.deadline - time.monotonic()))
+
+    def _result(self, wait_s: float) -> object:
+        try:
+            state = self.future.result(timeout=wait_s)
+        except FutureTimeout:
+            self.cancel()
+            raise self._timed_out() from None
+        return self._wrap(state)
+
+    def cancel(self) -> None:
+        """A compile that has not started never will; one that runs cannot be stopped (xgrammar has
+        no way to): it ends on its thread, and its result goes to xgrammar's cache."""
+        self.future.cancel()
+
+    def _timed_out(self) -> ValidationError:
+        return ValidationError(
+            f"the {self.kind} took longer than {self.timeout_s:g} s to compile (--grammar-compile-timeout-s); "
+            "send a smaller or simpler one",
+            param=self.kind,
+            code="grammar_compile_timeout",
+        )
+
+
+class _CompilePool:
+    """Runs compiles on at most ``threads`` daemon threads, started on first use. Daemon threads:
+    a process exits without waiting for a compile that cannot be interrupted, which the threads of
+    ``concurrent.futures`` would make it do."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._started = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            if self._started < self.threads:
+                self._started += 1
+                threading.Thread(target=self._work, name="kvledger-grammar", daemon=True).start()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while it waited: its request has ended
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # the future carries it to the engine's thread
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Queued compiles are dropped (their futures cancelled); idle threads end."""
+        with self._lock:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+            for _ in range(self._started):
+                self._queue.put(None)
+            self._started = 0
 
 
 class GrammarBackend:
@@ -115,46 +255,79 @@ class GrammarBackend:
     xgrammar and indexing the vocabulary takes ~2 s, which a server that never sees one skips)."""
 
     def __init__(
-        self, tokenizer, vocab_size: int, stop_token_ids: list[int], reasoning_end_ids: list[int] | None = None
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        reasoning_end_ids: list[int] | None = None,
+        compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.reasoning_end_ids = reasoning_end_ids  # --reasoning-parser: where a reasoning request's grammar starts
+        self.compile_timeout_s = compile_timeout_s
         self._compiler = None
+        self._compiler_lock = threading.Lock()  # the compile threads make it once
+        self._pool = _CompilePool(COMPILE_THREADS)
 
     def _xgr(self):
         import xgrammar as xgr
 
-        if self._compiler is None:
-            if self.tokenizer is None:
-                raise ValidationError(
-                    "structured outputs need the model's tokenizer, and this model has none"
+        with self._compiler_lock:
+            if self._compiler is None:
+                t0 = time.perf_counter()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-            t0 = time.perf_counter()
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
-            log.info("structured outputs ready in %.2fs (xgrammar)", time.perf_counter() - t0)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_LIMIT_BYTES)
+                log.info("structured outputs ready in %.2fs (xgrammar)", time.perf_counter() - t0)
         return xgr
 
-    def new_state(self, spec: GrammarSpec, after_reasoning: bool = False):
-        """Compile (or take from the cache) and start a matcher; ValidationError if it does not compile
-        or uses a keyword that is not enforced. ``after_reasoning`` (a request's ``require_reasoning``):
-        the matcher starts once the reasoning's end marker is generated (a ``ReasoningGate`` around it)."""
-        state = self._new_state(spec)
-        if not after_reasoning:
-            return state
-        if self.reasoning_end_ids is None:  # validation refuses this first; a direct caller gets the same
+    def start(self, spec: GrammarSpec, after_reasoning: bool = False) -> GrammarJob:
+        """Start compiling ``spec`` (or taking it from the cache) on the backend's threads; the job
+        gives the request's matcher (``poll``, ``wait``). What needs no compile is refused here, at
+        once: a model without tokenizer, ``after_reasoning`` without a reasoning parser.
+        ``after_reasoning`` (a request's ``require_reasoning``): the matcher starts once the reasoning's
+        end marker is generated (a ``ReasoningGate`` around it)."""
+        if self.tokenizer is None:
+            raise ValidationError(
+                "structured outputs need the model's tokenizer, and this model has none", param=spec.kind
+            )
+        if after_reasoning and self.reasoning_end_ids is None:  # validation refuses this first
             raise ValidationError(
                 "require_reasoning needs a server started with --reasoning-parser", param="require_reasoning"
             )
-        return ReasoningGate(state, self.reasoning_end_ids)
+        end_ids = self.reasoning_end_ids
+
+        def wrap(state: GrammarState) -> object:
+            return ReasoningGate(state, end_ids) if after_reasoning else state
+
+        return GrammarJob(spec.kind, self._pool.submit(self._compile, spec), self.compile_timeout_s, wrap)
+
+    def new_state(self, spec: GrammarSpec, after_reasoning: bool = False):
+        """``start`` and wait for the job (callers that may block: the offline API, tests)."""
+        return self.start(spec, after_reasoning).wait()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown()
+
+    def _compile(self, spec: GrammarSpec) -> GrammarState:
+        """On a compile thread. An error xgrammar was not expected to raise is the server's (500)."""
+        try:
+            return self._new_state(spec)
+        except KVLedgerError:
+            raise
+        except Exception as e:
+            log.exception("compiling a %s failed", spec.kind)
+            raise error_for_status(
+                500, f"the {spec.kind} compiler failed: {type(e).__name__}: {e}", "grammar_compiler_error", spec.kind
+            ) from None
 
     def _new_state(self, spec: GrammarSpec) -> GrammarState:
         if spec.kind == "json_schema" and spec.source != ANY_JSON:
-            grammar = json_schema_grammar(json.loads(spec.source), "json_schema", "json_schema")
+            # (bounded by validation, with the server's limits)
+            grammar = json_schema_grammar(json.loads(spec.source), "json_schema", "json_schema", bounds=None)
         else:
             grammar = None
         xgr = self._xgr()
@@ -184,13 +357,25 @@ _BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
 _JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 
 
-def json_schema_grammar(schema, param: str, what: str):
+def json_schema_grammar(
+    schema, param: str, what: str, bounds: tuple[int, int] | None = (MAX_GRAMMAR_LEN, MAX_GRAMMAR_DEPTH)
+):
     """The grammar of a JSON schema (an ``xgrammar.Grammar``), compact and in strict mode, wherever a
-    schema enters (``response_format``, ``json_schema``, a tool's ``parameters``). A keyword that is
-    not enforced is a ValidationError ``unsupported_schema``, a schema that does not compile one
-    ``invalid_grammar``; ``what`` names the schema in the message, ``param`` the field."""
+    schema enters (``response_format``, ``json_schema``, a tool's ``parameters``). A schema past
+    ``bounds`` (characters, nesting: ``check_grammar_bounds``; None: checked already) is refused
+    first, a keyword that is not enforced is a ValidationError ``unsupported_schema``, a schema that
+    does not compile one ``invalid_grammar``; ``what`` names the schema in the message, ``param`` the
+    field."""
     import xgrammar as xgr  # lazy: ~2 s, only for servers that see a constrained request
 
+    if bounds is not None:
+        try:
+            text = json.dumps(schema)
+        except RecursionError:  # deeper than Python's encoder goes: far past any bound
+            raise grammar_too_deep(param, what, None, bounds[1]) from None
+        except (TypeError, ValueError):
+            raise ValidationError(f"{what} is not a JSON schema", param=param, code="invalid_grammar") from None
+        check_grammar_bounds("json_schema", text, *bounds, param=param, what=what)
     bad = unsupported_keywords(schema)
     if bad:
         raise ValidationError(

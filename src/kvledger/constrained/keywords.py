@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from typing import Any
+
+from ..common import patterns
 
 # Describe, do not constrain: allowed anywhere (``$id`` only at the root, see below).
 ANNOTATIONS = frozenset(
@@ -350,12 +351,10 @@ def _value_key(v: Any) -> str:
 
 
 def _search(pattern: str, name: str) -> bool | None:
-    """Whether ``pattern`` matches ``name`` somewhere (JSON Schema's regex semantics); None if
-    Python cannot read the pattern."""
-    try:
-        return re.search(pattern, name) is not None
-    except (re.error, TypeError):
-        return None
+    """Whether ``pattern`` matches ``name`` somewhere (JSON Schema's regex semantics); None if RE2
+    cannot read the pattern. Both come from the client: RE2 (linear time), never a backtracking
+    ``re`` that a pattern such as ``(a+a+)+b`` against a long name would stall."""
+    return patterns.search(pattern, name)
 
 
 def _multiple_of_enforced(s: dict) -> bool:

@@ -3,7 +3,7 @@ parser, a request that ``require_reasoning`` thinks freely until it generates th
 ids (``</think>``), and only the tokens after it must match its grammar (structured output, tool calls).
 
 ``ReasoningGate`` wraps a ``GrammarState`` with the same interface the scheduler uses (``masks``,
-``drafts_before_end``, ``accept``, ``terminated``), so nothing else changes: while the reasoning runs a
+``drafts_before_end``, ``accept``, ``terminated``, ``too_slow``), so nothing else changes: while the reasoning runs a
 step's rows are unmasked (``None``); in a step whose drafts close it, the rows after the marker are the
 grammar's. The gate follows only kept tokens, like the matcher, so drafts are simulated, never applied.
 """
@@ -51,6 +51,14 @@ class ReasoningGate:
     @property
     def terminated(self) -> bool:
         return not self.thinking and self.inner.terminated
+
+    @property
+    def too_slow(self) -> bool:
+        return self.inner.too_slow
+
+    @property
+    def slowest_s(self) -> float:
+        return self.inner.slowest_s
 
     def drafts_before_end(self, drafts: list[int]) -> int:
         if not self.thinking:

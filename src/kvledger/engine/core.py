@@ -344,6 +344,7 @@ class EngineCore:
             mc.vocab_size,
             sorted(eos),
             self._reasoning_end_ids(),
+            cfg.scheduler.grammar_compile_timeout_s,
         )
         self.scheduler = Scheduler(
             self.cfg, self.kv_manager, context, eos, self._decode_raw, connector, proposer, mc.vocab_size
@@ -541,6 +542,8 @@ class EngineCore:
             max_stop_strings=cfg.scheduler.max_stop_strings,
             max_stop_string_len=cfg.scheduler.max_stop_string_len,
             max_top_logprobs=cfg.scheduler.max_top_logprobs,
+            max_grammar_len=cfg.scheduler.max_grammar_len,
+            max_grammar_depth=cfg.scheduler.max_grammar_depth,
             reasoning_parser=cfg.model.reasoning_parser,
         )
 
@@ -551,7 +554,9 @@ class EngineCore:
         """Validate (the engine's copy of the one validation, the authority) and build a request.
         With ``pooling`` it computes its prompt and answers with an embedding or label logprobs
         (``common/pooling.py``): no token is drawn, whatever ``sampling`` says but its cache salt,
-        timeout and priority."""
+        timeout and priority. A grammar starts compiling here, off the engine's thread
+        (``req.grammar_job``): the scheduler keeps the request aside until it is compiled, and the
+        offline API waits for it (``wait_grammar``)."""
         if pooling is not None:
             validate_pooling(pooling, self.limits.vocab_size)
             sampling = {k: v for k, v in (sampling or {}).items() if k in ("cache_salt", "timeout", "priority")}
@@ -564,9 +569,24 @@ class EngineCore:
         if params.lora_path is not None:
             req.lora_key = self.lora_adapter(params.lora_path).fingerprint
         spec = grammar_spec(params)
-        if spec is not None:  # compiled here: one that does not compile is refused before it holds anything
-            req.grammar = self.grammars.new_state(spec, after_reasoning=params.require_reasoning)
+        if spec is not None:  # compiled on the backend's threads: it holds nothing until it is done
+            req.grammar_job = self.grammars.start(spec, after_reasoning=params.require_reasoning)
         return req
+
+    @staticmethod
+    def wait_grammar(req: Req) -> None:
+        """Block until ``req``'s grammar is compiled (the offline API, on its caller's thread): the
+        compile's 400 (or its timeout's) is raised here, before the request is submitted."""
+        if req.grammar_job is not None:
+            job, req.grammar_job = req.grammar_job, None
+            req.grammar = job.wait()
+
+    @staticmethod
+    def drop_request(req: Req) -> None:
+        """Forget a request built but never submitted (another of its call failed validation)."""
+        if req.grammar_job is not None:
+            req.grammar_job.cancel()
+            req.grammar_job = None
 
     def submit(self, req: Req, session_params: dict | None = None) -> None:
         """Queue a validated request; with ``session_params`` it becomes a turn of that session.
@@ -791,6 +811,7 @@ class EngineCore:
         self._settle_in_flight()
         if self._forward is not None:
             self._forward.shutdown()
+        self.grammars.shutdown()
         self.executor.shutdown()
         close = getattr(self.connector, "close", None)
         if close is not None:

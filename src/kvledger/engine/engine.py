@@ -90,9 +90,20 @@ class Engine:
         if len(rids) != n:
             raise ValidationError(f"{len(rids)} rids for {n} prompts", param="rid")
         # Validate everything before submitting anything: a bad item allocates nothing for any item.
-        reqs = [self.core.make_request(ids, sp, r, pooling) for ids, sp, r in zip(ids_list, sps, rids)]
-        if len({r.rid for r in reqs}) != len(reqs):
-            raise ValidationError("duplicate rid in one call", param="rid")
+        # Grammars compile on the backend's threads; this call waits for them (the engine's steps,
+        # driven by other callers, go on meanwhile), so a grammar's 400 is raised here too.
+        reqs: list[Req] = []
+        try:
+            for ids, sp, r in zip(ids_list, sps, rids):
+                reqs.append(self.core.make_request(ids, sp, r, pooling))
+            if len({r.rid for r in reqs}) != len(reqs):
+                raise ValidationError("duplicate rid in one call", param="rid")
+            for r in reqs:
+                self.core.wait_grammar(r)
+        except BaseException:
+            for r in reqs:
+                self.core.drop_request(r)
+            raise
         return reqs, single
 
     def _submit(self, reqs: list[Req], session_params: dict | None = None) -> None:

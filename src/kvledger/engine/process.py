@@ -46,11 +46,14 @@ class _Loop:
         if isinstance(msg, m.AddRequest):
             if self.on_add is not None:
                 self.on_add(msg.rid)
+            req = None
             try:
                 req = core.make_request(msg.input_ids, dataclasses.asdict(msg.sampling), msg.rid, msg.pooling)
                 req.disagg = msg.disagg
                 core.submit(req, msg.session_params)
             except KVLedgerError as e:
+                if req is not None:
+                    core.drop_request(req)  # (its grammar may be compiling)
                 self.send(m.Outputs([core.reject(msg.rid, e)]))
         elif isinstance(msg, m.AbortRequest):
             core.abort(msg.rid, msg.message)
@@ -169,7 +172,7 @@ def _stats(core) -> dict:
     s = core.scheduler
     return {
         "num_running": len(s.running),
-        "num_waiting": len(s.waiting),
+        "num_waiting": len(s.waiting) + len(s.compiling),
         "retractions": s.total_retractions,
         "preemptions": s.policy.total_preemptions,
         "num_sessions": len(core.sessions.sessions),

@@ -89,6 +89,10 @@ class Req:
     session_offset: int = 0
     spec: SpecState = field(default_factory=SpecState)
     grammar: object | None = None  # structured outputs: its GrammarState (constrained/grammar.py)
+    # ... while its grammar compiles off the engine thread: the GrammarJob (the request waits in the
+    # scheduler's ``compiling`` list, holding nothing, until the job gives its state or fails).
+    grammar_job: object | None = None
+    stop_patterns: list | None = None  # its stop_regex patterns compiled by RE2 (scheduler/stop.py)
     disagg: DisaggParams | None = None  # PD: the room its KV goes to / comes from (disagg/)
     # PD prefill, a session turn: the session is decode's, so the prompt is the one decode's claim
     # carries (history + this input), taken before admission (``disagg/prefill.py``).

@@ -6,6 +6,10 @@ batch (``policy.py``) and describe it as a ``SchedulerOutput``.
 stop checks in ``stop.py``, rejected drafts given back with ``truncate``); SAFE POINT again; the
 ledger check (every step in strict mode) and the idle audit. Returns the step's ``RequestOutput``s.
 
+A request with a grammar waits in ``compiling`` (holding nothing, like a queued one) while its grammar
+compiles on the grammar backend's threads; ``settle`` moves it to the queue once compiled, or ends it
+(a grammar that does not compile, or not in time). The engine's thread never compiles.
+
 Paused (``pause``: SGLang's ``/pause_generation``), ``schedule()`` still takes in aborts and
 timeouts and finishes what they marked, but picks no batch: nothing is admitted or computed until
 ``resume``.
@@ -34,8 +38,9 @@ from ..common import FinishReason, RequestOutput
 from ..common.pooling import normalized
 from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
-from ..constrained import bitmask_width
-from ..errors import ConflictError, OverloadedError, ServiceUnavailable, ValidationError
+from ..constrained import bitmask_width, grammar_spec
+from ..constrained.grammar import MASK_CPU_LIMIT_S, MASK_STRIKES
+from ..errors import ConflictError, KVLedgerError, OverloadedError, ServiceUnavailable, ValidationError
 from ..memory import Holding, KVManager
 from ..memory.sparse_kv import SparseKV
 from .output import ModelRunnerOutput, SamplingRow, ScheduledReq, SchedulerOutput
@@ -84,6 +89,7 @@ class Scheduler:
         # Quarantined pages wait until every request live when they were found has ended (ledger.py).
         kv_manager.ledger.arrivals = self._arrival_span
         self.waiting: deque[Req] = deque()
+        self.compiling: list[Req] = []  # waiting for their grammar (GrammarJob), in arrival order
         self.running: list[Req] = []
         self.waiting_for_kv: list[Req] = []
         self.sending: dict[str, Req] = {}
@@ -118,7 +124,7 @@ class Scheduler:
             raise ConflictError(
                 f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid"
             )
-        if len(self.waiting) >= sc.max_queued_requests:
+        if len(self.waiting) + len(self.compiling) >= sc.max_queued_requests:
             raise OverloadedError(
                 f"the waiting queue is full ({sc.max_queued_requests} requests); retry later",
                 code="queue_full",
@@ -134,10 +140,10 @@ class Scheduler:
         if sparse is not None and (why := sparse.too_big(req)):
             raise ValidationError(why, param="max_tokens", code="hisparse_host_pool_too_small")
         budget = sc.max_queued_prefill_tokens
-        if budget is not None and self.waiting:
+        if budget is not None and (self.waiting or self.compiling):
             # A prompt longer than the budget is still taken when nothing waits: refusing it would be
             # for ever, and one request alone is what max_queued_requests=1 allows too.
-            queued = sum(r.seq_len - r.kv_len for r in self.waiting)
+            queued = sum(r.seq_len - r.kv_len for r in itertools.chain(self.waiting, self.compiling))
             if queued + len(req.input_ids) > budget:
                 raise OverloadedError(
                     f"the waiting queue holds {queued} prompt tokens; {len(req.input_ids)} more would pass "
@@ -154,7 +160,7 @@ class Scheduler:
         if limits:
             req.timeout_s = min(limits)
             req.deadline = self.clock() + req.timeout_s
-        self.waiting.append(req)
+        (self.compiling if req.grammar_job is not None else self.waiting).append(req)
         if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None and req.pooling is None:
             req.mark_finish(FinishReason("length"))  # nothing to compute (scoring still runs the prompt)
         else:
@@ -178,11 +184,35 @@ class Scheduler:
             if r is not None:
                 r.mark_finish(FinishReason("abort", message, status=status, code=code))
         now = self.clock()
-        for r in itertools.chain(self.running, self.waiting, self.waiting_for_kv):
+        if self.compiling:
+            self._take_compiled()
+        live = (self.running, self.waiting, self.waiting_for_kv, self.compiling)
+        for r in itertools.chain(*live):
             if r.deadline is not None and now >= r.deadline:
                 r.mark_finish(_timed_out(r))
-        for r in [r for r in itertools.chain(self.running, self.waiting, self.waiting_for_kv) if r.to_finish]:
+        for r in [r for r in itertools.chain(*live) if r.to_finish]:
             self._finish(r)
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar is compiled join the queue (in arrival order); one whose grammar
+        failed to compile, or passed its compile deadline, is marked to end with that 400."""
+        still = []
+        for r in self.compiling:
+            if r.to_finish is not None:
+                still.append(r)  # ends below (settle); its job is cancelled by the release hook
+                continue
+            try:
+                grammar = r.grammar_job.poll()
+            except KVLedgerError as e:
+                r.mark_finish(FinishReason.from_error(e))
+                still.append(r)
+                continue
+            if grammar is None:
+                still.append(r)
+                continue
+            r.grammar, r.grammar_job = grammar, None
+            self.waiting.append(r)
+        self.compiling = still
 
     # -- pause ----------------------------------------------------------------------------------------
     def pause(self, mode: str) -> int:
@@ -229,7 +259,8 @@ class Scheduler:
     @property
     def has_requests(self) -> bool:
         return (
-            bool(self.running or self.waiting or self.waiting_for_kv or self.sending or self._release_later)
+            bool(self.running or self.waiting or self.compiling or self.waiting_for_kv or self.sending)
+            or bool(self._release_later)
             or not self._inbox.empty()
         )
 
@@ -270,6 +301,8 @@ class Scheduler:
             self.waiting_for_kv.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.compiling:
+            self.compiling.remove(req)
         req.finish_reason = reason
         out = RequestOutput.final(req.rid, reason, len(req.input_ids), len(req.output_ids), req.cached_tokens)
         out.spec_verify_ct = req.spec.verify_ct
@@ -606,6 +639,8 @@ class Scheduler:
             )
         elif req.grammar.terminated:
             req.mark_finish(FinishReason("stop", matched=kept[-1]))
+        elif req.grammar.too_slow:
+            req.mark_finish(_grammar_too_slow(req))
 
     def _connector_done(self, result: ModelRunnerOutput) -> None:
         for rid in result.finished_recving:
@@ -676,5 +711,25 @@ def _timed_out(req: Req) -> FinishReason:
 
 
 def _drop_grammar(req: Req) -> None:
-    """Release hook: a request's grammar matcher goes with it."""
+    """Release hook: a request's grammar matcher goes with it (a compile not started yet never starts)."""
     req.grammar = None
+    if req.grammar_job is not None:
+        req.grammar_job.cancel()
+        req.grammar_job = None
+
+
+def _grammar_too_slow(req: Req) -> FinishReason:
+    """A request whose grammar costs the engine's thread too much per token (``constrained/grammar.py``,
+    MASK_CPU_LIMIT_S): it ends before it slows every other request's steps further."""
+    spec = grammar_spec(req.params)
+    kind = spec.kind if spec is not None else "grammar"
+    return FinishReason.from_error(
+        ValidationError(
+            f"the {kind} is too costly to follow: matching one token took {req.grammar.slowest_s * 1e3:.0f} ms "
+            f"of the engine's CPU time, over the {MASK_CPU_LIMIT_S * 1e3:g} ms a token may take, "
+            f"in {MASK_STRIKES} steps in a row (an ambiguous pattern such as (x+x+)+y does this); "
+            "send an unambiguous one",
+            param=kind,
+            code="grammar_too_slow",
+        )
+    )

@@ -1,16 +1,24 @@
 """Stop conditions over the tokens one step gives a request (several with speculation): tokens are
-appended one by one and a stop inside the run cuts it there; the tokens after it are dropped."""
+appended one by one and a stop inside the run cuts it there; the tokens after it are dropped.
+
+A ``stop_regex`` runs on the engine's thread after every token, so it is matched with RE2
+(``common/patterns.py``: linear time, no backtracking) and over a bounded window: the text of the
+last ``REGEX_TAIL_TOKENS`` tokens (the new token and a fixed look-back), never the whole output. A
+step's stop checks cost at most (patterns: --max-stop-strings) x (one linear scan of the window).
+"""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 
 from ..common import FinishReason
 from ..common.outputs import TopLogprobs
+from ..common.patterns import compile_pattern
 from .request import Req
 
-REGEX_TAIL_TOKENS = 64  # a stop_regex match is looked for in the text of the last this many tokens
+# A stop_regex match is looked for in the text of the last this many tokens: a match must fit in
+# them (a longer one is not seen), and each check decodes and scans no more than them.
+REGEX_TAIL_TOKENS = 64
 
 
 class StopChecker:
@@ -60,9 +68,11 @@ class StopChecker:
                 if s in tail:
                     return FinishReason("stop", matched=s)
         if p.stop_regex:
+            if req.stop_patterns is None:  # compiled at validation: this takes them from the cache
+                req.stop_patterns = [compile_pattern(r, "stop_regex") for r in p.stop_regex]
             tail = self.decode(req.output_ids[-REGEX_TAIL_TOKENS:])
-            for r in p.stop_regex:
-                m = re.search(r, tail)
+            for r, rx in zip(p.stop_regex, req.stop_patterns):
+                m = rx.search(tail)
                 if m and m.group(0):  # SGLang reports the pattern; the front cuts at the match
                     return FinishReason("stop", matched=r, matched_text=m.group(0))
         return None
