@@ -88,6 +88,33 @@ def test_watchdog_catches_a_stall_and_recovers(faulty):
     faulty.wait_idle_clean()
 
 
+def test_health_reports_a_stuck_step_before_the_watchdog(faulty):
+    """A step that does not end: /health answers 503 in the OpenAI error shape (engine_stalled) once
+    it has run half the watchdog's limit, while the engine process is still up and before the
+    watchdog kills it (then engine_not_ready while it restarts)."""
+    restarts = faulty.info()["engine_restarts"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=faulty.url, timeout=30) as c:
+            stuck = asyncio.create_task(c.post("/generate", json={"input_ids": [4, 5], "rid": "stall-1"}))
+            t0 = time.monotonic()
+            while (h := await c.get("/health")).status_code == 200:
+                assert time.monotonic() - t0 < 2 + 1.0, "no 503 while the step was stuck"
+                await asyncio.sleep(0.05)
+            first = h
+            await stuck
+            return first
+
+    first = asyncio.run(main())
+    assert first.status_code == 503
+    err = first.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == "engine_stalled" and err["type"] == "service_unavailable", err
+    faulty.wait_healthy(timeout=120)
+    assert faulty.info()["engine_restarts"] == restarts + 1  # the watchdog still ends the stuck step
+    faulty.wait_idle_clean()
+
+
 def test_sigterm_with_requests_in_flight(chat_model, tmp_path):
     s = Server(
         chat_model, *ARGS, "--log-level", "info", "--grace-period", "0.5", log_path=str(tmp_path / "term.log")

@@ -33,6 +33,11 @@ log = logging.getLogger("kvledger.server")
 # a start that keeps failing only reloads the model forever. One that dies after serving restarts at once.
 START_ATTEMPTS = 3
 START_BACKOFF_S = (1.0, 2.0)
+# /health reports an engine whose step has not ended for this fraction of --watchdog-timeout (the
+# engine sends something after every step, and a heartbeat every 0.5 s when idle): a load balancer
+# takes the server out before the watchdog kills the step. Without a watchdog, after STALL_S_NO_WATCHDOG.
+STALL_FRACTION = 0.5
+STALL_S_NO_WATCHDOG = 30.0
 
 
 class EngineClient:
@@ -349,6 +354,21 @@ class EngineClient:
 
     def alive(self) -> bool:
         return self.ready and self.proc is not None and self.proc.is_alive()
+
+    @property
+    def stall_limit_s(self) -> float:
+        """Seconds of silence after which the engine's step counts as stuck (``stalled_for``)."""
+        wd = self.watchdog_timeout_s
+        return wd * STALL_FRACTION if wd else STALL_S_NO_WATCHDOG
+
+    def stalled_for(self) -> float | None:
+        """How long the engine's current step has run when that is past ``stall_limit_s`` (None: it is
+        not stuck). A blocking control call (a weight load) is not a stall: the engine does not step
+        while it runs it, as the watchdog knows."""
+        if not self.ready or self._blocking_calls:
+            return None
+        silent = time.monotonic() - self.last_msg
+        return silent if silent > self.stall_limit_s else None
 
     @property
     def pid(self) -> int | None:

@@ -144,9 +144,20 @@ async def get_load(request: Request):
 
 @router.get("/health")
 async def health(request: Request):
+    """Cheap liveness of the front and the engine: 503 while the engine is starting, restarting or
+    dead, and while its current step has run past the stall limit (half of --watchdog-timeout), so
+    a stuck engine is reported before (and without) the watchdog killing it."""
     client = state(request).client
     if client is None or not client.alive():
         return error_response(503, "the engine is not ready", "service_unavailable", code="engine_not_ready")
+    stuck = client.stalled_for()
+    if stuck is not None:
+        return error_response(
+            503,
+            f"the engine's step has not ended for {stuck:.1f} s (a step may take {client.stall_limit_s:g} s)",
+            "service_unavailable",
+            code="engine_stalled",
+        )
     return Response(status_code=200)
 
 
