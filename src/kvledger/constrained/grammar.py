@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -34,7 +34,7 @@ import torch
 
 from ..common.sampling import GRAMMAR_KINDS, SamplingParams
 from ..common.validation import MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_LEN, check_grammar_bounds, grammar_too_deep
-from ..errors import KVLedgerError, ValidationError, error_for_status
+from ..errors import KVLedgerError, ServiceUnavailable, ValidationError, error_for_status
 from .bitmask import bitmask_width
 from .keywords import unsupported_keywords
 from .reasoning import ReasoningGate
@@ -93,6 +93,16 @@ class GrammarState:
     def too_slow(self) -> bool:
         """The matcher's work per position passed ``MASK_CPU_LIMIT_S`` in ``MASK_STRIKES`` steps in a row."""
         return self.strikes >= MASK_STRIKES
+
+    def too_slow_error(self, kind: str) -> ValidationError:
+        """The 400 that ends a request whose matcher is ``too_slow`` (``kind``: its grammar's field)."""
+        return ValidationError(
+            f"the {kind} is too costly to follow: matching one token took {self.slowest_s * 1e3:.0f} ms of "
+            f"the engine's CPU time, over the {MASK_CPU_LIMIT_S * 1e3:g} ms a token may take, in {MASK_STRIKES} "
+            "steps in a row (an ambiguous pattern such as (x+x+)+y does this); send an unambiguous one",
+            param=kind,
+            code="grammar_too_slow",
+        )
 
     def _charge(self, t0: float, positions: int) -> None:
         """One step's matcher work: these masks and the accepts since the last ones (either may be
@@ -186,6 +196,8 @@ class GrammarJob:
         except FutureTimeout:
             self.cancel()
             raise self._timed_out() from None
+        except CancelledError:  # (the backend shut down before it ran)
+            raise ServiceUnavailable("the engine is shutting down", code="grammar_cancelled") from None
         return self._wrap(state)
 
     def cancel(self) -> None:

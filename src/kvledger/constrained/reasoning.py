@@ -56,9 +56,8 @@ class ReasoningGate:
     def too_slow(self) -> bool:
         return self.inner.too_slow
 
-    @property
-    def slowest_s(self) -> float:
-        return self.inner.slowest_s
+    def too_slow_error(self, kind: str):
+        return self.inner.too_slow_error(kind)
 
     def drafts_before_end(self, drafts: list[int]) -> int:
         if not self.thinking:

@@ -39,7 +39,6 @@ from ..common.pooling import normalized
 from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
 from ..constrained import bitmask_width, grammar_spec
-from ..constrained.grammar import MASK_CPU_LIMIT_S, MASK_STRIKES
 from ..errors import ConflictError, KVLedgerError, OverloadedError, ServiceUnavailable, ValidationError
 from ..memory import Holding, KVManager
 from ..memory.sparse_kv import SparseKV
@@ -722,14 +721,4 @@ def _grammar_too_slow(req: Req) -> FinishReason:
     """A request whose grammar costs the engine's thread too much per token (``constrained/grammar.py``,
     MASK_CPU_LIMIT_S): it ends before it slows every other request's steps further."""
     spec = grammar_spec(req.params)
-    kind = spec.kind if spec is not None else "grammar"
-    return FinishReason.from_error(
-        ValidationError(
-            f"the {kind} is too costly to follow: matching one token took {req.grammar.slowest_s * 1e3:.0f} ms "
-            f"of the engine's CPU time, over the {MASK_CPU_LIMIT_S * 1e3:g} ms a token may take, "
-            f"in {MASK_STRIKES} steps in a row (an ambiguous pattern such as (x+x+)+y does this); "
-            "send an unambiguous one",
-            param=kind,
-            code="grammar_too_slow",
-        )
-    )
+    return FinishReason.from_error(req.grammar.too_slow_error(spec.kind if spec is not None else "grammar"))
