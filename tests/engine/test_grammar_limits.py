@@ -144,7 +144,7 @@ def test_an_ambiguous_regex_is_caught_by_the_matching_limit(chat_loaded):
     x = tok.convert_tokens_to_ids("x")
     for pattern, slow in (("x+", False), ("(x+x+)+y", True)):
         state = backend.new_state(GrammarSpec("regex", pattern))
-        for _ in range(400):
+        for _ in range(600):
             state.masks([])
             assert state.accept([x])
             if state.too_slow:
