@@ -197,8 +197,8 @@ def test_long_prompts_take_the_flash_kernel_and_agree_with_the_torch_backend(tin
         if backend == "cpu":
             assert attn.flash
             real = attn.flash_op
-            attn.flash_op = lambda out, q, *a, real=real: (
-                flash_calls.append(a[-2].tolist()) or real(out, q, *a)
+            attn.flash_op = lambda out, q, *a, real=real: (  # a: k, v, table, rows, starts, prefix, lens, ...
+                flash_calls.append(a[6].tolist()) or real(out, q, *a)
             )
         outs[backend] = eng.generate(input_ids=prompts, sampling_params=GREEDY)
         assert_idle_clean(eng)

@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "dense.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried"}
 
@@ -127,7 +127,7 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake(lib + "flash_attention_")
-    def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):
+    def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale, amx=True):
         return None
 
     @torch.library.register_fake(lib + "quantize_rows")
@@ -141,6 +141,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "int8_linear")
     def _(x, w, w_scale, woff, bias=None):
         return x.new_empty(x.shape[0], w_scale.shape[0])
+
+    @torch.library.register_fake(lib + "dense_linear")
+    def _(x, w, bias=None):
+        return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake(lib + "to_f8")
     def _(x):

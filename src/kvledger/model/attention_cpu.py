@@ -2,9 +2,11 @@
 (``kernels/``).
 
 The kernels read each request's K/V where it lies in the pool (through ``req_to_token``; no gather
-copy), pack the query heads of one KV head so they share every K/V read, and keep an online softmax.
-Decode splits long contexts over threads; in a forward of decodes only it also writes the new
-tokens' K/V into their pages (one call per layer instead of two index writes and a gather).
+copy), pack the query heads of one KV head so they share every K/V read, and sum each query's keys in
+one order (chunks of 64 from position 0, each chunk's softmax alone, folded in order: csrc/flash.h):
+a row gets the same bits from the decode, per-token and flash kernels, whatever its batch or chunk.
+Decode splits long contexts over threads at those chunks; in a forward of decodes only it also writes
+the new tokens' K/V into their pages (one call per layer instead of two index writes and a gather).
 
 Extends: in bf16 on a CPU with AVX512-BF16 (head_dim a multiple of 64), extends of at least
 ``FLASH_MIN_NEW`` tokens run ``flash_attention_`` (K/V packed once per extend and KV head, tiles of 4
@@ -198,7 +200,7 @@ class CpuAttention(TorchAttention):
         if meta.ext is not None:
             self.extend_op(out, q, k_cache, v_cache, table, *meta.ext, self.scale)
         if meta.flash is not None:
-            self.flash_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale)
+            self.flash_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale, self.flash_amx)
         if meta.long_ext:
             self.extend(out.view_as(q), q, k_cache, v_cache, meta.long_ext, k, v)
         if meta.sparse is not None:

@@ -5,9 +5,12 @@
 //    register holds one pair of dims of 16 keys and a broadcast query pair makes 16 scores at once;
 //  - values are packed in key pairs x head_dim, so a broadcast pair of probabilities adds two keys'
 //    values to 16 output dims at once;
-//  - a tile of 4 query rows shares every K and V register load; keys go by in chunks of 64 with an
-//    online softmax (running max and sum per row), probabilities rounded to bf16 as torch's CPU flash
+//  - a tile of 4 query rows shares every K and V register load; keys go by in chunks of 64, each chunk's
+//    softmax partial computed alone and folded into the row's state in order (flash.h: the order every
+//    attention kernel of the cpu backend keeps), probabilities rounded to bf16 as torch's CPU flash
 //    attention rounds them for its P @ V.
+// flash_chunk computes one such chunk for the query heads of one token from the pool's rows in place
+// (the decode and per-token kernels' form): the same operations on the same values in the same order.
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")
 #include <immintrin.h>
 
@@ -24,7 +27,7 @@ namespace kvl {
 namespace {
 
 constexpr int kRows = kFlashRows;
-constexpr int kChunk = 64;  // keys per online-softmax step (4 blocks of 16)
+constexpr int kChunk = kKeyChunk;  // keys per softmax partial (4 blocks of 16)
 
 inline __m512 bcast_pair(const bf16* p) {
   uint32_t v;
@@ -92,24 +95,76 @@ void flash_pack(const f8* k, const f8* v, const int64_t* locs, long S, int D, bf
   pack_t(k, v, locs, S, D, kt, vt);
 }
 
+namespace {
+
+// The softmax partial of one query row over a chunk: s[j] its scores of keys 16j .. 16j + 16 (masked
+// ones -inf, mask ok[j]), at least one key unmasked. The chunk's max m, the probabilities exp(s - m)
+// rounded to bf16 into p[0..64) (masked ones 0), and their sum l as P @ V will use them.
+inline void chunk_softmax(const __m512* s, const __mmask16* ok, bf16* p, float& m, float& l) {
+  __m512 mx = s[0];
+  for (int j = 1; j < 4; ++j) mx = _mm512_max_ps(mx, s[j]);
+  m = _mm512_reduce_max_ps(mx);
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < 4; j += 2) {
+    // masked keys: exactly 0 (exp16 clamps its input, so exp(-inf) would be 1e-38)
+    const __m512 p0 = _mm512_maskz_mov_ps(ok[j], exp16(_mm512_sub_ps(s[j], vm)));
+    const __m512 p1 = _mm512_maskz_mov_ps(ok[j + 1], exp16(_mm512_sub_ps(s[j + 1], vm)));
+    const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);
+    _mm512_storeu_si512(p + 16 * j, reinterpret_cast<const __m512i&>(pb));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(load16(p + 16 * j), load16(p + 16 * j + 16)));
+  }
+  l = _mm512_reduce_add_ps(sum);
+}
+
+// fold_chunk's rescale factors for a row (its state M, L updated here); false for the first chunk, whose
+// partial is the state as it is.
+inline bool fold_factors(bool first, float& M, float& L, float m, float l, float& a, float& b) {
+  if (first) {
+    M = m, L = l;
+    return false;
+  }
+  const float mn = m > M ? m : M;
+  a = std::exp(M - mn), b = std::exp(m - mn);
+  M = mn;
+  L = L * a + l * b;
+  return true;
+}
+
+// O = O * a + o * b on 16 values (fold_chunk's operations), or O = o for a first chunk.
+inline void fold16(float* O, __m512 o, bool rescale, float a, float b) {
+  if (!rescale) {
+    _mm512_storeu_ps(O, o);
+    return;
+  }
+  _mm512_storeu_ps(O, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(O), _mm512_set1_ps(a)),
+                                    _mm512_mul_ps(o, _mm512_set1_ps(b))));
+}
+
+// fold_out on 16 values.
+inline void out16(bf16* out, const float* O, float inv) {
+  store16(out, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(O), _mm512_set1_ps(inv)), _mm512_setzero_ps()));
+}
+
+}  // namespace
+
 void flash_rows(const FlashRows& r, const bf16* kt, const bf16* vt, int D, float scale, float* scratch) {
   const int D2 = D / 2;
   const int n = r.n;
-  // scratch: scores [kRows][kChunk] floats, probabilities [kRows][kChunk] bf16, out [kRows][D] floats
+  // scratch: scores [kRows][kChunk] floats, probabilities [kRows][kChunk] bf16, folded outputs [kRows][D]
   float* s_buf = scratch;
   bf16* p_buf = reinterpret_cast<bf16*>(s_buf + kRows * kChunk);
   float* o_buf = reinterpret_cast<float*>(p_buf + kRows * kChunk);
-  float m[kRows], l[kRows], alpha[kRows];
+  float M[kRows], L[kRows], fa[kRows], fb[kRows];
+  bool live[kRows], rescale[kRows];
   const bf16* q[kRows];
   long last = 0;  // the last key any row sees
   for (int i = 0; i < kRows; ++i) {
     const int ri = i < n ? i : n - 1;  // missing rows repeat the last one (computed, not written)
     q[i] = r.q[ri];
-    m[i] = -std::numeric_limits<float>::infinity();
-    l[i] = 0.f;
+    M[i] = L[i] = 0.f;
     if (r.limit[ri] > last) last = r.limit[ri];
   }
-  std::memset(o_buf, 0, sizeof(float) * kRows * D);
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -127,49 +182,32 @@ void flash_rows(const FlashRows& r, const bf16* kt, const bf16* vt, int D, float
         for (int j = 0; j < 4; ++j) acc[i][j] = dot(acc[i][j], kv[j], qb);
       }
     }
-    // Online softmax per row; keys past a row's own position are masked out.
+    // Each row's partial of this chunk (keys past a row's own position masked out), folded below.
     for (int i = 0; i < kRows; ++i) {
       const long lim = r.limit[i < n ? i : n - 1];
+      live[i] = lim >= c0;
+      if (!live[i]) {  // no key of this chunk for this row: nothing to fold
+        std::memset(p_buf + i * kChunk, 0, sizeof(bf16) * kChunk);
+        continue;
+      }
       __m512 s[4];
       __mmask16 ok[4];
-      __m512 mx = ninf;
       for (int j = 0; j < 4; ++j) {
         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(c0 + 16 * j)));
         ok[j] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lim)));
         s[j] = _mm512_mask_mov_ps(ninf, ok[j], _mm512_mul_ps(acc[i][j], vscale));
-        mx = _mm512_max_ps(mx, s[j]);
       }
-      const float cmax = _mm512_reduce_max_ps(mx);
-      const float mnew = cmax > m[i] ? cmax : m[i];
-      if (mnew == -std::numeric_limits<float>::infinity()) {  // no key of this chunk for this row
-        alpha[i] = 1.f;
-        std::memset(p_buf + i * kChunk, 0, sizeof(bf16) * kChunk);
-        continue;
-      }
-      alpha[i] = m[i] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m[i] - mnew);
-      m[i] = mnew;
-      const __m512 vm = _mm512_set1_ps(mnew);
-      __m512 sum = _mm512_setzero_ps();
-      for (int j = 0; j < 4; j += 2) {
-        // masked keys: exactly 0 (exp16 clamps its input, so exp(-inf) would be 1e-38)
-        const __m512 p0 = _mm512_maskz_mov_ps(ok[j], exp16(_mm512_sub_ps(s[j], vm)));
-        const __m512 p1 = _mm512_maskz_mov_ps(ok[j + 1], exp16(_mm512_sub_ps(s[j + 1], vm)));
-        // The sum is of the probabilities as P @ V will use them (rounded to bf16).
-        const __m512bh pb = _mm512_cvtne2ps_pbh(p1, p0);
-        _mm512_storeu_si512(p_buf + i * kChunk + 16 * j, reinterpret_cast<const __m512i&>(pb));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(load16(p_buf + i * kChunk + 16 * j),
-                                               load16(p_buf + i * kChunk + 16 * j + 16)));
-      }
-      l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(sum);
+      float m, l;
+      chunk_softmax(s, ok, p_buf + i * kChunk, m, l);
+      rescale[i] = fold_factors(c0 == 0, M[i], L[i], m, l, fa[i], fb[i]);
     }
-    // P @ V: each V register (16 dims of a key pair) serves every row; 64 dims of output at a time.
+    // P @ V: each V register (16 dims of a key pair) serves every row; 64 dims of output at a time, each
+    // chunk's from zero, then folded into the rows' outputs.
     const long pairs = (last - c0 + 1 < kChunk ? last - c0 + 2 : kChunk) / 2;  // pairs that any row sees
     for (int d0 = 0; d0 < D; d0 += 64) {
       __m512 o[kRows][4];
-      for (int i = 0; i < kRows; ++i) {
-        const __m512 a = _mm512_set1_ps(alpha[i]);
-        for (int c = 0; c < 4; ++c) o[i][c] = _mm512_mul_ps(_mm512_loadu_ps(o_buf + i * D + d0 + 16 * c), a);
-      }
+      for (int i = 0; i < kRows; ++i)
+        for (int c = 0; c < 4; ++c) o[i][c] = _mm512_setzero_ps();
       const bf16* vc = vt + (c0 / 2) * D * 2 + d0 * 2;
       for (long kp = 0; kp < pairs; ++kp) {
         __m512 vv[4];
@@ -179,14 +217,132 @@ void flash_rows(const FlashRows& r, const bf16* kt, const bf16* vt, int D, float
           for (int c = 0; c < 4; ++c) o[i][c] = dot(o[i][c], vv[c], pb);
         }
       }
-      for (int i = 0; i < kRows; ++i)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o_buf + i * D + d0 + 16 * c, o[i][c]);
+      for (int i = 0; i < kRows; ++i) {
+        if (!live[i]) continue;
+        for (int c = 0; c < 4; ++c) fold16(o_buf + i * D + d0 + 16 * c, o[i][c], rescale[i], fa[i], fb[i]);
+      }
     }
   }
   for (int i = 0; i < n; ++i) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[i]);  // >= 1 key: the row's own
-    for (int d = 0; d < D; d += 16) store16(r.out[i] + d, _mm512_mul_ps(_mm512_loadu_ps(o_buf + i * D + d), inv));
+    const float inv = 1.f / L[i];  // >= 1 key: the row's own
+    for (int d = 0; d < D; d += 16) out16(r.out[i] + d, o_buf + i * D + d, inv);
   }
+}
+
+namespace {
+
+// 16 rows of 16 dwords transposed in place: r[t] lane j = the t-th dword of row j.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  __m512i u[16];  // u[4g + c]: rows 4g .. 4g + 4, dword c of each 128-bit lane (dwords c, 4 + c, ...)
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* tg = t + 4 * g;
+    u[4 * g + 0] = _mm512_unpacklo_epi64(tg[0], tg[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(tg[0], tg[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(tg[1], tg[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(tg[1], tg[3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+// 32 values of a pool row from p, as bf16 (a float8 row widened exactly).
+inline __m512i load32(const bf16* p) { return _mm512_loadu_si512(p); }
+inline __m512i load32(const f8* p) {
+  const __m512 unit = _mm512_set1_ps(kF8Unit);
+  const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_mul_ps(load16(p + 16), unit), _mm512_mul_ps(load16(p), unit));
+  return reinterpret_cast<const __m512i&>(h);
+}
+
+template <typename C>
+void chunk_t(const bf16* const* q, int nr, const C* k, const C* v, const int64_t* locs, long c0, long n, int D,
+             float scale, float* m, float* l, float* o) {
+  const int nk = static_cast<int>((c0 + kChunk < n ? c0 + kChunk : n) - c0);  // keys of this chunk: 1 .. 64
+  const int64_t* lc = locs + c0;
+  alignas(64) bf16 p_buf[kRows * kChunk];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 s[kRows][4];
+  __mmask16 ok[4];
+  for (int jb = 0; jb < 4; ++jb) {
+    const int base = 16 * jb, here = nk - base;
+    ok[jb] = here <= 0 ? __mmask16(0) : here >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << here) - 1);
+    for (int i = 0; i < nr; ++i) s[i][jb] = ninf;
+    if (here <= 0) continue;
+    // The 16 keys' rows (past the chunk's end the last one again: masked); 32 dims at a time, transposed
+    // so that a register holds one dim pair of the 16 keys, as flash_pack lays them out.
+    const C* kr[16];
+    for (int j = 0; j < 16; ++j) kr[j] = k + lc[base + (j < here ? j : here - 1)] * D;
+    __m512 acc[kRows];
+    for (int i = 0; i < nr; ++i) acc[i] = _mm512_setzero_ps();
+    for (int g = 0; g < D / 32; ++g) {
+      __m512i t[16];
+      for (int j = 0; j < 16; ++j) t[j] = load32(kr[j] + 32 * g);
+      transpose16(t);
+      for (int u = 0; u < 16; ++u) {
+        const __m512 kv = _mm512_castsi512_ps(t[u]);
+        for (int i = 0; i < nr; ++i) acc[i] = dot(acc[i], kv, bcast_pair(q[i] + 2 * (16 * g + u)));
+      }
+    }
+    for (int i = 0; i < nr; ++i) s[i][jb] = _mm512_mask_mov_ps(ninf, ok[jb], _mm512_mul_ps(acc[i], vscale));
+  }
+  for (int i = 0; i < nr; ++i) chunk_softmax(s[i], ok, p_buf + i * kChunk, m[i], l[i]);
+  // P @ V over the key pairs (the second key of a last odd pair: the last row again, its probability 0),
+  // V rows interleaved in registers into flash_pack's pair layout.
+  __m512i lo, hi;
+  {
+    alignas(64) int16_t il[32], ih[32];
+    for (int d = 0; d < 16; ++d) {
+      il[2 * d] = static_cast<int16_t>(d), il[2 * d + 1] = static_cast<int16_t>(32 + d);
+      ih[2 * d] = static_cast<int16_t>(16 + d), ih[2 * d + 1] = static_cast<int16_t>(48 + d);
+    }
+    lo = _mm512_load_si512(il), hi = _mm512_load_si512(ih);
+  }
+  const int pairs = (nk + 1) / 2;
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    __m512 acc[kRows][4];
+    for (int i = 0; i < nr; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_setzero_ps();
+    for (int kp = 0; kp < pairs; ++kp) {
+      const C* va = v + lc[2 * kp] * D + d0;
+      const C* vb = v + lc[2 * kp + 1 < nk ? 2 * kp + 1 : nk - 1] * D + d0;
+      __m512 vv[4];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i a = load32(va + 32 * h), b = load32(vb + 32 * h);
+        vv[2 * h] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(a, lo, b));
+        vv[2 * h + 1] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(a, hi, b));
+      }
+      for (int i = 0; i < nr; ++i) {
+        const __m512 pb = bcast_pair(p_buf + i * kChunk + 2 * kp);
+        for (int c = 0; c < 4; ++c) acc[i][c] = dot(acc[i][c], vv[c], pb);
+      }
+    }
+    for (int i = 0; i < nr; ++i)
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + i * D + d0 + 16 * c, acc[i][c]);
+  }
+}
+
+}  // namespace
+
+void flash_chunk(const bf16* const* q, int rows, const bf16* k, const bf16* v, const int64_t* locs, long c0, long n,
+                 int D, float scale, float* m, float* l, float* o) {
+  chunk_t(q, rows, k, v, locs, c0, n, D, scale, m, l, o);
+}
+
+void flash_chunk(const bf16* const* q, int rows, const f8* k, const f8* v, const int64_t* locs, long c0, long n,
+                 int D, float scale, float* m, float* l, float* o) {
+  chunk_t(q, rows, k, v, locs, c0, n, D, scale, m, l, o);
 }
 
 }  // namespace kvl

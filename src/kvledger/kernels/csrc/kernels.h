@@ -48,6 +48,13 @@ struct Kernels {
   void (*scale_rows)(const float* y, const float* scale, const T* bias, T* out, int N, long r0, long r1);
 };
 
+// y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), x, w, bias, y all float32 or all bf16, for outputs
+// [n0, n1): each output's sum in one order whatever M (dense.cpp; both builds give the same bits).
+void dense_scalar(const void* x, const void* w, const void* bias, void* y, bool bf16, long M, long K, long N, long n0,
+                  long n1);
+void dense_avx512(const void* x, const void* w, const void* bias, void* y, bool bf16, long M, long K, long N, long n0,
+                  long n1);
+
 Kernels<float> scalar_f32();
 Kernels<bf16> scalar_bf16();
 Kernels<float> avx512_f32();

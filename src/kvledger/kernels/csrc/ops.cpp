@@ -149,11 +149,82 @@ void rope_(at::Tensor& x, const at::Tensor& pos, const at::Tensor& cos, const at
   });
 }
 
+// The attention kernels' one order of sums per query row (flash.h): a row's keys in chunks of kKeyChunk
+// from position 0, each chunk's softmax partial computed alone, the chunks folded in key order. The
+// partial of a chunk is the bf16 flash form's (flash_chunk: vdpbf16ps, probabilities rounded to bf16)
+// where flash_attention_ runs (bf16, AVX512-BF16, head_dim a multiple of 64), the float form's
+// (Kernels::attend over the chunk's keys) elsewhere: each machine and model has one.
+bool flash_form(const at::Tensor& q, int64_t D) {
+  return kBf16Dot && q.scalar_type() == at::kBFloat16 && D % 64 == 0;
+}
+
+// Chunk c's partial (m[G], l[G], o[G * D]) of the G query rows at qp (rows D apart: one KV head's
+// query heads of one token) over the first n keys at locs of cache rows kc, vc (element type C).
+template <typename T, typename C, typename A>
+inline void chunk_partial(bool flash, A attend, const T* qp, const C* kc, const C* vc, const int64_t* locs, int64_t n,
+                          int64_t c, int G, int D, float scale, float* pm) {
+  const int64_t c0 = c * kKeyChunk;
+  float *m = pm, *l = pm + G, *o = pm + 2 * G;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (flash) {
+      for (int g0 = 0; g0 < G; g0 += kFlashRows) {
+        const int nr = std::min(kFlashRows, G - g0);
+        const bf16* q[kFlashRows];
+        for (int i = 0; i < nr; ++i) q[i] = qp + static_cast<int64_t>(g0 + i) * D;
+        flash_chunk(q, nr, kc, vc, locs, c0, n, D, scale, m + g0, l + g0, o + static_cast<int64_t>(g0) * D);
+      }
+      return;
+    }
+  }
+  attend(qp, D, kc, vc, locs + c0, std::min<int64_t>(kKeyChunk, n - c0), G, D, scale, m, l, o);
+}
+
+// Work items [0, items) over `threads` contiguous ranges of about equal cost: cut[t] .. cut[t + 1].
+template <typename F> std::vector<int64_t> balanced_cuts(int64_t items, int64_t threads, F cost) {
+  std::vector<int64_t> cut(static_cast<size_t>(threads) + 1, items);
+  int64_t total = 0;
+  for (int64_t i = 0; i < items; ++i) total += cost(i);
+  int64_t acc = 0, t = 1;
+  cut[0] = 0;
+  for (int64_t i = 0; i < items && t < threads; ++i) {
+    acc += cost(i);
+    while (t < threads && acc * threads >= total * t) cut[static_cast<size_t>(t++)] = i + 1;
+  }
+  return cut;
+}
+
+// The folded state of G query rows (one KV head's heads of one token): their chunks' partials added in
+// key order (fold_chunk), then their outputs (fold_out; zeros for an empty range of keys).
+struct FoldRows {
+  int G, D;
+  std::vector<float> M, L, O;
+  FoldRows(int g, int d) : G(g), D(d), M(g), L(g), O(static_cast<size_t>(g) * d) {}
+  void add(const float* pm, bool first) {
+    for (int g = 0; g < G; ++g) {
+      fold_chunk(M[g], L[g], O.data() + static_cast<size_t>(g) * D, pm[g], pm[G + g],
+                 pm + 2 * G + static_cast<int64_t>(g) * D, D, first);
+    }
+  }
+  template <typename T> void out(bool empty, T* o) const {
+    for (int g = 0; g < G; ++g) {
+      T* og = o + static_cast<int64_t>(g) * D;
+      if (empty) {
+        for (int d = 0; d < D; ++d) og[d] = from_f<T>(0.f);
+      } else {
+        fold_out(L[g], O.data() + static_cast<size_t>(g) * D, D, og);
+      }
+    }
+  }
+};
+
 // Decode attention over the paged pool, in place: request b's query heads [B, H, D] attend over the
 // tokens at req_to_token[rows[b], :lens[b]] of k_cache/v_cache [KVH, locations, D]. With k_new/v_new
 // [B, KVH, D] and out_loc [B], the new tokens' K/V are first written into their pages.
-// Work items are (request, KV head, KV range): the H/KVH query heads of one KV head share each K/V
-// read; long contexts are split so that every thread has work, and the partial softmaxes merged.
+// The H/KVH query heads of one KV head share each K/V read. A row's keys go in chunks of kKeyChunk
+// folded in order (flash.h): the same bits as the extend kernels give that query over those keys,
+// whatever the batch or the thread count. Work items are whole (request, KV head)s, folded in place,
+// where there are enough of them to keep every thread busy; otherwise (a few long contexts) single
+// chunks, their partials folded afterwards in the same order.
 // head_stride > 0: each KV head reads its own run of the row, h's tokens from h * head_stride (HiSparse:
 // the pages each KV head selected).
 at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& table,
@@ -180,11 +251,9 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   TORCH_CHECK(head_stride >= 0 && (head_stride == 0 || head_stride * KVH <= table.size(1)),
               "head_stride ", head_stride, " does not fit ", KVH, " kv heads in a row of ", table.size(1));
   const int64_t row_len = head_stride > 0 ? head_stride : table.size(1);
-  int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(rp[b] >= 0 && rp[b] < table.size(0), "row ", rp[b], " outside req_to_token");
     TORCH_CHECK(lp[b] >= 0 && lp[b] <= row_len, "length ", lp[b], " outside req_to_token");
-    max_len = std::max(max_len, lp[b]);
   }
   const bool write = k_new.has_value();
   if (write) {
@@ -201,17 +270,19 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
   }
   auto out = at::empty({B, H * D}, q.options());
   const int64_t threads = at::get_num_threads();
-  // Splits of the KV range: enough items for ~4 per thread, none shorter than 64 tokens.
-  const int64_t want = (4 * threads + B * KVH - 1) / (B * KVH);
-  const int64_t S = std::max<int64_t>(1, std::min<int64_t>(want, (max_len + 63) / 64));
-  const int64_t part = G * (D + 2);  // m[G], l[G], acc[G*D] per item
-  const auto partial = scratch_of<float>(B * KVH * S * part);  // each item writes its m, l and acc
+  const bool flash = flash_form(q, D);
+  const int64_t part = G * (D + 2);  // a chunk's partial: m[G], l[G], o[G*D]
+  // Whole (request, KV head)s a thread where there are ~4 a thread: no partials kept, no second pass.
+  const bool whole = B * KVH >= 4 * threads;
+  std::vector<int64_t> first(static_cast<size_t>(B) + 1, 0);  // chunk items of the requests before b
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + KVH * ((lp[b] + kKeyChunk - 1) / kKeyChunk);
+  const auto partial = scratch_of<float>(whole ? 0 : first[B] * part);  // each chunk item writes its own
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t ts = table.stride(0);
   by_dtype(q, [&](auto tag) {
     using T = decltype(tag);
     const auto& k = pick<T>(static_cast<int>(D));
-    // C: the cache's element type (T, or float8 e4m3: written rounded, read widened by attend_f8).
+    // C: the cache's element type (T, or float8 e4m3: written rounded, read widened).
     auto run = [&](auto ctag, auto attend) {
       using C = decltype(ctag);
       C* kc = ptr<C>(k_cache);
@@ -236,41 +307,59 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
       }
       const T* qp = ptr<T>(q);
       T* o = ptr<T>(out);
-      // Items to threads by their tokens, not their count: a batch's requests come oldest first, so
-      // equal counts gave the first thread the longest contexts (32 decodes of 128-256 tokens: its
-      // share ~17% over the mean, the other thread waiting at the barrier).
-      const int64_t items = B * KVH * S;
-      std::vector<int64_t> cut(static_cast<size_t>(threads) + 1, items);
-      {
-        auto cost = [&](int64_t i) {
-          const int64_t b = i / (KVH * S), s = i % S, chunk = (lp[b] + S - 1) / S;
-          return std::min(lp[b], s * chunk + chunk) - std::min(lp[b], s * chunk) + 16;  // + a fixed part
-        };
-        int64_t total = 0;
-        for (int64_t i = 0; i < items; ++i) total += cost(i);
-        int64_t acc = 0, t = 1;
-        cut[0] = 0;
-        for (int64_t i = 0; i < items && t < threads; ++i) {
-          acc += cost(i);
-          while (t < threads && acc * threads >= total * t) cut[static_cast<size_t>(t++)] = i + 1;
-        }
+      const float sc = static_cast<float>(scale);
+      // (b, h)'s query rows, keys and cache rows
+      auto qrow = [&](int64_t b, int64_t h) { return qp + b * q.stride(0) + h * G * D; };
+      auto locs = [&](int64_t b, int64_t h) { return tp + rp[b] * ts + h * head_stride; };
+      auto chunk = [&](int64_t b, int64_t h, int64_t c, float* pm) {
+        chunk_partial(flash, attend, qrow(b, h), kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), locs(b, h),
+                      lp[b], c, G, static_cast<int>(D), sc, pm);
+      };
+      if (whole) {
+        // Items to threads by their tokens, not their count: a batch's requests come oldest first, so
+        // equal counts gave the first thread the longest contexts (32 decodes of 128-256 tokens: its
+        // share ~17% over the mean, the other thread waiting at the barrier).
+        const auto cut = balanced_cuts(B * KVH, threads, [&](int64_t i) { return lp[i / KVH] + 16; });
+        at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+          std::vector<float> pm(static_cast<size_t>(part));
+          FoldRows rows_(G, static_cast<int>(D));
+          for (int64_t i = cut[static_cast<size_t>(w0)]; i < cut[static_cast<size_t>(w1)]; ++i) {
+            const int64_t b = i / KVH, h = i % KVH, chunks = (lp[b] + kKeyChunk - 1) / kKeyChunk;
+            for (int64_t c = 0; c < chunks; ++c) {
+              chunk(b, h, c, pm.data());
+              rows_.add(pm.data(), c == 0);
+            }
+            rows_.out(chunks == 0, o + b * H * D + h * G * D);
+          }
+        });
+        return;
       }
+      // Chunk items (request, KV head, chunk), by their keys; then each (request, KV head) folds its own.
+      const int64_t items = first[B];
+      auto item = [&](int64_t i, int64_t& b, int64_t& h, int64_t& c) {
+        b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+        const int64_t chunks = (first[b + 1] - first[b]) / KVH, j = i - first[b];
+        h = j / chunks, c = j % chunks;
+      };
+      const auto cut = balanced_cuts(items, threads, [&](int64_t i) {
+        int64_t b, h, c;
+        item(i, b, h, c);
+        return std::min<int64_t>(kKeyChunk, lp[b] - c * kKeyChunk) + 16;  // + a fixed part
+      });
       at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
         for (int64_t i = cut[static_cast<size_t>(w0)]; i < cut[static_cast<size_t>(w1)]; ++i) {
-          const int64_t b = i / (KVH * S), h = (i / S) % KVH, s = i % S;
-          const int64_t chunk = (lp[b] + S - 1) / S;
-          const int64_t t0 = std::min(lp[b], s * chunk), t1 = std::min(lp[b], t0 + chunk);
-          float* pm = partial.get() + i * part;
-          attend(qp + b * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
-                 tp + rp[b] * ts + h * head_stride + t0, t1 - t0, G, static_cast<int>(D), static_cast<float>(scale), pm,
-                 pm + G, pm + 2 * G);
-          if (S == 1) {  // unsplit: normalized here (the merge below would add each value to 0 times 1)
-            for (int g = 0; g < G; ++g) {
-              const float inv = pm[G + g] > 0.f ? 1.f / pm[G + g] : 0.f;
-              T* ob = o + b * H * D + (h * G + g) * D;
-              for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T>(pm[2 * G + g * D + d] * inv);
-            }
-          }
+          int64_t b, h, c;
+          item(i, b, h, c);
+          chunk(b, h, c, partial.get() + i * part);
+        }
+      });
+      at::parallel_for(0, B * KVH, 1, [&](int64_t j0, int64_t j1) {
+        FoldRows rows_(G, static_cast<int>(D));
+        for (int64_t j = j0; j < j1; ++j) {
+          const int64_t b = j / KVH, h = j % KVH, chunks = (first[b + 1] - first[b]) / KVH;
+          const float* base = partial.get() + (first[b] + h * chunks) * part;
+          for (int64_t c = 0; c < chunks; ++c) rows_.add(base + c * part, c == 0);
+          rows_.out(chunks == 0, o + b * H * D + h * G * D);
         }
       });
     };
@@ -279,30 +368,6 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
     } else {
       run(T{}, k.attend);
     }
-    if (S == 1) return;  // (a parallel region fewer: 30 a decode step)
-    T* o = ptr<T>(out);
-    at::parallel_for(0, B * KVH, 16, [&](int64_t j0, int64_t j1) {
-      std::vector<float> acc(D);
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int g = 0; g < G; ++g) {
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t s = 0; s < S; ++s) mx = std::max(mx, partial[(j * S + s) * part + g]);
-          std::fill(acc.begin(), acc.end(), 0.f);
-          float sum = 0.f;
-          for (int64_t s = 0; s < S; ++s) {
-            const float* pm = partial.get() + (j * S + s) * part;
-            if (pm[G + g] == 0.f) continue;  // an empty range
-            const float w = std::exp(pm[g] - mx);
-            sum += pm[G + g] * w;
-            for (int64_t d = 0; d < D; ++d) acc[d] += pm[2 * G + g * D + d] * w;
-          }
-          const float inv = sum > 0.f ? 1.f / sum : 0.f;  // an empty context attends to nothing: zeros
-          const int64_t b = j / KVH, h = j % KVH;
-          T* ob = o + b * H * D + (h * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T>(acc[d] * inv);
-        }
-      }
-    });
   });
   return out;
 }
@@ -385,28 +450,31 @@ ExtendArgs check_extend(const at::Tensor& out, const at::Tensor& q, const at::Te
 }
 
 // extend_attention's work over the threads, the cache's element type C (T, or float8 read widened by
-// `attend`, Kernels::attend_f8).
+// `attend`, Kernels::attend_f8; flash_chunk widens it to bf16).
 template <typename T, typename C, typename A>
 void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at::Tensor& q, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const ExtendArgs& a, const std::vector<int64_t>& first, double scale) {
   const int64_t H = a.H, D = a.D, KVH = a.KVH, E = a.E;
   const int G = static_cast<int>(a.G);
+  const bool flash = flash_form(q, D);
+  const int64_t part = G * (D + 2);
   const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *tp = a.table, ts = a.table_stride;
   at::parallel_for(0, first[E], 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> part(static_cast<size_t>(G * (D + 2)));
+    std::vector<float> pm(static_cast<size_t>(part));
+    FoldRows rows_(G, static_cast<int>(D));
     int64_t e = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
     for (int64_t i = i0; i < i1; ++i) {
       while (i >= first[e + 1]) ++e;
       const int64_t j = i - first[e], h = j % KVH, t = j / KVH;  // KV heads of one token adjacent
-      const int64_t row = sp[e] + t;
-      float *m = part.data(), *l = m + G, *acc = l + G;
-      attend(qp + row * q.stride(0) + h * G * D, D, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0),
-             tp + rp[e] * ts, pp[e] + t + 1, G, static_cast<int>(D), static_cast<float>(scale), m, l, acc);
-      for (int g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];  // >= 1 token: the query's own
-        T* ob = o + row * H * D + (h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) ob[d] = from_f<T>(acc[g * D + d] * inv);
+      const int64_t row = sp[e] + t, n = pp[e] + t + 1;  // >= 1 key: the query's own
+      const int64_t chunks = (n + kKeyChunk - 1) / kKeyChunk;
+      const T* qr = qp + row * q.stride(0) + h * G * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        chunk_partial(flash, attend, qr, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts, n, c,
+                      G, static_cast<int>(D), static_cast<float>(scale), pm.data());
+        rows_.add(pm.data(), c == 0);
       }
+      rows_.out(false, o + row * H * D + h * G * D);
     }
   });
 }
@@ -415,9 +483,10 @@ void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at:
 // q[starts[e] .. starts[e] + lens[e]) [T, H, D] attend causally over the tokens at
 // req_to_token[rows[e], :prefix[e] + i + 1] (query i sees its prefix and the new tokens up to itself);
 // their K/V are already in the pool. Writes those rows of out [T, H * D]; other rows are left alone.
-// Work items are (extend, KV head, query token): each is the decode kernel's `attend` over its causal
-// range, so the G query heads of one KV head share every K/V read, and the K/V of one request stay
-// in cache across its query tokens.
+// Work items are (extend, KV head, query token): each is the decode kernel's chunks over its causal
+// range (flash.h's order: a row's bits equal the decode kernel's and the flash kernel's for that query
+// and those keys), so the G query heads of one KV head share every K/V read, and the K/V of one
+// request stay in cache across its query tokens.
 void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& table, const at::Tensor& rows, const at::Tensor& starts,
                       const at::Tensor& prefix, const at::Tensor& lens, double scale) {
@@ -439,14 +508,15 @@ void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   });
 }
 
-// The same attention as extend_attention (same arguments and result), for bf16 where the CPU has
-// AVX512-BF16 and head_dim is a multiple of 64: each (extend, KV head) packs its keys and values once
+// The same attention as extend_attention (same arguments and result, the same bits in the vdpbf16ps
+// form), for bf16 where the CPU has AVX512-BF16 and head_dim is a multiple of 64: each (extend, KV head)
+// packs its keys and values once
 // (flash.h), then tiles of 4 query rows (token-major, the group's heads adjacent) run flash_rows over
 // the threads. Tiles near the end of a prompt see more keys, so the tiles are dealt out light and
 // heavy alternately: at::parallel_for's contiguous ranges then carry about equal work.
 void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& table, const at::Tensor& rows, const at::Tensor& starts,
-                     const at::Tensor& prefix, const at::Tensor& lens, double scale) {
+                     const at::Tensor& prefix, const at::Tensor& lens, double scale, bool amx_ok) {
   TORCH_CHECK(kBf16Dot, "flash_attention_ needs a CPU with AVX512-BF16");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16, "flash_attention_ takes bfloat16");
   const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens, true);
@@ -457,7 +527,9 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *lp = a.lens;
   const int64_t *tp = a.table, ts = a.table_stride;
   std::vector<int64_t> pack_at(E * KVH + 1, 0);  // offsets of each (extend, KV head)'s packed K (and V)
-  const bool amx = kAmx && flash_amx_enabled && !f8cache;  // 16 rows a tile on AMX (flash_amx.cpp), else 4
+  // 16 rows a tile on AMX (flash_amx.cpp), else 4. The AMX form sums in its own order (its tile unit's,
+  // chunks of 128): amx_ok false keeps a call on the vdpbf16ps form, whose rows are the decode kernel's.
+  const bool amx = kAmx && flash_amx_enabled && amx_ok && !f8cache;
   const int64_t rows_per = amx ? kAmxFlashRows : kFlashRows;
   struct Tile { int64_t e, h, r0; };
   std::vector<Tile> tiles;
@@ -700,6 +772,36 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return out;
 }
 
+// y = x @ w.T (+ bias) for an unquantized layer under --enable-deterministic-inference: x [M, K] and w
+// [N, K] (as loaded, rows contiguous) of one dtype, float32 or bf16; y [M, N] of that dtype. Each output
+// is one order of sums whatever M (dense.cpp), split over the threads by outputs, never by rows or K.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1) && w.scalar_type() == x.scalar_type(),
+              "w must be [out_features, in_features] contiguous, of x's dtype");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (bias) {
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(),
+                "bias must be [out_features] of x's dtype");
+  }
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const void* bp = bias ? bias->data_ptr() : nullptr;
+  // Blocks of 4 outputs (a tile's); ~64K weights a task.
+  const int64_t blocks = (N + 3) / 4, per = std::max<int64_t>(1, 65536 / (4 * std::max<int64_t>(K, 1)));
+  at::parallel_for(0, blocks, per, [&](int64_t b0, int64_t b1) {
+    const long n0 = 4 * b0, n1 = std::min<int64_t>(N, 4 * b1);
+    if (kAvx512) {
+      dense_avx512(x.data_ptr(), w.data_ptr(), bp, out.data_ptr(), bf16, M, K, N, n0, n1);
+    } else {
+      dense_scalar(x.data_ptr(), w.data_ptr(), bp, out.data_ptr(), bf16, M, K, N, n0, n1);
+    }
+  });
+  return out;
+}
+
 // Every layer of a batch of decodes in one call: the eager forward's ops in its order, with nothing
 // between them but C++ (the Python loop spent ~1 ms a token on calls around ~6 ms of kernels).
 // Per layer l: qkv = W_qkv x; rotary on q and k; o = decode attention (the new K/V written first);
@@ -779,7 +881,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale) -> ()");
   m.def(
       "flash_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
-      "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale) -> ()");
+      "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale, bool amx=True) -> ()");
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] w, Tensor[] scales, Tensor?[] wsum, int[] bits, int[] n, "
       "Tensor[] in_norms, Tensor[] post_norms, Tensor(b!) k_all, Tensor(c!) v_all, Tensor positions, Tensor cos, "
@@ -791,6 +893,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor woff, Tensor? bias=None) -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor");
   m.def("to_f8(Tensor x) -> Tensor");
   m.def("from_f8(Tensor x, ScalarType dtype) -> Tensor");
   m.def("isa", &kvl::isa);
@@ -810,6 +913,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("quantize_rows", &kvl::quantize_rows);
   m.impl("scale_rows", &kvl::scale_rows);
   m.impl("int8_linear", &kvl::int8_linear);
+  m.impl("dense_linear", &kvl::dense_linear);
   m.impl("to_f8", &kvl::to_f8);
   m.impl("from_f8", &kvl::from_f8);
 }
