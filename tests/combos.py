@@ -29,7 +29,7 @@ Row = frozenset  # a configuration: the names of the features it turns on
 REQUIRES = {"int8_batch": "quantized", "amx": "quantized"}
 # Start-up seconds a feature adds on 2 CPU cores with the tiny model (measured): among equally good
 # choices the covering array takes the cheaper feature, so the expensive ones sit in fewer rows.
-COST = {"compile": 11.0, "tp": 2.0, "pd": 1.0, "cpu_attention": 0.5}
+COST = {"compile": 11.0, "tp": 2.0, "pd": 1.0, "cpu_attention": 0.5, "deterministic": 0.5}
 # A feature that takes effect only with some others off (overlap scheduling runs synchronously under
 # TP, with a KV connector and with HiSparse): some row must have it on with all of those off, ("alone", feature).
 EFFECTIVE_WITHOUT = {"overlap": frozenset({"tp", "pd", "hicache", "hisparse"})}
@@ -56,6 +56,7 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "no_prefix_cache": {"enable_prefix_cache": False},
         "mixed_chunk": {"enable_mixed_chunk": True},
         "cpu_attention": {"attention_backend": "CPU"},
+        "torch_attention": {"attention_backend": "torch"},
         "int8_batch": {"enable_int8_batch": True},
         "amx": {"cpu_amx": "on"},
         "quantized": {"quantization": "INT4"},
@@ -66,6 +67,7 @@ def knobs(draft_model: str) -> dict[str, dict]:
         "priority": {"enable_priority_scheduling": True, "priority_scheduling_preemption_threshold": 0},
         "cache_aware_policy": {"schedule_policy": "LPM"},
         "lora": {"enable_lora": True},  # its adapters: ``fuzz_adapters`` (start() adds them)
+        "deterministic": {"enable_deterministic_inference": True},
         "overlap": {"disable_overlap_schedule": False},
         # The model's feature: ``start`` serves the row's model, the windowed variant (``row_model``).
         "sliding_window": {},

@@ -101,6 +101,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile the forward with torch.compile (faster decode; compiles at start-up)",
     )
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch invariance: a request's tokens and logprobs are the same whatever its batch, neighbours, "
+        "chunk size, prefix-cache state or schedule (every call on kernels whose sums have one order per row; "
+        "no AMX paths; unseeded sampling draws from --seed and the position)",
+    )
     p.add_argument("--page-size", type=int, default=d.page_size,
                    help=f"tokens per KV page (default {d.page_size}; at least 8 with --enable-hisparse)")  # fmt: skip
     p.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens)

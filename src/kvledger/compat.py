@@ -56,6 +56,8 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.scheduler.enable_mixed_chunk),
     Feature("cpu_attention", "cpu attention backend", "--attention-backend cpu", "attention_backend",
             lambda c, d: c.kernels.attention_backend == "cpu"),
+    Feature("torch_attention", "torch attention backend", "--attention-backend torch", "attention_backend",
+            lambda c, d: c.kernels.attention_backend == "torch"),
     Feature("int8_batch", "int8 batches", "--enable-int8-batch", "enable_int8_batch",
             lambda c, d: c.kernels.enable_int8_batch),
     Feature("amx", "AMX paths", "--cpu-amx on", "cpu_amx", lambda c, d: c.kernels.cpu_amx == "on"),
@@ -72,6 +74,8 @@ FEATURES: tuple[Feature, ...] = (
             "schedule_policy", lambda c, d: c.scheduler.cache_aware_policy),
     Feature("lora", "LoRA adapters", "--enable-lora / --lora-paths", "enable_lora",
             lambda c, d: c.lora.enable_lora),
+    Feature("deterministic", "deterministic inference", "--enable-deterministic-inference",
+            "enable_deterministic_inference", lambda c, d: c.kernels.enable_deterministic_inference),
     # On: it overlaps where it can; under TP and with PD, the hierarchical cache or HiSparse every step is
     # synchronous (engine/core.overlap_schedule), so it combines with everything.
     Feature("overlap", "overlap schedule", "--enable-overlap-schedule", "disable_overlap_schedule",
@@ -141,6 +145,36 @@ REFUSED: dict[frozenset[str], Refusal] = {
         NOT_YET, "the draft model's KV lives in the target's pages and it attends to every position: a page "
         "given back out of the target's window takes the draft's KV with it"
     ),
+    # Deterministic inference: every call on kernels with one order of sums per row (the C++ CPU kernels).
+    frozenset({"deterministic", "cuda"}): Refusal(
+        NOT_YET, "its row-invariant kernels are kvledger's C++ CPU kernels; on CUDA the forward runs torch's "
+        "GEMMs and SDPA, whose sums depend on the batch"
+    ),
+    frozenset({"deterministic", "int8_batch"}): Refusal(
+        NO_MEANING, "int8 batches change a row's arithmetic with the row count of its forward (from 16 rows on "
+        "kvledger's VNNI kernel, 128 on oneDNN's)"
+    ),
+    frozenset({"deterministic", "amx"}): Refusal(
+        NO_MEANING, "the AMX paths take large calls only, in other sums than small ones (--cpu-amx auto is off "
+        "under deterministic inference)"
+    ),
+    frozenset({"deterministic", "compile"}): Refusal(
+        NOT_YET, "the compiled graph runs torch's bfloat16 GEMMs, whose sums depend on the rows of a call"
+    ),
+    frozenset({"deterministic", "torch_attention"}): Refusal(
+        NO_MEANING, "it runs on the cpu backend's kernels (the torch backend's SDPA and padded matmuls sum by "
+        "the batch's shapes)"
+    ),
+    frozenset({"deterministic", "lora"}): Refusal(
+        NOT_YET, "adapter deltas run torch's matmuls over the rows of each adapter, whose sums depend on them"
+    ),
+    frozenset({"deterministic", "tp"}): Refusal(
+        NOT_YET, "the all-reduce of the ranks' partial sums takes the order its collective picks for the "
+        "buffer, not one per row"
+    ),
+    frozenset({"deterministic", "hisparse"}): Refusal(
+        NOT_YET, "HiSparse chooses each step's pages by scores from torch's batched matmuls"
+    ),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
         NO_MEANING, "the hierarchical cache is the prefix cache's lower tiers"
@@ -159,7 +193,11 @@ REFUSED: dict[frozenset[str], Refusal] = {
 
 # Pairs that cannot be both on by construction (one setting, two values): neither works nor refused.
 EXCLUSIVE: frozenset[frozenset[str]] = frozenset(
-    {frozenset({"draft", "ngram"}), frozenset({"quantized", "unquantized"})}
+    {
+        frozenset({"draft", "ngram"}),
+        frozenset({"quantized", "unquantized"}),
+        frozenset({"cpu_attention", "torch_attention"}),
+    }
 )
 
 if not all(len(p) == 2 and p <= set(BY_NAME) for p in [*REFUSED, *EXCLUSIVE]):
@@ -228,6 +266,13 @@ def check_request(cfg: EngineConfig, feature: str) -> None:
             )
 
 
+def _key(i: int) -> str:
+    """The ``i``-th refusal's key in the matrix: a .. z, then aa, ab, ... (never a character that
+    Markdown's table syntax reads, as chr past "z" gave: "|")."""
+    a = ord("a")
+    return chr(a + i) if i < 26 else chr(a + i // 26 - 1) + chr(a + i % 26)
+
+
 def markdown_matrix() -> str:
     """The README's compatibility matrix: every pair, works or refused with its reason."""
     names = [f.name for f in FEATURES]
@@ -245,7 +290,7 @@ def markdown_matrix() -> str:
                 cells.append("–")
             elif pair in REFUSED:
                 if pair not in keys:
-                    keys[pair] = chr(ord("a") + len(keys))
+                    keys[pair] = _key(len(keys))
                     r = REFUSED[pair]
                     notes.append(f"{keys[pair]}. {a.title} x {b.title}: {r.kind}: {r.reason}.")
                 cells.append(f"✗{keys[pair]}")

@@ -569,6 +569,15 @@ class KernelSettings:
     enable_torch_compile: bool = False
     """Run forwards through torch.compile (weights frozen and prepacked for oneDNN, elementwise work
     fused). Faster batched decode; costs tens of seconds of compilation at start (warm-up)."""
+    enable_deterministic_inference: bool = False
+    """SGLang's flag (vLLM: batch invariance): a request's tokens and logprobs do not depend on the batch
+    it runs in, its neighbours, the chunk size, the prefix cache or the schedule. Every call takes the
+    kernels whose sums have one order per row (docs/architecture.md, "Reduction orders"): the cpu
+    attention backend (long extends in its kernels, not SDPA or the AMX flash form), the quantized
+    layers on kvledger's VNNI kernel for every row count (``--cpu-amx auto`` is off under it), float
+    layers on its dense kernel, windowed/soft-capped/sink attention and MoE experts one row at a time;
+    sampled rows without a seed draw from ``(--seed, position)`` like seeded ones. The default
+    already keeps a prompt's tokens the same cached or not on a CPU without AMX (the same kernels)."""
     sampling_backend: str = "auto"
     """auto | host | device. host: the sampled rows' logits are copied to the CPU and sampled there
     (model/sampler.py); device: batched torch ops where the logits are, one copy of the sampled ids

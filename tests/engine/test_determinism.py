@@ -4,7 +4,13 @@ By default, a greedy request gives the same tokens and logprobs whether its prom
 and whatever the chunk size, on the route a CPU without AMX takes (the kernels' one order of sums per
 row: csrc/flash.h, docs/architecture.md "Reduction orders"). On a CPU with AMX its large calls take
 other sums: these tests turn those paths off there, as such a CPU runs them.
-"""
+
+``--enable-deterministic-inference``: tokens AND logprobs of one request alone equal those of the same
+request among 1..32 random neighbours arriving at random steps, chunked (several chunk sizes), cached
+and not, overlap on and off, mixed chunks, pages of 1 and 16, greedy and sampled (seeded or not), on
+every route (quantized and float weights, the bf16 flash form and the float kernels), compared with
+``==``. SmolLM2 (the model where the defect showed) for a few cases, tiny models for breadth. Every
+engine is audited clean at teardown."""
 
 from __future__ import annotations
 
@@ -14,7 +20,8 @@ import pytest
 import torch
 
 from kvledger import Engine, kernels
-from tests.helpers import assert_idle_clean
+from kvledger.errors import ValidationError
+from tests.helpers import assert_idle_clean, build_tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
 
@@ -112,3 +119,78 @@ def test_a_greedy_request_answers_the_same_cached_or_not_by_default(smollm2_load
     assert hit["meta_info"]["cached_tokens"] == len(prompt) - 1 and _answer(hit) == _answer(cold)
     one.flush_cache()  # and among 8 random neighbours (greedy and sampled) arriving at random steps
     assert run_among(one, prompt, sp, random.Random(5), 8, 20000, 40) == _answer(cold)
+
+
+def test_deterministic_inference_on_smollm2(smollm2_loaded, engines):
+    """The flag on the default model and precision (Q4_1 blocks on the int4 kernel, bf16; on a CPU with
+    AMX too): the tool prompt alone, as a cache hit, and among random neighbours on an engine with
+    chunks of 48 and overlap, greedy and sampled without a seed: the same tokens and logprobs."""
+    prompt = _tool_prompt(smollm2_loaded.tokenizer)
+    rng = random.Random(56)
+    sps = [{**GREEDY, "max_new_tokens": 8}, {"temperature": 0.8, "max_new_tokens": 8, "logprobs": True}]
+    eng = engines(smollm2_loaded, enable_deterministic_inference=True)
+    assert eng.core.model.attention == "cpu" and not eng.core.model.amx
+    alone = [_answer(eng.generate(input_ids=prompt, sampling_params=sp)) for sp in sps]
+    assert [_answer(eng.generate(input_ids=prompt, sampling_params=sp)) for sp in sps] == alone  # cached
+    busy = engines(smollm2_loaded, enable_deterministic_inference=True, chunked_prefill_size=48,
+                   disable_overlap_schedule=False)  # fmt: skip
+    for sp, want in zip(sps, alone):
+        assert run_among(busy, prompt, sp, rng, 6, 20000, 60) == want
+
+
+# -- tiny models: every route ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny Llama with head_dim 64 (the bf16 flash form where the CPU has AVX512-BF16) and the
+    session's tiny Llama (head_dim 16: the float kernels)."""
+    from kvledger.model import load_model
+
+    hd64 = build_tiny_model(str(tmp_path_factory.mktemp("det_hd64")), "llama", seed=7, hidden_size=96,
+                            num_attention_heads=3, num_key_value_heads=1, head_dim=64,
+                            max_position_embeddings=2048)  # fmt: skip
+    hd16 = build_tiny_model(str(tmp_path_factory.mktemp("det_hd16")), "llama", seed=8)
+    return {"hd64": load_model(hd64), "hd16": load_model(hd16)}
+
+
+# (model, settings): quantized and float weights, bf16 and float32, the two attention forms
+ROUTES = [
+    ("hd64", {"dtype": "bfloat16", "quantization": "int4"}),
+    ("hd64", {"dtype": "bfloat16"}),  # a float checkpoint: the dense kernel
+    ("hd16", {"dtype": "bfloat16", "quantization": "int8"}),
+    ("hd16", {"dtype": "float32"}),
+]
+
+
+@pytest.mark.parametrize(("model", "route"), ROUTES, ids=["hd64-int4", "hd64-bf16", "hd16-int8", "hd16-fp32"])
+def test_deterministic_inference_gives_one_answer_whatever_the_batch(tiny_models, engines, model, route):
+    """One prompt (150 tokens) alone, then as a cache hit, then among 1..32 random neighbours arriving at
+    random steps, on engines that chunk it (16, 37, 64 tokens), with overlap, mixed chunks, pages of 1:
+    greedy and sampled without a seed (drawn from the engine's seed and the position), every answer
+    == the first."""
+    loaded = tiny_models[model]
+    rng = random.Random(f"{model}{sorted(route.items())}")
+    prompt = [rng.randrange(3, 250) for _ in range(150)]
+    sps = [{**GREEDY, "max_new_tokens": 10}, {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 10, "logprobs": True}]
+    base = dict(enable_deterministic_inference=True, max_total_tokens=16384, max_running_requests=40, **route)
+    ref = engines(loaded, **base)
+    want = [_answer(ref.generate(input_ids=prompt, sampling_params=sp)) for sp in sps]
+    assert [_answer(ref.generate(input_ids=prompt, sampling_params=sp)) for sp in sps] == want  # cached
+    variants = [
+        {"chunked_prefill_size": 16, "page_size": 1},
+        {"chunked_prefill_size": 37, "disable_overlap_schedule": False},
+        {"chunked_prefill_size": 64, "enable_mixed_chunk": True, "interleave_prefill_tokens": 0},
+    ]
+    for i, v in enumerate(variants):
+        eng = engines(loaded, **base, **v)
+        for n in (1, 32) if i == 0 else (rng.randrange(2, 32),):
+            for sp, w in zip(sps, want):
+                assert run_among(eng, prompt, sp, rng, n, 250, 200) == w, (v, n, sp)
+
+
+def test_the_flag_refuses_what_cannot_be_made_batch_invariant(tiny_models):
+    """compat.py's rows: int8 batches (their arithmetic changes with the row count), --cpu-amx on, the
+    torch attention backend, torch.compile: refused at start, before anything is built."""
+    for bad in ({"enable_int8_batch": True, "quantization": "int4"}, {"cpu_amx": "on", "quantization": "int4"},
+                {"attention_backend": "torch"}, {"enable_torch_compile": True}):  # fmt: skip
+        with pytest.raises(ValidationError, match="deterministic inference"):
+            Engine(loaded_model=tiny_models["hd16"], dtype="bfloat16", enable_deterministic_inference=True, **bad)

@@ -97,6 +97,7 @@ def _sharded_model(cfg: EngineConfig, loaded: LoadedModel, comm: Comm, dtype, de
         int8_batch=cfg.kernels.enable_int8_batch,
         cpu_amx=cfg.kernels.cpu_amx,
         comm=comm,
+        deterministic=cfg.kernels.enable_deterministic_inference,
     )
 
 

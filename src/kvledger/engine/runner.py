@@ -25,7 +25,8 @@ class ModelRunner:
         model.attn.kv_dtype = kv_buffer.k.dtype  # what the backend writes and reads (float8: --kv-cache-dtype)
         self.page_table = page_table
         self.on_device = sampling == "device"
-        self.sampler = DeviceSampler(seed) if self.on_device else Sampler(seed)
+        det = getattr(model, "deterministic", False)  # unseeded rows seeded under deterministic inference
+        self.sampler = DeviceSampler(seed, det) if self.on_device else Sampler(seed, det)
         self.sparse = None  # model/hisparse.py SparseWorker, with --enable-hisparse
         self.graphs = None  # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs
 

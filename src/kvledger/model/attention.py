@@ -136,6 +136,9 @@ class TorchAttention:
         self.windows = list(windows or [])
         self.softcap = softcap
         self.sinks = list(sinks or [])
+        # attend_spans one query row at a time over exactly its own keys (the cpu backend's
+        # --enable-deterministic-inference): each product then has one shape whatever the batch or chunk.
+        self.row_wise = False
         self.any_special = (
             softcap is not None
             or any(w is not None for w in self.windows)
@@ -191,6 +194,8 @@ class TorchAttention:
             sink = sink.float().view(kvh, group, 1, 1)
         out = q.new_empty(q.shape[0], self.num_heads * d)
         dev = q.device
+        if self.row_wise:  # one span per query row: its position p sees keys [lo(p), p]
+            spans = [(st + i, pre + i, 1, kv[: pre + i + 1]) for st, pre, n, kv in spans for i in range(n)]
         for start, pre, n, kv_idx in spans:
             s = pre + n
             lo = 0 if window is None else max(0, pre - window + 1)
@@ -519,18 +524,20 @@ def make_backend(
     softcap: float | None = None,
     sdpa_extends: bool = False,
     sinks: list[torch.Tensor | None] | None = None,
+    deterministic: bool = False,
 ) -> AttentionBackend:
     """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
     ``auto`` is resolved by the model (``CausalLM``) before it gets here. ``dtype``: the model's
     (the cpu backend has a bf16-only prefill kernel). ``scale``, ``windows``, ``softcap``, ``sinks``:
     the family's attention (``TorchAttention``). ``sdpa_extends``: the cpu backend runs long extends in
-    torch's SDPA (on a CPU with AMX, 2-2.5x its own flash kernel: ``CpuAttention``)."""
+    torch's SDPA (on a CPU with AMX, 2-2.5x its own flash kernel: ``CpuAttention``). ``deterministic``:
+    the cpu backend keeps every row in its kernels' one order of sums (``CpuAttention``)."""
     if name == "torch":
         return TorchAttention(num_heads, num_kv_heads, head_dim, scale, windows, softcap, sinks)
     if name == "cpu":
         from .attention_cpu import CpuAttention
 
         return CpuAttention(
-            num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap, sdpa_extends, sinks
+            num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap, sdpa_extends, sinks, deterministic
         )
     raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

@@ -42,10 +42,11 @@ from .attention import TorchAttention
 from .batch import ForwardBatch
 
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, deterministic: bool = False) -> str:
     """``auto``: ``cpu`` (the C++ kernels) for bfloat16 on a CPU where they load, else ``torch``.
     float32 stays on ``torch`` unless asked: it is the token-exact reference path (the kernels sum in
-    another order). ``cpu`` asked where it cannot run is an error, not a silent fallback."""
+    another order). ``cpu`` asked where it cannot run is an error, not a silent fallback; so is
+    ``auto`` under ``deterministic`` inference, which needs the kernels (float32 too)."""
     if name not in ATTENTION_BACKENDS:
         raise ModelLoadError(
             f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}"
@@ -53,7 +54,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     if name == "torch":
         return name
     usable = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-    if name == "cpu":
+    if name == "cpu" or deterministic:
         if not usable:
             raise ModelLoadError(
                 f"the cpu attention backend runs on CPUs in float32/bfloat16, not {device.type} {dtype}"
@@ -62,7 +63,7 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
             raise ModelLoadError(
                 f"the cpu attention backend needs kvledger's C++ kernels: {kernels.status()}"
             )
-        return name
+        return "cpu"
     return "cpu" if usable and dtype == torch.bfloat16 and kernels.load() else "torch"
 
 
@@ -111,7 +112,11 @@ class CpuAttention(TorchAttention):
         softcap: float | None = None,
         sdpa_extends: bool = False,
         sinks: list[torch.Tensor | None] | None = None,
+        deterministic: bool = False,
     ):
+        """``deterministic``: every extend in the kernels (no SDPA; the flash kernel's vdpbf16ps form, not
+        its AMX form), whose rows all sum in one order (csrc/flash.h); windowed, soft-capped and sink
+        layers one query row at a time (``TorchAttention.attend_spans``)."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale, windows, softcap, sinks)
         self.op = torch.ops.kvledger_cpu.decode_attention
         self.extend_op = torch.ops.kvledger_cpu.extend_attention_
@@ -119,8 +124,10 @@ class CpuAttention(TorchAttention):
         self.flash = flash_usable(dtype, head_dim)
         # The flash kernel runs on AMX tiles where the CPU has them (csrc/flash_amx.cpp): then it beats
         # SDPA too, and long extends of a bf16 pool stay in the kernels even with sdpa_extends.
-        self.flash_amx = self.flash and kernels.has_amx()
-        self.sdpa_extends = sdpa_extends
+        self.deterministic = deterministic
+        self.flash_amx = self.flash and kernels.has_amx() and not deterministic
+        self.sdpa_extends = sdpa_extends and not deterministic
+        self.row_wise = deterministic
         self.dtype = dtype
 
     @property
@@ -140,7 +147,7 @@ class CpuAttention(TorchAttention):
 
     def _in_kernel(self, prefix: int, new: int) -> bool:
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
-        if self._amx_ok:
+        if self._amx_ok or self.deterministic:
             return True
         if self.sdpa_extends:
             return new < FLASH_MIN_NEW

@@ -15,6 +15,7 @@ from .attention import AttentionBackend, KVBuffer, attention_context, make_backe
 from .attention_cpu import resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
+from .layers import MoE
 from .linear import Linear, place_packed_weights, use_amx
 from .models.base import Builder
 from .models.registry import family_for, supported
@@ -38,6 +39,7 @@ class CausalLM:
         comm=None,
         int8_batch: bool = False,
         cpu_amx: str = "off",
+        deterministic: bool = False,
     ):
         """``cfg`` has this rank's shapes and ``weights`` its shards under tensor parallelism
         (``parallel/shard.py``); ``comm`` does the collectives. ``attention``: auto | torch | cpu
@@ -45,13 +47,17 @@ class CausalLM:
         ``int8_batch``: quantized layers run forwards of ``linear.INT8_BATCH_ROWS`` rows and more
         (``INT8_VNNI_ROWS`` on kvledger's VNNI int8 kernel) in an int8 linear (``quant.Int8Weight``)
         instead of their own kernel. ``cpu_amx``:
-        auto | on | off, whether large calls take oneDNN's bf16 GEMM and SDPA (``linear.use_amx``)."""
+        auto | on | off, whether large calls take oneDNN's bf16 GEMM and SDPA (``linear.use_amx``).
+        ``deterministic`` (``--enable-deterministic-inference``): every call on kernels whose sums have one
+        order per row (the cpu backend, no AMX paths, dense layers on the dense kernel, windowed/sink
+        attention and MoE experts one row at a time): a row's logits do not depend on the rest of the batch."""
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        self.attention = resolve_backend(attention, self.device, dtype)
+        self.deterministic = deterministic
+        self.attention = resolve_backend(attention, self.device, dtype, deterministic)
         self.quantization = quantization  # the weight-only mode its linears run in (None: dense)
-        self.amx = use_amx(cpu_amx, self.device, dtype, quantization)
+        self.amx = use_amx(cpu_amx, self.device, dtype, quantization) and not deterministic
         family = family_for(cfg.arch)
         if family is None:
             raise ModelLoadError(
@@ -71,8 +77,13 @@ class CausalLM:
             self.handle,
             fused=self.attention == "cpu",
             amx=self.amx,
+            deterministic=deterministic,
         )
         self.net = family.build(builder).eval()
+        if deterministic:
+            for m in self.net.modules():
+                if isinstance(m, MoE):
+                    m.row_wise = True
         if self.device.type == "cpu" and quantization is not None:
             place_packed_weights(self.net)  # in huge pages: a decode step reads them all
         # After the build: attention sinks are weights (the backend reads the layers' own tensors).
@@ -87,6 +98,7 @@ class CausalLM:
             softcap=family.attention_softcap(cfg),
             sdpa_extends=self.amx,
             sinks=self.net.attention_sinks(),
+            deterministic=deterministic,
         )
         self.compiled: nn.Module | None = None
         self.compiled_forwards = 0  # forwards that ran through the compiled graph

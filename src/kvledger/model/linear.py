@@ -128,6 +128,7 @@ class Linear(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         amx: bool = False,
+        deterministic: bool = False,
     ):
         super().__init__()
         if quantization not in QUANTIZATIONS:
@@ -145,6 +146,11 @@ class Linear(nn.Module):
         self.register_buffer("q_scale", None, persistent=False)
         self.small_rows = small_rows
         self.mode = quantization
+        # --enable-deterministic-inference: every call on a kernel whose sums have one order per row (the
+        # quantized copy's, or the dense kernel on the weight as loaded: ``path``); no oneDNN, AMX or int8.
+        self.deterministic = deterministic
+        if deterministic:
+            prepack, int8_batch, amx = False, False, False
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
         self.qw: PackedWeight | None = None
         self.w8: Int8Weight | None = None  # int8_batch_rows rows and more: the int8 linear
@@ -244,7 +250,7 @@ class Linear(nn.Module):
         # Under torch.compile the quantized branches would add a size guard per layer (and a second
         # graph); compiled graphs run the bf16 GEMM, which Inductor packs. (is_compiling first:
         # comparing the symbolic row count would itself add the guard.)
-        if (self.q is not None or self.qw is not None) and not torch.compiler.is_compiling():
+        if (self.q is not None or self.qw is not None or self.deterministic) and not torch.compiler.is_compiling():
             y = self._quantized(x)
             if y is not None:
                 return y
@@ -257,8 +263,11 @@ class Linear(nn.Module):
         ``int8_batch_rows`` with ``int8_batch``), ``amx`` (the AMX copy's bf16 GEMM, from ``amx_rows``),
         ``tiles`` (kvledger's kernel on AMX tiles, from ``qw.amx_rows``: ``AMX_TILE_ROWS``),
         ``kernel`` (kvledger's; without AMX it beats the prepacked bf16 GEMM at every row count:
-        bench/RESULTS.md), ``torch`` (torch's weight-only kernels, up to ``small_rows``) or ``dense``
-        (the bf16 or float weight: oneDNN's prepacked GEMM or ``F.linear``)."""
+        bench/RESULTS.md), ``torch`` (torch's weight-only kernels, up to ``small_rows``), ``dense``
+        (the bf16 or float weight: oneDNN's prepacked GEMM or ``F.linear``) or, under deterministic
+        inference, ``rows`` (kvledger's dense kernel: each output one order of sums whatever the rows)."""
+        if self.deterministic:
+            return "kernel" if self.qw is not None else "rows"
         if self.w8 is not None and rows >= self.int8_batch_rows:
             return "int8"
         if self.qw is not None:
@@ -272,6 +281,8 @@ class Linear(nn.Module):
         path = self.path(x.shape[0])
         if path == "int8":
             return self.w8(x, self.b)
+        if path == "rows":
+            return torch.ops.kvledger_cpu.dense_linear(x.contiguous(), self.w, self.b)
         if path in ("kernel", "tiles"):
             y = self.qw(x)
         elif path != "torch":

@@ -25,8 +25,12 @@ class Sampler:
     """The host sampler: per-row work in Python over a CPU copy of the logits (``sampler_device.py``
     is the batched one that stays on the logits' device and draws the same tokens)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, deterministic: bool = False):
+        """``deterministic`` (``--enable-deterministic-inference``): a sampled row without a seed of its
+        own draws as a seeded one with ``seed`` (from ``(seed, position)`` alone), not from the shared
+        generator, whose draws follow the batch."""
         self.generator = torch.Generator().manual_seed(seed)
+        self.seed, self.deterministic = seed, deterministic
 
     def _penalize(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         V = logits.shape[1]
@@ -90,15 +94,16 @@ class Sampler:
                 drop &= ((top_p < 1.0) | (min_p > 0)).unsqueeze(1)
                 sp = sp.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(1, si, sp)
-            unseeded = [j for j, r in enumerate(srows) if r.params.seed is None]
+            unseeded = [j for j, r in enumerate(srows) if r.params.seed is None and not self.deterministic]
             if unseeded:
                 noise = torch.empty(len(unseeded), V).exponential_(generator=self.generator)
                 # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p.
                 tokens[sampled[unseeded]] = (probs[unseeded] / noise.clamp_min_(1e-20)).argmax(dim=-1)
             for j, r in enumerate(srows):
-                if r.params.seed is not None:
+                if r.params.seed is not None or self.deterministic:
                     # (seed, position) alone decide the draw (model/seeded.py), as on the device path.
-                    u = seeded_uniform(torch.tensor([r.params.seed]), torch.tensor([r.position]))
+                    seed = self.seed if r.params.seed is None else r.params.seed
+                    u = seeded_uniform(torch.tensor([seed]), torch.tensor([r.position]))
                     tokens[idx[j]] = inverse_cdf(probs[j : j + 1], u)[0]
         tok_list = tokens.tolist()
         lps: list[float | None] = [None] * B

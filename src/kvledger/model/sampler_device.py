@@ -18,8 +18,9 @@ from .seeded import inverse_cdf, seeded_uniform
 
 
 class DeviceSampler:
-    def __init__(self, seed: int = 0):
-        self.seed = seed
+    def __init__(self, seed: int = 0, deterministic: bool = False):
+        """``deterministic``: unseeded sampled rows draw as seeded ones with ``seed`` (``Sampler``)."""
+        self.seed, self.deterministic = seed, deterministic
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
@@ -131,16 +132,17 @@ class DeviceSampler:
                 drop &= torch.tensor(filt).to(dev, non_blocking=True).unsqueeze(1)
                 probs = torch.zeros_like(probs).scatter_(1, si, sp.masked_fill(drop, 0.0))
             chosen = torch.empty(len(sampled), dtype=torch.long, device=dev)
-            unseeded = [j for j, p in enumerate(srows) if p.seed is None]
-            seeded = [j for j, p in enumerate(srows) if p.seed is not None]
+            unseeded = [j for j, p in enumerate(srows) if p.seed is None and not self.deterministic]
+            seeded = [j for j, p in enumerate(srows) if p.seed is not None or self.deterministic]
             if unseeded:
                 uj = torch.tensor(unseeded, dtype=torch.long).to(dev, non_blocking=True)
                 noise = torch.empty(len(unseeded), V, device=dev).exponential_(generator=self._generator(dev))
                 chosen[uj] = (probs[uj] / noise.clamp_min_(1e-20)).argmax(dim=-1)
             if seeded:
                 sj = torch.tensor(seeded, dtype=torch.long).to(dev, non_blocking=True)
+                seeds = [self.seed if srows[j].seed is None else srows[j].seed for j in seeded]
                 ids = torch.tensor(
-                    [[srows[j].seed, rows[sampled[j]].position] for j in seeded], dtype=torch.long
+                    [[s, rows[sampled[j]].position] for s, j in zip(seeds, seeded)], dtype=torch.long
                 ).to(dev, non_blocking=True)
                 chosen[sj] = inverse_cdf(probs[sj], seeded_uniform(ids[:, 0], ids[:, 1]))
             tokens = tokens.index_copy(0, sidx, chosen)

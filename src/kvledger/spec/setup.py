@@ -27,5 +27,7 @@ def make_proposer(cfg: EngineConfig, target, num_tokens: int):
             f"the draft model's vocabulary ({draft.config.vocab_size}) is not the target's "
             f"({target.cfg.vocab_size}): it must use the same tokenizer"
         )
-    model = LlamaModel(draft.config, dict(draft.weights), dtype=target.dtype, device=target.device)
+    model = LlamaModel(
+        draft.config, dict(draft.weights), dtype=target.dtype, device=target.device, deterministic=target.deterministic
+    )
     return DraftModelProposer(model, num_tokens, cfg.cache.page_size, k)

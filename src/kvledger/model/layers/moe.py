@@ -70,6 +70,9 @@ class MoE(nn.Module):
         self.topk_softmax = topk_softmax
         self.act = activation(act)
         self.glu = glu
+        # --enable-deterministic-inference (``CausalLM``): each token alone, so that its router and expert
+        # GEMMs have one shape (one order of sums) whatever the batch; batched by expert otherwise.
+        self.row_wise = False
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights [T, k] in x's dtype, experts [T, k])``: softmax in fp32, top-k, renormalized
@@ -85,6 +88,11 @@ class MoE(nn.Module):
         return top.to(x.dtype), idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_wise and x.shape[0] > 1:
+            return torch.cat([self._experts(x[i : i + 1]) for i in range(x.shape[0])])
+        return self._experts(x)
+
+    def _experts(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert

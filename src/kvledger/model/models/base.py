@@ -39,6 +39,7 @@ class Builder:
     handle: int
     fused: bool  # attention backend ``cpu``: a family may run its norms/rotary/SiLU in the C++ kernels
     amx: bool = False  # quantized linears keep the AMX copy for large calls (``linear.use_amx``)
+    deterministic: bool = False  # --enable-deterministic-inference: linears on row-invariant kernels only
 
     def take(self, name: str) -> Weight:
         try:
@@ -57,8 +58,9 @@ class Builder:
         mode = self.quantization if mode == "default" else mode
         bias = None if b is None else self.cast(b)
         return Linear(
-            w, bias, mode, int8_batch=self.int8_batch, dtype=self.dtype, device=self.device, amx=self.amx
-        )
+            w, bias, mode, int8_batch=self.int8_batch, dtype=self.dtype, device=self.device, amx=self.amx,
+            deterministic=self.deterministic,
+        )  # fmt: skip
 
     def proj(self, names: list[str], bias: bool = False) -> Linear:
         """The rows of ``names`` (``...q_proj`` ...) fused into one ``Linear``."""
