@@ -170,7 +170,7 @@ def test_generate_takes_require_reasoning(qsrv):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("separate_reasoning", "yes"), ("stream_reasoning", 1), ("separate_reasoning", None)]
+    "field,value", [("separate_reasoning", "yes"), ("stream_reasoning", 1), ("stream_reasoning", [True])]
 )
 def test_wrong_types_are_400(qsrv, field, value):
     r = httpx.post(qsrv.url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, field: value})

@@ -140,7 +140,7 @@ class PoolingServing:
         if not body.documents:
             return self._ranked(base, body, [], [])
         salt = body.salt()
-        jobs = self._prompts([body.query], None, "query", salt) + self._prompts(body.documents, None, "documents", salt)
+        jobs = self._prompts(body.query, None, "query", salt) + self._prompts(body.documents, None, "documents", salt)
         states = await self._run(base, jobs, PoolingParams(embed=self.pooling), disconnected)
         q = np.asarray(states[0].embedding, dtype=np.float64)
         # Both are L2-normalised: the cosine is their dot product.
