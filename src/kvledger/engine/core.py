@@ -40,6 +40,7 @@ from .malloc import keep_heap_memory
 from .overlap import ForwardThread
 from .page_table import PageTable
 from .resources import (
+    auto_stored,
     default_kv_tokens,
     resolve_dtype,
     resolve_quantization,
@@ -131,8 +132,10 @@ def build_runner(
     """A worker rank's runner: its shards of the model over the pool rank 0 decided on. With
     ``--enable-torch-compile`` it compiles its own graph, on the first forward of rank 0's warm-up
     (which reaches it as ordinary steps)."""
-    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
-    model = _sharded_model(cfg, load_model(cfg.model.model, load_tokenizer=False), comm, dtype, device)
+    loaded = load_model(cfg.model.model, load_tokenizer=False)
+    stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
+    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
+    model = _sharded_model(cfg, loaded, comm, dtype, device)
     if cfg.kernels.enable_torch_compile:
         model.enable_compile()
     return _runner(cfg.replace(max_total_tokens=num_tokens, context_length=context), model, device)
@@ -235,7 +238,8 @@ class EngineCore:
         mc = loaded.config
         self.weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
         check_tp(mc, cfg.parallel.tp_size)
-        self.dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
+        stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
+        self.dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
         self.model = _sharded_model(cfg, loaded, comm, self.dtype, device)
         t_model = time.monotonic() - t0 - t_read
         # From here on the settings name what runs (the L3 cache keys, /get_server_info).
