@@ -8,6 +8,7 @@ import logging
 import sys
 
 from .common.pooling import POOLING_METHODS
+from .compat import check_launch
 from .config import (
     ATTENTION_BACKENDS,
     CPU_AMX,
@@ -27,7 +28,7 @@ from .config import (
     EngineConfig,
     ServerConfig,
 )
-from .errors import KVLedgerError, ValidationError
+from .errors import KVLedgerError
 from .server.tools import PARSERS
 
 
@@ -326,10 +327,7 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
     """``--dp-size N``: N replicas of this command behind SGLang's router (server/dp_launcher.py)."""
     from .server.dp_launcher import serve_dp
 
-    if engine.disagg.enabled or engine.parallel.nnodes > 1:
-        raise ValidationError(
-            "--dp-size starts regular replicas on this machine (no PD, one node)", param="dp_size"
-        )
+    check_launch(engine, engine.model.device, "dp")
     raw = args.raw_argv[args.raw_argv.index("serve") + 1 :]
     return serve_dp(
         raw,

@@ -704,12 +704,6 @@ class EngineConfig:
 
         for s in self.SECTIONS:
             getattr(self, s).check()
-        if self.hisparse.enable_hisparse and self.cache.page_size < 8:
-            raise ValidationError(
-                f"HiSparse selects whole pages: --page-size {self.cache.page_size} makes every token a page "
-                "(use 16, Quest's, or more)",
-                param="page_size",
-            )
         device = resolve_device(self.model.device)
         check_combinations(self, device)
         return device

@@ -14,7 +14,7 @@ import torch
 from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
 from ..common.reasoning import REASONING_FORMATS
-from ..compat import check_model, check_request
+from ..compat import check_caller, check_model, check_request
 from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
@@ -250,6 +250,7 @@ class EngineCore:
         )
         # The model's own features against the settings' (the compatibility table).
         check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
+        check_model(cfg, device, ["routed_experts"] if mc.num_experts else [], detail=mc.arch)
         self.tokenizer = loaded.tokenizer
         # LoRA adapters (``model/lora.py``): None unless --enable-lora / --lora-paths.
         self.loras: LoraSet | None = None
@@ -292,9 +293,7 @@ class EngineCore:
             if self.model.attn.any_special:
                 # attend_spans reads every request's pages through the slot table; a sparse slot's
                 # history lives in the host pool, so the two cannot be combined (yet).
-                raise ValidationError(
-                    f"--enable-hisparse does not run with {mc.arch}'s sliding-window, soft-capped or sink attention"
-                )
+                check_model(cfg, device, ["special_attention"], detail=mc.arch)
             # HiSparse: the host pool's books here, its K/V with the runner (this process: no TP).
             num_host = max(1, int(num_pages * cfg.hisparse.hisparse_host_ratio))
             sparse = self.kv_manager.sparse = SparseKV(self.kv_manager, cfg.hisparse, num_host, context)
@@ -305,9 +304,7 @@ class EngineCore:
         hicache = None
         if tiers is not None:
             if connector is not None:
-                raise ValidationError(
-                    "the hierarchical cache is a KV connector itself; pass one or the other"
-                )
+                check_caller(cfg, device, "connector")
             tiers.bind(runner.kv_buffer)
             connector = hicache = HiCacheConnector(tiers, _tp_gather(cfg))
             self.kv_manager.ledger.tiers = TierBooks(tiers, hicache)
@@ -601,19 +598,13 @@ class EngineCore:
             self.scheduler.check_submit(req)
             if req.pooling is not None:
                 if session_params is not None:
-                    raise ValidationError(
-                        "an embedding or score request cannot be a session turn: it keeps no KV for a next turn",
-                        param="session_params",
-                    )
+                    check_request(self.cfg, "sessions", ["pooling"])
                 req.disagg = None  # computed here, whatever the server's PD role: there is nothing to send
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:
                 if req.params.lora_path is not None:
-                    raise ValidationError(
-                        "a session turn cannot run with a LoRA adapter (yet): a session's KV is not bound "
-                        "to one adapter", param="lora_path",
-                    )  # fmt: skip
+                    check_request(self.cfg, "adapter", ["sessions"])
                 check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature
                 if req.disagg is not None and self._pd_mode == "prefill":
                     # A session turn through PD, prefill's half: the session is decode's. The request is a
