@@ -61,3 +61,13 @@ def test_choices_kept_elsewhere_agree_with_the_declarations():
     assert tuple(sorted(PARSERS)) == config.TOOL_CALL_PARSERS
     assert tuple(POOLING_METHODS) == config.POOLINGS
     assert LaunchSettings().router_policy in config.ROUTER_POLICIES
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    """README.md: what it is, the two commands, a first request, the matrix, links (at most 200 lines);
+    the rest lives in docs/ and bench/RESULTS.md, and every relative link points at a file."""
+    root = DOC.parents[1]
+    text = (root / "README.md").read_text()
+    assert len(text.splitlines()) <= 200, len(text.splitlines())
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert (root / target).exists(), target
