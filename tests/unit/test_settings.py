@@ -230,9 +230,10 @@ def test_a_callers_connector_with_the_hierarchical_cache_is_refused_by_the_table
     eng.shutdown()
 
 
-def test_a_pooling_session_turn_is_refused_by_the_table(make_engine):
-    """An embedding request sent as a session turn: refused before it holds anything, with the row's
-    reason; a session turn under a LoRA adapter likewise (tests/engine/test_lora.py runs that one)."""
+def test_session_turn_refusals_come_from_the_table(make_engine):
+    """An embedding request, prompt logprobs, several prompts sent as a session turn: each refused before
+    it holds anything, with its row's reason (a turn under a LoRA adapter: tests/engine/test_lora.py);
+    the session then takes a plain turn, and the engine is audited clean at teardown."""
     from kvledger.common.pooling import PoolingParams
 
     eng = make_engine()
@@ -240,4 +241,14 @@ def test_a_pooling_session_turn_is_refused_by_the_table(make_engine):
     with pytest.raises(ValidationError, match=re.escape(compat.refusal("sessions", "pooling").reason)) as e:
         eng.add_request([5, 6, 7], session_params={"id": sid}, pooling=PoolingParams(embed="last"))
     assert e.value.param == "session_params"
+    # Prompt logprobs on a turn, and several prompts as one turn: the rows' reasons, nothing held.
+    with pytest.raises(ValidationError, match=re.escape(compat.refusal("prompt_logprobs", "sessions").reason)) as e:
+        eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "logprob_start_len": 0},
+                     session_params={"id": sid})  # fmt: skip
+    assert e.value.param == "logprob_start_len"
+    with pytest.raises(ValidationError, match=re.escape(compat.refusal("sessions", "several_prompts").reason)) as e:
+        eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 2}, session_params={"id": sid})
+    assert e.value.param == "session_params"
+    out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2}, session_params={"id": sid})
+    assert len(out["output_ids"]) == 2  # a plain turn still runs
     eng.close_session(sid)
