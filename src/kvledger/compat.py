@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
-from .config import EngineConfig
+from .config import EngineConfig, write_generated
 from .errors import KVLedgerError, ValidationError
 
 
@@ -425,20 +425,7 @@ def markdown_matrix() -> str:
 
 def write_readme(path: str = "README.md") -> bool:
     """Put ``markdown_matrix()`` between the README's compat-matrix markers; True when it changed."""
-    import re
-
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    new = re.sub(
-        r"(<!-- compat-matrix:[^\n]*-->\n)(.*?)(\n<!-- /compat-matrix -->)",
-        lambda m: m.group(1) + markdown_matrix().strip() + m.group(3),
-        text,
-        flags=re.S,
-    )
-    if new != text:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(new)
-    return new != text
+    return write_generated(path, "compat-matrix", markdown_matrix())
 
 
 if __name__ == "__main__":  # python -m kvledger.compat [--write]: the README's matrix (printed, or written)

@@ -971,15 +971,16 @@ def settings_markdown() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def write_settings_doc(path: str = "docs/settings.md") -> bool:
-    """Put ``settings_markdown()`` between docs/settings.md's markers; True when it changed."""
+def write_generated(path: str, marker: str, content: str) -> bool:
+    """Put ``content`` between a document's ``<!-- MARKER: ... -->`` and ``<!-- /MARKER -->`` lines (the
+    generated parts of docs/settings.md and of the README's matrix); True when the file changed."""
     import re
 
     with open(path, encoding="utf-8") as f:
         text = f.read()
     new = re.sub(
-        r"(<!-- settings:[^\n]*-->\n)(.*?)(<!-- /settings -->)",
-        lambda m: m.group(1) + settings_markdown() + m.group(3),
+        rf"(<!-- {marker}:[^\n]*-->\n)(.*?)(\n?<!-- /{marker} -->)",
+        lambda m: m.group(1) + content.rstrip("\n") + "\n" + m.group(3).lstrip("\n"),
         text,
         flags=re.S,
     )
@@ -987,6 +988,11 @@ def write_settings_doc(path: str = "docs/settings.md") -> bool:
         with open(path, "w", encoding="utf-8") as f:
             f.write(new)
     return new != text
+
+
+def write_settings_doc(path: str = "docs/settings.md") -> bool:
+    """Put ``settings_markdown()`` between docs/settings.md's markers; True when it changed."""
+    return write_generated(path, "settings", settings_markdown())
 
 
 if __name__ == "__main__":  # python -m kvledger.config [--write]: docs/settings.md's tables
