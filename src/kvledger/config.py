@@ -149,7 +149,6 @@ class ModelSettings:
     """What runs, where, in which precision."""
 
     model: str | None = setting(None, "GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)", flags=("--model", "--model-path"))
-    """Path to a GGUF file or a Hugging Face model directory; None = the default SmolLM2 model."""
     device: str = setting("cpu", "cpu (default) | cuda | cuda:N | auto (a CUDA device where torch sees one, else cpu)")
     """cpu | cuda | cuda:N | auto (the first CUDA device where torch sees one, else the CPU). On CUDA
     the model runs in torch (SDPA attention, bf16 GEMMs; weights served unquantized) and sampling
@@ -158,7 +157,6 @@ class ModelSettings:
         "auto (default: the faster one on this machine) | float32 (the token-exact reference) | "
         "bfloat16"
     ), choices=DTYPES)
-    """auto | float32 | bfloat16. auto picks the faster one on this machine."""
     quantization: str | None = setting("auto", (
         "weight-only int8 / int4 linear layers in GGUF's blocks of 32 (Q8_0 / Q4_1-exact; CPU only, "
         "needs bfloat16). auto (default): a quantized GGUF in its own precision (Q4 -> int4, Q5-Q8 -> "
@@ -173,7 +171,6 @@ class ModelSettings:
     int8, float checkpoints none); none with float32. Output within the tolerance in
     docs/architecture.md, not token-exact. None = none."""
     context_length: int | None = setting(None, "longest sequence, prompt + output (default: the model's own limit)")
-    """Longest sequence (prompt + output). None: the model's own limit."""
     reasoning_parser: str | None = setting(None, (
         "the model's reasoning markers (<think>...</think>): chat answers give them as "
         "reasoning_content, and a request's grammar starts after </think>"
@@ -213,7 +210,6 @@ class CacheSettings:
         "KV capacity in tokens, rounded down to whole pages (default: sized from the model and the "
         "machine)"
     ))
-    """KV capacity in tokens (rounded down to whole pages). None: sized from the model and the machine."""
     kv_cache_dtype: str = setting("auto", (
         "the KV pool's element type: auto (the model's) or fp8_e4m3 (alias fp8: half the bytes, twice "
         "the tokens; attention widens it; on the CPU)"
@@ -223,10 +219,8 @@ class CacheSettings:
     in the same memory, and decode attention reads half the bytes (32 decodes over 256 tokens: 12.6 ->
     8.7 ms a step, bench/RESULTS.md). Greedy outputs may differ from auto's after some tokens (measured
     agreement in bench/RESULTS.md). Attention reads it widened to the model's dtype."""
-    enable_prefix_cache: bool = setting(True, "radix prefix cache", kind="pair")
-    """Keep finished requests' KV in the radix tree for reuse by later requests."""
-    strict_memory: bool = setting(False, "raise on any memory-ledger violation", kind="switch")
-    """Raise on any ledger violation (tests, CI). Production mode logs, counts, reclaims, serves on."""
+    enable_prefix_cache: bool = setting(True, "radix prefix cache: finished requests' KV kept in the radix tree for reuse by later requests", kind="pair")
+    strict_memory: bool = setting(False, "raise on any memory-ledger violation (tests, CI); without it a violation is logged, counted and reclaimed, and the server serves on", kind="switch")
     audit_interval_s: float = setting(10.0, "a full ledger audit at least this often while busy (0: only when idle)")
     """A full audit at a safe point at least this often while the engine is busy (0: only when it
     goes idle); an engine that goes idle is audited then, every time."""
@@ -248,23 +242,16 @@ class HiCacheSettings:
     """Back the radix cache with a host-memory tier (L2) and optionally files (L3): a prefix evicted
     from the KV pool is loaded back instead of recomputed (``hicache/``)."""
     hicache_ratio: float = setting(2.0, "L2 size as a multiple of the KV pool (when --hicache-size is 0)")
-    """L2 size as a multiple of the KV pool (used when hicache_size is 0)."""
     hicache_size: float = setting(0.0, "L2 size in GB (0: use the ratio)")
-    """L2 size in GB (0: use hicache_ratio)."""
     hicache_write_policy: str = setting("write_through", "when a prefix is copied to L2: when cached, on its second hit, or when evicted", choices=WRITE_POLICIES)
     """write_through: copy a prefix to L2 when it is cached; write_through_selective: on its second
     hit; write_back: when it is evicted from the KV pool."""
     hicache_storage_backend: str | None = setting(None, "an L3 tier: one file per KV page under --hicache-storage-dir (survives restarts)", choices=STORAGE_BACKENDS)
-    """None | file: an L3 tier of one file per page under hicache_storage_dir (survives restarts)."""
     hicache_storage_dir: str | None = setting(None, "where L3 files live (made 0700)")
     hicache_salt: str | None = setting(None, "per-deployment salt of the page keys (default: a random one kept in the storage dir)")
-    """Salt of the page-key chain (per deployment). None: a random one kept in the storage dir."""
     hicache_load_back_threshold: int = setting(16, "L2 matches shorter than this many tokens are recomputed")
-    """L2 matches shorter than this many tokens are recomputed rather than loaded."""
     hicache_prefetch_threshold: int = setting(64, "L3 hits shorter than this many tokens are not prefetched")
-    """An L3 hit shorter than this many tokens is not prefetched."""
     hicache_prefetch_timeout_s: float = setting(2.0, "seconds a queued request waits for its L3 prefetch", flags=("--hicache-prefetch-timeout",))
-    """How long a queued request waits for its L3 prefetch before it is computed without it."""
 
     def __post_init__(self) -> None:
         self.hicache_write_policy = _norm(self.hicache_write_policy) or "write_through"
@@ -304,19 +291,14 @@ class HiSparseSettings:
     """A request whose prompt has at least hisparse_min_context tokens decodes sparsely: its whole KV
     lives in a host pool, and each step attention reads only the selected pages, kept in a fixed
     budget of hot pages in the KV pool (``memory/sparse_kv.py``, ``model/hisparse.py``)."""
-    hisparse_top_k_pages: int = setting(16, "pages each layer and KV head reads besides the sink and recent ones")
-    """Pages each layer and KV head reads besides the sink and recent ones (Quest's bound picks them)."""
+    hisparse_top_k_pages: int = setting(16, "pages each layer and KV head reads besides the sink and recent ones (Quest's bound picks them)")
     hisparse_hot_pages: int = setting(32, "KV-pool pages per sparse request (at least sink + recent + top-k)")
     """KV-pool pages per sparse request: one takes the page being written, the rest cache selected
     pages (LRU per layer and KV head). At least sink + recent + top-k."""
     hisparse_min_context: int = setting(2048, "prompts shorter than this attend densely")
-    """Shorter prompts attend densely."""
     hisparse_sink_pages: int = setting(1, "the first pages every step reads")
-    """The first pages are always read (attention sinks)."""
     hisparse_recent_pages: int = setting(2, "the last pages every step reads (the one being written included)")
-    """The last pages are always read (the one being written included)."""
     hisparse_host_ratio: float = setting(2.0, "the HiSparse host pool's size as a multiple of the KV pool")
-    """The host pool's size as a multiple of the KV pool."""
 
     def check(self) -> None:
         if not self.enable_hisparse:
@@ -345,9 +327,7 @@ class SchedulerSettings:
     against 323-336 in two of 512 (one causal attention instead of a masked second chunk), and a burst
     of 32 128-token prompts was no slower (bench/RESULTS.md); running decodes wait out a larger pass."""
     max_running_requests: int = setting(64, "most requests decoding at once (also the number of request slots)")
-    """Most requests decoding at once; also the number of request slots."""
     max_queued_requests: int = setting(256, "most requests waiting for admission; past it a 429")
-    """Most requests waiting for admission; past it new requests are refused (429)."""
     max_queued_prefill_tokens: int | None = setting(None, "most prompt tokens waiting for admission; an arrival past it gets a 429 (default: no budget)")
     """Most prompt tokens waiting for admission (the prefill work queued); an arrival that would push
     them past it is refused (429) unless nothing waits. None: no budget, only max_queued_requests."""
@@ -386,23 +366,16 @@ class SchedulerSettings:
     synchronously under tensor parallelism and with a KV connector (PD, hierarchical cache), and a
     step after one with drafts, grammars, prompt logprobs or pooling waits for it."""
     max_sessions: int = setting(64, "most open streaming sessions")
-    """Most open streaming sessions; opening another is refused (429)."""
-    session_timeout_s: float | None = setting(600.0, "idle sessions are closed after this many seconds")
-    """Idle sessions are closed after this many seconds (a session's own timeout wins)."""
-    max_stop_strings: int = setting(16, "most stop strings a request may give")
-    """Most stop strings a request may give, and most stop_regex patterns."""
-    max_stop_string_len: int = setting(256, "longest stop string, in characters")
-    """Longest stop string or stop_regex pattern, in characters."""
+    session_timeout_s: float | None = setting(600.0, "idle sessions are closed after this many seconds (a session's own timeout wins)")
+    max_stop_strings: int = setting(16, "most stop strings (and stop_regex patterns) a request may give")
+    max_stop_string_len: int = setting(256, "longest stop string or stop_regex pattern, in characters")
     max_top_logprobs: int = setting(20, "most alternatives a request may ask per token (top_logprobs)")
     max_grammar_len: int = setting(65536, "longest grammar a request may give (json_schema, regex, ebnf), in characters")
-    """Longest grammar a request may give (json_schema, regex or ebnf, as sent), in characters."""
     max_grammar_depth: int = setting(32, "deepest nesting of a grammar (a schema's objects and arrays, a regex's or EBNF's groups)")
-    """Deepest nesting of a grammar: a JSON schema's objects and arrays, a regex's or an EBNF's groups."""
     grammar_compile_timeout_s: float = setting(30.0, "seconds a grammar may take to compile (off the engine's thread); past it a 400")
     """Seconds a grammar may take to compile (on the grammar threads, never the engine's); past it the
     request is refused with a 400 (code grammar_compile_timeout)."""
     seed: int = setting(0, "seed of the engine's generator for requests that bring no seed of their own")
-    """Seed of the engine's generator for requests that bring no seed of their own."""
     schedule_policy: str = setting("fcfs", (
         "order of the waiting queue: fcfs (arrival), lpm (longest prefix-cache match first), "
         "dfs-weight (radix subtrees with most waiting requests first)"
@@ -418,7 +391,6 @@ class SchedulerSettings:
     preempt (retract) running ones whose priority is lower by more than the threshold when the pool
     or the running slots are full. Off: a request's ``priority`` is ignored, as in SGLang."""
     schedule_low_priority_values_first: bool = setting(False, "with --enable-priority-scheduling: smaller priority values are more important", kind="switch")
-    """SGLang's switch: smaller ``priority`` values are more important (by default larger ones are)."""
     priority_scheduling_preemption_threshold: int = setting(10, "preempt a running request only for a priority higher by more than this (default 10)")
     """A running request is preempted only by one whose priority is higher by more than this (SGLang's
     default, 10)."""
@@ -471,10 +443,8 @@ class SchedulerSettings:
 class ParallelSettings:
     """Tensor parallelism over processes and machines, and the cores each rank uses."""
 
-    tp_size: int = setting(1, "tensor parallel ranks (processes over torch.distributed)", flags=("--tp-size", "--tensor-parallel-size"))
-    """Tensor parallel ranks (processes, over torch.distributed: gloo on CPUs)."""
-    nnodes: int = setting(1, "machines the TP ranks span")
-    """Machines the TP ranks span (tp_size / nnodes ranks on each); node 0 serves HTTP."""
+    tp_size: int = setting(1, "tensor parallel ranks (processes over torch.distributed: gloo on CPUs)", flags=("--tp-size", "--tensor-parallel-size"))
+    nnodes: int = setting(1, "machines the TP ranks span (tp_size / nnodes ranks on each; node 0 serves HTTP)")
     node_rank: int = setting(0, "this machine's index (0 serves HTTP)")
     dist_init_addr: str | None = setting(None, "host:port of node 0's rendezvous (node 0 listens on that address only)")
     """host:port of rank 0's rendezvous (multi-node): node 0 listens there only, the others connect;
@@ -489,7 +459,6 @@ class ParallelSettings:
     """How long a collective may wait. Idle workers wait in one for the next step, so this is long; a
     rank that dies breaks its connections at once, and a hung one is the front's watchdog's to catch."""
     num_threads: int | None = setting(None, "torch intra-op threads (default: torch's, shared out between ranks)")
-    """torch intra-op threads; None leaves torch's default (shared out between ranks)."""
 
     def check(self) -> None:
         if self.tp_size < 1 or self.nnodes < 1 or self.tp_size % self.nnodes:
@@ -515,12 +484,9 @@ class SpeculativeSettings:
     (spec/ngram.py), STANDALONE with a small draft model (spec/draft_model.py); the drafts are verified
     in the same forward as everything else, output distribution unchanged."""
     speculative_draft_model_path: str | None = setting(None, "STANDALONE: the draft model (GGUF or HF directory) of the same tokenizer")
-    """STANDALONE: the draft model (GGUF or HF directory) of the same tokenizer."""
     speculative_num_draft_tokens: int = setting(4, "most drafts one request verifies per step (1-16)")
-    """Most drafts one request verifies per step."""
     speculative_ngram_min_match_window_size: int = setting(1, "NGRAM: the shortest suffix, in tokens, that must have occurred before", flags=("--speculative-ngram-min-match-window-size", "--speculative-ngram-min-match-window"))
     speculative_ngram_max_match_window_size: int = setting(12, "NGRAM: the longest suffix, in tokens, tried first", flags=("--speculative-ngram-max-match-window-size", "--speculative-ngram-max-match-window"))
-    """NGRAM: the suffix that must have occurred before, in tokens (longest first)."""
 
     def __post_init__(self) -> None:
         self.speculative_algorithm = _norm(self.speculative_algorithm, upper=True, null=("NONE", "NULL", ""))
@@ -571,7 +537,6 @@ class DisaggregationSettings:
     from other machines is a decision, and needs ``disaggregation_auth_key_file``); with Mooncake, the
     address each side's transfer engine announces."""
     disaggregation_transfer_backend: str = setting("tcp", "tcp: the built-in KV transport (ZMQ over TCP); mooncake: Mooncake's transfer engine (TCP)", choices=TRANSFER_BACKENDS)
-    """tcp: the built-in transport (ZMQ over TCP, ``disagg/wire.py``); mooncake: Mooncake's transfer engine."""
     disaggregation_bootstrap_timeout_s: float = setting(300.0, (
         "prefill: release a request's KV if no decode server claims and acknowledges it in this long "
         "(seconds)"
@@ -579,7 +544,6 @@ class DisaggregationSettings:
     """prefill: how long a finished request's KV waits for its decode server to claim and
     acknowledge it before it is released."""
     disaggregation_waiting_timeout_s: float = setting(300.0, "decode: fail (502) and release a request whose KV has not arrived in this long (seconds)", flags=("--disaggregation-waiting-timeout",))
-    """decode: how long an admitted request waits for its KV before it fails (502) and is released."""
     disaggregation_auth_key_file: str | None = setting(None, (
         "the key the PD nodes share (the same file on every prefill and decode server, at least 32 "
         "bytes): every PD message is sealed with an HMAC under it (default: "
@@ -749,15 +713,13 @@ class LoraSettings:
     """LoRA adapters of the base model, served side by side in one batch (``model/lora.py``)."""
 
     enable_lora: bool = setting(False, "serve LoRA adapters (implied by --lora-paths; needed for /load_lora_adapter)", kind="switch")
-    """Serve LoRA adapters (implied by ``--lora-paths``): without it ``/load_lora_adapter`` is refused."""
     lora_paths: list[str] | None = setting(None, "LoRA adapters (peft directories) loaded at start: name=path, or path (name: its basename)", nargs="+", metavar="NAME=PATH")  # noqa: RUF009 (a declaration, not a call at each construction)
     """Adapters loaded at start: ``name=path`` or ``path`` (the name is then the directory's name);
     each a peft adapter directory (adapter_config.json, adapter_model.safetensors)."""
     max_loras_per_batch: int = setting(8, "most distinct adapters among running requests (the base model takes none)")
     """Most distinct adapters among the running requests (the base model takes none of them): a
     request of another adapter waits until one of those ends."""
-    max_lora_rank: int = setting(64, "the largest adapter rank accepted")
-    """The largest adapter rank accepted (at start and by ``/load_lora_adapter``)."""
+    max_lora_rank: int = setting(64, "the largest adapter rank accepted (at start and by /load_lora_adapter)")
 
     def __post_init__(self) -> None:
         if isinstance(self.lora_paths, str):
@@ -870,45 +832,31 @@ class ServerConfig:
         "one or more user keys, each its own tenant: 'Authorization: Bearer KEY' (not on /health, "
         "/metrics)"
     ), nargs="+", metavar="KEY")
-    """The user keys (vLLM's ``--api-key KEY [KEY ...]``); each is its own owner of sessions and requests."""
     admin_api_key: str | None = setting(None, (
         "the operator's key: admin paths (page map, /flush_cache, pause, weights, LoRA), aborting "
         "others' requests"
     ))
-    """Guards the admin paths (page map, /flush_cache, pause, weights, LoRA) and aborting others' requests."""
     admin_open: bool = setting(False, "without --admin-api-key, let user keys use the admin paths (refused otherwise)", kind="switch")
-    """Without an admin key, let every user key use the admin paths (on purpose; refused otherwise)."""
     allowed_origins: list[str] | None = setting(  # noqa: RUF009 (a declaration: default None)
         None, (
         "web origins (scheme://host[:port]) besides the server's own whose browser requests are "
-        "accepted"
+        "accepted (and granted CORS)"
     ), nargs="+", metavar="ORIGIN")
-    """Web origins besides the server's own whose browser requests are accepted (and granted CORS)."""
     tool_call_parser: str = setting("hermes", "the model's tool-call format (hermes = qwen: <tool_call> JSON; llama3; mistral)", choices=TOOL_CALL_PARSERS)
-    """How tool calls are written and parsed: hermes (= qwen), llama3 or mistral."""
     served_model_name: str | None = setting(None, "the model's name in the API (default: the model file's or directory's)")
     log_level: str = setting("info", "the logging level (debug, info, warning, error)")
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body, in bytes (413 past it)")
-    body_timeout_s: float = setting(30.0, "seconds a request body may take to arrive whole (408 past it)", flags=("--body-timeout",))
-    """A request body not received whole within this is a 408 (a stalled client holds nothing)."""
+    body_timeout_s: float = setting(30.0, "seconds a request body may take to arrive whole (408 past it: a stalled client holds nothing)", flags=("--body-timeout",))
     max_n: int = setting(16, "largest n (choices per request)")
     # What one body and one caller may ask of the engine (server/admission.py).
-    max_prompts_per_request: int = setting(2048, "prompts (inputs, items, documents) one body may carry (400 past it)")
-    """Prompts (inputs, items, documents) in one body: OpenAI's embeddings limit."""
+    max_prompts_per_request: int = setting(2048, "prompts (inputs, items, documents) one body may carry (400 past it; OpenAI's embeddings limit)")
     max_choices_per_request: int = setting(1024, "engine requests one body may fan out to, prompts x n (400 past it)")
-    """Engine requests one body fans out to (prompts x n)."""
     max_prompt_tokens_per_request: int = setting(1 << 20, "prompt tokens of one body, all its prompts together (400 past it)")
-    """Prompt tokens of one body, all its prompts together."""
     max_requests_per_key: int = setting(1024, "engine requests one API key (or anonymous) may have in flight (429 past it)")
-    """Engine requests one caller (API key, or anonymous) may have in flight: 429 past it."""
     max_stored_responses: int = setting(1024, "responses kept for previous_response_id and GET /v1/responses/{id} (an LRU)")
-    """/v1/responses kept for previous_response_id and GET (the least recently used go first)."""
     pooling: str = setting("last", "/v1/embeddings and /v1/rerank: the last token's final hidden state, or the mean of all", choices=POOLINGS)
-    """How /v1/embeddings and /v1/rerank pool the final-norm hidden states: last (token) or mean."""
     watchdog_timeout_s: float = setting(60.0, "restart the engine if a step makes no progress for this long (seconds)", flags=("--watchdog-timeout",))
-    """An engine step that makes no progress for this long is killed and the engine restarted."""
     grace_period_s: float = setting(10.0, "time running requests get to finish on SIGTERM/SIGINT (seconds)", flags=("--grace-period",))
-    """On SIGTERM/SIGINT running requests get this long to finish before they are aborted."""
     session_journal: str | None = setting(None, "keep open sessions in DIR so that they survive a restart of this server", metavar="DIR")
     """A directory where open sessions' committed tokens are kept, so that they survive the server
     process (re-opened on start, KV recomputed); ``--dp-size`` gives each replica one."""
