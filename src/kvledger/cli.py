@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 
-from .compat import check_launch
+from .compat import check_feature
 from .config import (
     PAIR,
     SWITCH,
@@ -111,7 +111,7 @@ def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:
     """``--dp-size N``: N replicas of this command behind SGLang's router (server/dp_launcher.py)."""
     from .server.dp_launcher import serve_dp
 
-    check_launch(engine, engine.model.device, "dp")
+    check_feature(engine, engine.model.device, "dp")
     raw = args.raw_argv[args.raw_argv.index("serve") + 1 :]
     return serve_dp(
         raw,

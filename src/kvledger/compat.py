@@ -8,7 +8,7 @@ does not work, with the reason a user is told; every other pair of features work
 *not yet* (the pair has a meaning; the reason says what stands in the way) or *no meaning* (one
 feature contradicts the other). ``refuse`` writes every refusal's error; code elsewhere asks the table
 (``check_combinations`` at start, the CLI's one line and exit 2; ``check_model`` once the model is
-loaded; ``check_launch``/``check_caller``; ``check_request`` when a request arrives;
+loaded; ``check_feature``; ``check_request`` when a request arrives;
 ``refusal_error`` where no configuration is at hand) and raises what it answers, never a refusal of
 its own. The ``fuzzed`` features are the ones the combination fuzz (tests/fuzz/test_combinations.py)
 runs pair by pair; the others' rows (``OTHER_REFUSALS``) are proven one by one by
@@ -111,7 +111,7 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.cache.page_size < 8, fuzzed=False),
     Feature("multinode", "several nodes", "--nnodes N", "nnodes", lambda c, d: c.parallel.nnodes > 1,
             fuzzed=False),
-    # Turned on by the launcher, not by an engine setting: ``check_launch``.
+    # Turned on by the launcher, not by an engine setting: ``check_feature``.
     Feature("dp", "data-parallel replicas", "--dp-size N", "dp_size", lambda c, d: False, fuzzed=False),
     # A KV connector handed to the engine by its caller (``Engine(kv_connector=...)``).
     Feature("connector", "a caller's KV connector", "Engine(kv_connector=...)", "kv_connector",
@@ -358,18 +358,12 @@ def check_model(cfg: EngineConfig, device: str, model_features: list[str], detai
                 raise e
 
 
-def check_launch(cfg: EngineConfig, device: str, feature: str) -> None:
-    """Refuse a launcher's ``feature`` (``--dp-size``) where a feature of ``cfg`` does not combine with
-    it; the error's ``param`` is the launcher's flag."""
+def check_feature(cfg: EngineConfig, device: str, feature: str) -> None:
+    """Refuse a feature that no setting turns on (the launcher's ``--dp-size``, a caller's KV connector)
+    where a feature of ``cfg`` does not combine with it; the error's ``param`` is the feature's own."""
     for other in active_features(cfg, device):
-        if (e := refuse(feature, other, param=BY_NAME[feature].param or None)) is not None:
+        if (e := refuse(feature, other, param=BY_NAME[feature].param)) is not None:
             raise e
-
-
-def check_caller(cfg: EngineConfig, device: str, feature: str) -> None:
-    """Refuse what a caller hands the engine (``connector``) where a feature of ``cfg`` does not
-    combine with it."""
-    check_launch(cfg, device, feature)
 
 
 def check_request(cfg: EngineConfig, feature: str, others: tuple[str, ...] | list[str] = ()) -> None:

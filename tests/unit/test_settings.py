@@ -161,7 +161,7 @@ def _ask(feature: str, cfg: EngineConfig, device: str, others: tuple[str, ...] =
     elif feature in OTHER_KNOBS:
         cfg.check()
     else:  # the launcher's (--dp-size) or the caller's (a KV connector)
-        compat.check_launch(cfg, device, feature)
+        compat.check_feature(cfg, device, feature)
 
 
 def test_every_other_row_is_refused_where_it_meets_and_nowhere_else(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import torch
 from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
 from ..common.reasoning import REASONING_FORMATS
-from ..compat import check_caller, check_model, check_request
+from ..compat import check_feature, check_model, check_request
 from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..constrained import GrammarBackend, grammar_spec
@@ -304,7 +304,7 @@ class EngineCore:
         hicache = None
         if tiers is not None:
             if connector is not None:
-                check_caller(cfg, device, "connector")
+                check_feature(cfg, device, "connector")
             tiers.bind(runner.kv_buffer)
             connector = hicache = HiCacheConnector(tiers, _tp_gather(cfg))
             self.kv_manager.ledger.tiers = TierBooks(tiers, hicache)
