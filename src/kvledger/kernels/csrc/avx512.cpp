@@ -139,7 +139,7 @@ void attend_nd(const T* q, long qs, const C* k, const C* v, const int64_t* locs,
   constexpr float unit = std::is_same_v<C, f8> ? kF8Unit : 1.f;
   const int nd = ND ? ND : D / 16;
   // The scaled queries and a block's scores, in buffers kept by the thread: the kernels call this once
-  // per 64-key chunk (flash.h), and two heap allocations a call cost ~10% of a decode's attention.
+  // per 64-key chunk (flash.h), and the two heap allocations a call were paid once a chunk.
   thread_local std::vector<float> qf, sc;
   if (qf.size() < static_cast<size_t>(G) * D) qf.resize(static_cast<size_t>(G) * D);
   if (sc.size() < static_cast<size_t>(G) * B) sc.resize(static_cast<size_t>(G) * B);
