@@ -22,6 +22,7 @@ from ..constrained.reasoning import reasoning_end_ids
 from ..disagg import make_connector, make_worker_side
 from ..errors import ConflictError, KVLedgerError, ModelLoadError, NotFoundError, ValidationError
 from ..hicache import HiCacheConnector, TierBooks, build_tiers, build_worker_side
+from ..kernels import set_threads
 from ..memory import KVBuffer, KVManager, release_window
 from ..memory.sparse_kv import SparseBooks, SparseKV
 from ..model import LlamaModel, load_model
@@ -204,8 +205,7 @@ class EngineCore:
         device = check_config(cfg)
         if ":" in device:  # cuda:N: this process's current device (allocations, streams)
             torch.cuda.set_device(torch.device(device))
-        if threads := rank_threads(cfg):
-            torch.set_num_threads(threads)
+        set_threads(rank_threads(cfg))  # torch's and the kernels' pools: this process's cores
         if device == "cpu":
             keep_heap_memory()
         t0 = time.monotonic()

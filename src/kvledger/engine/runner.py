@@ -3,10 +3,13 @@ changes, builds the ``ForwardBatch``, runs the model, samples, and verifies draf
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from ..common.sampling import SamplingRow
+from ..kernels.governor import ThreadGovernor
 from ..memory import KVBuffer
 from ..model import DeviceSampler, ForwardBatch, LlamaModel, Sampler
 from ..model import lora as lora_mod
@@ -29,6 +32,10 @@ class ModelRunner:
         self.sampler = DeviceSampler(seed, det) if self.on_device else Sampler(seed, det)
         self.sparse = None  # model/hisparse.py SparseWorker, with --enable-hisparse
         self.graphs = None  # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs
+        # On a CPU, fewer torch threads while another process holds one of this process's cores
+        # (kernels/governor.py; the kernels' own pool governs itself, csrc/pool.h).
+        cpu = kv_buffer.k.device.type == "cpu" and os.environ.get("KVLEDGER_THREAD_GOVERNOR", "1") != "0"
+        self.threads = ThreadGovernor(torch.get_num_threads()) if cpu else None
 
     def build(self, sched: SchedulerOutput) -> ForwardBatch:
         """Flatten the scheduled requests; every request that samples puts ``1 + num_draft``
@@ -92,6 +99,8 @@ class ModelRunner:
                 for layer in range(self.kv_buffer.k.shape[0]):
                     connector.wait_for_layer_load(layer)
             return ModelRunnerOutput.empty(0) if sample else None
+        if self.threads is not None:
+            self.threads.tick()
         if self.graphs is not None:
             logits = self.graphs.try_run(sched, connector)  # None: this step runs eager (counted)
             if logits is not None:

@@ -7,6 +7,11 @@ log line and the model runs its pure-torch path. The AVX-512 kernels are chosen 
 CPU's flags (``KVLEDGER_CPU_ISA=scalar`` forces the portable ones); ``isa()`` says which.
 
 Every op has a fake implementation, so ``torch.compile`` treats them as opaque calls.
+
+The kernels split their work over their own thread pool (``csrc/pool.h``: chunks claimed dynamically,
+bounded spin then sleep, a governor that works with fewer threads while another process holds a
+core), not torch's OpenMP one. ``set_threads`` sizes both; by default they take the cores this
+process may run on (``os.sched_getaffinity``), not the machine's.
 """
 
 from __future__ import annotations
@@ -22,9 +27,48 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "dense.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "dense.cpp", "pool.cpp")
 _lock = threading.Lock()
-_state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried"}
+_state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried", "threads": None}
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its affinity: a container's or ``taskset``'s cpuset), not
+    the machine's count, which oversubscribes a process given fewer."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def set_threads(n: int | None = None) -> int:
+    """Size this process's compute threads: torch's intra-op pool and the kernels' pool alike, so
+    neither oversubscribes the other's cores. None: ``default_threads()``. Applied to the kernels'
+    pool now if they are loaded, else when ``load()`` loads them. Returns the count."""
+    n = n or default_threads()
+    with _lock:
+        _state["threads"] = n
+        ok = bool(_state["ok"])
+    torch.set_num_threads(n)
+    if ok:
+        torch.ops.kvledger_cpu.set_threads(n)
+    return n
+
+
+def pool_stats() -> dict[str, int]:
+    """The kernels' pool: ``threads`` configured, ``active`` (what the governor allows now), ``jobs``
+    run, governor ``drops`` and ``restores``, ``long_wait_ns`` (time callers waited on a descheduled
+    thread), ``governed``. Empty without the kernels."""
+    if not _state["ok"]:
+        return {}
+    keys = ("threads", "active", "jobs", "drops", "restores", "long_wait_ns", "governed")
+    return dict(zip(keys, torch.ops.kvledger_cpu.pool_stats()))
+
+
+def set_governor(on: bool) -> None:
+    """Turn the pool's governor on (the default) or off (every job on every configured thread)."""
+    if load():
+        torch.ops.kvledger_cpu.set_governor(on)
 
 
 def load() -> bool:
@@ -58,6 +102,9 @@ def load() -> bool:
             log.warning("CPU kernels unavailable (%s); using the torch fallback", _state["reason"])
             return False
         _register_fakes()
+        torch.ops.kvledger_cpu.set_threads(int(_state["threads"] or default_threads()))
+        if os.environ.get("KVLEDGER_THREAD_GOVERNOR", "1") == "0":
+            torch.ops.kvledger_cpu.set_governor(False)
         _state["ok"] = True
         _state["reason"] = "loaded"
         log.info(

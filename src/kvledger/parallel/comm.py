@@ -16,14 +16,17 @@ import weakref
 
 import torch
 
+from ..kernels import default_threads
+
 
 def rank_threads(cfg) -> int | None:
-    """torch threads for one rank: the flag if given; with several ranks on this machine, its cores
-    shared out between them (oversubscribed ranks wait on each other in every collective)."""
+    """Compute threads for one rank: the flag if given; with several ranks on this machine, the cores
+    this process may run on (its affinity) shared out between them (oversubscribed ranks wait on each
+    other in every collective); None: all of them (``kernels.default_threads``)."""
     if cfg.parallel.num_threads:
         return cfg.parallel.num_threads
     local = cfg.parallel.tp_size // cfg.parallel.nnodes
-    return max(1, (os.cpu_count() or 1) // local) if local > 1 else None
+    return max(1, default_threads() // local) if local > 1 else None
 
 
 class Comm:

@@ -30,16 +30,14 @@ def die_with_parent() -> None:
 
 
 def run(cfg: EngineConfig, rank: int, addr: str, key: bytes) -> None:
-    import torch
-
     from ..engine.core import build_runner, build_worker_connector
     from ..engine.executor import InProcessExecutor
+    from ..kernels import set_threads
     from .comm import rank_threads
     from .executor import join_group, join_setup
     from .frames import Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
 
-    if threads := rank_threads(cfg):
-        torch.set_num_threads(threads)
+    set_threads(rank_threads(cfg))  # torch's and the kernels' pools: this rank's share of the cores
     log.info("rank %d: joining the group at %s", rank, addr)
     join_group(cfg, rank, addr, key)
     setup, comm = join_setup(rank, cfg.parallel.tp_size)  # the pool's shape, decided by rank 0 once loaded

@@ -185,7 +185,10 @@ def serve_dp(
     (a temporary one, removed at the end, by default)."""
     *ports, router_port = check_dp(dp_size, port, policy)
     if num_threads is None:
-        num_threads = max(1, (os.cpu_count() or 1) // dp_size)
+        # The cores this process may run on (its affinity, not the machine's), shared out: replicas
+        # that oversubscribe them stall each other's compute threads. Not pinned to cores: beside
+        # another busy process the OS must stay free to move a replica to whichever core is free.
+        num_threads = max(1, len(os.sched_getaffinity(0)) // dp_size)
     journals = session_journal or tempfile.mkdtemp(prefix="kvledger-dp-sessions-")
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     replicas = [

@@ -1,5 +1,6 @@
 // The torch side of kvledger's CPU kernels: argument checks, the split over threads
-// (at::parallel_for, torch's own OpenMP pool), the ISA choice at run time, and the registration as
+// (kvl::parallel_for on the engine's own pool, pool.h: chunks claimed dynamically, no fork/join
+// barrier that waits for a descheduled thread), the ISA choice at run time, and the registration as
 // torch ops (namespace kvledger_cpu; their fake implementations are in kernels/__init__.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,6 +19,7 @@
 
 #include "flash.h"
 #include "kernels.h"
+#include "pool.h"
 #include "qlinear.h"
 
 namespace kvl {
@@ -98,7 +100,7 @@ at::Tensor norm_impl(const at::Tensor& x, const c10::optional<at::Tensor>& res, 
     const auto& k = pick<T>(dim);
     T* rp = res ? ptr<T>(*res) : nullptr;
     long rs = res ? res->stride(0) : 0;
-    at::parallel_for(0, x.size(0), grain(dim), [&](int64_t r0, int64_t r1) {
+    kvl::parallel_for(0, x.size(0), grain(dim), [&](int64_t r0, int64_t r1) {
       k.rms_norm(ptr<T>(x), x.stride(0), rp, rs, ptr<T>(w), ptr<T>(out), out.stride(0), dim, static_cast<float>(eps), r0, r1);
     });
   });
@@ -119,7 +121,7 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   by_dtype(gu, [&](auto tag) {
     using T = decltype(tag);
     const auto& k = pick<T>(dim);
-    at::parallel_for(0, gu.size(0), grain(dim), [&](int64_t r0, int64_t r1) {
+    kvl::parallel_for(0, gu.size(0), grain(dim), [&](int64_t r0, int64_t r1) {
       k.silu_mul(ptr<T>(gu), gu.stride(0), ptr<T>(out), out.stride(0), dim, r0, r1);
     });
   });
@@ -143,7 +145,7 @@ void rope_(at::Tensor& x, const at::Tensor& pos, const at::Tensor& cos, const at
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
     const auto& k = pick<T>(hd / 2);
-    at::parallel_for(0, x.size(0), grain(x.size(1) * hd), [&](int64_t r0, int64_t r1) {
+    kvl::parallel_for(0, x.size(0), grain(x.size(1) * hd), [&](int64_t r0, int64_t r1) {
       k.rope(ptr<T>(x), x.stride(0), static_cast<int>(x.size(1)), hd, pp, ptr<T>(cos), ptr<T>(sin), r0, r1);
     });
   });
@@ -269,7 +271,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(op[b] >= 0 && op[b] < L, "out_loc ", op[b], " outside the pool");
   }
   auto out = at::empty({B, H * D}, q.options());
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = pool_threads();
   const bool flash = flash_form(q, D);
   const int64_t part = G * (D + 2);  // a chunk's partial: m[G], l[G], o[G*D]
   // Whole (request, KV head)s a thread where there are ~4 a thread: no partials kept, no second pass.
@@ -320,7 +322,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
         // equal counts gave the first thread the longest contexts (32 decodes of 128-256 tokens: its
         // share ~17% over the mean, the other thread waiting at the barrier).
         const auto cut = balanced_cuts(B * KVH, threads, [&](int64_t i) { return lp[i / KVH] + 16; });
-        at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+        kvl::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
           std::vector<float> pm(static_cast<size_t>(part));
           FoldRows rows_(G, static_cast<int>(D));
           for (int64_t i = cut[static_cast<size_t>(w0)]; i < cut[static_cast<size_t>(w1)]; ++i) {
@@ -346,14 +348,14 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
         item(i, b, h, c);
         return std::min<int64_t>(kKeyChunk, lp[b] - c * kKeyChunk) + 16;  // + a fixed part
       });
-      at::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
+      kvl::parallel_for(0, threads, 1, [&](int64_t w0, int64_t w1) {
         for (int64_t i = cut[static_cast<size_t>(w0)]; i < cut[static_cast<size_t>(w1)]; ++i) {
           int64_t b, h, c;
           item(i, b, h, c);
           chunk(b, h, c, partial.get() + i * part);
         }
       });
-      at::parallel_for(0, B * KVH, 1, [&](int64_t j0, int64_t j1) {
+      kvl::parallel_for(0, B * KVH, 1, [&](int64_t j0, int64_t j1) {
         FoldRows rows_(G, static_cast<int>(D));
         for (int64_t j = j0; j < j1; ++j) {
           const int64_t b = j / KVH, h = j % KVH, chunks = (first[b + 1] - first[b]) / KVH;
@@ -382,7 +384,7 @@ at::Tensor cast_elements(const at::Tensor& x, at::ScalarType to, Cast cast) {
   auto out = at::empty(x.sizes(), x.options().dtype(to));
   const S* xp = ptr<S>(xc);
   D* op = ptr<D>(out);
-  at::parallel_for(0, x.numel(), 65536, [&](int64_t a, int64_t b) { cast(xp + a, op + a, b - a); });
+  kvl::parallel_for(0, x.numel(), 65536, [&](int64_t a, int64_t b) { cast(xp + a, op + a, b - a); });
   return out;
 }
 
@@ -459,7 +461,7 @@ void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at:
   const bool flash = flash_form(q, D);
   const int64_t part = G * (D + 2);
   const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *tp = a.table, ts = a.table_stride;
-  at::parallel_for(0, first[E], 1, [&](int64_t i0, int64_t i1) {
+  kvl::parallel_for(0, first[E], 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> pm(static_cast<size_t>(part));
     FoldRows rows_(G, static_cast<int>(D));
     int64_t e = std::upper_bound(first.begin(), first.end(), i0) - first.begin() - 1;
@@ -545,7 +547,7 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   std::unique_ptr<bf16[]> kt_buf(new bf16[pack_at[E * KVH]]), vt_buf(new bf16[pack_at[E * KVH]]);
   bf16* const kt = kt_buf.get();
   bf16* const vt = vt_buf.get();
-  at::parallel_for(0, E * KVH, 1, [&](int64_t i0, int64_t i1) {
+  kvl::parallel_for(0, E * KVH, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / KVH, h = i % KVH, S = pp[e] + lp[e];
       const int64_t* locs = tp + rp[e] * ts;
@@ -575,7 +577,7 @@ void flash_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   }
   const bf16* qp = ptr<bf16>(q);
   bf16* o = ptr<bf16>(out);
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
+  kvl::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scratch(std::max(flash_scratch_floats(static_cast<int>(D)),
                                         amx_flash_scratch_floats(static_cast<int>(D))));
     for (int64_t i = i0; i < i1; ++i) {
@@ -625,7 +627,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
     const auto& k = pick<T>(static_cast<int>(K));
-    at::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
+    kvl::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
       k.quantize_rows(ptr<T>(x), static_cast<int>(K), xq.data_ptr<uint8_t>(), sc.data_ptr<float>(), r0, r1);
     });
   });
@@ -650,7 +652,7 @@ at::Tensor scale_rows(const at::Tensor& y, const at::Tensor& scale, const c10::o
     using T = decltype(tag);
     const auto& k = pick<T>(static_cast<int>(N));
     const T* bp = bias ? ptr<T>(*bias) : nullptr;
-    at::parallel_for(0, M, grain(N), [&](int64_t r0, int64_t r1) {
+    kvl::parallel_for(0, M, grain(N), [&](int64_t r0, int64_t r1) {
       k.scale_rows(y.data_ptr<float>(), scale.data_ptr<float>(), bp, ptr<T>(out), static_cast<int>(N), r0, r1);
     });
   });
@@ -682,7 +684,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const auto xu = scratch_of<uint8_t>(M * K);  // every row quantized below
   const auto sx = scratch_of<float>(M * segs);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
+  kvl::parallel_for(0, M, grain(K), [&](int64_t r0, int64_t r1) {
     s8_quantize(x.data_ptr(), bf16, K, xu.get(), sx.get(), r0, r1);
   });
   const S8Gemm g{xu.get(), sx.get(), M, K, N, segs, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
@@ -690,7 +692,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   // Tiles of kS8Rows rows x kS8Blocks blocks of 16 outputs, column tile major: each thread's contiguous
   // range of tiles reads few column tiles' weights.
   const int64_t NB = N / 16, CT = (NB + kS8Blocks - 1) / kS8Blocks, RT = (M + kS8Rows - 1) / kS8Rows;
-  at::parallel_for(0, CT * RT, 1, [&](int64_t i0, int64_t i1) {
+  kvl::parallel_for(0, CT * RT, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t ct = i / RT, rt = i % RT;
       s8_gemm_vnni(g, rt * kS8Rows, std::min(M, (rt + 1) * kS8Rows), ct * kS8Blocks,
@@ -737,7 +739,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
     const uint16_t* xs = reinterpret_cast<const uint16_t*>(xp.data_ptr());
     uint16_t* ys = reinterpret_cast<uint16_t*>(out.data_ptr());
     const uint16_t* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-    at::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    kvl::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
       q_amx(xs, M, Mpad, K, static_cast<int>(bits), w.data_ptr(), sp, ys, n, p0, p1);
     });
     return out;
@@ -754,14 +756,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   const auto sx = scratch_of<float>(M * G), xsum = scratch_of<float>(M * G);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   // Groups over the threads from 512 on (~16K activations): a decode row stays on this thread.
-  at::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
+  kvl::parallel_for(0, M * G, 512, [&](int64_t i0, int64_t i1) {
     qk.quantize(x.data_ptr(), bf16, xq.get(), bits == 8 ? xu.get() : nullptr, sx.get(), xsum.get(), i0, i1);
   });
   const QuantActs acts{xq.get(), xu.get(), sx.get(), xsum.get(), static_cast<int>(M), K};
   void* y = out.data_ptr();
   // Row blocks of 16 over the threads; ~64K weights a task keeps one-row calls of small layers whole.
   const int64_t grain = std::max<int64_t>(1, 65536 / (16 * K));
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+  kvl::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     if (bits == 4) {
       qk.q4(acts, w.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), y, bf16, n, b0, b1);
     } else {
@@ -791,7 +793,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   const void* bp = bias ? bias->data_ptr() : nullptr;
   // Blocks of 4 outputs (a tile's); ~64K weights a task.
   const int64_t blocks = (N + 3) / 4, per = std::max<int64_t>(1, 65536 / (4 * std::max<int64_t>(K, 1)));
-  at::parallel_for(0, blocks, per, [&](int64_t b0, int64_t b1) {
+  kvl::parallel_for(0, blocks, per, [&](int64_t b0, int64_t b1) {
     const long n0 = 4 * b0, n1 = std::min<int64_t>(N, 4 * b1);
     if (kAvx512) {
       dense_avx512(x.data_ptr(), w.data_ptr(), bp, out.data_ptr(), bf16, M, K, N, n0, n1);
