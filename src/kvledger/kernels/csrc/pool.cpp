@@ -193,9 +193,10 @@ class Pool {
     }
   }
 
-  void worker(int index) {
+  // seen: the wake count when the pool started it (a thread that starts late still sees a job
+  // published meanwhile).
+  void worker(int index, uint32_t seen) {
     tl_index = index;
-    uint32_t seen = wake_.load(std::memory_order_acquire);
     for (;;) {
       // Wait for the next job: spin, then yield, then sleep (a dropped worker sleeps at once).
       if (index < active_.load(std::memory_order_relaxed)) {
@@ -231,7 +232,8 @@ class Pool {
     gov_.reset(n);
     active_.store(n, std::memory_order_relaxed);
     stop_.store(false);
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { worker(i); });
+    const uint32_t seen = wake_.load(std::memory_order_acquire);
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i, seen] { worker(i, seen); });
   }
 
   void stop() {

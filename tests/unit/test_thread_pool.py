@@ -1,0 +1,117 @@
+"""The compute threads on a shared machine (issue 55): the kernels' pool covers every chunk exactly
+once whoever is late, its governor and the step's governor drop a thread that keeps losing its core
+and take it back once the core is free again, and thread counts follow the process's affinity."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvledger import kernels
+from kvledger.kernels.governor import Governor, ThreadGovernor
+
+needs_kernels = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
+MS = 1_000_000  # ns
+
+
+@pytest.fixture
+def two_threads():
+    before = kernels.pool_stats()["threads"]
+    kernels.set_threads(2)
+    kernels.set_governor(False)  # these tests look at the split, not the governor's choice
+    yield
+    kernels.set_governor(True)
+    kernels.set_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,grain", [(1, 1), (7, 1), (1000, 7), (4097, 3), (100_000, 1)])
+def test_pool_covers_each_item_once(two_threads, n, grain):
+    counts = torch.ops.kvledger_cpu.pool_cover(n, grain, 0, 0)
+    assert counts[:n].eq(1).all(), counts[:n].unique(return_counts=True)
+
+
+@needs_kernels
+def test_workers_share_the_work_and_a_late_one_takes_less(two_threads):
+    # 16 chunks of 2 ms: an awake worker takes several of them.
+    on_time = torch.ops.kvledger_cpu.pool_cover(16, 1, 2000, 0)
+    assert on_time[:16].eq(1).all() and on_time[16] >= 2, on_time
+    # A worker that sleeps 50 ms before each chunk it claims (a thread that lost its core) takes at
+    # most the one it claimed first: the caller does the rest and every item is still done once.
+    late = torch.ops.kvledger_cpu.pool_cover(16, 1, 2000, 50_000)
+    assert late[:16].eq(1).all() and late[16] <= 1, late
+
+
+@needs_kernels
+def test_kernels_on_the_pool_match_one_thread(two_threads):
+    x = torch.randn(3000, 64)  # ~12 chunks over the two threads
+    w = torch.rand(64) + 0.5
+    two = torch.ops.kvledger_cpu.rms_norm(x, w, 1e-6)
+    kernels.set_threads(1)
+    one = torch.ops.kvledger_cpu.rms_norm(x, w, 1e-6)
+    assert torch.equal(one, two)  # rows are independent: the split cannot change a bit
+
+
+def _replay(threads: int, jobs: list[tuple[int, int, int]]) -> list[int]:
+    ends, durs, waits = zip(*jobs) if jobs else ((), (), ())
+    return list(torch.ops.kvledger_cpu.governor_replay(threads, list(ends), list(durs), list(waits)))
+
+
+def _jobs(t0_ms: int, count: int, wait_ns: int, job_ms: int = 1) -> list[tuple[int, int, int]]:
+    return [((t0_ms + (i + 1) * job_ms) * MS, job_ms * MS, wait_ns) for i in range(count)]
+
+
+@needs_kernels
+def test_pool_governor_drops_a_late_thread_and_restores_it():
+    # 100 ms of 1 ms jobs with short waits (uneven chunks): both threads stay.
+    quiet = _replay(2, _jobs(0, 100, 50_000))
+    assert set(quiet) == {2}
+    # Then every job waits 0.5 ms for a descheduled worker: within a window, one thread.
+    busy = _jobs(100, 200, 500_000)
+    out = _replay(2, _jobs(0, 100, 50_000) + busy)
+    assert out[-1] == 1 and 2 not in out[100 + 60 :], out[100:]
+    # Late still: the probe half a second later finds it so and drops it again.
+    still = _jobs(300, 800, 500_000)
+    out = _replay(2, _jobs(0, 100, 50_000) + busy + still)
+    assert out[-1] == 1 and 2 in out[300:], "the probe came"
+    # The core frees: the next probe keeps the thread.
+    freed = _jobs(1100, 800, 0)
+    out = _replay(2, _jobs(0, 100, 50_000) + busy + still + freed)
+    assert out[-1] == 2, out[-50:]
+
+
+def test_step_governor_rule():
+    g = Governor(2, drop_share=0.3, probe_min_s=0.5, probe_max_s=2.0)
+    assert [g.observe(t / 10, 0.05) for t in range(1, 6)] == [2] * 5  # quiet
+    assert g.observe(0.6, 0.5) == 1 and g.drops == 1  # a busy neighbour: one thread
+    assert g.observe(0.7, 0.0) == 1  # before the backoff ends
+    assert g.observe(1.2, 0.0) == 2 and g.probing  # the probe
+    assert g.observe(1.3, 0.6) == 1 and g.backoff == 1.0  # still taken: dropped, backoff doubled
+    assert g.observe(2.0, 0.0) == 1  # 1.3 + 1.0 not reached
+    assert g.observe(2.4, 0.0) == 2  # probe
+    assert g.observe(2.5, 0.1) == 2 and g.restores == 1 and g.backoff == 0.5  # the core is back
+    one = Governor(1)
+    assert one.observe(1.0, 0.9) == 1  # never below one thread
+
+
+def test_thread_governor_reads_busy_threads_only():
+    now = [0.0]
+    stats = {1: (0, 0), 2: (0, 0)}
+    applied = []
+    tg = ThreadGovernor(2, window_s=0.1, read=lambda: dict(stats), apply=applied.append, clock=lambda: now[0])
+    # Thread 1 busy and waiting 60% of the window; thread 2 (a mostly idle socket thread) waits
+    # longer but ran little: only thread 1 counts, and it is over the share.
+    now[0] = 0.1
+    stats[1] = (40 * MS, 60 * MS)
+    stats[2] = (1 * MS, 90 * MS)
+    assert tg.tick() == 1 and applied == [1]
+    # Between windows nothing is read.
+    stats[1] = (10**12, 10**12)
+    now[0] = 0.15
+    assert tg.tick() == 1 and applied == [1]
+
+
+def test_thread_counts_follow_affinity():
+    assert kernels.default_threads() == len(os.sched_getaffinity(0))
