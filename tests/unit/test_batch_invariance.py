@@ -100,11 +100,11 @@ def test_attention_gives_a_query_the_same_bits_in_every_kernel_and_batch(dtype, 
     decode kernel with each token alone (chunks over threads, then folded) and in batches of 1..64
     rows among other requests of other lengths (whole requests a thread): all equal, bit for bit."""
     was = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    kernels.set_threads(threads)  # the kernels' pool (and torch's): the split is what varies
     try:
         _check_attention(dtype, kv, heads, kvh, d)
     finally:
-        torch.set_num_threads(was)
+        kernels.set_threads(was)
 
 
 def _check_attention(dtype, kv, heads, kvh, d):
