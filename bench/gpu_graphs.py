@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from gpu_check import CHATS, build_full_model, chat_ids, rand_prompts, sync
+from gpu_common import CHATS, build_full_model, chat_ids, rand_prompts, sync
 
 log = logging.getLogger("gpu_check.graphs")
 

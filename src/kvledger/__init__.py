@@ -3,8 +3,8 @@
 from .config import EngineConfig, ServerConfig
 from .engine import Engine, EngineCore
 from .errors import KVLedgerError, ModelLoadError, ValidationError
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "Engine",
     "EngineConfig",
@@ -13,4 +13,5 @@ __all__ = [
     "ModelLoadError",
     "ServerConfig",
     "ValidationError",
+    "__version__",
 ]

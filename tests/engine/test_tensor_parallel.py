@@ -11,8 +11,8 @@ import random
 import pytest
 
 from kvledger import Engine
+from kvledger.comm import ShmComm
 from kvledger.errors import ModelLoadError, ValidationError
-from kvledger.parallel.comm import ShmComm
 from tests.helpers import assert_idle_clean, build_tiny_model
 from tests.server_harness import process_alive
 

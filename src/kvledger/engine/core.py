@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm import Comm, rank_threads
 from ..common import FinishReason, Limits, RequestOutput, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
 from ..common.reasoning import REASONING_FORMATS
@@ -28,7 +29,6 @@ from ..model import LlamaModel, load_model
 from ..model.hisparse import SparseWorker
 from ..model.loader import LoadedModel, default_model_path
 from ..model.lora import LoraSet, read_adapter
-from ..parallel.comm import Comm, rank_threads
 from ..parallel.errors import TPGroupBroken
 from ..parallel.shard import check_tp, local_config, shard_weights
 from ..scheduler import PAUSE_MODES, ModelRunnerOutput, Req, Scheduler, SchedulerOutput, SessionManager

@@ -62,10 +62,8 @@ class KVManager:
         self.pages = PagePool(num_pages, page_size)
         self.slots = ReqSlotPool(num_slots)
         self.tiers = tiers  # hicache/tiers.py: the L2 and L3 tiers under the tree (None: L1 only)
-        if tiers is not None:
-            from ..hicache.tree import HiRadixCache
-
-            self.tree: RadixCache = HiRadixCache(page_size, self._free_evicted, tiers)
+        if tiers is not None:  # the tiers bring the tree that backs up to them (memory knows no tier)
+            self.tree: RadixCache = tiers.make_tree(page_size, self._free_evicted)
             tiers.tree, tiers.kv_manager = self.tree, self
         else:
             self.tree = RadixCache(page_size, self._free_evicted, enabled=enable_prefix_cache)

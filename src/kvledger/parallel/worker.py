@@ -32,9 +32,9 @@ def die_with_parent() -> None:
 def run(cfg: EngineConfig, rank: int, addr: str, key: bytes) -> None:
     import torch
 
+    from ..comm import rank_threads
     from ..engine.core import build_runner, build_worker_connector
     from ..engine.executor import InProcessExecutor
-    from .comm import rank_threads
     from .executor import join_group, join_setup
     from .frames import Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
 

@@ -16,8 +16,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ...comm import Comm
 from ...errors import ModelLoadError
-from ...parallel.comm import Comm
 from ..config import ModelConfig
 from ..gguf_map import DECODER, GGUFMeta
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
