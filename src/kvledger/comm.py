@@ -21,6 +21,11 @@ import weakref
 import torch
 
 
+class TPGroupBroken(RuntimeError):
+    """A rank died or a collective failed: the group cannot go on (the engine restarts). Here, with
+    the collectives, so the engine core catches it without importing the ranks' processes."""
+
+
 def rank_threads(cfg) -> int | None:
     """torch threads for one rank: the flag if given; with several ranks on this machine, its cores
     shared out between them (oversubscribed ranks wait on each other in every collective)."""
@@ -152,8 +157,6 @@ class ShmComm(TPComm):
                 self._yield()
                 if self.peers_alive is not None and time.monotonic() > deadline:
                     if not self.peers_alive():
-                        from .errors import TPGroupBroken
-
                         raise TPGroupBroken("a tensor-parallel rank died during a collective")
                     deadline = time.monotonic() + 0.5
         return self.data[parity, :, :n]

@@ -33,10 +33,10 @@ def run(cfg: EngineConfig, rank: int, addr: str, key: bytes) -> None:
     import torch
 
     from ..comm import rank_threads
-    from ..engine.core import build_runner, build_worker_connector
     from ..engine.executor import InProcessExecutor
     from .executor import join_group, join_setup
     from .frames import Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
+    from .ranks import build_runner, build_worker_connector
 
     if threads := rank_threads(cfg):
         torch.set_num_threads(threads)

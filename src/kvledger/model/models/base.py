@@ -167,7 +167,7 @@ class CausalNet(nn.Module):
 
     @comm.setter
     def comm(self, comm: Comm) -> None:
-        """The engine swaps in its shared-memory collectives after the build (``engine/core.py``):
+        """The engine swaps in its shared-memory collectives after the build (``launch/build.py``):
         the vocabulary ends hold the same object."""
         self._comm = comm
         self.embed.comm = comm
