@@ -36,7 +36,7 @@ EFFECTIVE_WITHOUT = {"overlap": frozenset({"tp", "pd", "hicache", "hisparse"})}
 COST_OF_A_RUN = 5.0  # a row's workload (the CI's steps), whatever its features
 # A request-level feature: on in every configuration whose start-up features allow it (the workload
 # always has session turns then).
-REQUEST_LEVEL = tuple(f.name for f in compat.FEATURES if f.request_level)
+REQUEST_LEVEL = tuple(f.name for f in compat.FUZZED if f.request_level)
 
 
 def knobs(draft_model: str) -> dict[str, dict]:
@@ -80,7 +80,7 @@ def cuda_here() -> bool:
 
 def runnable_here() -> list[str]:
     """The features this machine can run (the table's order): all but CUDA without a CUDA device."""
-    return [f.name for f in compat.FEATURES if f.name != "cuda" or cuda_here()]
+    return [f.name for f in compat.FUZZED if f.name != "cuda" or cuda_here()]
 
 
 def compatible(row: Iterable[str]) -> bool:
@@ -97,7 +97,7 @@ def pairs(row: Iterable[str]) -> set[frozenset[str]]:
 
 def allowed_pairs(features: Sequence[str] | None = None) -> set[frozenset[str]]:
     """The table's allowed pairs, among ``features`` (default: all)."""
-    keep = set(features) if features is not None else {f.name for f in compat.FEATURES}
+    keep = set(features) if features is not None else {f.name for f in compat.FUZZED}
     return {frozenset(p) for p in compat.allowed_pairs() if set(p) <= keep}
 
 

@@ -32,6 +32,7 @@ SKIPS_ALLOWED_IN_CI = (
     "the CPU has no AMX tiles",  # an AMD Zen 4, say: the AMX kernels' tests run where the tiles exist
     "the CPU has AMX tiles:",  # an Intel Xeon: the VNNI-only routes' tests run where AMX is absent
     "network namespaces are not available here",  # tests/netns.py: a container without the rights
+    "the CPU has no AVX-512 (F, BW, VL, DQ)",  # tests/unit/test_flash_emulated.py: no emulation host
 )
 
 

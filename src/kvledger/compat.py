@@ -1,14 +1,19 @@
-"""Which features combine: the one compatibility table, and the one cross-check that enforces it.
+"""Which features combine: the one compatibility table, and the one place that refuses.
 
 A feature is something a setting turns on (``FEATURES``: its name, the flag, and when a configuration
-has it), or the model being served (``model_level``: a sliding-window model, known once it is
-loaded). ``REFUSED`` lists every pair that does not work, with the reason a user is told; every other
-pair of features works, and the combination fuzz (tests/fuzz/test_combinations.py) runs them. A
-refusal is either *not yet* (the pair has a meaning; the reason says what stands in the way) or *no
-meaning* (one feature contradicts the other). ``check_combinations`` refuses a configuration at start
-(the CLI: one line, exit 2); a request-level feature (a session turn) is refused when it arrives, and
-a model-level one when the engine has loaded the model (``check_model``), with the same reason
-(``refusal``). The README's matrix is ``markdown_matrix()`` (a test keeps them equal).
+has it), a property of the model being served (``model_level``: known once it is loaded), what a
+request asks (``request_level``: a session turn, an embedding, an adapter, a weight update, ...) or
+what the launcher or a caller adds (``--dp-size``, a KV connector). ``REFUSED`` lists every pair that
+does not work, with the reason a user is told; every other pair of features works. A refusal is either
+*not yet* (the pair has a meaning; the reason says what stands in the way) or *no meaning* (one
+feature contradicts the other). ``refuse`` writes every refusal's error; code elsewhere asks the table
+(``check_combinations`` at start, the CLI's one line and exit 2; ``check_model`` once the model is
+loaded; ``check_feature``; ``check_request`` when a request arrives;
+``refusal_error`` where no configuration is at hand) and raises what it answers, never a refusal of
+its own. The ``fuzzed`` features are the ones the combination fuzz (tests/fuzz/test_combinations.py)
+runs pair by pair; the others' rows (``OTHER_REFUSALS``) are proven one by one by
+tests/unit/test_settings.py. The README's matrix is ``markdown_matrix()`` (``python -m kvledger.compat
+--write`` regenerates it; a test keeps them equal).
 
 Adding a feature: one ``Feature`` row, its refusals here with their reasons, and the fuzz's knob for
 it (``knobs`` in tests/combos.py, which makes the table's configurations for the fuzz).
@@ -20,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
-from .config import EngineConfig
-from .errors import ValidationError
+from .config import EngineConfig, write_generated
+from .errors import KVLedgerError, ValidationError
 
 
 @dataclass(frozen=True)
@@ -29,10 +34,15 @@ class Feature:
     name: str
     title: str  # how errors and the README's matrix name it
     flag: str  # the flag that turns it on
-    param: str  # the setting behind the flag (the ``param`` of a refusal)
+    param: str  # the setting behind the flag (the ``param`` of a refusal; "" for none)
     active: Callable[[EngineConfig, str], bool]  # (settings, resolved device) -> on?
     request_level: bool = False  # on per request (never at start): checked when a request asks for it
     model_level: bool = False  # on by the model (never by a setting): checked once it is loaded
+    # Run by the combination fuzz (tests/fuzz/test_combinations.py) and shown in the matrix; the rest
+    # (a request's kind, a launcher's or a caller's choice, a model's property without a fuzz model)
+    # are refused where they meet by the same rows, each proven by tests/unit/test_settings.py.
+    fuzzed: bool = True
+    code: str | None = None  # the error code of a refusal of this feature (None: the default)
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -86,8 +96,40 @@ FEATURES: tuple[Feature, ...] = (
     # that leave the window are given back while requests run (memory/window.py).
     Feature("sliding_window", "sliding-window release", "a model whose every layer slides", "model",
             lambda c, d: False, model_level=True),
+    # -- Not in the fuzz's matrix: refused where they meet, by the rows below (``OTHER_REFUSALS``). ------
+    # Some layer of the model slides, soft-caps or has sinks (Gemma, gpt-oss, ...): its attention reads
+    # every request's pages through the slot table.
+    Feature("special_attention", "sliding-window, soft-capped or sink attention",
+            "a model with such a layer", "model", lambda c, d: False, model_level=True, fuzzed=False),
+    # A mixture-of-experts model: its layers' MLPs are routed experts, not ``Linear`` projections.
+    Feature("routed_experts", "routed experts", "a mixture-of-experts model", "model", lambda c, d: False,
+            model_level=True, fuzzed=False),
+    # A family whose weights kvledger does not shard (``supports_tp = False``: gpt-oss, OLMo 2).
+    Feature("unsharded_family", "a family without tensor-parallel shards", "gpt_oss, olmo2", "model",
+            lambda c, d: False, model_level=True, fuzzed=False),
+    Feature("small_pages", "pages under 8 tokens", "--page-size 1..7", "page_size",
+            lambda c, d: c.cache.page_size < 8, fuzzed=False),
+    Feature("multinode", "several nodes", "--nnodes N", "nnodes", lambda c, d: c.parallel.nnodes > 1,
+            fuzzed=False),
+    # Turned on by the launcher, not by an engine setting: ``check_feature``.
+    Feature("dp", "data-parallel replicas", "--dp-size N", "dp_size", lambda c, d: False, fuzzed=False),
+    # A KV connector handed to the engine by its caller (``Engine(kv_connector=...)``).
+    Feature("connector", "a caller's KV connector", "Engine(kv_connector=...)", "kv_connector",
+            lambda c, d: False, fuzzed=False),
+    # Request-level, besides session turns: what a request asks of the engine.
+    Feature("pooling", "embedding and score requests", "/v1/embeddings, /v1/score, /v1/rerank", "pooling",
+            lambda c, d: False, request_level=True, fuzzed=False),
+    Feature("adapter", "requests' LoRA adapters", "lora_path", "lora_path", lambda c, d: False,
+            request_level=True, fuzzed=False),
+    Feature("prompt_logprobs", "prompt logprobs", "logprob_start_len", "logprob_start_len", lambda c, d: False,
+            request_level=True, fuzzed=False),
+    Feature("several_prompts", "several prompts in one request", "a list of prompts", "session_params",
+            lambda c, d: False, request_level=True, fuzzed=False),
+    Feature("weight_update", "weight updates", "/update_weights_from_disk", "",
+            lambda c, d: False, request_level=True, fuzzed=False, code="unsupported_configuration"),
 )  # fmt: skip
 BY_NAME = {f.name: f for f in FEATURES}
+FUZZED = tuple(f for f in FEATURES if f.fuzzed)
 
 NOT_YET = "not yet"
 NO_MEANING = "no meaning"
@@ -191,6 +233,54 @@ REFUSED: dict[frozenset[str], Refusal] = {
     frozenset({"amx", "fp32"}): Refusal(NO_MEANING, "the AMX paths are bfloat16 GEMMs of a quantized model's weights"),
 }
 
+# Refusals of the features outside the fuzz's matrix (``Feature.fuzzed`` False): request kinds, a
+# launcher's or a caller's choice, a model property. The same table (``REFUSED`` holds them too); the
+# README lists them under the matrix, and tests/unit/test_settings.py proves each by refusing it.
+OTHER_REFUSALS: dict[frozenset[str], Refusal] = {
+    frozenset({"special_attention", "hisparse"}): Refusal(
+        NOT_YET, "those layers read every request's pages through the slot table, and a sparse request's "
+        "history lives in HiSparse's host pool"
+    ),
+    frozenset({"routed_experts", "lora"}): Refusal(
+        NOT_YET, "LoRA puts its deltas on each layer's Linear projections, and routed experts have none"
+    ),
+    frozenset({"unsharded_family", "tp"}): Refusal(
+        NOT_YET, "its layers (sinks, experts or norms over the whole width) have no per-rank shards"
+    ),
+    frozenset({"small_pages", "hisparse"}): Refusal(
+        NO_MEANING, "HiSparse selects whole pages, and a page this small makes every token one (use 16, "
+        "Quest's, or more)"
+    ),
+    frozenset({"dp", "pd"}): Refusal(
+        NOT_YET, "--dp-size starts regular replicas behind one router (a PD deployment runs its prefill and "
+        "decode servers behind sglang-router itself)"
+    ),
+    frozenset({"dp", "multinode"}): Refusal(NOT_YET, "--dp-size starts its replicas on this machine"),
+    frozenset({"connector", "hicache"}): Refusal(
+        NO_MEANING, "the hierarchical cache is a KV connector itself; pass one or the other"
+    ),
+    frozenset({"pooling", "sessions"}): Refusal(NO_MEANING, "they keep no KV for a next turn"),
+    frozenset({"adapter", "sessions"}): Refusal(
+        NOT_YET, "a session's KV is not bound to one adapter (a turn under another adapter, or none, would "
+        "read KV computed under the first)"
+    ),
+    frozenset({"prompt_logprobs", "sessions"}): Refusal(
+        NOT_YET, "a turn's prompt begins with the KV the session holds, which is not computed again"
+    ),
+    frozenset({"sessions", "several_prompts"}): Refusal(NO_MEANING, "a session takes one turn at a time"),
+    frozenset({"weight_update", "tp"}): Refusal(
+        NOT_YET, "every rank would have to load its shard in step; restart the server on the new weights"
+    ),
+    frozenset({"weight_update", "compile"}): Refusal(
+        NOT_YET, "the compiled graph froze the weights loaded at start; restart the server on the new weights"
+    ),
+    frozenset({"weight_update", "hicache"}): Refusal(
+        NOT_YET, "its L2 pages and L3 files are keyed by the model loaded at start; restart the server on the "
+        "new weights"
+    ),
+}
+REFUSED.update(OTHER_REFUSALS)
+
 # Pairs that cannot be both on by construction (one setting, two values): neither works nor refused.
 EXCLUSIVE: frozenset[frozenset[str]] = frozenset(
     {
@@ -210,10 +300,10 @@ def refusal(a: str, b: str) -> Refusal | None:
 
 
 def allowed_pairs() -> list[tuple[str, str]]:
-    """Every pair of features that works (what the combination fuzz must cover)."""
+    """Every pair of fuzzed features that works (what the combination fuzz must cover)."""
     return [
         (a.name, b.name)
-        for a, b in combinations(FEATURES, 2)
+        for a, b in combinations(FUZZED, 2)
         if frozenset({a.name, b.name}) not in REFUSED and frozenset({a.name, b.name}) not in EXCLUSIVE
     ]
 
@@ -222,48 +312,67 @@ def active_features(cfg: EngineConfig, device: str) -> list[str]:
     return [f.name for f in FEATURES if not f.request_level and f.active(cfg, device)]
 
 
+def refuse(
+    a: str, b: str, *, param: str | None = None, detail: str = "", error: type[KVLedgerError] = ValidationError
+) -> KVLedgerError | None:
+    """The error of the row of ``a`` x ``b`` (None: they combine): the one place a refusal's message
+    is written. It names ``a`` first (with ``detail``, e.g. the model's architecture), then ``b`` and
+    the row's reason; ``param`` defaults to ``b``'s, the code to the first feature's that has one;
+    ``error``: the class (a model that cannot be served is a ``ModelLoadError``)."""
+    r = refusal(a, b)
+    if r is None:
+        return None
+    fa, fb = BY_NAME[a], BY_NAME[b]
+    verb = "do" if fa.request_level else "does"
+    what = f"{fa.title} ({detail})" if detail else fa.title if fa.request_level else f"{fa.title} ({fa.flag})"
+    return error(
+        f"{what} {verb} not work with {fb.title} ({fb.flag}): {r.reason}" + (" (yet)" if r.kind == NOT_YET else ""),
+        param=fb.param if param is None else param,
+        code=fa.code or fb.code,
+    )
+
+
+def refusal_error(a: str, b: str, **kw) -> KVLedgerError:
+    """The error of the row of ``a`` x ``b``, for code that meets the pair where no configuration is at
+    hand (a session's params, a request's prompts, a model's shards); a pair without a row is a bug."""
+    e = refuse(a, b, **kw)
+    if e is None:
+        raise LookupError(f"the compatibility table has no row {a} x {b}")
+    return e
+
+
 def check_combinations(cfg: EngineConfig, device: str) -> None:
     """Refuse ``cfg`` when two of its features do not combine: one error naming both and the reason."""
-    on = active_features(cfg, device)
-    for a, b in combinations(on, 2):
-        r = refusal(a, b)
-        if r is not None:
-            fa, fb = BY_NAME[a], BY_NAME[b]
-            raise ValidationError(
-                f"{fa.title} ({fa.flag}) does not work with {fb.title} ({fb.flag}): {r.reason}"
-                + (" (yet)" if r.kind == NOT_YET else ""),
-                param=fb.param,
-            )
+    for a, b in combinations(active_features(cfg, device), 2):
+        if (e := refuse(a, b)) is not None:
+            raise e
 
 
-def check_model(cfg: EngineConfig, device: str, model_features: list[str]) -> None:
+def check_model(cfg: EngineConfig, device: str, model_features: list[str], detail: str = "") -> None:
     """Refuse the loaded model's ``model_features`` (model-level) where a feature of ``cfg`` does not
-    combine with one: one error naming both and the reason."""
+    combine with one: one error naming both and the reason (``detail``: which model)."""
     on = active_features(cfg, device)
     for name in model_features:
         for other in on:
-            r = refusal(name, other)
-            if r is not None:
-                f, o = BY_NAME[name], BY_NAME[other]
-                raise ValidationError(
-                    f"{f.title} ({f.flag}) does not work with {o.title} ({o.flag}): {r.reason}"
-                    + (" (yet)" if r.kind == NOT_YET else ""),
-                    param=o.param,
-                )
+            if (e := refuse(name, other, detail=detail)) is not None:
+                raise e
 
 
-def check_request(cfg: EngineConfig, feature: str) -> None:
-    """Refuse a request-level ``feature`` (400) where the engine's features do not combine with it
-    (``cfg``: the engine's settings, its device resolved)."""
-    for other in active_features(cfg, cfg.model.device):
-        r = refusal(feature, other)
-        if r is not None:
-            f, o = BY_NAME[feature], BY_NAME[other]
-            raise ValidationError(
-                f"{f.title} do not work with {o.title} ({o.flag}): {r.reason}"
-                + (" (yet)" if r.kind == NOT_YET else ""),
-                param=f.param,
-            )
+def check_feature(cfg: EngineConfig, device: str, feature: str) -> None:
+    """Refuse a feature that no setting turns on (the launcher's ``--dp-size``, a caller's KV connector)
+    where a feature of ``cfg`` does not combine with it; the error's ``param`` is the feature's own."""
+    for other in active_features(cfg, device):
+        if (e := refuse(feature, other, param=BY_NAME[feature].param)) is not None:
+            raise e
+
+
+def check_request(cfg: EngineConfig, feature: str, others: tuple[str, ...] | list[str] = ()) -> None:
+    """Refuse a request-level ``feature`` (400) where the request's ``others`` (request-level too) or
+    the engine's features do not combine with it (``cfg``: the engine's settings, its device
+    resolved). The error's ``param`` is the request's feature's."""
+    for other in [*others, *active_features(cfg, cfg.model.device)]:
+        if (e := refuse(feature, other, param=BY_NAME[feature].param or None)) is not None:
+            raise e
 
 
 def _key(i: int) -> str:
@@ -274,15 +383,17 @@ def _key(i: int) -> str:
 
 
 def markdown_matrix() -> str:
-    """The README's compatibility matrix: every pair, works or refused with its reason."""
-    names = [f.name for f in FEATURES]
+    """The README's compatibility matrix: every pair of fuzzed features, works or refused with its
+    reason; then every other row of the table (what is refused where a request, the launcher, a
+    caller or the model meets a feature)."""
+    names = [f.name for f in FUZZED]
     head = "| | " + " | ".join(f"{i + 1}" for i in range(len(names))) + " |"
     rows = [head, "|---" * (len(names) + 1) + "|"]
     notes: list[str] = []
     keys: dict[frozenset[str], str] = {}
-    for i, a in enumerate(FEATURES):
+    for i, a in enumerate(FUZZED):
         cells = []
-        for j, b in enumerate(FEATURES):
+        for j, b in enumerate(FUZZED):
             pair = frozenset({a.name, b.name})
             if i == j:
                 cells.append("")
@@ -299,8 +410,22 @@ def markdown_matrix() -> str:
         how = f"({a.flag})" if a.model_level else f"(`{a.flag}`)"  # a model's property is no flag
         rows.append(f"| {i + 1}. {a.title} {how} | " + " | ".join(cells) + " |")
     legend = "✓ works (the combination fuzz runs it), ✗ refused (below), – one setting, two values."
-    return "\n".join([*rows, "", legend, "", *notes])
+    other = ["Also refused, where a request, the launcher, a caller or the model meets a feature:", ""]
+    for pair, r in OTHER_REFUSALS.items():
+        a, b = sorted((BY_NAME[n] for n in pair), key=FEATURES.index)
+        other.append(f"- {a.title} ({a.flag}) x {b.title} ({b.flag}): {r.kind}: {r.reason}.")
+    return "\n".join([*rows, "", legend, "", *notes, "", *other])
 
 
-if __name__ == "__main__":  # python -m kvledger.compat: the README's matrix
-    print(markdown_matrix())
+def write_readme(path: str = "README.md") -> bool:
+    """Put ``markdown_matrix()`` between the README's compat-matrix markers; True when it changed."""
+    return write_generated(path, "compat-matrix", markdown_matrix())
+
+
+if __name__ == "__main__":  # python -m kvledger.compat [--write]: the README's matrix (printed, or written)
+    import sys
+
+    if "--write" in sys.argv[1:]:
+        print("README.md: " + ("matrix regenerated" if write_readme() else "matrix current"))
+    else:
+        print(markdown_matrix())

@@ -161,7 +161,7 @@ def test_bad_adapters_and_names_are_refused(make_engine, adapters, tmp_path):
     eng.load_lora_adapter("attn", adapters["attn"])
     with pytest.raises(ValidationError, match="loaded already"):
         eng.load_lora_adapter("attn", adapters["all"])
-    with pytest.raises(ValidationError, match="cannot run with a LoRA adapter"):
+    with pytest.raises(ValidationError, match="LoRA adapters do not work with session turns"):
         sid = eng.open_session()
         eng.generate(input_ids=PROMPTS[0], sampling_params={**G, "lora_path": "attn"},
                      session_params={"id": sid})  # fmt: skip

@@ -243,7 +243,7 @@ def test_update_weights_repacks_a_quantized_gguf_as_a_start_does(tmp_path):
 
 def test_reload_is_refused_where_it_cannot_apply_yet():
     for flags, needle in [
-        ({"tp_size": 2}, "tensor parallelism"),
+        ({"tp_size": 2}, "tensor parallel"),
         ({"enable_torch_compile": True}, "torch-compile"),
     ]:
         with pytest.raises(ValidationError, match=needle):

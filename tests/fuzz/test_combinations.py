@@ -1,8 +1,10 @@
 """The combination fuzz (issue 30): every pair of features the compatibility table allows runs together.
 
 The configurations come from the table at run time (``tests/combos.py``: a pairwise covering array
-over ``compat.FEATURES`` less ``REFUSED`` and ``EXCLUSIVE``), so a pair lifted from ``REFUSED`` is run
-here as soon as its row is gone. Each configuration runs a random workload on the tiny chat model
+over ``compat.FUZZED`` less ``REFUSED`` and ``EXCLUSIVE``), so a pair lifted from ``REFUSED`` is run
+here as soon as its row is gone. The table's other features (``Feature.fuzzed`` False: request kinds,
+the launcher's and a caller's choices, model properties without a fuzz model) are proven row by row in
+tests/unit/test_settings.py. Each configuration runs a random workload on the tiny chat model
 (``tests/fuzz/workload.py``: shared prefixes, long and short prompts, streams cut, aborts of queued
 requests, health checks, session turns with offsets and aborted or too-long turns, grammars, n>1, stop
 strings, embeddings and label scores, retraction under a small pool) with strict books after every step, the idle audit at random

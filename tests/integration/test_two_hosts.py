@@ -235,19 +235,20 @@ def test_tensor_parallel_across_two_hosts(hosts, chat_model, server, tmp_path):
     assert all(a.startswith((f"{hosts.a.addr}:", "127.0.0.1:")) for a in on_a), on_a
 
 
-def readme_recipe(name: str) -> list[list[str]]:
-    """The commands of the README's ``<!-- recipe:NAME -->`` block, continuation lines joined."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def doc_recipe(name: str) -> list[list[str]]:
+    """The commands of docs/deployment.md's ``<!-- recipe:NAME -->`` block (moved from the README, issue
+    53), continuation lines joined."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
     block = text.split(f"<!-- recipe:{name} -->", 1)[1].split("<!-- /recipe -->", 1)[0]
     body = block.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     return [shlex.split(line) for line in body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
 def test_the_readmes_pd_tp_hicache_recipe_across_two_hosts(hosts, chat_model, server, tmp_path):
-    """The README's two-machine recipe, as written: prefill (TP 2, tiers) on A, decode (TP 2, tiers)
+    """docs/deployment.md's two-machine recipe, as written: prefill (TP 2, tiers) on A, decode (TP 2, tiers)
     on B, the router on A. Only the model, the engine's test settings and the addresses change."""
     pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
-    cmds = readme_recipe("pd-tp-hicache")
+    cmds = doc_recipe("pd-tp-hicache")
     assert cmds[0][:2] == ["openssl", "rand"] and cmds[0][-1] == "pd.key", cmds[0]  # the shared key, made here
     cmds = cmds[1:]
     assert [c[:2] for c in cmds] == [["kvledger", "serve"]] * 2 + [["python", "-m"]], cmds

@@ -32,7 +32,7 @@ def test_every_pair_is_refused_exactly_where_the_table_says(tmp_path, monkeypatc
     refused with one error naming both and the table's reason — never refused by another rule."""
     monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda" if "cuda" in name else "cpu")
     k = knobs(tmp_path)
-    assert set(k) == {f.name for f in compat.FEATURES if not f.request_level}  # a knob per feature
+    assert set(k) == {f.name for f in compat.FUZZED if not f.request_level}  # a knob per fuzzed feature
     for a, b in itertools.combinations(k, 2):
         pair = frozenset({a, b})
         if pair in compat.EXCLUSIVE:
@@ -128,7 +128,7 @@ def test_the_readme_matrix_is_the_table():
     text = README.read_text()
     m = re.search(r"<!-- compat-matrix:[^\n]*-->\n(.*?)\n<!-- /compat-matrix -->", text, re.S)
     assert m, "README.md lacks the compat-matrix markers"
-    assert m.group(1).strip() == compat.markdown_matrix().strip(), "regenerate: python -m kvledger.compat"
+    assert m.group(1).strip() == compat.markdown_matrix().strip(), "regenerate: python -m kvledger.compat --write"
 
 
 def test_a_request_level_refusal_names_the_tables_reason(monkeypatch):
@@ -142,3 +142,113 @@ def test_a_request_level_refusal_names_the_tables_reason(monkeypatch):
         compat.check_request(cfg, "sessions")
     assert "a reason" in str(e.value) and e.value.param == "session_params"
     compat.check_request(EngineConfig(), "sessions")  # no PD: fine
+
+
+# The features outside the fuzz's matrix that a setting turns on: the settings that turn each on.
+OTHER_KNOBS = {
+    "small_pages": {"page_size": 4},
+    "multinode": {"tp_size": 2, "nnodes": 2, "dist_init_addr": "127.0.0.1:29999"},
+}
+
+
+def _ask(feature: str, cfg: EngineConfig, device: str, others: tuple[str, ...] = ()) -> None:
+    """Ask the table about ``feature`` the way the code that meets it does."""
+    f = compat.BY_NAME[feature]
+    if f.request_level:
+        compat.check_request(cfg.replace(device=device), feature, others)
+    elif f.model_level:
+        compat.check_model(cfg, device, [feature])
+    elif feature in OTHER_KNOBS:
+        cfg.check()
+    else:  # the launcher's (--dp-size) or the caller's (a KV connector)
+        compat.check_feature(cfg, device, feature)
+
+
+def test_every_other_row_is_refused_where_it_meets_and_nowhere_else(tmp_path, monkeypatch):
+    """The features outside the fuzz's matrix (request kinds, the launcher's, a caller's, a model's
+    property, two settings' values): each against every start-up feature, refused exactly where the
+    table has a row (with its reason and its code), and each request-level pair as the engine asks it."""
+    monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda" if "cuda" in name else "cpu")
+    monkeypatch.setenv("KVLEDGER_DIST_AUTH_KEY", "k" * 32)
+    k = knobs(tmp_path)
+    others = [f for f in compat.FEATURES if not f.fuzzed]
+    assert set(compat.OTHER_REFUSALS) <= set(compat.REFUSED) and others
+    assert all(any(f.name in p for p in compat.OTHER_REFUSALS) for f in others)  # each has a row
+    for x in others:
+        for y, knob in k.items():
+            if compat.BY_NAME[y].model_level or (y in ("tp",) and x.name == "multinode"):
+                continue
+            if x.name in OTHER_KNOBS and compat.refusal(x.name, y) is None:
+                continue  # a setting's value against the rest: the fuzz's pairs' business (tp's rows, ...)
+            cfg = EngineConfig.from_flat(**{**knob, **OTHER_KNOBS.get(x.name, {})})
+            device = "cuda" if y == "cuda" else "cpu"
+            row = compat.refusal(x.name, y)
+            if row is None:
+                _ask(x.name, cfg, device)
+                continue
+            with pytest.raises(ValidationError) as e:
+                _ask(x.name, cfg, device)
+            msg = str(e.value)
+            assert x.title in msg and compat.BY_NAME[y].title in msg and row.reason in msg, msg
+            assert e.value.code == (x.code or compat.BY_NAME[y].code), msg
+        if x.name in OTHER_KNOBS:  # the setting alone starts
+            EngineConfig.from_flat(**OTHER_KNOBS[x.name]).check()
+    # Two request-level features: a session turn that is an embedding, or under an adapter.
+    for a, b in (("sessions", "pooling"), ("adapter", "sessions"), ("prompt_logprobs", "sessions"),
+                 ("sessions", "several_prompts")):  # fmt: skip
+        with pytest.raises(ValidationError, match=re.escape(compat.refusal(a, b).reason)) as e:
+            compat.check_request(EngineConfig(), a, [b])
+        assert e.value.param == compat.BY_NAME[a].param
+    compat.check_request(EngineConfig(), "sessions")  # either alone: fine
+    compat.check_request(EngineConfig.from_flat(enable_lora=True), "adapter")
+
+
+def test_the_launchers_refusals_come_from_the_table(monkeypatch, capsys):
+    """``kvledger serve --dp-size 2`` with PD or several nodes: one line, exit 2, the row's reason
+    (refused before any replica starts)."""
+    from kvledger import cli
+
+    monkeypatch.setenv("KVLEDGER_DIST_AUTH_KEY", "k" * 32)
+    for flags, other in (
+        (["--disaggregation-mode", "decode"], "pd"),
+        (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:29999"], "multinode"),
+    ):
+        assert cli.main(["serve", "--dp-size", "2", *flags]) == 2
+        err = capsys.readouterr().err
+        assert compat.refusal("dp", other).reason in err and "data-parallel replicas" in err, err
+
+
+def test_a_callers_connector_with_the_hierarchical_cache_is_refused_by_the_table(tiny_loaded):
+    """An engine built with a KV connector of the caller's and ``--enable-hierarchical-cache``: refused
+    at construction with the row's reason (the cache is a connector itself); without the cache it starts."""
+    from kvledger.connector import NoOpConnector
+
+    with pytest.raises(ValidationError, match=re.escape(compat.refusal("connector", "hicache").reason)):
+        Engine(loaded_model=tiny_loaded, dtype="float32", max_total_tokens=512, enable_hierarchical_cache=True,
+               kv_connector=NoOpConnector())  # fmt: skip
+    eng = Engine(loaded_model=tiny_loaded, dtype="float32", max_total_tokens=512, kv_connector=NoOpConnector())
+    eng.shutdown()
+
+
+def test_session_turn_refusals_come_from_the_table(make_engine):
+    """An embedding request, prompt logprobs, several prompts sent as a session turn: each refused before
+    it holds anything, with its row's reason (a turn under a LoRA adapter: tests/engine/test_lora.py);
+    the session then takes a plain turn, and the engine is audited clean at teardown."""
+    from kvledger.common.pooling import PoolingParams
+
+    eng = make_engine()
+    sid = eng.open_session()
+    with pytest.raises(ValidationError, match=re.escape(compat.refusal("sessions", "pooling").reason)) as e:
+        eng.add_request([5, 6, 7], session_params={"id": sid}, pooling=PoolingParams(embed="last"))
+    assert e.value.param == "session_params"
+    # Prompt logprobs on a turn, and several prompts as one turn: the rows' reasons, nothing held.
+    with pytest.raises(ValidationError, match=re.escape(compat.refusal("prompt_logprobs", "sessions").reason)) as e:
+        eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2, "logprob_start_len": 0},
+                     session_params={"id": sid})  # fmt: skip
+    assert e.value.param == "logprob_start_len"
+    with pytest.raises(ValidationError, match=re.escape(compat.refusal("sessions", "several_prompts").reason)) as e:
+        eng.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params={"max_new_tokens": 2}, session_params={"id": sid})
+    assert e.value.param == "session_params"
+    out = eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2}, session_params={"id": sid})
+    assert len(out["output_ids"]) == 2  # a plain turn still runs
+    eng.close_session(sid)

@@ -191,19 +191,13 @@ class EngineCore:
             self.scheduler.check_submit(req)
             if req.pooling is not None:
                 if session_params is not None:
-                    raise ValidationError(
-                        "an embedding or score request cannot be a session turn: it keeps no KV for a next turn",
-                        param="session_params",
-                    )
+                    check_request(self.cfg, "sessions", ["pooling"])
                 req.disagg = None  # computed here, whatever the server's PD role: there is nothing to send
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:
                 if req.params.lora_path is not None:
-                    raise ValidationError(
-                        "a session turn cannot run with a LoRA adapter (yet): a session's KV is not bound "
-                        "to one adapter", param="lora_path",
-                    )  # fmt: skip
+                    check_request(self.cfg, "adapter", ["sessions"])
                 check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature
                 if req.disagg is not None and self._pd_mode == "prefill":
                     # A session turn through PD, prefill's half: the session is decode's. The request is a

@@ -21,17 +21,37 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: str, quantization: str | None = None) -> torch.dtype:
+def resolve_dtype(name: str, device: str, quantization: str | None = None, stored: str | None = None) -> torch.dtype:
     """``auto``: bfloat16 where the CPU has native bf16 (or on a GPU), float32 elsewhere; always
-    bfloat16 with a weight-only quantization (its kernels take bf16 activations)."""
+    bfloat16 with a weight-only quantization (its kernels take bf16 activations): one asked for by name
+    (``quantization``), or a quantized checkpoint's own (``stored``, where the quantization setting is
+    ``auto``) on a CPU whose int8 kernel runs it (AVX-512 VNNI)."""
     if name in ("float32", "fp32"):
         return torch.float32
     if name in ("bfloat16", "bf16"):
         return torch.bfloat16
     if name != "auto":
         raise ValidationError(f"dtype must be auto, bfloat16 or float32, got {name!r}", param="dtype")
-    # bf16 matmuls are ~2.5x faster than fp32 where the CPU has native bf16 (PERF-NOTES).
-    return torch.bfloat16 if quantization or device != "cpu" or cpu_has_bf16() else torch.float32
+    # bf16 matmuls are ~2.5x faster than fp32 where the CPU has native bf16 (PERF-NOTES). Without it a
+    # quantized file still runs best in its own blocks on the VNNI kernel (bf16 activations, widened
+    # by shifts): a dequantized float32 copy is ~4-8x the bytes each decode step reads, and its
+    # GEMMs (MKL's, per row count) and SDPA give a prompt's rows other bits as a prefix-cache hit's tail
+    # than in one extend (issue 56; the kernels sum a row one way at any row count).
+    if quantization or device != "cpu" or cpu_has_bf16():
+        return torch.bfloat16
+    return torch.bfloat16 if stored and _vnni_kernels() else torch.float32
+
+
+def _vnni_kernels() -> bool:
+    from .. import kernels
+
+    return kernels.load() and kernels.quant_isa() == "avx512-vnni"
+
+
+def auto_stored(quantization: str | None, stored: str | None) -> str | None:
+    """The checkpoint's own quantization where the setting leaves it to the file (``auto``), for
+    ``resolve_dtype``."""
+    return stored if quantization == "auto" else None
 
 
 def resolve_quantization(name: str | None, dtype: torch.dtype, device: str, stored: str | None) -> str | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 
+from ..compat import check_request
 from ..config import EngineConfig
 from ..errors import KVLedgerError, ValidationError
 from ..model import load_model
@@ -32,19 +33,9 @@ def checkpoint_shapes(loaded: LoadedModel) -> dict[str, tuple[int, ...]]:
 
 
 def check_reload_supported(cfg: EngineConfig) -> None:
-    """The configurations a weight update cannot serve yet (400, before anything is read)."""
-    why = None
-    if cfg.parallel.tp_size > 1:
-        why = "tensor parallelism (every rank would have to load its shard in step)"
-    elif cfg.kernels.enable_torch_compile:
-        why = "--enable-torch-compile (the compiled graph froze the weights loaded at start)"
-    elif cfg.hicache.enable_hierarchical_cache:
-        why = "the hierarchical cache (its L2 pages and L3 files are keyed by the model loaded at start)"
-    if why is not None:
-        raise ValidationError(
-            f"updating weights is not supported yet with {why}; restart the server on the new weights",
-            code="unsupported_configuration",
-        )
+    """The configurations a weight update cannot serve yet (400, before anything is read): the
+    compatibility table's rows for weight updates."""
+    check_request(cfg, "weight_update")
 
 
 def load_replacement(

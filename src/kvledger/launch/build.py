@@ -31,7 +31,7 @@ from ..engine.graph_runner import GraphCapture, graph_max_bs, graphs_planned, ma
 from ..engine.introspect import EngineInfo
 from ..engine.malloc import keep_heap_memory
 from ..engine.page_table import PageTable
-from ..engine.resources import default_kv_tokens, resolve_dtype
+from ..engine.resources import auto_stored, default_kv_tokens, resolve_dtype
 from ..engine.runner import ModelRunner
 from ..engine.weights import checkpoint_shapes
 from ..memory import KVBuffer, KVManager, release_window
@@ -165,7 +165,8 @@ def _build(
     mc = loaded.config
     weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
     check_tp(mc, cfg.parallel.tp_size)
-    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
+    stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
+    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
     model = sharded_model(cfg, loaded, comm, dtype, device)
     t_model = time.monotonic() - t0 - t_read
     # From here on the settings name what runs (the L3 cache keys, /get_server_info).
@@ -174,6 +175,7 @@ def _build(
     )
     # The model's own features against the settings' (the compatibility table).
     check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
+    check_model(cfg, device, ["routed_experts"] if mc.num_experts else [], detail=mc.arch)
     loras = loras_of(cfg, model)
     plan = _plan(cfg, mc, model, device, graph_capture)
     ps, total, context, lc = cfg.cache.page_size, plan.total, plan.context, model.cfg
@@ -182,7 +184,7 @@ def _build(
     table = PageTable(cfg.scheduler.max_running_requests, context, ps, device)
     tiers, hicache, tier_books = tiers_of(cfg, connector, loaded.path, lc, kv_buffer, plan.num_pages, device, opened)
     connector = connector if hicache is None else hicache
-    num_host, sparse = hisparse_of(cfg, model, mc, plan.num_pages, dtype)
+    num_host, sparse = hisparse_of(cfg, device, model, mc, plan.num_pages, dtype)
     # ``scheduler`` is built below: the ledger's owner walk and PD's abort call it once requests run.
     kv_manager = KVManager(
         num_pages=plan.num_pages,

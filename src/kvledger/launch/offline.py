@@ -11,6 +11,7 @@ from ..common import FinishReason, RequestOutput, meta_info, parse_prompts
 from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs
 from ..common.pooling import PoolingParams, label_scores, score_prompts
+from ..compat import refusal_error
 from ..config import EngineConfig
 from ..engine.control import SHUTDOWN_DRAIN_S
 from ..engine.detok import TextState
@@ -163,7 +164,7 @@ class Engine:
         """
         reqs, single = self._prepare(prompt, sampling_params, input_ids, rid)
         if session_params is not None and not single:
-            raise ValidationError("a session turn takes a single prompt", param="session_params")
+            raise refusal_error("sessions", "several_prompts", param="session_params")
         if self.core.scheduler.paused is not None:
             # Waiting here would wait for ever: nothing else steps an offline engine.
             raise ConflictError(

@@ -8,6 +8,7 @@ import logging
 
 from ..common import Limits
 from ..common.reasoning import REASONING_FORMATS
+from ..compat import check_feature, check_model
 from ..config import EngineConfig
 from ..connector import KVConnector
 from ..constrained import GrammarBackend
@@ -55,7 +56,7 @@ def tiers_of(cfg: EngineConfig, connector, model_path: str, lc, kv_buffer: KVBuf
     if not cfg.hicache.enable_hierarchical_cache:
         return None, None, None
     if connector is not None:
-        raise ValidationError("the hierarchical cache is a KV connector itself; pass one or the other")
+        check_feature(cfg, device, "connector")  # the hierarchical cache is a KV connector itself
     tiers = opened["tiers"] = build_tiers(cfg, model_path, lc, kv_buffer.k.dtype, num_pages, device)
     tiers.bind(kv_buffer)
     hicache = HiCacheConnector(tiers, tp_gather(cfg))
@@ -85,7 +86,7 @@ def loras_of(cfg: EngineConfig, model: LlamaModel) -> LoraSet | None:
     return loras
 
 
-def hisparse_of(cfg: EngineConfig, model: LlamaModel, mc, num_pages: int, dtype) -> tuple[int, SparseWorker | None]:
+def hisparse_of(cfg: EngineConfig, device: str, model: LlamaModel, mc, num_pages: int, dtype) -> tuple[int, SparseWorker | None]:
     """HiSparse (``--enable-hisparse``): its host pool's size in pages (the pools keep its books) and
     its worker (K/V with the runner; this process: no TP); ``(0, None)`` when it is off, or on a
     prefill server (its requests never decode)."""
@@ -98,9 +99,7 @@ def hisparse_of(cfg: EngineConfig, model: LlamaModel, mc, num_pages: int, dtype)
     if model.attn.any_special:
         # attend_spans reads every request's pages through the slot table; a sparse slot's
         # history lives in the host pool, so the two cannot be combined (yet).
-        raise ValidationError(
-            f"--enable-hisparse does not run with {mc.arch}'s sliding-window, soft-capped or sink attention"
-        )
+        check_model(cfg, device, ["special_attention"], detail=mc.arch)
     num_host = max(1, int(num_pages * cfg.hisparse.hisparse_host_ratio))
     ps = cfg.cache.page_size
     return num_host, SparseWorker(cfg.hisparse, num_host, mc.num_layers, lc.num_kv_heads, mc.head_dim, ps, dtype)

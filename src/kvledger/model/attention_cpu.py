@@ -14,9 +14,12 @@ query rows share each load, products in ``vdpbf16ps``); shorter ones run ``exten
 each query token is a work item over its causal range (no packing: cheaper for a few tokens after a
 long prefix). Measured here (SmolLM2 shapes, 2 threads): one 1,024-token prompt 4.9 ms a layer vs
 SDPA 12.5; 512 tokens after 512 cached 3.8 vs 10.1; 8 prompts of 128 1.2 vs 3.4 (per-token kernel
-2.3); 8 verifies of 5 after 300 0.37 per-token vs 0.53 flash. Without the bf16 kernel (float32, or no
-AVX512-BF16), long extends go to SDPA (``KERNEL_EXTEND_WORK``): the per-token kernel re-reads K/V for
-every token.
+2.3); 8 verifies of 5 after 300 0.37 per-token vs 0.53 flash. Without the bf16 kernel (no
+AVX512-BF16), every extend runs the per-token kernel, however long: SDPA sums a row otherwise than the
+decode kernel, so a prompt's rows would take other bits cold (one long extend) than as a prefix-cache
+hit's tail or in chunks (issue 56). On such a CPU (an Intel Xeon with AVX-512 VNNI and no BF16) the
+default model's 1,024-token prompt took about as long a layer in either (a rough reading on a busy
+machine, not a benchmark); ``--cpu-amx on`` (``sdpa_extends``) still sends long extends to SDPA.
 
 On a CPU with AMX the flash kernel runs on the tiles (``flash_amx.cpp``: 16 query rows a call,
 S^T = K Q^T and O^T += V^T P^T on the tile unit, the online softmax one row per vector lane), and
@@ -67,16 +70,9 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, determi
     return "cpu" if usable and dtype == torch.bfloat16 and kernels.load() else "torch"
 
 
-KERNEL_EXTEND_WORK = 32768
-"""Without the bf16 flash kernel: extends with new * (prefix + new) up to this (or at most 32 new
-tokens) run in the per-token C++ kernel, longer ones in SDPA."""
 FLASH_MIN_NEW = 64
 """With it: extends of at least this many new tokens run in the flash kernel (crossover measured
 between 32 and 128 new tokens, lower with a short prefix)."""
-
-
-def kernel_extend(prefix: int, new: int) -> bool:
-    return new <= 32 or new * (prefix + new) <= KERNEL_EXTEND_WORK
 
 
 def flash_usable(dtype: torch.dtype, head_dim: int) -> bool:
@@ -149,9 +145,11 @@ class CpuAttention(TorchAttention):
         """Whether an extend runs in kvledger's kernels (else in SDPA)."""
         if self._amx_ok or self.deterministic:
             return True
-        if self.sdpa_extends:
-            return new < FLASH_MIN_NEW
-        return self._flash_ok or kernel_extend(prefix, new)
+        # Every extend in the kernels by default, long ones too: SDPA's rows sum in another order than
+        # the decode and per-token kernels', and a prompt must answer the same whether its rows were
+        # computed in one extend, in chunks or as a cache hit's tail. --cpu-amx (sdpa_extends) opts
+        # into SDPA for long extends where the tiles' form cannot serve (no AMX, or a float8 pool).
+        return not self.sdpa_extends or new < FLASH_MIN_NEW
 
     def _additive(self, ext: list) -> list:
         """SDPA's extends with each causal-after-prefix mask as an additive one in the model's dtype,

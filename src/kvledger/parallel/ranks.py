@@ -11,7 +11,7 @@ from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector, NoOpConnector
 from ..disagg import make_worker_side
 from ..engine.page_table import PageTable
-from ..engine.resources import resolve_dtype, resolve_quantization
+from ..engine.resources import auto_stored, resolve_dtype, resolve_quantization
 from ..engine.runner import ModelRunner
 from ..hicache import build_worker_side
 from ..memory import KVBuffer
@@ -79,8 +79,10 @@ def build_runner(cfg: EngineConfig, comm: Comm, num_tokens: int, context: int, d
     """A worker rank's runner: its shards of the model over the pool rank 0 decided on. With
     ``--enable-torch-compile`` it compiles its own graph, on the first forward of rank 0's warm-up
     (which reaches it as ordinary steps)."""
-    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization)
-    model = sharded_model(cfg, load_model(cfg.model.model, load_tokenizer=False), comm, dtype, device)
+    loaded = load_model(cfg.model.model, load_tokenizer=False)
+    stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
+    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
+    model = sharded_model(cfg, loaded, comm, dtype, device)
     if cfg.kernels.enable_torch_compile:
         model.enable_compile()
     lc = model.cfg

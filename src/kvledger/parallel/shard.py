@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from ..compat import refusal_error
 from ..errors import ModelLoadError
 from ..model.config import ModelConfig
 from ..model.quantized import BlockWeight, Weight
@@ -26,7 +27,7 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 
     family = family_for(cfg.arch)
     if family is not None and not family.supports_tp:
-        raise ModelLoadError(f"--tp-size {tp}: the {cfg.arch} family does not run under tensor parallelism")
+        raise refusal_error("unsharded_family", "tp", detail=cfg.arch, error=ModelLoadError)
     if cfg.num_experts and cfg.moe_intermediate_size % tp:
         raise ModelLoadError(f"--tp-size {tp} does not divide the experts' MLP size {cfg.moe_intermediate_size}")
     if cfg.num_heads % tp:

@@ -15,6 +15,7 @@ import math
 import time
 import uuid
 
+from ..compat import refusal_error
 from ..errors import ConflictError, NotFoundError, OverloadedError, ValidationError
 from ..memory import Session, SessionKV
 
@@ -113,10 +114,7 @@ class SessionManager:
                 param="session_params.rid",
             )
         if req.params.logprob_start_len >= 0:
-            raise ValidationError(
-                "prompt logprobs (logprob_start_len) are not supported on session turns",
-                param="logprob_start_len",
-            )
+            raise refusal_error("prompt_logprobs", "sessions", param="logprob_start_len")
 
     def attach(self, req, params: dict, context_length: int) -> None:
         """Make ``req`` a turn of the session named in ``params`` (its prompt becomes history + input)."""

@@ -32,13 +32,13 @@ import time
 
 import httpx
 
+from ..config import ROUTER_POLICIES  # declared with --router-policy (config.LaunchSettings)
 from ..errors import ValidationError
 from .dp_front import DPFront, FrontThread
 from .middleware import CSRFMiddleware, parse_origins
 
 log = logging.getLogger("kvledger.dp")
 
-ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")
 
 
 def port_free(port: int) -> bool:

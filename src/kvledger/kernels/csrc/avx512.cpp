@@ -138,7 +138,11 @@ void attend_nd(const T* q, long qs, const C* k, const C* v, const int64_t* locs,
   constexpr int B = 16;
   constexpr float unit = std::is_same_v<C, f8> ? kF8Unit : 1.f;
   const int nd = ND ? ND : D / 16;
-  std::vector<float> qf(static_cast<size_t>(G) * D), sc(static_cast<size_t>(G) * B);
+  // The scaled queries and a block's scores, in buffers kept by the thread: the kernels call this once
+  // per 64-key chunk (flash.h), and the two heap allocations a call were paid once a chunk.
+  thread_local std::vector<float> qf, sc;
+  if (qf.size() < static_cast<size_t>(G) * D) qf.resize(static_cast<size_t>(G) * D);
+  if (sc.size() < static_cast<size_t>(G) * B) sc.resize(static_cast<size_t>(G) * B);
   const __m512 vs = _mm512_set1_ps(scale * unit);
   for (int g = 0; g < G; ++g) {
     for (int j = 0; j < nd; ++j) _mm512_storeu_ps(&qf[g * D + j * 16], _mm512_mul_ps(load16(q + g * qs + j * 16), vs));

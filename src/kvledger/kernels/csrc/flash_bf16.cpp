@@ -265,6 +265,17 @@ inline __m512i load32(const f8* p) {
   return reinterpret_cast<const __m512i&>(h);
 }
 
+// Prefetches the rows of K (or V) at locs[0..cnt) into L1: a request's decoded tokens lie wherever the
+// pool had a free slot (a step's tokens of all requests side by side), so each row is its own cache
+// miss that the hardware prefetcher cannot guess. Asked one block of 16 keys ahead.
+template <typename C> inline void prefetch_rows(const C* base, const int64_t* locs, int cnt, int D) {
+  const long bytes = static_cast<long>(D) * static_cast<long>(sizeof(C));
+  for (int j = 0; j < cnt; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + locs[j] * D);
+    for (long off = 0; off < bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+  }
+}
+
 template <typename C>
 void chunk_t(const bf16* const* q, int nr, const C* k, const C* v, const int64_t* locs, long c0, long n, int D,
              float scale, float* m, float* l, float* o) {
@@ -275,11 +286,17 @@ void chunk_t(const bf16* const* q, int nr, const C* k, const C* v, const int64_t
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 s[kRows][4];
   __mmask16 ok[4];
+  if (c0 == 0) prefetch_rows(k, lc, nk < 16 ? nk : 16, D);  // (a later chunk's first block: its predecessor)
   for (int jb = 0; jb < 4; ++jb) {
     const int base = 16 * jb, here = nk - base;
     ok[jb] = here <= 0 ? __mmask16(0) : here >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << here) - 1);
     for (int i = 0; i < nr; ++i) s[i][jb] = ninf;
     if (here <= 0) continue;
+    // While this block's scores are summed: the next block's K rows (this chunk's, or the next chunk's
+    // first) and this block's V rows (P @ V below) on their way.
+    const long next = c0 + base + 16;
+    if (next < n) prefetch_rows(k, locs + next, n - next < 16 ? static_cast<int>(n - next) : 16, D);
+    prefetch_rows(v, lc + base, here < 16 ? here : 16, D);
     // The 16 keys' rows (past the chunk's end the last one again: masked); 32 dims at a time, transposed
     // so that a register holds one dim pair of the 16 keys, as flash_pack lays them out.
     const C* kr[16];
@@ -298,18 +315,15 @@ void chunk_t(const bf16* const* q, int nr, const C* k, const C* v, const int64_t
     for (int i = 0; i < nr; ++i) s[i][jb] = _mm512_mask_mov_ps(ninf, ok[jb], _mm512_mul_ps(acc[i], vscale));
   }
   for (int i = 0; i < nr; ++i) chunk_softmax(s[i], ok, p_buf + i * kChunk, m[i], l[i]);
-  // P @ V over the key pairs (the second key of a last odd pair: the last row again, its probability 0),
-  // V rows interleaved in registers into flash_pack's pair layout.
-  __m512i lo, hi;
-  {
-    alignas(64) int16_t il[32], ih[32];
-    for (int d = 0; d < 16; ++d) {
-      il[2 * d] = static_cast<int16_t>(d), il[2 * d + 1] = static_cast<int16_t>(32 + d);
-      ih[2 * d] = static_cast<int16_t>(16 + d), ih[2 * d + 1] = static_cast<int16_t>(48 + d);
-    }
-    lo = _mm512_load_si512(il), hi = _mm512_load_si512(ih);
-  }
+  // P @ V over the key pairs (the second key of a last odd pair: the last row again, its probability 0).
+  // The two rows' values are interleaved into pairs within 128-bit lanes (vpunpck{l,h}wd, one cheap
+  // shuffle each; a cross-lane vpermt2w per register cost three times as much): register 2h then holds
+  // the pairs of dims {0-3, 8-11, 16-19, 24-27} of the 32 dims at 32h, register 2h + 1 dims {4-7, ...}.
+  // Every output dim still takes the same products in the same order as flash_rows (only its lane
+  // differs), and the accumulators are put back in dim order once per chunk.
   const int pairs = (nk + 1) / 2;
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int d0 = 0; d0 < D; d0 += 64) {
     __m512 acc[kRows][4];
     for (int i = 0; i < nr; ++i)
@@ -320,16 +334,21 @@ void chunk_t(const bf16* const* q, int nr, const C* k, const C* v, const int64_t
       __m512 vv[4];
       for (int h = 0; h < 2; ++h) {
         const __m512i a = load32(va + 32 * h), b = load32(vb + 32 * h);
-        vv[2 * h] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(a, lo, b));
-        vv[2 * h + 1] = _mm512_castsi512_ps(_mm512_permutex2var_epi16(a, hi, b));
+        vv[2 * h] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a, b));
+        vv[2 * h + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a, b));
       }
       for (int i = 0; i < nr; ++i) {
         const __m512 pb = bcast_pair(p_buf + i * kChunk + 2 * kp);
         for (int c = 0; c < 4; ++c) acc[i][c] = dot(acc[i][c], vv[c], pb);
       }
     }
-    for (int i = 0; i < nr; ++i)
-      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + i * D + d0 + 16 * c, acc[i][c]);
+    for (int i = 0; i < nr; ++i) {
+      for (int h = 0; h < 2; ++h) {  // lanes back to dims: 32h + 0..15, then 32h + 16..31
+        float* dst = o + i * D + d0 + 32 * h;
+        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(acc[i][2 * h], lo_idx, acc[i][2 * h + 1]));
+        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(acc[i][2 * h], hi_idx, acc[i][2 * h + 1]));
+      }
+    }
   }
 }
 

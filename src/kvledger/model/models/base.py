@@ -282,10 +282,8 @@ class Projections:
 
     def _mlp_linear(self, name: str) -> Linear:
         lin = getattr(self.mlp, name)
-        if not isinstance(lin, Linear):
-            from ...errors import ValidationError
-
-            raise ValidationError(f"LoRA adapters do not apply to routed experts ({self.mlp.__class__.__name__})")
+        if not isinstance(lin, Linear):  # the engine refuses LoRA on such a model first (compat.py's row)
+            raise TypeError(f"LoRA adapters do not apply to routed experts ({self.mlp.__class__.__name__})")
         return lin
 
 

@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from ...common import parse_prompts, validate_request
 from ...common.disagg import parse_disagg
+from ...compat import refusal_error
 from ...errors import ValidationError
 from ..admission import check_fanout, check_prompt_tokens, prompt_count
 from ..handlers import parse_body
@@ -29,7 +30,7 @@ async def generate(request: Request):
     ids_list, single = parse_prompts(body.text, body.input_ids, srv.tokenizer)
     check_prompt_tokens(srv.admission, ids_list, "text" if body.text is not None else "input_ids")
     if body.session_params is not None and not single:
-        raise ValidationError("a session turn takes a single prompt", param="session_params")
+        raise refusal_error("sessions", "several_prompts", param="session_params")
     sp = dict(body.sampling_params or {})
     salt = body.salt()
     if salt is not None:
