@@ -78,14 +78,14 @@ def transfer_cost(backend: str, lengths: list[int], rounds: int) -> list[dict]:
                 deadline = time.monotonic() + 60
                 while pre.result(f"p{room}") is None:  # computed; its KV is sent from here on
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"prefill never ran: {pre.core.connector_stats()}")
+                        raise RuntimeError(f"prefill never ran: {pre.core.view.connector_stats()}")
                     pre.step()
                     dec.step()
                 t0 = time.perf_counter()
                 while dec.core.disagg_connector.stats.transfers_ok == before:
                     if time.monotonic() > deadline:
                         raise RuntimeError(
-                            f"no transfer: {dec.core.connector_stats()} {dec.result(f'd{room}', pop=False)}"
+                            f"no transfer: {dec.core.view.connector_stats()} {dec.result(f'd{room}', pop=False)}"
                         )
                     dec.step()
                     time.sleep(0.002 * (not dec.core.last_step_ran))  # as the server's loop polls
@@ -140,7 +140,7 @@ def transfer_cost_tp(sizes: tuple[int, int], lengths: list[int], rounds: int) ->
                 deadline = time.monotonic() + 120
                 while dec.result(f"d{room}", pop=False) is None or not pre.core.scheduler.idle:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"no transfer: {dec.core.connector_stats()}")
+                        raise RuntimeError(f"no transfer: {dec.core.view.connector_stats()}")
                     pre.step()
                     dec.step()
                 dec.result(f"d{room}")

@@ -53,41 +53,18 @@ import argparse
 import json
 import logging
 import os
-import random
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from gpu_common import CHATS, build_full_model, chat_ids, rand_prompts, sync
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.helpers / tests.server_harness
 
 log = logging.getLogger("gpu_check")
-
-CHATS = [
-    "What is the capital of France?",
-    "Write a haiku about memory pages.",
-    "Explain continuous batching in one sentence.",
-    "List three prime numbers.",
-    "Translate 'good morning' into Spanish.",
-    "What does a KV cache store?",
-    "Give me a name for a cat.",
-    "Why is the sky blue? Answer briefly, then explain the physics in more detail for a student.",
-]
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def chat_ids(tok, text: str) -> list[int]:
-    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
 
 def parity(args, res: dict) -> None:
     """fp32 on the device == transformers on the same device; bf16 agreement reported."""
@@ -131,31 +108,6 @@ def parity(args, res: dict) -> None:
         raise AssertionError(
             f"fp32 differs from transformers on prompts {bad}: {ours[bad[0]]} vs {ref[bad[0]]}"
         )
-
-
-def build_full_model(args, layers: int | None = None) -> str:
-    """SmolLM2-135M's shape and tokenizer with random bf16 weights (speed does not depend on the values);
-    ``layers``: fewer layers (the ``--dry-run``'s)."""
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    out = Path(args.work) / f"smollm2-shape{f'-{layers}l' if layers else ''}"
-    if out.exists():
-        shutil.rmtree(out)
-    cfg = AutoConfig.from_pretrained(args.hf_config)
-    if layers:
-        cfg.num_hidden_layers = layers
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
-    for f in Path(args.hf_config).iterdir():
-        if f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    return str(out)
-
-
-def rand_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, 49000) for _ in range(length)] for _ in range(n)]
 
 
 def offline_speed(args, model: str, res: dict) -> None:
@@ -450,7 +402,7 @@ def main() -> int:
     steps = args.only.split(",")
     failures = []
     model = build_full_model(args) if {"offline", "http"} & set(steps) else None
-    import gpu_graphs  # (beside this file; it imports this module's helpers)
+    import gpu_graphs  # (beside this file, sharing its helpers through gpu_common.py)
 
     for name, fn in (("parity", lambda: parity(args, res)), ("server", lambda: server_checks(args, res)),
                      ("offline", lambda: offline_speed(args, model, res)),

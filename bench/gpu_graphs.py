@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from gpu_check import CHATS, build_full_model, chat_ids, rand_prompts, sync
+from gpu_common import CHATS, build_full_model, chat_ids, rand_prompts, sync
 
 log = logging.getLogger("gpu_check.graphs")
 
@@ -138,7 +138,7 @@ def parity(args, res: dict) -> None:
         eng = Engine(str(gguf), dtype="float32", page_size=16, chunked_prefill_size=32, max_total_tokens=16384,
                      strict_memory=True, **engine_opts(args, graphs, check=True))  # fmt: skip
         ours = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=greedy)]
-        stats = eng.core.graph_stats()
+        stats = eng.core.view.graph_stats()
         assert_idle_clean(eng)  # books clean, the padding page reserved and nothing else held
         eng.shutdown()
         same = [a == b for a, b in zip(ours, ref)]
@@ -171,10 +171,10 @@ def speed(args, res: dict) -> None:
         eng = Engine(model, dtype="bfloat16", page_size=16, max_total_tokens=262144 if dev.startswith("cuda") else 16384,
                      max_running_requests=256, **engine_opts(args, graphs))  # fmt: skip
         eng.generate(input_ids=rand_prompts(4, 64, 9), sampling_params={**gen, "max_new_tokens": 8})  # warm-up
-        figures: dict = {"capture_s": (eng.core.graph_stats() or {}).get("capture_s")}
+        figures: dict = {"capture_s": (eng.core.view.graph_stats() or {}).get("capture_s")}
         for c in levels:
             ps = rand_prompts(c, 128, c)
-            before = dict(eng.core.graph_stats() or {"replays": 0, "eager_steps": {}})
+            before = dict(eng.core.view.graph_stats() or {"replays": 0, "eager_steps": {}})
             timer = StepTimer(eng, dev)
             sync(dev)
             t = time.perf_counter()
@@ -182,7 +182,7 @@ def speed(args, res: dict) -> None:
             sync(dev)
             dt = time.perf_counter() - t
             timer.remove()
-            after = eng.core.graph_stats()
+            after = eng.core.view.graph_stats()
             row = {"out_tok_s": round(c * new / dt, 1), "seconds": round(dt, 3), "steps": timer.report()}
             if after is not None:
                 row["replays"] = after["replays"] - before["replays"]

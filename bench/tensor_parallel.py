@@ -5,7 +5,7 @@
 
 SmolLM2's 9 attention heads do not split in two, so the model is a random Llama of the same family
 (hidden 512, 8 heads, 4 KV heads, MLP 1536), built here. Every layer adds two all-reduces of
-``[tokens, hidden]``; on one machine they go through shared memory (``parallel/comm.py: ShmComm``),
+``[tokens, hidden]``; on one machine they go through shared memory (``comm.py: ShmComm``),
 and the report gives both that and gloo's cost per all-reduce. Writes bench/out/tp.json.
 
 ``--draft`` measures a draft model under TP instead (bench/out/tp_draft.json). The target's layers
@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _allreduce_worker(rank: int, port: int, shape: tuple[int, int], iters: int, out, shm: str | None) -> None:
-    from kvledger.parallel.comm import ShmComm, TPComm
+    from kvledger.comm import ShmComm, TPComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -56,7 +56,7 @@ def _allreduce_worker(rank: int, port: int, shape: tuple[int, int], iters: int, 
 
 def allreduce_us(shape: tuple[int, int], iters: int = 300, shm: bool = False) -> float:
     """One all-reduce of ``shape`` floats between two processes: gloo, or kvledger's shared memory."""
-    from kvledger.parallel.comm import ShmComm
+    from kvledger.comm import ShmComm
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

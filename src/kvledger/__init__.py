@@ -1,10 +1,11 @@
 """kvledger: an LLM-serving engine whose KV memory is a ledger."""
 
 from .config import EngineConfig, ServerConfig
-from .engine import Engine, EngineCore
+from .engine import EngineCore
 from .errors import KVLedgerError, ModelLoadError, ValidationError
+from .launch import Engine
+from .version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "Engine",
     "EngineConfig",
@@ -13,4 +14,5 @@ __all__ = [
     "ModelLoadError",
     "ServerConfig",
     "ValidationError",
+    "__version__",
 ]

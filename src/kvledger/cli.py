@@ -72,7 +72,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine import Engine
+    from .launch import Engine
 
     cfg = engine_config(args)
     eng = Engine(**cfg.flat())

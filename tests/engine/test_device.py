@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvledger.config import EngineConfig
-from kvledger.engine import core, resources
+from kvledger.engine import resources
 from kvledger.engine.page_table import PageTable
 from kvledger.engine.resources import resolve_device
 from kvledger.engine.runner import ModelRunner
@@ -33,7 +33,7 @@ def test_resolve_device():
     assert resolve_device("auto") == ("cuda" if HAS_CUDA else "cpu")
     assert resolve_device("") == resolve_device("auto")
     assert resolve_device("CPU") == "cpu"
-    assert core.check_config(EngineConfig()) == "cpu"  # a GPU is opt-in until the CUDA path has run on one
+    assert EngineConfig().check() == "cpu"  # a GPU is opt-in until the CUDA path has run on one
     for bad in ("tpu", "cuda:x", "cuda:-1", "cpu:0", "mps"):
         with pytest.raises(ValidationError, match=re.escape("device must be auto | cpu | cuda | cuda:N")):
             resolve_device(bad)
@@ -67,9 +67,9 @@ def test_cuda_without_a_device_is_refused_in_one_line():
 def test_what_cuda_does_not_run_yet_is_refused_before_start(monkeypatch, opts, what):
     monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda")
     with pytest.raises(ValidationError, match=f"CUDA device .* does not work with {what}|{what} .* does not work with CUDA"):
-        core.check_config(EngineConfig.from_flat(device="cuda", **opts))
+        EngineConfig.from_flat(device="cuda", **opts).check()
     # auto settings resolve to what CUDA runs: quantization auto, attention auto, dtype auto
-    assert core.check_config(EngineConfig.from_flat(device="cuda")) == "cuda"
+    assert EngineConfig.from_flat(device="cuda").check() == "cuda"
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

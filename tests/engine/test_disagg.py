@@ -101,7 +101,7 @@ def owners(eng) -> dict[str, int]:
 
 
 def stats(eng) -> dict:
-    return eng.core.connector_stats()
+    return eng.core.view.connector_stats()
 
 
 PROMPTS = [[5], list(range(3, 8)), list(range(20, 37)), [(7 * i) % 250 + 1 for i in range(41)]]

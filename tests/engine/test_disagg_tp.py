@@ -102,7 +102,7 @@ def pair(request, models):
 
 
 def stats(eng: Engine) -> dict:
-    return eng.core.connector_stats()
+    return eng.core.view.connector_stats()
 
 
 def test_pd_with_tp_equals_one_engine(pair):

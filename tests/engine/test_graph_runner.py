@@ -260,9 +260,9 @@ def test_the_padding_page_in_the_books(make_engine):
     eng = make_engine(page_size=16, max_total_tokens=256, graph_capture=EagerCapture(), cuda_graph_max_bs=2)
     m = eng.memory()
     assert m["kv_reserved"] == 16 and m["kv_free"] == 256 - 16, m
-    runs = [r for r in eng.core.page_map()["runs"] if r["kind"] == "reserved"]
+    runs = [r for r in eng.core.view.page_map()["runs"] if r["kind"] == "reserved"]
     assert runs == [{"start": runs[0]["start"], "count": 1, "kind": "reserved", "owner": gr.PAD_OWNER}]
-    assert eng.core.audit().ok
+    assert eng.core.view.audit().ok
     # No request can need that page: the context is the rest of the pool.
     assert eng.core.limits.context_length == 256 - 16
     out = eng.generate(input_ids=[5] * 200, sampling_params={**G, "max_new_tokens": 40})
@@ -307,12 +307,11 @@ def test_the_stand_in_refuses_what_a_graph_cannot_hold():
 
 
 def test_the_counts_reach_metrics(make_engine):
-    from kvledger.engine.process import _stats
     from kvledger.server.metrics import Metrics
 
     eng = make_engine(graph_capture=EagerCapture(), cuda_graph_max_bs=4)
     _run(eng, _jobs(6))
-    stats = _stats(eng.core)
+    stats = eng.core.view.stats()
     g = stats["cuda_graph"]
     assert g["replays"] > 0 and g["eager_steps"]["prefill"] > 0 and g["batch_sizes"] == [1, 2, 4]
     m = Metrics()
@@ -321,7 +320,7 @@ def test_the_counts_reach_metrics(make_engine):
     assert f'kvledger_cuda_graph_steps{{path="replay",reason=""}} {float(g["replays"])}' in text
     assert f'kvledger_cuda_graph_steps{{path="eager",reason="prefill"}} {float(g["eager_steps"]["prefill"])}' in text
     assert 'kvledger_kv_tokens{state="reserved"} 16.0' in text
-    assert _stats(make_engine().core)["cuda_graph"] is None
+    assert make_engine().core.view.stats()["cuda_graph"] is None
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")

@@ -68,7 +68,7 @@ def test_the_books_name_host_and_hot_pages_while_decoding(make_engine):
     assert m["kv_hisparse_hot"] == SMALL["hisparse_hot_pages"] * ps
     assert m["hisparse"]["host_held"] == -(-(300 + 40) // ps) * ps  # prompt + max new, reserved at admission
     assert m["kv_private"] == 0  # its dense pages went back after the first sparse step
-    runs = core.page_map()["runs"]
+    runs = core.view.page_map()["runs"]
     hot = [r for r in runs if r["kind"] == "hisparse_hot"]
     assert sum(r["count"] for r in hot) == SMALL["hisparse_hot_pages"]
     assert all(r["owner"] == "req long [hisparse hot]" for r in hot)

@@ -199,7 +199,7 @@ def test_update_weights_refusals_leave_the_old_weights_serving(make_engine, othe
         ok, message, _ = eng.update_weights_from_disk(path, fmt)
         assert not ok and needle in message, message
     with pytest.raises(ValidationError) as e:
-        eng.core.update_weights_from_disk(other_shapes)
+        eng.core.control.update_weights_from_disk(other_shapes)
     assert e.value.code == "shape_mismatch" and e.value.param == "model_path"
     # Requests holding KV of the current weights: refused (409), in place or running.
     a = eng.add_request(A, {**G, "max_new_tokens": 16})
@@ -208,7 +208,7 @@ def test_update_weights_refusals_leave_the_old_weights_serving(make_engine, othe
         if paused:
             eng.pause_generation(paused)
         with pytest.raises(ConflictError, match="hold KV"):
-            eng.core.update_weights_from_disk(other_shapes)
+            eng.core.control.update_weights_from_disk(other_shapes)
     eng.continue_generation()
     eng.run_until_idle()
     assert eng.result(a)["output_ids"] == want

@@ -79,7 +79,7 @@ def test_pooling_under_tensor_parallel(tiny_llama, tiny_llama_hf):
 
 def test_pooling_under_torch_compile_runs_eager_and_compiles_nothing(make_engine, tiny_llama_hf):
     eng = make_engine(chunked_prefill_size=32, enable_torch_compile=True)
-    before = eng.core.rank_stats()[0]
+    before = eng.core.view.rank_stats()[0]
     check(eng, tiny_llama_hf)
-    after = eng.core.rank_stats()[0]
+    after = eng.core.view.rank_stats()[0]
     assert (after["graphs"], after["frames"]) == (before["graphs"], before["frames"])

@@ -42,7 +42,7 @@ def test_a_page_the_audit_misses_while_referenced_is_quarantined_not_reused(tiny
     m = eng.memory()
     assert m["kv_quarantined"] == 3 * 16 and m["req_slots_quarantined"] == 1
     assert m["leak_check"]["quarantined_pages_total"] == 3 and m["leak_check"]["quarantined_slots_total"] == 1
-    runs = [r for r in eng.core.page_map()["runs"] if r["kind"] == "quarantined"]
+    runs = [r for r in eng.core.view.page_map()["runs"] if r["kind"] == "quarantined"]
     assert sum(r["count"] for r in runs) == 3
     assert all(r["owner"].startswith("quarantine (last owner: req hidden") for r in runs)
     metrics = Metrics()

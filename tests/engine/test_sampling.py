@@ -93,7 +93,7 @@ def test_device_sampling_backend_grammars(chat_model):
 
 def test_auto_sampling_backend_is_device_on_cuda_only():
     from kvledger.config import EngineConfig
-    from kvledger.engine.core import sampling_backend
+    from kvledger.parallel.ranks import sampling_backend
 
     auto = EngineConfig()
     assert [sampling_backend(auto, d) for d in ("cpu", "cuda", "cuda:1", "meta")] == ["host", "device", "device", "host"]

@@ -402,7 +402,7 @@ def test_health_check_under_each_combination(start_combo, make_engine, row):
     assert called.count("health-1") == 1  # through the one release path, once
     if started.pd:
         assert engines[0].result("health-1")["meta_info"]["finish_reason"]["type"] == "length"
-        assert dec.core.connector_stats()["transfers_ok"] == len(prompts)  # the health check moved nothing
+        assert dec.core.view.connector_stats()["transfers_ok"] == len(prompts)  # the health check moved nothing
     want = make_engine(enable_prefix_cache=False).generate(input_ids=prompts, sampling_params=sp)
     for i, w in enumerate(want):
         if combos.exact(row):

@@ -11,8 +11,8 @@ import random
 import pytest
 
 from kvledger import Engine
+from kvledger.comm import ShmComm
 from kvledger.errors import ModelLoadError, ValidationError
-from kvledger.parallel.comm import ShmComm
 from tests.helpers import assert_idle_clean, build_tiny_model
 from tests.server_harness import process_alive
 
@@ -194,13 +194,13 @@ def test_tp_with_torch_compile_equals_plain_and_never_recompiles(tp_model):
     comp = Engine(model=tp_model, tp_size=2, enable_torch_compile=True, **OPTS)
     pids = comp.core.info.tp_worker_pids
     try:
-        warm = comp.core.rank_stats()
+        warm = comp.core.view.rank_stats()
         assert [r["rank"] for r in warm] == [0, 1]
         assert all(r["compiled_forwards"] > 0 for r in warm), warm  # every rank ran its graph
         assert [r["graphs"] for r in warm] == [1, 1], warm  # the collectives inside the one graph
         assert _workload(comp) == _workload(plain)
         _waves(comp)
-        after = comp.core.rank_stats()
+        after = comp.core.view.rank_stats()
         for w, a in zip(warm, after):
             assert (a["graphs"], a["frames"]) == (w["graphs"], w["frames"]), (warm, after)
             assert a["compiled_forwards"] > w["compiled_forwards"] + 10, (warm, after)
@@ -235,7 +235,7 @@ def test_a_serving_tp_engine_listens_on_loopback_only(tp_model):
         assert len(out["output_ids"]) == 4
         opened = _listening(pids) - before
         assert opened and {ip for _, ip, _ in opened} == {"127.0.0.1"}, opened
-        assert [r["rank"] for r in two.core.rank_stats()] == [0, 1]  # a typed gather from the worker
+        assert [r["rank"] for r in two.core.view.rank_stats()] == [0, 1]  # a typed gather from the worker
         assert_idle_clean(two)
     finally:
         two.shutdown()

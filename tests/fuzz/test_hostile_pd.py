@@ -216,7 +216,7 @@ def room(port: int, n: int) -> DisaggParams:
 
 
 def stats(eng) -> dict:
-    return eng.core.connector_stats()
+    return eng.core.view.connector_stats()
 
 
 def owners(eng) -> dict[str, int]:

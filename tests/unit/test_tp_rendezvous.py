@@ -147,7 +147,7 @@ def test_the_shared_memory_file_is_this_users_alone(tmp_path):
     """One machine's ranks exchange hidden states through a file in /dev/shm: created 0600 (before:
     0644, every local user could read every request's activations), and never through an existing
     file or a link planted at its name."""
-    from kvledger.parallel.comm import ShmComm
+    from kvledger.comm import ShmComm
 
     path = tmp_path / "shm"
     ShmComm(0, 2, str(path), 64, create=True)

@@ -10,12 +10,9 @@ grammar's. The gate follows only kept tokens, like the matcher, so drafts are si
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .grammar import GrammarState
 
 
 def reasoning_end_ids(tokenizer, marker: str) -> list[int]:
@@ -32,7 +29,9 @@ def reasoning_end_ids(tokenizer, marker: str) -> list[int]:
 class ReasoningGate:
     """One request's grammar behind its reasoning: inactive until ``end_ids`` appear in the output."""
 
-    def __init__(self, inner: GrammarState, end_ids: list[int]):
+    def __init__(self, inner: Any, end_ids: list[int]):
+        """``inner``: the request's ``GrammarState`` (``grammar.py``, which imports this module: the
+        gate names its interface, not its module)."""
         self.inner = inner
         self.end_ids = list(end_ids)
         self.thinking = True

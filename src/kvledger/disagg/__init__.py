@@ -31,11 +31,12 @@ log = logging.getLogger("kvledger.disagg")
 
 
 def make_connector(
-    cfg: EngineConfig, kv: KVBuffer, abort, limits=None, kv_heads: int | None = None
+    cfg: EngineConfig, kv: KVBuffer, abort, limits=None, kv_heads: int | None = None, host_sink=None
 ) -> KVConnector | None:
     """The connector for ``cfg.disagg.disaggregation_mode`` (None when it is off): rank 0's, over
     ``kv`` (its heads); ``limits``: the engine's, for a prompt a claim carries (a session turn's,
-    ``prefill.py``); ``kv_heads`` is the model's count (the wire's layout)."""
+    ``prefill.py``); ``kv_heads`` is the model's count (the wire's layout); ``host_sink``: HiSparse's
+    host pool, where a decode server's KV may land (None without HiSparse)."""
     if not cfg.disagg.enabled:
         return None
     pd = cfg.disagg
@@ -91,6 +92,7 @@ def make_connector(
         kv_heads,
         key=key,
         peers=PrefillPeers(pd.disaggregation_prefill_peers, pd.disaggregation_bootstrap_port),
+        host_sink=host_sink,
     )
 
 

@@ -84,9 +84,11 @@ class DecodeConnector(KVConnector):
         kv_heads: int | None = None,
         key: bytes | None = None,
         peers: PrefillPeers | None = None,
+        host_sink=None,
     ):
         """``key``: the PD nodes' shared key (``auth.py``; None: unauthenticated, loopback only);
-        ``peers``: the prefill servers a request may name (None: loopback at ``default_port``)."""
+        ``peers``: the prefill servers a request may name (None: loopback at ``default_port``);
+        ``host_sink``: HiSparse's ``SparseWorker`` (``model/hisparse.py``), whose host pool KV may land in."""
         self.kv, self.page_size, self.default_port = kv, page_size, default_port
         self.peers = peers or PrefillPeers(None, default_port)
         self.key = key
@@ -96,7 +98,7 @@ class DecodeConnector(KVConnector):
         self.data = data  # a MooncakeData (mooncake.py): claims ask prefill to write the pages directly
         self.timeout_s, self.abort = timeout_s, abort
         self.heads = heads  # tensor parallel: rank 0's part of placing every rank's heads (tp.py)
-        self.host_sink = None  # HiSparse's SparseWorker (model/hisparse.py): KV may land in its host pool
+        self.host_sink = host_sink  # HiSparse's SparseWorker (model/hisparse.py): KV may land in its host pool
         self.layout = kv_copy.layout_of(kv, kv_heads)
         self._to_place: list[_RecvJob] = []  # received whole, not placed yet (tensor parallel)
         self._placing: list[_RecvJob] = []  # ... placed by the step being run

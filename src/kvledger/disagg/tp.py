@@ -16,7 +16,7 @@ cache's seam):
   frame is in, the next step *places* the block: the step's meta names the locations, rank 0 scatters
   each rank its heads, and every rank writes them into the request's pages before that step's forward.
 
-The K/V moves by raw tensor collectives over gloo (``parallel.executor.gather_tensors`` /
+The K/V moves by raw tensor collectives over gloo (``comm.gather_tensors`` /
 ``scatter_tensors``), never pickled inside the step's broadcast: that was 3-10x slower per token (bench/RESULTS.md).
 
 Between the collect and the send, and between the stage and the place, the request holds its pages
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..comm import gather_tensors, scatter_tensors
 from ..connector import KVConnector
 from ..memory.pools import KVBuffer
 from .kv_copy import block, place
@@ -57,11 +58,9 @@ def heads_of(kv_heads: int, rank: int, tp: int) -> tuple[slice, bool]:
 
 class RankHeads:
     """One rank's part of a step's ``PDMeta`` (every rank runs it, rank 0 inside its connector).
-    ``parallel.executor.gather_tensors`` / ``scatter_tensors`` move the heads (gloo, raw tensors)."""
+    ``comm.gather_tensors`` / ``scatter_tensors`` move the heads (gloo, raw tensors)."""
 
     def __init__(self, rank: int, tp: int):
-        from ..parallel.executor import gather_tensors, scatter_tensors
-
         self.rank, self.tp = rank, tp
         self.gather, self.scatter = gather_tensors, scatter_tensors
 

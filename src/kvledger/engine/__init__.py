@@ -1,6 +1,6 @@
-"""Engine core, model runner and the offline ``Engine`` API."""
+"""The engine: the step (``core.py``) over the parts the composition root builds (``launch/``), the
+model runner and executor it drives, its control verbs and its introspection."""
 
 from .core import EngineCore
-from .engine import Engine
 
-__all__ = ["Engine", "EngineCore"]
+__all__ = ["EngineCore"]

@@ -19,10 +19,17 @@ from .page_table import PageTable
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, kv_buffer: KVBuffer, page_table: PageTable, seed: int = 0, sampling: str = "host"
+        self,
+        model: LlamaModel,
+        kv_buffer: KVBuffer,
+        page_table: PageTable,
+        seed: int = 0,
+        sampling: str = "host",
+        sparse=None,
     ):
         """``sampling``: ``host`` (a CPU copy of the sampled rows' logits, ``model/sampler.py``) or
-        ``device`` (batched on the logits' device, one copy of the ids back, ``model/sampler_device.py``)."""
+        ``device`` (batched on the logits' device, one copy of the ids back, ``model/sampler_device.py``).
+        ``sparse``: HiSparse's ``SparseWorker`` (``model/hisparse.py``), with --enable-hisparse."""
         self.model = model
         self.kv_buffer = kv_buffer
         model.attn.kv_dtype = kv_buffer.k.dtype  # what the backend writes and reads (float8: --kv-cache-dtype)
@@ -30,7 +37,7 @@ class ModelRunner:
         self.on_device = sampling == "device"
         det = getattr(model, "deterministic", False)  # unseeded rows seeded under deterministic inference
         self.sampler = DeviceSampler(seed, det) if self.on_device else Sampler(seed, det)
-        self.sparse = None  # model/hisparse.py SparseWorker, with --enable-hisparse
+        self.sparse = sparse
         self.graphs = None  # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs
         # On a CPU, fewer torch threads while another process holds one of this process's cores
         # (kernels/governor.py; the kernels' own pool governs itself, csrc/pool.h).

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ..memory.cache_key import cache_key
@@ -22,6 +23,7 @@ from ..memory.pools import KVBuffer
 from .host_pool import HostPool
 from .mover import TierMover
 from .ops import Cancel, Read, Restore, Save, Store, TierOp, TierReport
+from .tree import HiRadixCache
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,11 @@ class Tiers:
 
     def bind(self, kv: KVBuffer) -> None:
         self.mover.bind(kv)
+
+    def make_tree(self, page_size: int, free_pages: Callable[[list[int]], None]) -> HiRadixCache:
+        """The radix tree over these tiers (``KVManager`` builds its tree here when it has tiers:
+        the memory layer knows the tree's contract, not the tiers' subclass of it)."""
+        return HiRadixCache(page_size, free_pages, self)
 
     def _do(self, op: TierOp) -> None:
         """Apply ``op`` here now, and on every other rank at its next step."""

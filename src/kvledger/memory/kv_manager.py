@@ -30,6 +30,7 @@ from .ledger import Holding, Ledger
 from .pools import PagePool, ReqSlotPool
 from .radix import RadixCache
 from .session_kv import SessionKV
+from .sparse_kv import SparseBooks, SparseKV
 from .window import WindowKV
 
 log = logging.getLogger(__name__)
@@ -55,28 +56,36 @@ class KVManager:
         holdings: Callable[[], Iterable[Holding]],
         tiers=None,
         window: int | None = None,
+        tier_books=None,
+        sparse: Callable[[KVManager], SparseKV] | None = None,
     ):
         """``window``: the model's release window (``window.release_window``; None: every page of a
-        running request is kept)."""
+        running request is kept). ``tiers``, ``tier_books``: the L2/L3 tiers under the tree and their
+        books (``hicache/``; None: L1 only). ``sparse``: HiSparse's books over these pools, made from
+        this manager (None: off)."""
         self.page_size = page_size
         self.pages = PagePool(num_pages, page_size)
         self.slots = ReqSlotPool(num_slots)
         self.tiers = tiers  # hicache/tiers.py: the L2 and L3 tiers under the tree (None: L1 only)
-        if tiers is not None:
-            from ..hicache.tree import HiRadixCache
-
-            self.tree: RadixCache = HiRadixCache(page_size, self._free_evicted, tiers)
+        if tiers is not None:  # the tiers bring the tree that backs up to them (memory knows no tier)
+            self.tree: RadixCache = tiers.make_tree(page_size, self._free_evicted)
             tiers.tree, tiers.kv_manager = self.tree, self
         else:
             self.tree = RadixCache(page_size, self._free_evicted, enabled=enable_prefix_cache)
         # Pages a component of the engine keeps for its whole life (``reserve``), by owner.
         self.reserved: list[Holding] = []
+        self.sparse = sparse(self) if sparse is not None else None  # memory/sparse_kv.py SparseKV
         self.ledger = Ledger(
-            self.pages, self.slots, self.tree, lambda: itertools.chain(self.reserved, holdings()), strict
+            self.pages,
+            self.slots,
+            self.tree,
+            lambda: itertools.chain(self.reserved, holdings()),
+            strict,
+            tier_books,
+            SparseBooks(self.sparse) if self.sparse is not None else None,
         )
         self.tree.contain = self.ledger.contain  # a failing tree hook (a tier's backup) stops no release
         self.sessions = SessionKV(self)
-        self.sparse = None  # memory/sparse_kv.py SparseKV: HiSparse's books, when it is on
         self.window = WindowKV(self, window) if window else None  # sliding windows' releases
         self.ledger.window = self.window
         self.double_frees = 0

@@ -134,7 +134,11 @@ class Ledger:
         tree: RadixCache,
         holdings: Callable[[], Iterable[Holding]],
         strict: bool,
+        tiers=None,
+        sparse=None,
     ):
+        """``tiers``, ``sparse``: the books of the L2 tier (``hicache/books.py`` ``TierBooks``) and of
+        HiSparse's host pool (``sparse_kv.py`` ``SparseBooks``), audited with these; None when off."""
         self.pages = pages
         self.slots = slots
         self.tree = tree
@@ -154,8 +158,8 @@ class Ledger:
         # that quarantine can wait for every request live when it began (none here: a bare manager).
         self.arrivals: Callable[[], tuple[int, int | None]] = lambda: (0, None)
         self.last_report: AuditReport | None = None
-        self.tiers = None  # hicache/books.py TierBooks: the L2 tier's books, when the hierarchy is on
-        self.sparse = None  # memory/sparse_kv.py SparseBooks: HiSparse's host pool, when it is on
+        self.tiers = tiers
+        self.sparse = sparse
         self.window = None  # memory/window.py WindowKV: a sliding-window model's releases
 
     # -- figures ----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Attention backends. The model calls ``prepare`` once per forward and ``forward`` once per layer.
 
 A CUDA backend (flashinfer, triton) implements the same two methods and is chosen by name in
-``make_backend``; the model code does not change.
+``make_backend`` (``attention_cpu.py``, beside the other backend it chooses between); the model code
+does not change.
 """
 
 from __future__ import annotations
@@ -511,33 +512,3 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
 @_attention_op.register_fake
 def _(q, k, v, layer, handle):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-
-
-def make_backend(
-    name: str,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.float32,
-    scale: float | None = None,
-    windows: list[int | None] | None = None,
-    softcap: float | None = None,
-    sdpa_extends: bool = False,
-    sinks: list[torch.Tensor | None] | None = None,
-    deterministic: bool = False,
-) -> AttentionBackend:
-    """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
-    ``auto`` is resolved by the model (``CausalLM``) before it gets here. ``dtype``: the model's
-    (the cpu backend has a bf16-only prefill kernel). ``scale``, ``windows``, ``softcap``, ``sinks``:
-    the family's attention (``TorchAttention``). ``sdpa_extends``: the cpu backend runs long extends in
-    torch's SDPA (on a CPU with AMX, 2-2.5x its own flash kernel: ``CpuAttention``). ``deterministic``:
-    the cpu backend keeps every row in its kernels' one order of sums (``CpuAttention``)."""
-    if name == "torch":
-        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, windows, softcap, sinks)
-    if name == "cpu":
-        from .attention_cpu import CpuAttention
-
-        return CpuAttention(
-            num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap, sdpa_extends, sinks, deterministic
-        )
-    raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

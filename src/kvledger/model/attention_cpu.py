@@ -41,7 +41,7 @@ import torch
 from .. import kernels
 from ..config import ATTENTION_BACKENDS
 from ..errors import ModelLoadError
-from .attention import TorchAttention
+from .attention import AttentionBackend, TorchAttention
 from .batch import ForwardBatch
 
 
@@ -221,3 +221,31 @@ class CpuAttention(TorchAttention):
         rows = torch.arange(r, dtype=torch.int64)
         lens = torch.tensor(counts, dtype=torch.int64)
         return self.op(q, k_cache, v_cache, table, rows, lens, self.scale, None, None, None, p * page_size)
+
+
+def make_backend(
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float32,
+    scale: float | None = None,
+    windows: list[int | None] | None = None,
+    softcap: float | None = None,
+    sdpa_extends: bool = False,
+    sinks: list[torch.Tensor | None] | None = None,
+    deterministic: bool = False,
+) -> AttentionBackend:
+    """``torch``: the reference backend; ``cpu``: decodes in kvledger's C++ kernel (``attention_cpu``).
+    ``auto`` is resolved by the model (``CausalLM``) before it gets here. ``dtype``: the model's
+    (the cpu backend has a bf16-only prefill kernel). ``scale``, ``windows``, ``softcap``, ``sinks``:
+    the family's attention (``TorchAttention``). ``sdpa_extends``: the cpu backend runs long extends in
+    torch's SDPA (on a CPU with AMX, 2-2.5x its own flash kernel: ``CpuAttention``). ``deterministic``:
+    the cpu backend keeps every row in its kernels' one order of sums (``CpuAttention``)."""
+    if name == "torch":
+        return TorchAttention(num_heads, num_kv_heads, head_dim, scale, windows, softcap, sinks)
+    if name == "cpu":
+        return CpuAttention(
+            num_heads, num_kv_heads, head_dim, dtype, scale, windows, softcap, sdpa_extends, sinks, deterministic
+        )
+    raise ValueError(f"unknown attention backend {name!r}; available: torch, cpu")

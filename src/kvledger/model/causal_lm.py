@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..comm import Comm
 from ..errors import ModelLoadError
-from ..parallel.comm import Comm
-from .attention import AttentionBackend, KVBuffer, attention_context, make_backend, new_handle, sdpa_backends
-from .attention_cpu import resolve_backend
+from .attention import AttentionBackend, KVBuffer, attention_context, new_handle, sdpa_backends
+from .attention_cpu import make_backend, resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import MoE

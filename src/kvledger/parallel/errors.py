@@ -1,8 +1,9 @@
-"""Errors of the tensor-parallel group (kept apart so the engine core imports no distributed code)."""
+"""Errors of the tensor-parallel group: a broken group (``TPGroupBroken``, raised by the collectives,
+``comm.py``) and how a rank finds out."""
 
+from ..comm import TPGroupBroken
 
-class TPGroupBroken(RuntimeError):
-    """A rank died or a collective failed: the group cannot go on (the engine restarts)."""
+__all__ = ["FrameError", "TPAuthError", "TPGroupBroken"]
 
 
 class FrameError(TPGroupBroken):

@@ -26,11 +26,11 @@ import subprocess
 import sys
 import uuid
 
+from ..comm import TPComm
 from ..config import EngineConfig
 from ..engine.executor import Executor
 from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
 from . import rendezvous
-from .comm import TPComm
 from .errors import TPGroupBroken
 from .frames import Setup, Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
 
@@ -116,7 +116,7 @@ def share_setup(cfg: EngineConfig, mc, num_tokens: int, context: int, workers) -
     memory communicator's file; returns the communicator the forward should use."""
     import torch.distributed as dist
 
-    from .comm import ShmComm
+    from ..comm import ShmComm
 
     setup = Setup(num_tokens, context)
     comm = TPComm(0, cfg.parallel.tp_size)
@@ -135,7 +135,7 @@ def join_setup(rank: int, size: int) -> tuple[Setup, TPComm]:
     """A worker's side of ``share_setup``."""
     import torch.distributed as dist
 
-    from .comm import ShmComm
+    from ..comm import ShmComm
 
     setup = broadcast(None, Setup)
     if not setup.shm:
@@ -143,36 +143,6 @@ def join_setup(rank: int, size: int) -> tuple[Setup, TPComm]:
     comm = ShmComm(rank, size, setup.shm, setup.shm_capacity, create=False)
     dist.barrier()
     return setup, comm
-
-
-def _wire(t):
-    """``t`` as gloo can send it: gloo knows no float8, so a float8 KV pool's pages cross as their
-    bytes (a view of the same memory, no copy)."""
-    import torch
-
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
-def gather_tensors(t):
-    """Every rank's ``t`` (the same shape and dtype on all), in rank order, on rank 0 (None
-    elsewhere): raw tensors over gloo, no pickling (PD's heads, ``disagg/tp.py``)."""
-    import torch
-    import torch.distributed as dist
-
-    t = t.contiguous()
-    if dist.get_rank() != 0:
-        dist.gather(_wire(t), dst=0)
-        return None
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.gather(_wire(t), [_wire(o) for o in out], dst=0)
-    return out
-
-
-def scatter_tensors(parts, out) -> None:
-    """Rank 0's ``parts[r]`` into rank ``r``'s ``out`` (``parts`` None on the other ranks)."""
-    import torch.distributed as dist
-
-    dist.scatter(_wire(out), None if parts is None else [_wire(p) for p in parts], src=0)
 
 
 class TPExecutor(Executor):

@@ -30,12 +30,12 @@ def die_with_parent() -> None:
 
 
 def run(cfg: EngineConfig, rank: int, addr: str, key: bytes) -> None:
-    from ..engine.core import build_runner, build_worker_connector
+    from ..comm import rank_threads
     from ..engine.executor import InProcessExecutor
     from ..kernels import set_threads
-    from .comm import rank_threads
     from .executor import join_group, join_setup
     from .frames import Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
+    from .ranks import build_runner, build_worker_connector
 
     set_threads(rank_threads(cfg))  # torch's and the kernels' pools: this rank's share of the cores
     log.info("rank %d: joining the group at %s", rank, addr)

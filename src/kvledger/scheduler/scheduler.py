@@ -74,6 +74,7 @@ class Scheduler:
         connector: KVConnector | None = None,
         proposer=None,
         vocab_size: int = 0,
+        overlap: bool = False,
     ):
         self.cfg = cfg
         self.vocab_size = vocab_size  # the width of token bitmasks (min_new_tokens)
@@ -104,10 +105,10 @@ class Scheduler:
         self._was_busy = False
         self.clock: Callable[[], float] = time.monotonic  # request deadlines (a test may drive it)
         self.paused: str | None = None  # the pause mode (PAUSE_MODES) while generation is paused
-        # Overlap scheduling (``overlap.py``; the engine turns it on): steps launched and not yet
-        # updated, how many of them hold each request, and finished requests whose release waits
-        # until none does.
-        self.overlap = False
+        # Overlap scheduling (``overlap.py``; on where the engine overlaps its steps): steps launched
+        # and not yet updated, how many of them hold each request, and finished requests whose
+        # release waits until none does.
+        self.overlap = overlap
         self._step_ids = itertools.count(1)
         self._future_ids = itertools.count()
         self._flights: dict[int, Flight] = {}

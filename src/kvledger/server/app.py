@@ -20,11 +20,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from .. import __version__
 from ..common import Limits
 from ..config import ServerConfig
 from ..errors import KVLedgerError
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
+from ..version import __version__
 from . import handlers
 from .admission import InFlight
 from .auth import AuthMiddleware, KeyRing

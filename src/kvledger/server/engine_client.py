@@ -23,8 +23,8 @@ from ..common import messages as m
 from ..common.disagg import DisaggParams
 from ..common.pooling import PoolingParams
 from ..config import EngineConfig
-from ..engine.process import engine_main, ipc_paths
 from ..errors import ConflictError, ModelLoadError, ServiceUnavailable, error_for_status
+from ..launch.process import engine_main, ipc_paths
 
 log = logging.getLogger("kvledger.server")
 

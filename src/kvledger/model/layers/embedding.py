@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...comm import Comm
 from ...kernels.quant import PackedWeight
-from ...parallel.comm import Comm
 from ..linear import Linear
 
 

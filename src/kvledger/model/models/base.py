@@ -16,8 +16,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ...comm import Comm
 from ...errors import ModelLoadError
-from ...parallel.comm import Comm
 from ..config import ModelConfig
 from ..gguf_map import DECODER, GGUFMeta
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
@@ -167,7 +167,7 @@ class CausalNet(nn.Module):
 
     @comm.setter
     def comm(self, comm: Comm) -> None:
-        """The engine swaps in its shared-memory collectives after the build (``engine/core.py``):
+        """The engine swaps in its shared-memory collectives after the build (``launch/build.py``):
         the vocabulary ends hold the same object."""
         self._comm = comm
         self.embed.comm = comm

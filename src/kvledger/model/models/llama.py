@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ...parallel.comm import Comm
+from ...comm import Comm
 from ..config import SLIDING, ModelConfig
 from ..gguf_map import unpermute_attention
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding, rms_norm

@@ -5,10 +5,6 @@ parity test (tests/unit/test_families.py; GGUF: tests/unit/test_families_gguf.py
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .base import CausalNet
 
 ARCHITECTURES: dict[str, str] = {
     # model_type: "module:Class" (imported on first use)
@@ -51,8 +47,8 @@ def gguf_model_type(arch: str, expert_count: int = 0) -> str | None:
     return GGUF_ARCHITECTURES.get(arch)
 
 
-def family_for(model_type: str) -> type[CausalNet] | None:
-    """The class serving ``model_type``, or None where none does."""
+def family_for(model_type: str) -> type | None:
+    """The ``CausalNet`` subclass (``base.py``) serving ``model_type``, or None where none does."""
     spec = ARCHITECTURES.get(model_type)
     if spec is None:
         return None

@@ -11,10 +11,10 @@ import uuid
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ... import __version__
 from ...common import validate_request
 from ...common.health import HEALTH_CHECK_IDS, HEALTH_CHECK_SAMPLING, health_check_disagg
 from ...errors import ConflictError, NotFoundError, PermissionDenied
+from ...version import __version__
 from .. import auth
 from ..handlers import error_response, parse_body
 from ..protocol import RidBody

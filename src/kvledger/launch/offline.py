@@ -13,10 +13,11 @@ from ..common.outputs import PromptLogprobs
 from ..common.pooling import PoolingParams, label_scores, score_prompts
 from ..compat import refusal_error
 from ..config import EngineConfig
+from ..engine.control import SHUTDOWN_DRAIN_S
+from ..engine.detok import TextState
 from ..errors import ConflictError, KVLedgerError, NotFoundError, ValidationError, error_for_status
 from ..scheduler import Req
-from .core import SHUTDOWN_DRAIN_S, EngineCore
-from .detok import TextState
+from .build import start_engine
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Engine:
         # engine/graph_runner.py GraphCapture; None: CUDA graphs on CUDA (the tests pass EagerCapture)
         capture = kwargs.pop("graph_capture", None)
         cfg = EngineConfig.from_flat(model=model, dtype=dtype, **kwargs)
-        self.core = EngineCore(cfg, loaded=loaded, connector=connector, graph_capture=capture)
+        self.core = start_engine(cfg, loaded=loaded, connector=connector, graph_capture=capture)
         self._lock = threading.RLock()
         self._tracks: dict[str, _Track] = {}
 
@@ -304,11 +305,11 @@ class Engine:
         running ones (recomputed, with the same output, after ``continue_generation``), ``in_place``
         keeps them where they are. Requests added meanwhile wait."""
         with self._lock:
-            self.core.pause_generation(mode)
+            self.core.control.pause_generation(mode)
 
     def continue_generation(self) -> None:
         with self._lock:
-            self.core.continue_generation()
+            self.core.control.continue_generation()
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
         """New weights from ``model_path`` (same architecture and shapes) without a restart; the prefix
@@ -318,7 +319,7 @@ class Engine:
             if self.core.scheduler.paused is None:
                 self.run_until_idle()
             try:
-                n = self.core.update_weights_from_disk(model_path, load_format)["num_paused_requests"]
+                n = self.core.control.update_weights_from_disk(model_path, load_format)["num_paused_requests"]
             except KVLedgerError as e:
                 return False, e.message, 0
         return True, f"Succeeded to update model weights from {model_path}.", n
@@ -327,29 +328,29 @@ class Engine:
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
         """Serve the peft adapter at ``lora_path`` as ``lora_name`` (``sampling["lora_path"]`` selects it)."""
         with self._lock:
-            return self.core.load_lora_adapter(lora_name, lora_path)
+            return self.core.control.load_lora_adapter(lora_name, lora_path)
 
     def unload_lora_adapter(self, lora_name: str) -> None:
         """Stop serving ``lora_name``; refused (409) while requests of it are queued or running."""
         with self._lock:
-            self.core.unload_lora_adapter(lora_name)
+            self.core.control.unload_lora_adapter(lora_name)
 
     def flush_cache(self) -> bool:
         with self._lock:
-            return self.core.flush_cache()
+            return self.core.control.flush_cache()
 
     def memory(self) -> dict:
         with self._lock:
-            return self.core.memory()
+            return self.core.view.memory()
 
     def audit(self):
         with self._lock:
-            return self.core.audit()
+            return self.core.view.audit()
 
     def page_map(self) -> dict:
         """Every page's owner as runs, with the figures of the same instant (``/memory/pages``)."""
         with self._lock:
-            return self.core.page_map()
+            return self.core.view.page_map()
 
     def open_session(
         self, session_id: str | None = None, streaming: bool = True, timeout: float | None = None
@@ -358,31 +359,31 @@ class Engine:
         if streaming is not True:
             raise ValidationError("only streaming sessions are supported", param="streaming")
         with self._lock:
-            return self.core.open_session(session_id, timeout)
+            return self.core.control.open_session(session_id, timeout)
 
     def close_session(self, session_id: str) -> None:
         """Close a session; if a turn is running its memory is released when that turn finishes."""
         with self._lock:
-            self.core.close_session(session_id)
+            self.core.control.close_session(session_id)
 
     def restore_sessions(self, records: list[dict]) -> int:
         """Re-open sessions from ``{id, timeout, tokens}`` records (no KV: their next turns recompute)."""
         with self._lock:
-            return self.core.restore_sessions(records)
+            return self.core.control.restore_sessions(records)
 
     def sessions(self) -> list[dict]:
         with self._lock:
             return self.core.sessions.describe()
 
     def shutdown(self, drain_timeout_s: float = SHUTDOWN_DRAIN_S) -> None:
-        """Abort what runs, drain (bounded: see ``EngineCore.shutdown``), close."""
+        """Abort what runs, drain (bounded: see ``EngineControl.shutdown``), close."""
         with self._lock:
             for rid in list(self._tracks):
                 self.core.abort(rid, "engine shut down")
             end = time.monotonic() + drain_timeout_s
             while not self.core.scheduler.idle and time.monotonic() < end:
                 self._apply(self.core.step())
-            self.core.shutdown(max(0.0, end - time.monotonic()))
+            self.core.control.shutdown(max(0.0, end - time.monotonic()))
 
     def __enter__(self) -> Engine:
         return self

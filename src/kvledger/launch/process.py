@@ -1,4 +1,4 @@
-"""The engine process: an ``EngineCore`` driven by a loop that talks to the HTTP front over ZMQ.
+"""The engine process: an ``EngineCore`` (built by ``build.start_engine``) driven by a loop that talks to the HTTP front over ZMQ.
 
 Messages are the typed structs of ``common/messages.py`` (JSON, never pickle: request data comes
 from clients) over Unix-domain IPC sockets in a private (0700) directory. The front binds, the engine
@@ -19,6 +19,7 @@ from ..common import messages as m
 from ..config import EngineConfig
 from ..errors import KVLedgerError, ValidationError
 from ..testing import faults
+from .build import start_engine
 
 log = logging.getLogger("kvledger.engine")
 
@@ -60,7 +61,7 @@ class _Loop:
         elif isinstance(msg, m.Call):
             self.send(_call(core, msg))
         elif isinstance(msg, m.Shutdown):
-            n = core.shutdown()
+            n = core.control.shutdown()
             log.info("engine shut down: %d session(s) closed", n)
             return False
         return True
@@ -93,7 +94,7 @@ class _Loop:
             if self.core.scheduler.idle and not was_busy and not self.core.scheduler.has_outputs:
                 if now - self.last_stats > STATS_INTERVAL_S:  # the heartbeat the watchdog listens for
                     self.last_stats = now
-                    self.send(m.Outputs([], _stats(self.core)))
+                    self.send(m.Outputs([], self.core.view.stats()))
                 continue
             outs = self.core.step()
             now = time.monotonic()
@@ -103,7 +104,7 @@ class _Loop:
             stats = None
             if not was_busy or now - self.last_stats > STATS_INTERVAL_S / 5:
                 self.last_stats = now
-                stats = _stats(self.core)
+                stats = self.core.view.stats()
             self.send(m.Outputs(outs, stats))
 
 
@@ -124,16 +125,12 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
     push = ctx.socket(zmq.PUSH)
     push.connect(from_engine)
     try:
-        from .core import EngineCore
-
-        core = EngineCore(EngineConfig.from_flat(**cfg_dict))
+        core = start_engine(EngineConfig.from_flat(**cfg_dict))
     except KVLedgerError as e:
         push.send(m.encode(m.Fatal(e.message)))
         time.sleep(0.2)
         return
-    ready = m.Ready(
-        os.getpid(), core.info_dict(), dataclasses.asdict(core.limits), core.cfg.flat()
-    )
+    ready = m.Ready(os.getpid(), core.view.info_dict(), dataclasses.asdict(core.limits), core.cfg.flat())
     push.send(m.encode(ready))
     _Loop(core, pull, push).run()
 
@@ -141,23 +138,22 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
 def _call(core, msg: m.Call) -> m.Reply:
     """Control operations from the front; errors travel back in the OpenAI shape with their status."""
     args = msg.args
+    ctl, view = core.control, core.view
     ops = {
-        "flush_cache": core.flush_cache,
-        "memory": core.memory,
-        "audit": lambda: core.audit().describe(),
-        "page_map": core.page_map,
-        "open_session": lambda: core.open_session(args.get("session_id"), args.get("timeout")),
-        "close_session": lambda: core.close_session(args.get("session_id")) or True,
-        "restore_sessions": lambda: core.restore_sessions(args.get("sessions") or []),
+        "flush_cache": ctl.flush_cache,
+        "memory": view.memory,
+        "audit": lambda: view.audit().describe(),
+        "page_map": view.page_map,
+        "open_session": lambda: ctl.open_session(args.get("session_id"), args.get("timeout")),
+        "close_session": lambda: ctl.close_session(args.get("session_id")) or True,
+        "restore_sessions": lambda: ctl.restore_sessions(args.get("sessions") or []),
         "sessions": core.sessions.describe,
-        "pause_generation": lambda: core.pause_generation(args.get("mode")),
-        "continue_generation": lambda: core.continue_generation() or True,
-        "update_weights_from_disk": lambda: core.update_weights_from_disk(
-            args.get("model_path"), args.get("load_format")
-        ),
-        "load_lora_adapter": lambda: core.load_lora_adapter(args.get("lora_name"), args.get("lora_path")),
-        "unload_lora_adapter": lambda: core.unload_lora_adapter(args.get("lora_name")) or True,
-        "lora_list": core.lora_list,
+        "pause_generation": lambda: ctl.pause_generation(args.get("mode")),
+        "continue_generation": lambda: ctl.continue_generation() or True,
+        "update_weights_from_disk": lambda: ctl.update_weights_from_disk(args.get("model_path"), args.get("load_format")),
+        "load_lora_adapter": lambda: ctl.load_lora_adapter(args.get("lora_name"), args.get("lora_path")),
+        "unload_lora_adapter": lambda: ctl.unload_lora_adapter(args.get("lora_name")) or True,
+        "lora_list": view.lora_list,
     }
     try:
         op = ops.get(msg.op)
@@ -166,18 +162,3 @@ def _call(core, msg: m.Call) -> m.Reply:
         return m.Reply(msg.id, op())
     except KVLedgerError as e:
         return m.Reply(msg.id, error={**e.to_dict()["error"], "status": e.status})
-
-
-def _stats(core) -> dict:
-    s = core.scheduler
-    return {
-        "num_running": len(s.running),
-        "num_waiting": len(s.waiting) + len(s.compiling),
-        "retractions": s.total_retractions,
-        "preemptions": s.policy.total_preemptions,
-        "num_sessions": len(core.sessions.sessions),
-        "memory": core.memory(),
-        "disagg": core.connector_stats(),
-        "cuda_graph": core.graph_stats(),
-        "time": time.time(),
-    }

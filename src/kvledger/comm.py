@@ -1,4 +1,8 @@
-"""The collectives the forward calls. ``Comm`` (one rank) does nothing; ``TPComm`` wraps a
+"""The collectives: those the forward calls, and the raw tensor ones PD's KV heads move by under
+tensor parallelism (``gather_tensors`` / ``scatter_tensors``, ``disagg/tp.py``). Below the model and
+the engine (the ranks' processes, ``parallel/``, sit above them), it imports nothing of the project.
+
+The forward's collectives. ``Comm`` (one rank) does nothing; ``TPComm`` wraps a
 torch.distributed group (gloo on CPUs, NCCL on GPUs); ``ShmComm`` does them through shared memory.
 
 Inside a ``torch.compile`` graph a collective is a custom op (``kvledger::all_reduce``,
@@ -17,6 +21,11 @@ import weakref
 import torch
 
 from ..kernels import default_threads
+
+
+class TPGroupBroken(RuntimeError):
+    """A rank died or a collective failed: the group cannot go on (the engine restarts). Here, with
+    the collectives, so the engine core catches it without importing the ranks' processes."""
 
 
 def rank_threads(cfg) -> int | None:
@@ -151,8 +160,6 @@ class ShmComm(TPComm):
                 self._yield()
                 if self.peers_alive is not None and time.monotonic() > deadline:
                     if not self.peers_alive():
-                        from .errors import TPGroupBroken
-
                         raise TPGroupBroken("a tensor-parallel rank died during a collective")
                     deadline = time.monotonic() + 0.5
         return self.data[parity, :, :n]
@@ -172,3 +179,30 @@ class ShmComm(TPComm):
         if parts is None:
             return super()._gather_vocab(x)
         return torch.cat([parts[j].view(x.shape).to(x.dtype) for j in range(self.size)], dim=-1)
+
+
+def _wire(t):
+    """``t`` as gloo can send it: gloo knows no float8, so a float8 KV pool's pages cross as their
+    bytes (a view of the same memory, no copy)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def gather_tensors(t):
+    """Every rank's ``t`` (the same shape and dtype on all), in rank order, on rank 0 (None
+    elsewhere): raw tensors over gloo, no pickling (PD's heads, ``disagg/tp.py``)."""
+    import torch.distributed as dist
+
+    t = t.contiguous()
+    if dist.get_rank() != 0:
+        dist.gather(_wire(t), dst=0)
+        return None
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.gather(_wire(t), [_wire(o) for o in out], dst=0)
+    return out
+
+
+def scatter_tensors(parts, out) -> None:
+    """Rank 0's ``parts[r]`` into rank ``r``'s ``out`` (``parts`` None on the other ranks)."""
+    import torch.distributed as dist
+
+    dist.scatter(_wire(out), None if parts is None else [_wire(p) for p in parts], src=0)

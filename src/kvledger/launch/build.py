@@ -1,0 +1,285 @@
+"""The composition root: one function builds an engine's parts from its settings, each part given what
+it needs through its constructor, in the order they depend on each other:
+
+    settings checked -> TP group -> model (+ LoRA) -> pool sizes -> tiers -> pools and ledger ->
+    KV buffer and runner (+ HiSparse) -> connectors (tiers, PD) -> executor (+ TP) -> compile and
+    graphs -> drafter, grammars, scheduler, sessions -> ``EngineParts``
+
+``EngineCore`` (``engine/core.py``) takes the parts and runs the step; ``start_engine`` does both,
+then warms a compiled model up. The worker ranks' side of the same build is ``parallel/ranks.py``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..comm import Comm, rank_threads
+from ..common import Limits
+from ..compat import check_model
+from ..config import EngineConfig
+from ..connector import KVConnector, MultiConnector
+from ..constrained import GrammarBackend
+from ..disagg import make_connector
+from ..engine.core import EngineCore
+from ..engine.executor import Executor, InProcessExecutor
+from ..engine.graph_runner import GraphCapture, graph_max_bs, graphs_planned, make_graph_runner
+from ..engine.introspect import EngineInfo
+from ..engine.malloc import keep_heap_memory
+from ..engine.page_table import PageTable
+from ..engine.resources import auto_stored, default_kv_tokens, resolve_dtype
+from ..engine.runner import ModelRunner
+from ..engine.weights import checkpoint_shapes
+from ..kernels import set_threads
+from ..memory import KVBuffer, KVManager, release_window
+from ..memory.sparse_kv import SparseKV
+from ..model import LlamaModel, load_model
+from ..model.loader import LoadedModel
+from ..model.lora import LoraSet
+from ..parallel.ranks import (
+    kv_cache_dtype,
+    model_quantization,
+    pd_with_tiers,
+    sampling_backend,
+    sharded_model,
+)
+from ..parallel.shard import check_tp
+from ..scheduler import Scheduler, SessionManager
+from ..spec.setup import make_proposer
+from ..testing import faults
+from .parts import grammars_of, hisparse_of, limits_of, loras_of, overlap_schedule, tiers_of
+
+log = logging.getLogger("kvledger.engine.core")
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What ``EngineCore`` runs: every part built, wired, and the settings as they run (the device,
+    the quantization, the pool's size and the context resolved)."""
+
+    cfg: EngineConfig
+    model: LlamaModel
+    tokenizer: Any  # None for a model directory without tokenizer files (``input_ids`` only)
+    loras: LoraSet | None  # --enable-lora
+    kv_manager: KVManager  # the pools and their ledger (with the tiers' and HiSparse's books)
+    runner: ModelRunner
+    connector: KVConnector | None  # what the scheduler and the executor talk to: tiers, PD, both
+    disagg_connector: KVConnector | None  # the PD transport alone (stats, a decode's peer check)
+    executor: Executor  # in-process, or rank 0 of a TP group
+    grammars: GrammarBackend
+    scheduler: Scheduler
+    sessions: SessionManager
+    limits: Limits  # what validation holds a request to
+    overlap: bool  # overlap scheduling on
+    info: EngineInfo
+    weight_shapes: dict  # the checkpoint's, what a weight update must match
+    rebuild_model: Callable[[LoadedModel], LlamaModel]  # a weight update's model, on this rank's comm
+
+
+def start_engine(
+    cfg: EngineConfig,
+    loaded: LoadedModel | None = None,
+    connector: KVConnector | None = None,
+    graph_capture: GraphCapture | None = None,
+) -> EngineCore:
+    """An engine ready to serve: its parts built (``build_parts``), its core, and with
+    ``--enable-torch-compile`` its graph compiled by a warm-up through the release path."""
+    parts, workers = build_parts(cfg, loaded, connector, graph_capture)
+    core = EngineCore(parts)
+    if cfg.kernels.enable_torch_compile:
+        try:
+            _warm_up_compile(core)
+        except BaseException:
+            core.close_forward()
+            _close_partial_start(parts.connector or parts.disagg_connector or parts.kv_manager.tiers, workers)
+            raise
+    return core
+
+
+def build_parts(
+    cfg: EngineConfig,
+    loaded: LoadedModel | None = None,
+    connector: KVConnector | None = None,
+    graph_capture: GraphCapture | None = None,
+) -> tuple[EngineParts, list]:
+    """The parts, and this node's other TP ranks (their processes). ``connector``: a KV connector of
+    the caller's (tests); ``graph_capture``: how decode steps are captured (``engine/graph_runner.py``;
+    None: CUDA graphs on CUDA unless ``--disable-cuda-graph``, none elsewhere). Whatever raises, what
+    was opened is closed: the connectors' ports and threads, the TP ranks and this process's group
+    (a second engine in the same process could not form its group otherwise)."""
+    device = cfg.check()  # every settings check that needs no model; the device the engine runs on
+    if ":" in device:  # cuda:N: this process's current device (allocations, streams)
+        torch.cuda.set_device(torch.device(device))
+    set_threads(rank_threads(cfg))  # torch's and the kernels' pools: this process's cores
+    if device == "cpu":
+        keep_heap_memory()
+    t0 = time.monotonic()
+    comm, workers = Comm(), []
+    if cfg.parallel.tp_size > 1:  # the other ranks start loading while this one does
+        from ..parallel.executor import start_group
+
+        comm, workers = start_group(cfg)
+    opened: dict[str, Any] = {}  # what a failed start closes
+    try:
+        return _build(cfg, loaded, connector, graph_capture, device, comm, workers, t0, opened), workers
+    except BaseException:
+        _close_partial_start(opened.get("connector") or opened.get("tiers"), workers)
+        raise
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The pool's shape, decided once the model is loaded (what is left of the memory)."""
+
+    num_pages: int
+    total: int  # tokens: num_pages * page_size
+    context: int
+    graphs: bool  # decode steps in CUDA graphs (they keep one page for their padding rows)
+    kv_dtype: torch.dtype
+    per_token: int  # KV bytes per token on this rank
+
+
+def _plan(cfg: EngineConfig, mc, model: LlamaModel, device: str, graph_capture: GraphCapture | None) -> _Plan:
+    ps = cfg.cache.page_size
+    lc = model.cfg  # this rank's shapes (all of them on one rank)
+    kv_dtype = kv_cache_dtype(cfg, model.dtype)
+    per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, kv_dtype)
+    num_pages = max(1, (cfg.cache.max_total_tokens or default_kv_tokens(per_token, device)) // ps)
+    total = num_pages * ps
+    # Decode steps in CUDA graphs keep one page for their padding rows, out of every request's reach.
+    graphs = graphs_planned(cfg.kernels.disable_cuda_graph, device, graph_capture, model, num_pages)
+    context = min(cfg.model.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total - ps * graphs)
+    return _Plan(num_pages, total, context, graphs, kv_dtype, per_token)
+
+
+def _build(
+    cfg: EngineConfig, loaded: LoadedModel | None, connector: KVConnector | None, graph_capture: GraphCapture | None,
+    device: str, comm: Comm, workers: list, t0: float, opened: dict[str, Any],
+) -> EngineParts:  # fmt: skip
+    loaded = loaded or load_model(cfg.model.model)
+    t_read = time.monotonic() - t0
+    mc = loaded.config
+    weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
+    check_tp(mc, cfg.parallel.tp_size)
+    stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
+    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
+    model = sharded_model(cfg, loaded, comm, dtype, device)
+    t_model = time.monotonic() - t0 - t_read
+    # From here on the settings name what runs (the L3 cache keys, /get_server_info).
+    cfg = cfg.replace(
+        device=device, quantization=model_quantization(cfg, loaded, dtype, device), attention_backend=model.attention
+    )
+    # The model's own features against the settings' (the compatibility table).
+    check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
+    check_model(cfg, device, ["routed_experts"] if mc.num_experts else [], detail=mc.arch)
+    loras = loras_of(cfg, model)
+    plan = _plan(cfg, mc, model, device, graph_capture)
+    ps, total, context, lc = cfg.cache.page_size, plan.total, plan.context, model.cfg
+    run_cfg = cfg.replace(max_total_tokens=total, context_length=context)  # the settings as they run
+    kv_buffer = KVBuffer(lc.num_layers, total, lc.num_kv_heads, lc.head_dim, plan.kv_dtype, device)
+    table = PageTable(cfg.scheduler.max_running_requests, context, ps, device)
+    tiers, hicache, tier_books = tiers_of(cfg, connector, loaded.path, lc, kv_buffer, plan.num_pages, device, opened)
+    connector = connector if hicache is None else hicache
+    num_host, sparse = hisparse_of(cfg, device, model, mc, plan.num_pages, dtype)
+    # ``scheduler`` is built below: the ledger's owner walk and PD's abort call it once requests run.
+    kv_manager = KVManager(
+        num_pages=plan.num_pages,
+        page_size=ps,
+        num_slots=cfg.scheduler.max_running_requests,
+        enable_prefix_cache=cfg.cache.enable_prefix_cache,
+        strict=cfg.cache.strict_memory,
+        holdings=faults.ledger_holdings(lambda: scheduler.holdings()),
+        tiers=tiers,
+        window=release_window(mc.layer_windows()),  # every layer windowed: pages leave as requests run
+        tier_books=tier_books,
+        sparse=None if sparse is None else (lambda km: SparseKV(km, cfg.hisparse, num_host, context)),
+    )
+    runner = ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device), sparse)
+    limits = limits_of(cfg, mc, context)
+    # The PD transport (None without PD); it reaches the scheduler only through its thread-safe abort.
+    disagg = None
+    if cfg.disagg.enabled and (connector is None or hicache is not None):
+        disagg = make_connector(cfg, kv_buffer, lambda *a: scheduler.abort(*a), limits, mc.num_kv_heads, sparse)
+        connector = disagg if hicache is None else MultiConnector(pd_with_tiers(cfg, hicache, disagg), ps)
+    opened["connector"] = connector
+    executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
+    if cfg.parallel.tp_size > 1:
+        from ..parallel.executor import TPExecutor, share_setup
+
+        # The workers build the same pool; on one machine the collectives move to shared memory.
+        model.net.comm = share_setup(run_cfg, mc, total, context, workers)
+        executor = TPExecutor(executor, workers)
+    tokenizer = loaded.tokenizer
+    eos = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+    proposer = make_proposer(cfg, model, total)
+    grammars = grammars_of(cfg, tokenizer, mc.vocab_size, eos)
+    overlap = overlap_schedule(run_cfg, connector)
+    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else (lambda ids: "")
+    scheduler = Scheduler(run_cfg, kv_manager, context, eos, decode, connector, proposer, mc.vocab_size, overlap)
+    sessions = SessionManager(kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
+    if cfg.kernels.enable_torch_compile:
+        model.enable_compile()  # (before the capture: it may replace the embedding's table)
+    if plan.graphs:  # captured before any request (the padding page is reserved from a full pool)
+        max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+        runner.graphs = make_graph_runner(model, kv_buffer, table, kv_manager, max_bs, graph_capture)
+    info = _info(cfg, mc, loaded, model, plan, workers, (t0, t_read, t_model))
+    return EngineParts(
+        run_cfg, model, tokenizer, loras, kv_manager, runner, connector, disagg, executor, grammars, scheduler,
+        sessions, limits, overlap, info, weight_shapes,
+        lambda new: sharded_model(run_cfg, new, model.net.comm, dtype, device),
+    )  # fmt: skip
+
+
+def _info(cfg: EngineConfig, mc, loaded: LoadedModel, model: LlamaModel, plan: _Plan, workers: list, times) -> EngineInfo:
+    """What the engine says it is (``/get_server_info``), logged once: ready, in how long."""
+    t0, t_read, t_model = times
+    ps = cfg.cache.page_size
+    dtype_name = str(model.dtype).replace("torch.", "") + (f"+{cfg.model.quantization}" if cfg.model.quantization else "")
+    info = EngineInfo(
+        mc.name, loaded.path, dtype_name, plan.context, mc.vocab_size, ps, plan.total, plan.per_token,
+        model.weight_bytes(), mc.arch, cfg.parallel.tp_size, [p.pid for p in workers], cfg.disagg.disaggregation_mode,
+    )  # fmt: skip
+    kv = "" if plan.kv_dtype == model.dtype else f", {str(plan.kv_dtype).removeprefix('torch.')}"
+    log.info(
+        "engine ready in %.1fs (model read %.1fs, built %.1fs) on %s: %s (%s, %s), weights %.0f MiB, "
+        "KV %d tokens in pages of %d (%.0f MiB%s), context %d",
+        time.monotonic() - t0, t_read, t_model, cfg.model.device, mc.name, mc.arch, dtype_name,
+        info.weight_bytes / 2**20, plan.total, ps, plan.total * plan.per_token / 2**20, kv, plan.context,
+    )  # fmt: skip
+    return info
+
+
+def _warm_up_compile(core: EngineCore) -> None:
+    """Compile the graph before serving: a batch of two short requests runs through the normal
+    scheduler and release path (so the books stay exact), then the prefix cache is dropped."""
+    t0 = time.monotonic()
+    log.info("torch.compile: compiling the forward (tens of seconds) ...")
+    vocab = core.model.cfg.vocab_size
+    for j in range(2):
+        ids = [(7 + 31 * j + i) % vocab for i in range(8)]
+        core.submit(core.make_request(ids, {"max_new_tokens": 3, "ignore_eos": True}, rid=f"warm-up-{j}"))
+    while not core.scheduler.idle:
+        core.step()
+    core.control.flush_cache()
+    log.info("torch.compile: ready in %.1fs", time.monotonic() - t0)
+
+
+def _close_partial_start(closing, workers: list) -> None:
+    """A start that failed part-way (a bootstrap port in use, settings the model refuses, a failed
+    compile) closes what it opened: the connectors (their ports and threads), the TP ranks and this
+    process's group."""
+    if closing is not None:
+        try:
+            closing.close()
+        except Exception:  # the start's own error is the one to raise
+            log.exception("engine: closing a connector after a failed start")
+    for p in workers:
+        p.kill()
+    if workers:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
