@@ -20,7 +20,7 @@ import weakref
 
 import torch
 
-from ..kernels import default_threads
+from .common.cpus import default_threads
 
 
 class TPGroupBroken(RuntimeError):
@@ -31,7 +31,7 @@ class TPGroupBroken(RuntimeError):
 def rank_threads(cfg) -> int | None:
     """Compute threads for one rank: the flag if given; with several ranks on this machine, the cores
     this process may run on (its affinity) shared out between them (oversubscribed ranks wait on each
-    other in every collective); None: all of them (``kernels.default_threads``)."""
+    other in every collective); None: all of them (``common.cpus.default_threads``)."""
     if cfg.parallel.num_threads:
         return cfg.parallel.num_threads
     local = cfg.parallel.tp_size // cfg.parallel.nnodes

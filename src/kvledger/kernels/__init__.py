@@ -24,21 +24,14 @@ from pathlib import Path
 
 import torch
 
+from ..common.cpus import default_threads
+
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "dense.cpp", "pool.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried", "threads": None}
-
-
-def default_threads() -> int:
-    """The cores this process may run on (its affinity: a container's or ``taskset``'s cpuset), not
-    the machine's count, which oversubscribes a process given fewer."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def set_threads(n: int | None = None) -> int:
