@@ -225,8 +225,8 @@ def test_a_float8_pools_long_extends_take_the_flash_kernel_off_amx_and_sdpa_on_i
 def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
     """The cpu backend's routing over a float8 pool on one layer of a real batch (decodes, short
     extends after a prefix in the per-token kernel reading the pool widened; long ones in the
-    vdpbf16ps flash kernel, which widens the pool to bf16 as it packs, or with ``sdpa_extends`` in
-    SDPA): every row within bf16 rounding of the torch backend's over the same pool."""
+    vdpbf16ps flash kernel, which widens the pool to bf16 as it packs, or without AVX512-BF16 in the
+    per-token kernel too, or with ``sdpa_extends`` in SDPA): every row within bf16 rounding of the torch backend's over the same pool."""
     from kvledger.memory import KVBuffer
     from kvledger.model.attention import TorchAttention
     from kvledger.model.attention_cpu import CpuAttention
@@ -254,6 +254,8 @@ def test_one_layer_over_a_float8_pool_equals_the_torch_backend(sdpa_extends):
     assert meta.ext is not None  # short extends in the per-token kernel
     if sdpa_extends:
         assert meta.flash is None and meta.long_ext  # long ones in SDPA
-    else:
+    elif kernels.has_bf16_dot():
         assert meta.flash is not None and not meta.long_ext  # long ones in the flash kernel
+    else:  # no AVX512-BF16: every extend in the per-token kernel, long ones too (never SDPA by default)
+        assert meta.flash is None and not meta.long_ext
     torch.testing.assert_close(outs[1], outs[0], rtol=2**-6, atol=2**-6)
