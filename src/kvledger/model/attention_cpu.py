@@ -17,9 +17,8 @@ SDPA 12.5; 512 tokens after 512 cached 3.8 vs 10.1; 8 prompts of 128 1.2 vs 3.4 
 2.3); 8 verifies of 5 after 300 0.37 per-token vs 0.53 flash. Without the bf16 kernel (no
 AVX512-BF16), every extend runs the per-token kernel, however long: SDPA sums a row otherwise than the
 decode kernel, so a prompt's rows would take other bits cold (one long extend) than as a prefix-cache
-hit's tail or in chunks (issue 56). On such a CPU (an Intel Xeon with AVX-512 VNNI and no BF16) the
-default model's 1,024-token prompt took about as long a layer in either (a rough reading on a busy
-machine, not a benchmark); ``--cpu-amx on`` (``sdpa_extends``) still sends long extends to SDPA.
+hit's tail or in chunks (issue 56). What that costs a long prompt against SDPA on such a CPU is not
+measured yet; ``--cpu-amx on`` (``sdpa_extends``) still sends long extends to SDPA.
 
 On a CPU with AMX the flash kernel runs on the tiles (``flash_amx.cpp``: 16 query rows a call,
 S^T = K Q^T and O^T += V^T P^T on the tile unit, the online softmax one row per vector lane), and
