@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
-from ..memory.ledger import AuditReport, Holding, classify
+from ..memory.audit import AuditReport, Holding, classify
 
 
 class TierBooks:

@@ -1,8 +1,9 @@
 """KV memory: page and slot pools, the radix prefix cache, the ledger that audits them, and the
 memory operations on behalf of requests and sessions (``KVManager``)."""
 
+from .audit import AuditReport, Holding
 from .kv_manager import KVManager, PageWrite
-from .ledger import AuditReport, Holding, Ledger
+from .ledger import Ledger
 from .pools import KVBuffer, PagePool, ReqSlotPool
 from .radix import RadixCache, TreeNode
 from .session_kv import Session, SessionKV

@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import MemoryLedgerError, OwnershipError
+from .audit import Holding
 from .cache_key import cache_key
-from .ledger import Holding, Ledger
+from .ledger import Ledger
 from .pools import PagePool, ReqSlotPool
 from .radix import RadixCache
 from .session_kv import SessionKV

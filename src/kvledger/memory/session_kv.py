@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import OwnershipError
-from .ledger import Holding
+from .audit import Holding
 from .window import OUT_OF_WINDOW, real_pages
 
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import MemoryLedgerError
-from .ledger import AuditReport, Holding
+from .audit import AuditReport, Holding
 from .pools import IdPool
 
 
