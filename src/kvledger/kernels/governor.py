@@ -7,8 +7,9 @@ pool (``csrc/pool.h``) does not wait for late threads and has its own governor; 
 changed, only sized. So once per step the model runner calls ``ThreadGovernor.tick()``, which every
 ``window_s`` reads how long this process's busy threads sat runnable but off a core
 (``/proc/self/task/*/schedstat``'s run delay: the kernel's own count of "another task had my core").
-Over ``drop_share`` of a window's wall time, the step works with one thread fewer; after a backoff it
-probes one more for a window and keeps it if the delay stays low (the core came back).
+Over ``drop_share`` of the wall time in ``late_windows`` windows in a row, the step works with one thread
+fewer (one late window is a virtual machine's host taking a vCPU for a moment, not a neighbour); after a
+backoff it probes one more for a window and keeps it if the delay stays low (the core came back).
 
 ``Governor`` is the rule alone, fed (time, delay share) so that tests can replay synthetic lateness.
 """
@@ -27,12 +28,22 @@ log = logging.getLogger(__name__)
 
 class Governor:
     """How many threads to use, from the share of each window the busy threads spent waiting for a
-    core. Drops one thread when a window's share exceeds ``drop_share``; ``probe_min_s`` after a
+    core. Drops one thread when the share exceeds ``drop_share`` in ``late_windows`` windows in a row
+    (the kernels' pool has the same rule: ``csrc/pool.h``); ``probe_min_s`` after a
     drop tries one more for a window, keeping it when the share stays under ``drop_share`` (the
     backoff resets) and dropping it again otherwise (the backoff doubles, up to ``probe_max_s``)."""
 
-    def __init__(self, threads: int, drop_share: float = 0.3, probe_min_s: float = 0.5, probe_max_s: float = 8.0):
+    def __init__(
+        self,
+        threads: int,
+        drop_share: float = 0.3,
+        probe_min_s: float = 0.5,
+        probe_max_s: float = 8.0,
+        late_windows: int = 3,
+    ):
         self.size = max(1, threads)
+        self.late_windows = late_windows
+        self.late_run = 0  # windows in a row found late
         self.active = self.size
         self.drop_share = drop_share
         self.probe_min_s = probe_min_s
@@ -57,12 +68,17 @@ class Governor:
                 self.backoff = self.probe_min_s
             self.probe_at = now + self.backoff
         elif late and self.active > 1:
-            self.active -= 1
-            self.drops += 1
-            self.probe_at = now + self.backoff
+            self.late_run += 1
+            if self.late_run >= self.late_windows:
+                self.late_run = 0
+                self.active -= 1
+                self.drops += 1
+                self.probe_at = now + self.backoff
         elif self.active < self.size and now >= self.probe_at:
             self.active += 1
             self.probing = True
+        if not late:
+            self.late_run = 0
         return self.active
 
 

@@ -133,7 +133,7 @@ class Pool {
     wake_.fetch_add(1, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake_all(&wake_);
     tl_in_job = true;
-    work();  // catches the chunks' exceptions: never leaves early
+    const int64_t own_chunk_ns = work(true);  // catches the chunks' exceptions: never leaves early
     tl_in_job = false;
     // Only claimed chunks are waited for; wait_ns is what the governor judges.
     int64_t wait_ns = 0;
@@ -148,6 +148,10 @@ class Pool {
         }
       }
       wait_ns = now_ns() - w0;
+      // A worker on its core finishes its last chunk at most about one chunk after the caller's
+      // last: a wait up to twice the caller's longest chunk is the chunks' own length (a big job's
+      // chunks run for milliseconds: the LM head at 32 rows), not a lost core, and is not judged.
+      if (wait_ns < 2 * own_chunk_ns) wait_ns = 0;
     }
     ++jobs_;
     if (governed_) {
@@ -172,8 +176,10 @@ class Pool {
     for (int64_t c = 0; c < chunks; ++c) fn(ctx, c);
   }
 
-  // Claims and runs chunks of the current job until none are left to claim.
-  void work() {
+  // Claims and runs chunks of the current job until none are left to claim. timed (the caller):
+  // returns the longest chunk it ran, in ns (0 if none).
+  int64_t work(bool timed = false) {
+    int64_t longest = 0;
     uint64_t s = state_.load(std::memory_order_acquire);
     for (;;) {
       const uint64_t next = (s >> 16) & 0xffff, n = s & 0xffff;
@@ -182,15 +188,18 @@ class Pool {
                                         std::memory_order_acq_rel, std::memory_order_acquire)) {
         continue;  // s reloaded: another thread claimed, or a new job began
       }
+      const int64_t c0 = timed ? now_ns() : 0;
       try {
         fn_(ctx_, static_cast<int64_t>(next));
       } catch (...) {
         std::lock_guard<std::mutex> g(error_mu_);
         if (!error_) error_ = std::current_exception();
       }
+      if (timed) longest = std::max(longest, now_ns() - c0);
       done_.fetch_add(1, std::memory_order_release);
       s = state_.load(std::memory_order_acquire);
     }
+    return longest;
   }
 
   // seen: the wake count when the pool started it (a thread that starts late still sees a job
@@ -276,6 +285,7 @@ void Governor::reset(int threads) {
   size = std::max(1, threads);
   active = size;
   win_busy_ = win_long_ = 0;
+  late_run_ = 0;
   probe_at_ = 0;
   backoff_ = probe_min_ns;
   probing_ = false;
@@ -306,10 +316,13 @@ int Governor::observe(int64_t now, int64_t job_ns, int64_t wait_ns) {
       backoff_ = probe_min_ns;
     }
     probe_at_ = now + backoff_;
-  } else if (late && active > 1) {
+  } else if (late && active > 1 && ++late_run_ >= late_windows) {
+    late_run_ = 0;
     --active;
     ++drops;
     probe_at_ = now + backoff_;
+  } else if (!late) {
+    late_run_ = 0;
   }
   return active;
 }

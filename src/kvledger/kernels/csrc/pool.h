@@ -67,8 +67,13 @@ struct Governor {
   // Judged over windows of this much compute (time inside jobs), so a lightly loaded engine is not
   // judged on a handful of jobs.
   int64_t window_ns = 50'000'000;
-  // Long waits above this share of a window's compute: one thread fewer.
+  // Long waits above this share of a window's compute, in late_windows windows in a row: one thread
+  // fewer. One late window is not enough: a virtual machine's host takes a vCPU for a few ms now and
+  // then (steal) and a first touch of fresh memory can stall a thread as long; dropping a thread for
+  // that cost half the machine for the half second before the probe (quiet, 1 stream: 0.8x with a
+  // drop a run, measured on this 2-vCPU VM). A neighbour that keeps a core busy is late in every window.
   double drop_share = 0.10;
+  int late_windows = 3;
   // After a drop, the first probe (one thread more for a window) comes this late; each failed probe
   // doubles it up to probe_max_ns, a good one resets it.
   int64_t probe_min_ns = 500'000'000;
@@ -84,6 +89,7 @@ struct Governor {
 
  private:
   int64_t win_busy_ = 0, win_long_ = 0;
+  int late_run_ = 0;  // windows in a row found late
   int64_t probe_at_ = 0, backoff_ = 0;
   bool probing_ = false;
 };
