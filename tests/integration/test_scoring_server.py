@@ -96,3 +96,34 @@ def test_bad_logprob_start_len(srv, value):
     r = httpx.post(srv.url + "/generate", timeout=30, json={
         "text": "x", "return_logprob": True, "logprob_start_len": value})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_generate_with_max_new_tokens_0_is_a_scoring_request(srv, chat_hf):
+    # SGLang's spelling of scoring: the validation turns it into the request's scoring field, and
+    # the engine runs the prompt for its logprobs and draws no token.
+    ids = tokenize(srv, "Scoring draws no token, it only reads the prompt.")
+    r = httpx.post(srv.url + "/generate", timeout=60, json={
+        "input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0}})  # fmt: skip
+    out = r.json()
+    assert r.status_code == 200 and out["output_ids"] == [] and out["text"] == "", r.text
+    meta = out["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 0
+    assert meta["output_token_logprobs"] == []
+    assert close([x[0] for x in meta["input_token_logprobs"][1:]], reference(chat_hf, ids))
+    # Without prompt logprobs there is nothing to compute: it ends at once, the same way.
+    r = httpx.post(srv.url + "/generate", timeout=60, json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0}})
+    out = r.json()
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "length", r.text
+    # "scoring" is the engine's field, not the client's: sent, it is an unknown sampling parameter.
+    r = httpx.post(srv.url + "/generate", timeout=60, json={"input_ids": ids, "sampling_params": {"scoring": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "scoring", r.text
+
+
+def test_chat_with_max_tokens_0_answers_nothing_with_length(srv):
+    body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] > 0

@@ -4,7 +4,7 @@ the one validation, prompt parsing, and the messages between the two processes."
 from .outputs import FinishReason, RequestOutput, meta_info
 from .prompts import parse_prompts
 from .sampling import SamplingParams
-from .validation import Limits, cache_salt_of, validate_request, validate_sampling
+from .validation import Limits, cache_salt_of, check_typed_request, validate_request, validate_sampling
 
 __all__ = [
     "FinishReason",
@@ -12,6 +12,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "cache_salt_of",
+    "check_typed_request",
     "meta_info",
     "parse_prompts",
     "validate_request",

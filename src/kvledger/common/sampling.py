@@ -1,25 +1,37 @@
-"""Sampling parameters (SGLang's names), shared by the front, the engine and the sampler."""
+"""Sampling parameters (SGLang's names): one type from the HTTP body's validation to the sampler.
+
+``SamplingParams`` is built once, by the one validation (``validation.validate_sampling``), and the
+same object travels on: the front sends it to the engine process inside ``messages.AddRequest``
+(msgspec encodes and decodes the struct itself, field by field: there is no hand-written mapping),
+the engine keeps it on the ``Req``, and the sampler reads it from each ``SamplingRow``. A new
+sampling field is declared here, checked in ``validation.py`` and read where it acts.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import msgspec
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # structured outputs; a request takes at most one
+DEFAULT_MAX_NEW_TOKENS = 128  # /generate's and the offline Engine's (SGLang's)
 
 
-@dataclass
-class SamplingParams:
-    """One request's sampling parameters, already validated (see ``validation.validate_sampling``)."""
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One request's sampling parameters, already validated (see ``validation.validate_sampling``).
 
-    max_new_tokens: int = 128
+    A msgspec struct so that it is its own wire format (``messages.py``); mutable because the
+    engine narrows a few fields at intake (a session turn's ``max_new_tokens``, PD's halves)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_regex: list[str] = field(default_factory=list)  # SGLang: end when the output matches one
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_regex: list[str] = msgspec.field(default_factory=list)  # SGLang: end when the output matches one
     min_new_tokens: int = 0  # EOS and stop tokens are not drawn before this many tokens
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
     repetition_penalty: float = 1.0
@@ -54,6 +66,12 @@ class SamplingParams:
     # grammar above starts only once the reasoning's end marker (``</think>``) is generated. Needs a
     # server with a reasoning parser (``--reasoning-parser``), which knows the marker's token ids.
     require_reasoning: bool = False
+    # The request draws no token: it runs its prompt for the prompt's logprobs (or a pooling
+    # request's embedding or labels) and ends with finish reason "length". Set by the validation
+    # when the client asks for 0 new tokens (SGLang's /generate and OpenAI's completions spell
+    # scoring that way; a chat with max_tokens 0 is the same request) and by the pooling routes;
+    # never a client's field. Always with ``max_new_tokens == 0`` (``validation.check_typed_request``).
+    scoring: bool = False
 
     @property
     def wants_logprobs(self) -> bool:

@@ -1,48 +1,30 @@
-"""Validation of a generation request: one function used by the HTTP front and by the scheduler.
+"""The one validation of a generation request: the body's sampling fields become a ``SamplingParams``.
 
-A request that fails it gets a ``ValidationError`` (HTTP 400, OpenAI error shape) before anything is
-allocated for it.
-"""
+The front runs it on every route (``validate_request``); the engine process checks what it receives,
+already typed, against its own limits (``check_typed_request``). A request that fails gets a
+``ValidationError`` (HTTP 400, OpenAI error shape) before anything is allocated for it."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ValidationError
+from .grammar_bounds import check_grammar_bounds, grammar_too_deep
+from .limits import Limits
 from .patterns import compile_pattern
-from .sampling import GRAMMAR_KINDS, SamplingParams
+from .sampling import DEFAULT_MAX_NEW_TOKENS, GRAMMAR_KINDS, SamplingParams
 
 MAX_SEED = 2**63 - 1
 MIN_PRIORITY, MAX_PRIORITY = -(2**63), 2**63 - 1  # SGLang's int priorities, as a 64-bit integer
 MAX_CACHE_SALT_LEN = 1024  # vLLM's bound, for each of cache_salt and extra_key
 MAX_LORA_NAME_LEN = 256
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer is a mistake (or a string of digits), not a deadline
-DEFAULT_MAX_NEW_TOKENS = SamplingParams.max_new_tokens  # /generate's and the offline Engine's (SGLang: 128)
-# A grammar's bounds (--max-grammar-len, --max-grammar-depth): the characters of a json_schema, regex
-# or ebnf as sent, and how deeply it nests (a JSON schema's objects and arrays, a regex's or an EBNF's
-# groups). xgrammar's work grows with both (a schema's grammar with the square of its depth), and a
-# deep one recurses in C++.
-MAX_GRAMMAR_LEN = 65536
-MAX_GRAMMAR_DEPTH = 32
 
 
-@dataclass
-class Limits:
-    vocab_size: int
-    context_length: int
-    max_stop_strings: int = 16
-    max_stop_string_len: int = 256
-    max_top_logprobs: int = 20
-    max_stop_token_ids: int = 64
-    max_grammar_len: int = MAX_GRAMMAR_LEN
-    max_grammar_depth: int = MAX_GRAMMAR_DEPTH
-    reasoning_parser: str | None = None  # the server's --reasoning-parser (require_reasoning needs one)
-
-
-_FIELDS = {f.name for f in fields(SamplingParams)}
+# The fields a client may send: ``scoring`` is the engine's, set from ``max_new_tokens`` 0 (below).
+_FIELDS = set(SamplingParams.__struct_fields__) - {"scoring"}
 
 
 def _is_int(v: Any) -> bool:
@@ -98,6 +80,16 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not _is_int(v) or v < 0:
             raise _bad("max_new_tokens", f"max_new_tokens must be an integer >= 0, got {v!r}")
         p.max_new_tokens = v
+        p.scoring = v == 0  # the clients' spelling of scoring: the prompt's logprobs, no token drawn
+    _numbers(d, p)
+    _stops(d, p, limits)
+    _tags(d, p, limits)
+    _grammars(d, p, limits)
+    return p
+
+
+def _numbers(d: dict, p: SamplingParams) -> None:
+    """The sampling distribution's numbers: temperature, top_p, top_k, min_p and the penalties."""
     if (v := _number(d, "temperature", 0.0, 100.0)) is not None:
         p.temperature = v
     if (v := _number(d, "top_p", 0.0, 1.0, lo_open=True)) is not None:
@@ -115,6 +107,10 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         p.frequency_penalty = v
     if (v := _number(d, "presence_penalty", -2.0, 2.0)) is not None:
         p.presence_penalty = v
+
+
+def _stops(d: dict, p: SamplingParams, limits: Limits) -> None:
+    """What ends the output: stop strings, stop regexes, stop token ids, and min_new_tokens."""
     stop = d.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -156,6 +152,10 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
             if not _is_int(t) or not 0 <= t < limits.vocab_size:
                 raise _bad("stop_token_ids", f"stop token id {t!r} is not in [0, {limits.vocab_size})")
         p.stop_token_ids = list(ids)
+
+
+def _tags(d: dict, p: SamplingParams, limits: Limits) -> None:
+    """The rest, checked in turn: cache salt, adapter, timeout, priority, the flags, seed and logprobs."""
     salt = d.get("cache_salt")
     if salt is not None:
         # Up to cache_salt_of's pair of a cache_salt and an extra_key.
@@ -194,6 +194,10 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
         if not _is_int(v) or v < -1:
             raise _bad("logprob_start_len", f"logprob_start_len must be an integer >= -1, got {v!r}")
         p.logprob_start_len = v
+
+
+def _grammars(d: dict, p: SamplingParams, limits: Limits) -> None:
+    """Structured outputs (at most one grammar) and require_reasoning, which needs a reasoning parser."""
     grammars = [k for k in GRAMMAR_KINDS if d.get(k) is not None]
     if len(grammars) > 1:
         raise _bad(grammars[1], f"give at most one of json_schema, regex and ebnf, got {', '.join(grammars)}")
@@ -215,114 +219,6 @@ def validate_sampling(raw: dict | None, limits: Limits) -> SamplingParams:
             "require_reasoning",
             "require_reasoning needs a server started with --reasoning-parser (it knows the reasoning's end marker)",
         )
-    return p
-
-
-def check_grammar_bounds(
-    kind: str,
-    text: str,
-    max_len: int = MAX_GRAMMAR_LEN,
-    max_depth: int = MAX_GRAMMAR_DEPTH,
-    param: str | None = None,
-    what: str | None = None,
-) -> None:
-    """A grammar (``kind``: json_schema, regex or ebnf) within ``max_len`` characters and ``max_depth``
-    levels of nesting, and a json_schema valid JSON: else a 400 on ``param`` (default ``kind``) naming
-    the limit (codes ``grammar_too_large``, ``grammar_too_deep``, ``invalid_grammar``). Checked before
-    anything parses the grammar further, so that no parser recurses or works past the bounds."""
-    param, what = param or kind, what or kind
-    if len(text) > max_len:
-        raise _bad(
-            param,
-            f"{what} has {len(text)} characters; a grammar may have at most {max_len} (--max-grammar-len)",
-            "grammar_too_large",
-        )
-    if kind == "json_schema":
-        if text == "$$ANY$$":  # SGLang's "any JSON"
-            return
-        try:
-            depth = _json_depth(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise _bad(param, f"{what} is not valid JSON: {e}", "invalid_grammar") from None
-        except RecursionError:  # deeper than Python's parser goes: far past any bound
-            raise grammar_too_deep(param, what, None, max_depth) from None
-    else:
-        depth = _regex_depth(text) if kind == "regex" else _ebnf_depth(text)
-    if depth > max_depth:
-        raise grammar_too_deep(param, what, depth, max_depth)
-
-
-def grammar_too_deep(param: str, what: str, depth: int | None, max_depth: int) -> ValidationError:
-    """The 400 for a grammar nesting ``depth`` levels (None: deeper than a parser could count)."""
-    levels = f"{depth} levels" if depth is not None else f"more than {max_depth} levels"
-    return _bad(
-        param,
-        f"{what} nests {levels} deep; a grammar may nest at most {max_depth} (--max-grammar-depth)",
-        "grammar_too_deep",
-    )
-
-
-def _json_depth(v: Any) -> int:
-    """How deeply a JSON value's objects and arrays nest (a scalar: 0), without recursion."""
-    depth, stack = 0, [(v, 1)]
-    while stack:
-        x, d = stack.pop()
-        if isinstance(x, dict):
-            x = x.values()
-        elif not isinstance(x, list):
-            continue
-        depth = max(depth, d)
-        stack.extend((y, d + 1) for y in x if isinstance(y, (dict, list)))
-    return depth
-
-
-def _regex_depth(text: str) -> int:
-    """How deeply a regular expression's groups nest (escapes and character classes skipped)."""
-    depth = top = 0
-    i, n, in_class = 0, len(text), False
-    while i < n:
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            i += 2 if text[i + 1 : i + 2] == "]" else 3 if text[i + 1 : i + 3] == "^]" else 1
-            continue  # (a ] right after [ or [^ is a member, not the end)
-        elif c == "(":
-            depth += 1
-            top = max(top, depth)
-        elif c == ")":
-            depth = max(depth - 1, 0)
-        i += 1
-    return top
-
-
-def _ebnf_depth(text: str) -> int:
-    """How deeply an EBNF grammar's groups nest (strings, character classes and comments skipped)."""
-    depth = top = 0
-    i, n, quote = 0, len(text), None
-    while i < n:
-        c = text[i]
-        if quote is not None:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = None
-        elif c in "\"[":
-            quote = "]" if c == "[" else c
-        elif c == "#":
-            end = text.find("\n", i)
-            i = n if end < 0 else end
-        elif c == "(":
-            depth += 1
-            top = max(top, depth)
-        elif c == ")":
-            depth = max(depth - 1, 0)
-        i += 1
-    return top
 
 
 def validate_timeout(v: Any, param: str = "timeout") -> float:
@@ -352,6 +248,7 @@ def validate_request(
     default_max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS,
     max_param: str = "max_new_tokens",
     prompt_name: str = "prompt",
+    scoring: bool = False,
 ) -> tuple[list[int], SamplingParams]:
     """The one validation: token ids, sampling parameters and context length.
 
@@ -359,10 +256,31 @@ def validate_request(
     is a ``max_new_tokens`` the client gave that does not fit in what the context leaves, with the
     numbers (as OpenAI, vLLM and SGLang answer; ``max_param`` and ``prompt_name`` are the client's
     names for the two). Without one, the request gets ``default_max_new_tokens`` (None: all the
-    context leaves) cut to what the context leaves.
+    context leaves) cut to what the context leaves. ``scoring``: a route that only scores (the
+    pooling routes) asks for a request that draws no token, whatever ``sampling`` says.
     """
     ids = validate_input_ids(input_ids, limits)
     params = validate_sampling(sampling, limits)
+    if scoring:
+        params.max_new_tokens, params.scoring = 0, True
+    elif sampling is None or sampling.get("max_new_tokens") is None:
+        left = limits.context_length - len(ids)  # (none: refused below, for the prompt)
+        params.max_new_tokens = min(left if default_max_new_tokens is None else default_max_new_tokens, left)
+    _check_context(ids, params, limits, max_param, prompt_name)
+    return ids, params
+
+
+def check_typed_request(input_ids: Any, params: SamplingParams, limits: Limits) -> list[int]:
+    """The engine's check of a request the front validated (``validate_request``) and sent typed: its
+    token ids and context length against the engine's own limits, and the scoring field's invariant."""
+    ids = validate_input_ids(input_ids, limits)
+    if params.scoring != (params.max_new_tokens == 0):
+        raise _bad("max_new_tokens", "a scoring request draws no token, and only a scoring request draws none")
+    _check_context(ids, params, limits)
+    return ids
+
+
+def _check_context(ids: list[int], p: SamplingParams, limits: Limits, max_param="max_new_tokens", prompt_name="prompt"):
     ctx, n = limits.context_length, len(ids)
     if n >= ctx:
         raise ValidationError(
@@ -371,17 +289,12 @@ def validate_request(
             param="input_ids",
             code="context_length_exceeded",
         )
-    if sampling is not None and sampling.get("max_new_tokens") is not None:
-        m = params.max_new_tokens
-        if n + m > ctx:
-            raise ValidationError(
-                f"This model's maximum context length is {ctx} tokens. However, you requested {n + m} "
-                f"tokens ({n} in the {prompt_name}, {m} in the completion). Please reduce the length "
-                f"of the {prompt_name} or completion.",
-                param=max_param,
-                code="context_length_exceeded",
-            )
-    else:
-        default = ctx - n if default_max_new_tokens is None else default_max_new_tokens
-        params.max_new_tokens = min(default, ctx - n)
-    return ids, params
+    m = p.max_new_tokens  # the client's (a default was cut to what the context leaves)
+    if n + m > ctx:
+        raise ValidationError(
+            f"This model's maximum context length is {ctx} tokens. However, you requested {n + m} "
+            f"tokens ({n} in the {prompt_name}, {m} in the completion). Please reduce the length "
+            f"of the {prompt_name} or completion.",
+            param=max_param,
+            code="context_length_exceeded",
+        )

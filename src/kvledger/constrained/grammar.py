@@ -7,7 +7,7 @@ scheduler's ``compiling`` list, holding nothing, until its ``GrammarJob`` gives 
 does not compile is a 400 naming the problem, one that takes longer than
 ``--grammar-compile-timeout-s`` a 400 (``grammar_compile_timeout``), both ending it through the one
 release path before it holds anything. The grammar's text was bounded before (``--max-grammar-len``,
-``--max-grammar-depth``: ``common/validation.check_grammar_bounds``).
+``--max-grammar-depth``: ``common/grammar_bounds.check_grammar_bounds``).
 
 ``GrammarState`` is one request's matcher: it fills the bitmask of the positions a step samples
 (several with speculative drafts, rolled back after) and accepts the tokens the request keeps, on the
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..common.grammar_bounds import MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_LEN, check_grammar_bounds, grammar_too_deep
 from ..common.sampling import GRAMMAR_KINDS, SamplingParams
-from ..common.validation import MAX_GRAMMAR_DEPTH, MAX_GRAMMAR_LEN, check_grammar_bounds, grammar_too_deep
 from ..errors import KVLedgerError, ValidationError, error_for_status
 from .bitmask import bitmask_width
 from .jobs import CompilePool, GrammarJob

@@ -5,12 +5,13 @@ or in the engine process of the server, driven by calling ``step``. Its control 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 
+import msgspec
+
 from ..comm import TPGroupBroken
-from ..common import FinishReason, RequestOutput, validate_request
+from ..common import FinishReason, RequestOutput, SamplingParams, check_typed_request, validate_request
 from ..common.pooling import PoolingParams, validate_pooling
 from ..compat import check_request
 from ..constrained import grammar_spec
@@ -144,19 +145,33 @@ class EngineCore:
 
     # -- intake ---------------------------------------------------------------------------------------
     def make_request(
-        self, input_ids, sampling: dict | None, rid: str | None = None, pooling: PoolingParams | None = None
+        self,
+        input_ids,
+        sampling: SamplingParams | dict | None,
+        rid: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Req:
-        """Validate (the engine's copy of the one validation, the authority) and build a request.
-        With ``pooling`` it computes its prompt and answers with an embedding or label logprobs
-        (``common/pooling.py``): no token is drawn, whatever ``sampling`` says but its cache salt,
-        timeout and priority. A grammar starts compiling here, off the engine's thread
-        (``req.grammar_job``): the scheduler keeps the request aside until it is compiled, and the
-        offline API waits for it (``wait_grammar``)."""
+        """Check and build a request. ``sampling`` typed came from the front, validated there: the
+        engine, the authority, checks it against its own limits (``check_typed_request``); a dict
+        (the offline API's, a test's) gets the one validation here. With ``pooling`` it computes its
+        prompt and answers with an embedding or label logprobs (``common/pooling.py``): a scoring
+        request, whatever ``sampling`` says but its cache salt, timeout and priority. A grammar
+        starts compiling here, off the engine's thread (``req.grammar_job``): the scheduler keeps the
+        request aside until it is compiled, and the offline API waits for it (``wait_grammar``)."""
         if pooling is not None:
             validate_pooling(pooling, self.limits.vocab_size)
-            sampling = {k: v for k, v in (sampling or {}).items() if k in ("cache_salt", "timeout", "priority")}
-            sampling["max_new_tokens"] = 0
-        ids, params = validate_request(input_ids, sampling, self.limits)
+        if isinstance(sampling, SamplingParams):
+            params = sampling
+            if pooling is not None:
+                params = SamplingParams(
+                    max_new_tokens=0, scoring=True, cache_salt=params.cache_salt, timeout=params.timeout,
+                    priority=params.priority,
+                )  # fmt: skip
+            ids = check_typed_request(input_ids, params, self.limits)
+        else:
+            if pooling is not None:
+                sampling = {k: v for k, v in (sampling or {}).items() if k in ("cache_salt", "timeout", "priority")}
+            ids, params = validate_request(input_ids, sampling, self.limits, scoring=pooling is not None)
         rid = rid if rid is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise ValidationError("rid must be a non-empty string of at most 256 characters", param="rid")
@@ -238,14 +253,14 @@ class EngineCore:
             return
         if mode == "prefill":
             req.prompt_from_claim = session_params is not None and not req.disagg.fake
-            req.params = dataclasses.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
+            req.params = msgspec.structs.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, 1))
         else:
             # The body names the prefill server: one this server may not reach is a 400 now, before
             # anything is held or connected (not an address of the client's choosing).
             check_peer = getattr(self.disagg_connector, "check_peer", None)
             if check_peer is not None:
                 check_peer(req.disagg)
-            req.params = dataclasses.replace(req.params, logprob_start_len=-1)
+            req.params = msgspec.structs.replace(req.params, logprob_start_len=-1)
             req.input_logprobs.clear()
             req.input_top_logprobs.clear()
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..comm import Comm, rank_threads
-from ..common import Limits
+from ..common import Limits, SamplingParams
 from ..compat import check_model
 from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector
@@ -261,7 +261,7 @@ def _warm_up_compile(core: EngineCore) -> None:
     vocab = core.model.cfg.vocab_size
     for j in range(2):
         ids = [(7 + 31 * j + i) % vocab for i in range(8)]
-        core.submit(core.make_request(ids, {"max_new_tokens": 3, "ignore_eos": True}, rid=f"warm-up-{j}"))
+        core.submit(core.make_request(ids, SamplingParams(max_new_tokens=3, ignore_eos=True), rid=f"warm-up-{j}"))
     while not core.scheduler.idle:
         core.step()
     core.control.flush_cache()

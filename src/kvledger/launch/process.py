@@ -49,7 +49,7 @@ class _Loop:
                 self.on_add(msg.rid)
             req = None
             try:
-                req = core.make_request(msg.input_ids, dataclasses.asdict(msg.sampling), msg.rid, msg.pooling)
+                req = core.make_request(msg.input_ids, msg.sampling, msg.rid, msg.pooling)
                 req.disagg = msg.disagg
                 core.submit(req, msg.session_params)
             except KVLedgerError as e:

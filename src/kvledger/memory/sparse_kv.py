@@ -98,7 +98,7 @@ class SparseKV:
         """Long enough, decodes, and not a session turn (a turn's KV goes to its session dense)."""
         return (
             len(req.input_ids) >= self.cfg.hisparse_min_context
-            and req.params.max_new_tokens > 0
+            and not req.params.scoring
             and req.session is None
             and req.pooling is None
         )

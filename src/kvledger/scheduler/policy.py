@@ -99,7 +99,7 @@ class BatchPolicy:
     # -- decodes ------------------------------------------------------------------------------------
     def _drafts(self, req: Req, budget: int) -> list[int]:
         proposer = self.s.proposer
-        if proposer is None or budget <= 0 or req.params.max_new_tokens == 0:
+        if proposer is None or budget <= 0 or req.params.scoring:
             return []  # (a request that draws no token, scoring or pooling, has nothing to verify)
         if req.sparse is not None:
             return []  # HiSparse attends one new token sparsely; a verify would need sparse extends

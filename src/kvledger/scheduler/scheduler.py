@@ -161,7 +161,7 @@ class Scheduler:
             req.timeout_s = min(limits)
             req.deadline = self.clock() + req.timeout_s
         (self.compiling if req.grammar_job is not None else self.waiting).append(req)
-        if req.params.max_new_tokens == 0 and req.next_prompt_logprob is None and req.pooling is None:
+        if req.params.scoring and req.next_prompt_logprob is None and req.pooling is None:
             req.mark_finish(FinishReason("length"))  # nothing to compute (scoring still runs the prompt)
         else:
             self.connector.request_queued(req)
@@ -405,7 +405,7 @@ class Scheduler:
             if t <= last:
                 sr.prompt_lp_targets, sr.prompt_lp_offset = req.input_ids[t : last + 1], t - 1 - a
                 sr.prompt_lp_top = req.params.top_logprobs
-        if req.params.max_new_tokens == 0:
+        if req.params.scoring:
             sr.sampling = None  # scoring only: the prompt's logprobs, no token drawn
         if req.pooling is not None:
             self._pooling_rows(req, sr, b)
@@ -488,7 +488,7 @@ class Scheduler:
             self._take_pooled(req, sr, result, i)
         if not tokens:
             req.kv_len = fed_end - sr.num_draft
-            if req.params.max_new_tokens == 0 and req.kv_len >= req.seq_len:
+            if req.params.scoring and req.kv_len >= req.seq_len:
                 req.mark_finish(FinishReason("length"))  # scored: nothing to generate
             if new_input:
                 self._outputs.append(self._output(req, 0, new_input))

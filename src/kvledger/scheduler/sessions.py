@@ -15,6 +15,8 @@ import math
 import time
 import uuid
 
+import msgspec
+
 from ..compat import refusal_error
 from ..errors import ConflictError, NotFoundError, OverloadedError, ValidationError
 from ..memory import Session, SessionKV
@@ -145,7 +147,8 @@ class SessionManager:
                 code="context_length_exceeded",
             )
         req.input_ids = prompt
-        req.params.max_new_tokens = min(req.params.max_new_tokens, context_length - len(prompt))
+        left = context_length - len(prompt)  # (a copy: params may be the caller's, shared by several requests)
+        req.params = msgspec.structs.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, left))
         req.session = s
         req.session_offset = offset
         s.busy_rid = req.rid

@@ -39,6 +39,15 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
+# The OpenAI bodies' fields that carry a sampling parameter under its own name: taken by name, so a
+# sampling field declared on the body (protocol.py) with the type's name needs nothing here. The
+# others (cache_salt: the salt; no_stop_trim: two spellings) are renamed or derived below.
+_BY_NAME = tuple(
+    f for f in SamplingParams.__struct_fields__
+    if f in _OpenAICommon.model_fields and f not in ("cache_salt", "no_stop_trim")
+)  # fmt: skip
+
+
 def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
     """OpenAI fields -> SGLang sampling params (range checks happen in the one validation). Without
     ``max_tokens`` there is no ``max_new_tokens``: the endpoint's default applies (``validate_request``)."""
@@ -46,34 +55,17 @@ def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, t
     if rf and body.json_schema is not None:
         raise ValidationError("give json_schema or response_format, not both", param="json_schema")
     trims = [v for v in (body.no_stop_trim, body.include_stop_str_in_output) if v is not None]
-    d: dict[str, Any] = {
-        "max_new_tokens": max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "stop": body.stop,
-        "stop_token_ids": body.stop_token_ids,
-        "seed": body.seed,
-        "frequency_penalty": body.frequency_penalty,
-        "presence_penalty": body.presence_penalty,
-        "repetition_penalty": body.repetition_penalty,
-        "ignore_eos": body.ignore_eos,
-        "logprobs": logprobs,
-        "top_logprobs": top_logprobs,
-        "regex": body.regex,
-        "ebnf": body.ebnf,
-        "json_schema": body.json_schema,
-        **rf,
-        "stop_regex": body.stop_regex,
-        "min_new_tokens": body.min_tokens,
-        "skip_special_tokens": body.skip_special_tokens,
-        "spaces_between_special_tokens": body.spaces_between_special_tokens,
-        "no_stop_trim": any(trims) if trims else None,
-        "cache_salt": body.salt(),
-        "timeout": body.timeout,
-        "priority": body.priority,
-    }
+    d: dict[str, Any] = {name: getattr(body, name) for name in _BY_NAME}
+    d.update(rf)
+    d.update(
+        max_new_tokens=max_tokens,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        min_new_tokens=body.min_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        no_stop_trim=any(trims) if trims else None,
+        cache_salt=body.salt(),
+    )
     return {k: v for k, v in d.items() if v is not None}
 
 

@@ -55,7 +55,7 @@ class PoolingServing:
         jobs = []
         for i, p in enumerate(prompts):
             try:
-                jobs.append(validate_request(p, {**(sampling or {}), "max_new_tokens": 0}, self.limits))
+                jobs.append(validate_request(p, sampling, self.limits, scoring=True))
             except ValidationError as e:
                 where = param if len(prompts) == 1 else f"{param}.{i}"
                 raise ValidationError(e.message, param=where, code=e.code) from None
