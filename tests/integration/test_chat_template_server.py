@@ -76,3 +76,23 @@ def test_the_engine_stops_at_the_templates_end_of_turn(bare_model):
     finally:
         assert_idle_clean(eng)
         eng.shutdown()
+
+
+def test_a_file_template_that_raises_on_one_conversation_is_that_requests_400(bare_model, tmp_path):
+    """A user's Jinja file that passes the start-up check but raises on some messages (and reads a
+    variable nobody gives: empty, as in transformers): that request is a 400, the next one is served."""
+    path = tmp_path / "picky.jinja"
+    path.write_text(
+        "{{ nobody_gives_this }}{% for m in messages %}"
+        "{% if m['content'] == 'boom' %}{{ raise_exception('this template refuses boom') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    for srv in started_server(bare_model, str(tmp_path / "server.log"), "--chat-template", str(path)):
+        c = _client(srv)
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="default", messages=[{"role": "user", "content": "boom"}], max_tokens=2)
+        assert "this template refuses boom" in e.value.body["message"]
+        r = c.chat.completions.create(model="default", messages=MESSAGES, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("stop", "length")
+        srv.wait_idle_clean()

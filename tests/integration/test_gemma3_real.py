@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from kvledger import Engine
+from kvledger.model.chat_templates import BUILTIN_TEMPLATES, template_stop_ids
+from kvledger.model.loader import load_tokenizer
 from tests.helpers import assert_idle_clean
 from tests.integration.conftest import started_server
 
@@ -60,6 +62,10 @@ def test_float32_greedy_equals_transformers_on_the_file(hf_gemma):
     tok, hf = hf_gemma
     prompts = [tok(p).input_ids for p in PROMPTS]  # BOS first, as the file says (add_bos_token)
     assert all(p[0] == 2 for p in prompts)
+    chat = [{"role": "user", "content": "Name three colors."}]  # and a prompt with the turn markers
+    prompts.append(
+        tok.apply_chat_template(chat, chat_template=BUILTIN_TEMPLATES["gemma"].template, add_generation_prompt=True, return_dict=False)
+    )
     eng = Engine(model=str(GEMMA), dtype="float32", page_size=16, max_total_tokens=4096, strict_memory=True)
     try:
         assert eng.core.info.dtype == "float32"  # dequantized, no second quantization
@@ -75,16 +81,31 @@ def test_float32_greedy_equals_transformers_on_the_file(hf_gemma):
         eng.shutdown()
 
 
+def test_gemmas_end_of_turn_is_a_stop_token():
+    tok = load_tokenizer(str(GEMMA))
+    assert not tok.chat_template  # the file carries none: --chat-template is how it chats
+    assert template_stop_ids(BUILTIN_TEMPLATES["gemma"].template, tok, "gemma") == {tok.convert_tokens_to_ids("<end_of_turn>")}
+
+
 def test_chat_with_the_gemma_template_through_the_server(tmp_path):
+    """The file is the pretrained model (not the instruction-tuned one): it does not follow chat turns
+    (it echoes the question; see the issue's report), so what is checked is the serving: the prompt is
+    Gemma's format, and the chat answer is the model's greedy continuation of exactly that prompt."""
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    tok = load_tokenizer(str(GEMMA))
+    ids = tok.apply_chat_template(
+        messages, chat_template=BUILTIN_TEMPLATES["gemma"].template, add_generation_prompt=True, return_dict=False
+    )
+    assert tok.decode(ids).startswith("<bos><start_of_turn>user\nYou are terse.\n\nWhat is the capital")
     for srv in started_server(str(GEMMA), str(tmp_path / "server.log"), "--chat-template", "gemma"):
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        r = c.chat.completions.create(
-            model="default",
-            messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-            max_tokens=24,
-            temperature=0,
-        )
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        r = c.chat.completions.create(model="default", messages=messages, max_tokens=16, temperature=0)
+        assert r.usage.prompt_tokens == len(ids)
         text = r.choices[0].message.content
-        assert "<start_of_turn>" not in text and "<end_of_turn>" not in text
-        assert "Paris" in text, text
+        assert text and "<start_of_turn>" not in text and "<end_of_turn>" not in text
+        same = c.completions.create(model="default", prompt=ids, max_tokens=16, temperature=0)
+        assert same.choices[0].text == text
         srv.wait_idle_clean()

@@ -201,3 +201,13 @@ def test_end_of_turn_markers_the_tokenizer_holds_become_stop_ids(bare_model):
     assert template_stop_ids("{{ '<|im_end|>' }}{{ '<end_of_turn>' }}", tok) == {im_end}
     assert template_stop_ids(BUILTIN_TEMPLATES["gemma"].template, tok, "gemma") == set()
     assert template_stop_ids(None, tok) == set()
+
+
+def test_a_template_that_raises_on_some_conversations_passes_the_start_up_check():
+    """The built-in mistral refuses a role it has no place for: at request time (the chat front turns
+    it into a 400), not at start, where one user message renders."""
+    from jinja2.exceptions import TemplateError
+
+    text = read_chat_template("mistral")
+    with pytest.raises(TemplateError, match="roles are system"):
+        _render(text, [{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
