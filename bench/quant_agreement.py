@@ -129,6 +129,7 @@ def agreement(ref: list[dict], cand: list[dict], first: int = 16) -> dict:
     return {
         "identical": same,
         "mean_tokens_matched": statistics.mean(matched),
+        "tokens_matched": matched,  # each prompt's, in order
         "first_token_agreement": sum(m > 0 for m in matched) / len(matched),
         f"first_{first}_tokens_agreement": sum(
             m >= min(first, len(a["output_ids"])) for m, a in zip(matched, ref)
