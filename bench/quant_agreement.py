@@ -1,7 +1,8 @@
 """How close the default quantized mode is to the GGUF's own weights, dequantized and run in fp32.
 
-    python bench/quant_agreement.py [--prompts 50] [--max-new-tokens 32] [--quantization auto] \
-        [--enable-int8-batch] [--kv-cache-dtype fp8_e4m3] [--batch] [--llama-server PATH]
+    python bench/quant_agreement.py [--model M.gguf] [--chat-template NAME] [--prompts 50] \
+        [--max-new-tokens 32] [--first 16] [--quantization auto] [--enable-int8-batch] \
+        [--kv-cache-dtype fp8_e4m3] [--batch] [--llama-server PATH]
 
 The reference is ``--dtype float32`` (token-exact with transformers on the dequantized file, see
 tests/unit/test_model_parity.py); the candidate is the default (``--dtype auto --quantization auto``:
@@ -10,8 +11,10 @@ decode step runs the quantized kernels (forwards of <= 4 rows); ``--batch`` runs
 prompts all at once instead (batched decodes: with ``--enable-int8-batch`` those of
 ``linear.INT8_VNNI_ROWS`` rows and more take the int8 copies on a CPU with VNNI and no AMX).
 Reports: greedy outputs identical,
-mean tokens matched before the first difference, and the mean |logprob delta| of the chosen token
-over the matched positions (both engines scored the same token there).
+mean tokens matched before the first difference, the share of prompts whose first ``--first`` tokens
+agree, and the mean |logprob delta| of the chosen token over the matched positions (both engines
+scored the same token there). A file without a chat template (Gemma 3 270M) takes ``--chat-template``
+(kvledger's setting: a built-in name or a Jinja file).
 
 With ``--llama-server``, llama.cpp runs the same prompt tokens on the same file (greedy, one at a
 time, ``/completion`` with the token ids) and is scored against the same fp32 reference, and the
@@ -111,8 +114,9 @@ def llama_cpp(binary: str, model: str, ids: list[list[int]], max_new: int) -> tu
     return f"llama-server {version}: the file as llama.cpp runs it", outs
 
 
-def agreement(ref: list[dict], cand: list[dict]) -> dict:
-    """Identical outputs, tokens matched before the first difference, |logprob delta| there."""
+def agreement(ref: list[dict], cand: list[dict], first: int = 16) -> dict:
+    """Identical outputs, tokens matched before the first difference, the share agreeing on their
+    first ``first`` tokens (or on all of a shorter reference), |logprob delta| there."""
     same, matched, deltas = 0, [], []
     for a, b in zip(ref, cand):
         ia, ib = a["output_ids"], b["output_ids"]
@@ -125,7 +129,11 @@ def agreement(ref: list[dict], cand: list[dict]) -> dict:
     return {
         "identical": same,
         "mean_tokens_matched": statistics.mean(matched),
+        "tokens_matched": matched,  # each prompt's, in order
         "first_token_agreement": sum(m > 0 for m in matched) / len(matched),
+        f"first_{first}_tokens_agreement": sum(
+            m >= min(first, len(a["output_ids"])) for m, a in zip(matched, ref)
+        ) / len(matched),
         "mean_abs_logprob_delta": statistics.mean(deltas) if deltas else None,
         "p95_abs_logprob_delta": sorted(deltas)[int(0.95 * (len(deltas) - 1))] if deltas else None,
     }
@@ -136,6 +144,8 @@ def main() -> int:
     p.add_argument("--model", default=None)
     p.add_argument("--prompts", type=int, default=50)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--first", type=int, default=16, help="report the share agreeing on this many first tokens")
+    p.add_argument("--chat-template", default=None, help="kvledger's --chat-template (a file without one)")
     p.add_argument("--quantization", default="auto")
     p.add_argument("--enable-int8-batch", action="store_true", help="the candidate with --enable-int8-batch")
     p.add_argument("--kv-cache-dtype", default="auto", help="the candidate's KV pool (fp8_e4m3: float8)")
@@ -155,7 +165,7 @@ def main() -> int:
         ("default", {"quantization": args.quantization, "enable_int8_batch": args.enable_int8_batch,
                      "kv_cache_dtype": args.kv_cache_dtype}),
     ):
-        eng = Engine(loaded_model=load_model(args.model), max_total_tokens=16384, **kw)
+        eng = Engine(loaded_model=load_model(args.model), max_total_tokens=16384, chat_template=args.chat_template, **kw)
         label = f"{name}: {eng.core.info.dtype}, attention {eng.core.model.attention}"
         label += ", int8 batch" if eng.core.cfg.kernels.enable_int8_batch else ""
         label += f", KV {eng.core.cfg.cache.kv_cache_dtype}" if eng.core.cfg.cache.kv_cache_dtype != "auto" else ""
@@ -170,12 +180,14 @@ def main() -> int:
         "candidate": outs["default"][0],
         "prompts": len(texts),
         "max_new_tokens": args.max_new_tokens,
-        **agreement(outs["fp32"][1], outs["default"][1]),
+        "model": args.model or default_model_path(),
+        "chat_template": args.chat_template,
+        **agreement(outs["fp32"][1], outs["default"][1], args.first),
     }
     if args.llama_server:
         label, lc = llama_cpp(args.llama_server, args.model or default_model_path(), ids, args.max_new_tokens)
-        report["llama_cpp"] = {"system": label, "vs_reference": agreement(outs["fp32"][1], lc)}
-        report["llama_cpp"]["default_vs_llama_cpp"] = agreement(lc, outs["default"][1])
+        report["llama_cpp"] = {"system": label, "vs_reference": agreement(outs["fp32"][1], lc, args.first)}
+        report["llama_cpp"]["default_vs_llama_cpp"] = agreement(lc, outs["default"][1], args.first)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

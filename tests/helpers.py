@@ -118,14 +118,23 @@ def record_drafts(eng) -> list[list[int]]:
     return seen
 
 
-def build_tiny_chat_model(path: str, seed: int = 5) -> str:
-    """A tiny random Llama with a real byte-level tokenizer and a chat template (vocab 260)."""
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def build_tiny_chat_model(
+    path: str, seed: int = 5, template: str | None = TINY_CHAT_TEMPLATE, extra_specials: tuple[str, ...] = ()
+) -> str:
+    """A tiny random Llama with a real byte-level tokenizer and a chat template (vocab 260, plus
+    ``extra_specials``); ``template=None``: a model that carries no template (``--chat-template``'s case)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_vocab = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(byte_vocab))}
-    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>"]
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", *extra_specials]
     for s in specials:
         vocab[s] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -136,10 +145,7 @@ def build_tiny_chat_model(path: str, seed: int = 5) -> str:
         tokenizer_object=tok,
         bos_token="<s>",
         eos_token="</s>",
-        chat_template=(
-            "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '</s>' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
-        ),
+        chat_template=template,
     )
     build_tiny_model(
         path, "llama", seed=seed, vocab_size=len(vocab), bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"]

@@ -68,6 +68,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     values = {k: v for k, v in vars(args).items() if k in names}
     cfg = EngineConfig.from_flat(**values)
     cfg.check()
+    if cfg.model.chat_template:  # read and tried here, before anything starts (a bad one: exit 2)
+        from .model.chat_templates import read_chat_template  # (lazily: the model package loads torch)
+
+        read_chat_template(cfg.model.chat_template)
     return cfg
 
 

@@ -40,6 +40,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 STORAGE_BACKENDS = ("file",)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight")  # SGLang's names (scheduler/queue_order.py)
 REASONING_PARSERS = ("deepseek-r1", "qwen3")  # SGLang's names (server/reasoning.py has their formats)
+CHAT_TEMPLATES = ("chatml", "llama-3", "gemma", "mistral", "phi-3", "qwen")  # model/chat_templates.BUILTIN_TEMPLATES' names (a test keeps them equal)
 TOOL_CALL_PARSERS = ("hermes", "llama3", "mistral", "qwen", "qwen25")  # server/tools.PARSERS' names (a test keeps them equal)
 POOLINGS = ("last", "mean")  # common/pooling.POOLING_METHODS (a test keeps them equal)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "manual")  # sglang-router's
@@ -179,6 +180,14 @@ class ModelSettings:
     chat API then answers it as ``reasoning_content``, and a request's grammar (structured output,
     tool calls) starts after the end of the reasoning (the engine gates it on ``</think>``'s ids)."""
 
+    chat_template: str | None = setting(None, (
+        "the chat template: a Jinja file, or a built-in (" + ", ".join(CHAT_TEMPLATES) + "); default: "
+        "the model's own (a GGUF's tokenizer.chat_template, else the Hugging Face tokenizer config)"
+    ), metavar="FILE|NAME")
+    """A Jinja file or a built-in name (``model/chat_templates.py``), for a model that carries no template
+    (or the wrong one). It wins over the model's own; read and tried once at start (a bad one stops the
+    start). Its end-of-turn tokens (``<end_of_turn>``, ``<|im_end|>``, ``<|eot_id|>``...) stop generation."""
+
     def __post_init__(self) -> None:
         self.device = _norm(self.device) or "cpu"
         self.dtype = _norm(self.dtype) or "auto"
@@ -194,6 +203,10 @@ class ModelSettings:
         _one_of(self.dtype, DTYPES, "dtype")
         _one_of(self.quantization, QUANTIZATIONS, "quantization", optional=True)
         _one_of(self.reasoning_parser, REASONING_PARSERS, "reasoning_parser", optional=True)
+        if self.chat_template is not None and not str(self.chat_template).strip():
+            raise ValidationError(
+                f"chat_template must be a file or one of {', '.join(CHAT_TEMPLATES)}, got ''", param="chat_template"
+            )
         _positive(self, "context_length")
 
 

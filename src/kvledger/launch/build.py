@@ -38,6 +38,7 @@ from ..kernels import set_threads
 from ..memory import KVBuffer, KVManager, release_window
 from ..memory.sparse_kv import SparseKV
 from ..model import LlamaModel, load_model
+from ..model.chat_templates import install_chat_template, read_chat_template, template_stop_ids
 from ..model.loader import LoadedModel
 from ..model.lora import LoraSet
 from ..parallel.ranks import (
@@ -160,6 +161,8 @@ def _build(
     cfg: EngineConfig, loaded: LoadedModel | None, connector: KVConnector | None, graph_capture: GraphCapture | None,
     device: str, comm: Comm, workers: list, t0: float, opened: dict[str, Any],
 ) -> EngineParts:  # fmt: skip
+    if cfg.model.chat_template:  # a bad template stops the start before the model is read
+        read_chat_template(cfg.model.chat_template)
     loaded = loaded or load_model(cfg.model.model)
     t_read = time.monotonic() - t0
     mc = loaded.config
@@ -214,7 +217,12 @@ def _build(
         model.net.comm = share_setup(run_cfg, mc, total, context, workers)
         executor = TPExecutor(executor, workers)
     tokenizer = loaded.tokenizer
+    # The chat template the model is served with (the HTTP front resolves the same one); its
+    # end-of-turn tokens end generation beside the model's EOS.
+    template = install_chat_template(tokenizer, cfg.model.chat_template, loaded.path)
     eos = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+    eos |= template_stop_ids(template.text, tokenizer, cfg.model.chat_template)
+    log.info("chat template: %s", template.source)
     proposer = make_proposer(cfg, model, total)
     grammars = grammars_of(cfg, tokenizer, mc.vocab_size, eos)
     overlap = overlap_schedule(run_cfg, connector)

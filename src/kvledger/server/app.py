@@ -23,6 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from ..common import Limits
 from ..config import ServerConfig
 from ..errors import KVLedgerError
+from ..model.chat_templates import install_chat_template
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from ..version import __version__
 from . import handlers
@@ -76,6 +77,8 @@ def create_app(cfg: ServerConfig) -> FastAPI:
         """Load the tokenizer while the engine loads the model; set the services up once it is ready."""
         path = cfg.engine.model.model or default_model_path()
         tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        # The engine resolves the same template (its end-of-turn tokens are its stop tokens).
+        install_chat_template(tokenizer, cfg.engine.model.chat_template, path)
         await client.wait_ready()
         name = cfg.served_model_name or (
             DEFAULT_MODEL_NAME if cfg.engine.model.model is None else client.info["model_name"]

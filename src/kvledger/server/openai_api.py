@@ -17,6 +17,7 @@ from ..common.reasoning import REASONING_FORMATS
 from ..common.sampling import GRAMMAR_KINDS
 from ..constrained.grammar import ANY_JSON
 from ..errors import NotFoundError, ValidationError, error_body
+from ..model.chat_templates import no_template_message
 from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
 from .generation import GenerationService, GenState
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
@@ -230,7 +231,7 @@ class OpenAIServing:
             raise ValidationError("messages must not be empty", param="messages", code="empty_prompt")
         add_generation_prompt, kwargs = self._template_options(body)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValidationError("this model has no chat template; use /v1/completions", param="messages")
+            raise ValidationError(no_template_message(), param="messages")
         msgs = []
         for m in body.messages:
             content = m.content
