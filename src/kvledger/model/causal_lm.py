@@ -21,7 +21,7 @@ from .models.base import Builder
 from .models.registry import family_for, supported
 
 DECODE_IN_ONE_CALL = True
-"""Batches of decodes run every layer in one C++ call (``LlamaNet.decode_step``) where the model allows."""
+"""Batches of decodes run every layer in one C++ call (``models/one_call.py``) where the model allows."""
 
 
 class CausalLM:
@@ -174,10 +174,15 @@ class CausalLM:
             and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
             and DECODE_IN_ONE_CALL
             and getattr(meta, "only_decodes", False)
-            and meta.special is None  # the kernel attends every key: no window cuts this batch
         ):
             plan = self.net.decode_plan
-            if plan is not None and batch.num_tokens <= plan.max_rows:
+            # A plan exists only without soft-capping or sinks: a batch with special layers has them
+            # for a window that cuts, which the call applies where the plan has windows.
+            if (
+                plan is not None
+                and batch.num_tokens <= plan.max_rows
+                and (meta.special is None or plan.windows)
+            ):
                 self.one_call_forwards += 1
                 return self.net.decode_step(
                     plan, batch.input_ids, batch.positions, batch.logit_index, kv_buffer, batch.req_to_token,

@@ -216,7 +216,7 @@ class CausalNet(nn.Module):
         return sinks if any(s is not None for s in sinks) else None
 
     # -- the forward ------------------------------------------------------------------------------
-    decode_plan = None  # the one-kernel-call decode of every layer (only the Llama family has one)
+    decode_plan = None  # the one-kernel-call decode of every layer (families with ``one_call.OneCallDecode``)
 
     def dense_embedding(self) -> None:
         """Make the embedding a dense table (``torch.compile`` traces ``F.embedding``)."""
