@@ -1,7 +1,8 @@
-"""One stream on a model, its decodes in the one-call C++ step (``models/one_call.py``) against the
-Python per-layer loop (``DECODE_IN_ONE_CALL`` off), each in its own process: output tokens a second
-after the first token, the one-call step's share of the decodes, weights held and the process's
-resident memory. Offline (the ``Engine`` API, no HTTP), so the figures are the model's, not a server's.
+"""One stream on a model in three modes, each in its own process: ``loop`` (the Python per-layer loop,
+``DECODE_IN_ONE_CALL`` off, and the head's full logits), ``call`` (the one-call C++ step,
+``models/one_call.py``, full logits) and ``head`` (the one-call step and greedy tokens from the head in
+C++, ``LMHead.greedy``). Output tokens a second after the first token, the one-call step's share of
+the decodes, weights held and the process's resident memory. Offline (the ``Engine`` API, no HTTP), so the figures are the model's, not a server's.
 
     python bench/one_call_decode.py --model /path/to/gemma-3-270m-q4_k_m.gguf --rounds 3
 
@@ -24,11 +25,14 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def child(model: str, one_call: bool, input_len: int, output_len: int, rounds: int) -> dict:
+def child(model: str, mode: str, input_len: int, output_len: int, rounds: int) -> dict:
     from kvledger import Engine
+    from kvledger.engine.runner import ModelRunner
     from kvledger.model import causal_lm
 
-    causal_lm.DECODE_IN_ONE_CALL = one_call
+    causal_lm.DECODE_IN_ONE_CALL = mode != "loop"
+    if mode != "head":
+        ModelRunner._greedy_only = lambda self, sched, batch: False
     eng = Engine(model, max_total_tokens=4 * (input_len + output_len))
     m = eng.core.model
     loaded = rss_mib()
@@ -48,7 +52,7 @@ def child(model: str, one_call: bool, input_len: int, output_len: int, rounds: i
         if r:
             rates.append((output_len - 1) / ((t3 - t2) - (t1 - t0)))
     out = {
-        "one_call": one_call,
+        "mode": mode,
         "plan": m.net.decode_plan is not None,
         "one_call_forwards": m.one_call_forwards,
         "decode_tok_s": sorted(rates),
@@ -66,12 +70,13 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--child", choices=["loop", "call"], help=argparse.SUPPRESS)
+    ap.add_argument("--modes", default="loop,call,head", help="comma-separated: loop, call, head")
+    ap.add_argument("--child", choices=["loop", "call", "head"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.model, a.child == "call", a.input_len, a.output_len, a.rounds)))
+        print(json.dumps(child(a.model, a.child, a.input_len, a.output_len, a.rounds)))
         return
-    for mode in ("loop", "call"):
+    for mode in a.modes.split(","):
         cmd = [sys.executable, __file__, "--model", a.model, "--input-len", str(a.input_len),
                "--output-len", str(a.output_len), "--rounds", str(a.rounds), "--child", mode]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -120,3 +120,34 @@ def test_attention_soft_cap_keeps_the_loop(tmp_path):
     eng.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 3})
     assert eng.core.model.one_call_forwards == 0
     eng.shutdown()
+
+
+def test_greedy_rows_take_the_head_argmax_in_cpp(tmp_path, monkeypatch):
+    """Greedy requests without logprobs get their tokens from ``LMHead.greedy`` (the tied, packed head
+    in C++, no logits), in the one-call decode and in prefill steps alike: the same tokens as the
+    logits path (the runner's check turned off)."""
+    from kvledger.engine import runner as runner_mod
+
+    path = build_family(str(tmp_path), "gemma3")  # tied embeddings
+    sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    runs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(runner_mod.ModelRunner, "_greedy_only", lambda self, sched, batch: False)
+        eng = Engine(
+            path, dtype="bfloat16", quantization="int8", attention_backend="cpu", max_total_tokens=1024
+        )
+        model = eng.core.model
+        calls = []
+        real = model.net.lm_head.greedy
+        monkeypatch.setattr(
+            model.net.lm_head, "greedy", lambda h, calls=calls, real=real: calls.append(h.shape[0]) or real(h)
+        )
+        runs.append([o["output_ids"] for o in eng.generate(input_ids=_prompts(), sampling_params=sp)])
+        assert bool(calls) == fused and (model.one_call_forwards > 0)
+        # a request that asks for logprobs takes the logits path
+        n = len(calls)
+        eng.generate(input_ids=_prompts()[0], sampling_params={**sp, "logprobs": True})
+        assert len(calls) == n
+        eng.shutdown()
+    assert runs[0] == runs[1]

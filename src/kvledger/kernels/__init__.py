@@ -163,6 +163,10 @@ def _register_fakes() -> None:
     def _(h, w, scales, wsum, bits, n, dense, norms, desc, k_all, v_all, *rest):
         return None
 
+    @torch.library.register_fake(lib + "head_argmax")
+    def _(x, w, scales, wsum128, bits, n, valid):
+        return x.new_empty(x.shape[0], dtype=torch.int64)
+
     @torch.library.register_fake(lib + "extend_attention_")
     def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):
         return None

@@ -9,7 +9,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -182,6 +184,48 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
       h.add_(dn);
     }
   }
+}
+
+// The LM head's greedy choice: argmax over j < valid of (x @ W.T)[m, j] for a packed head (quant_linear's
+// layout: output rows in blocks of 16, each block's codes, scales and sums contiguous), computed over
+// kHeadChunk outputs at a time so that a 262,144-token vocabulary's logits are never all held. Each
+// chunk is quant_linear over that block range (the same activations' codes, each output's sum as in the
+// whole call): the same values as the head's logits, and the first of equal maxima, as the sampler's
+// ``max(dim).indices``.
+at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t valid) {
+  constexpr int64_t kHeadChunk = 4096;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(valid > 0 && valid <= n && n % 16 == 0, "valid outputs must be in (0, n], n a multiple of 16");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.is_contiguous() && scales.is_contiguous() && w.numel() * (bits == 4 ? 2 : 1) == n * K,
+              "packed weights do not match [", n, ", ", K, "]");
+  const int64_t w_row = bits == 4 ? K / 2 : K, s_row = G * (bits == 4 ? 2 : 1);
+  const at::Tensor wf = w.view({-1}), sf = scales.view({-1});
+  c10::optional<at::Tensor> zf;
+  if (wsum128) zf = wsum128->view({-1});
+  std::vector<float> best(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
+  auto idx = at::zeros({M}, at::kLong);
+  int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t c0 = 0; c0 < valid; c0 += kHeadChunk) {
+    const int64_t c = std::min(kHeadChunk, n - c0), use = std::min(c, valid - c0);
+    c10::optional<at::Tensor> z;
+    if (zf) z = zf->narrow(0, c0 * G, c * G);
+    const at::Tensor y = op_quant_linear(x, wf.narrow(0, c0 * w_row, c * w_row), sf.narrow(0, c0 * s_row, c * s_row),
+                                         z, bits, c, 0);
+    by_dtype(y, [&](auto tag) {
+      using T = decltype(tag);
+      const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t j = 0; j < use; ++j) {
+          const float v = to_f(yp[m * c + j]);
+          if (v > best[m]) best[m] = v, ip[m] = c0 + j;
+        }
+      }
+    });
+  }
+  return idx;
 }
 
 }  // namespace kvl

@@ -60,4 +60,8 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    const at::Tensor& out_loc, int64_t heads, double scale, double eps, int64_t amx_rows,
                    at::TensorList w8, at::TensorList w8_scale, at::TensorList w8_off, int64_t int8_rows);
 
+// kvledger_cpu::head_argmax (decode_step.cpp): a packed LM head's greedy token per row, in chunks.
+at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t valid);
+
 }  // namespace kvl

@@ -871,6 +871,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor[] dense, Tensor?[] norms, int[] desc, Tensor(b!) k_all, Tensor(c!) v_all, Tensor positions, "
       "Tensor[] cos, Tensor[] sin, Tensor req_to_token, Tensor rows, Tensor lens, Tensor out_loc, int heads, "
       "float scale, float eps, int amx_rows, Tensor[] w8, Tensor[] w8_scale, Tensor[] w8_off, int int8_rows) -> ()");
+  m.def("head_argmax(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int valid) -> Tensor");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);
   m.def("set_flash_amx", &kvl::set_flash_amx);
@@ -894,6 +895,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("extend_attention_", &kvl::extend_attention);
   m.impl("flash_attention_", &kvl::flash_attention);
   m.impl("decode_layers", &kvl::decode_layers);
+  m.impl("head_argmax", &kvl::head_argmax);
   m.impl("quantize_rows", &kvl::quantize_rows);
   m.impl("scale_rows", &kvl::scale_rows);
   m.impl("int8_linear", &kvl::int8_linear);

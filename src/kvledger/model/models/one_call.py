@@ -167,12 +167,15 @@ class OneCallDecode:
         lens,
         out_loc,
         scale,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """The forward of a batch of decodes with every layer in one kernel call (the embedding, its
-        scale included, before it; the final norm and the head after)."""
+        scale included, before it; the final norm and the head after). ``greedy``: the rows' greedy
+        tokens from the head in C++ (``LMHead.greedy``), not their logits."""
         h = self.embed(input_ids).contiguous()
         torch.ops.kvledger_cpu.decode_layers(
             h, *plan.args, kv_buffer.k, kv_buffer.v, positions, *plan.tables, table, rows, lens, out_loc,
             self.cfg.num_heads, scale, self.cfg.rms_norm_eps, plan.amx_rows, *plan.int8, plan.int8_rows,
         )  # fmt: skip
-        return self.lm_head(self.norm(h[logit_index]))
+        x = self.norm(h[logit_index])
+        return self.lm_head.greedy(x) if greedy else self.lm_head(x)
