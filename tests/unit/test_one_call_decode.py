@@ -28,6 +28,7 @@ CASES = {
     "gemma3": {},
     "gemma2": {},  # its attention soft-cap taken out of the saved config (_build)
     "mistral_window": {},
+    "olmo2": {},
     "qwen3": None,
 }
 
@@ -93,7 +94,7 @@ def test_one_call_decode_in_float32_equals_transformers_and_the_loop(family, tmp
         assert max(abs(x - y) for x, y in zip(lp_a, lp_b)) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+@pytest.mark.parametrize("family", ["gemma3", "olmo2", "qwen3"])
 def test_one_call_decode_in_bf16_int4_takes_the_loops_tokens(family, tmp_path, monkeypatch):
     """The serving path: bf16 activations, the kernel's int4 projections."""
     path = _build(str(tmp_path), family)

@@ -128,18 +128,21 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
   for (int64_t l = 0; l < layers; ++l) {
     const LayerDesc d = LayerDesc::from(desc.data() + l * LayerDesc::kFields);
     TORCH_CHECK((d.norm == kNormRms || d.norm == kNormGemma) && (d.act == kActSilu || d.act == kActGeluTanh) &&
-                    d.rope >= 0 && d.rope < static_cast<int64_t>(cos.size()) && d.window >= 0,
+                    d.qk_norm >= kQkNone && d.qk_norm <= kQkFull && d.rope >= 0 &&
+                    d.rope < static_cast<int64_t>(cos.size()) && d.window >= 0,
                 "layer ", l, ": a description out of range");
     auto has = [&](int64_t slot) { return norms.get(kNorms * l + slot).has_value(); };
-    TORCH_CHECK(has(kInNorm) && has(kPreFfnNorm) && has(kPostAttnNorm) == d.sandwich &&
-                    has(kPostFfnNorm) == d.sandwich && has(kQNorm) == d.qk_norm && has(kKNorm) == d.qk_norm,
+    const bool qk = d.qk_norm != kQkNone;
+    TORCH_CHECK(has(kInNorm) == d.pre_norms && has(kPreFfnNorm) == d.pre_norms && has(kPostAttnNorm) == d.post_norms &&
+                    has(kPostFfnNorm) == d.post_norms && has(kQNorm) == qk && has(kKNorm) == qk,
                 "layer ", l, ": its norms do not match its description");
     for (int64_t slot : {kInNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm}) {
       if (has(slot)) check_norm(*norms.get(kNorms * l + slot), d.norm, h.size(1), h, "layer");
     }
-    if (d.qk_norm) {
-      check_norm(*norms.get(kNorms * l + kQNorm), d.norm, hd, h, "q");
-      check_norm(*norms.get(kNorms * l + kKNorm), d.norm, hd, h, "k");
+    if (qk) {
+      const bool full = d.qk_norm == kQkFull;
+      check_norm(*norms.get(kNorms * l + kQNorm), d.norm, full ? qs : hd, h, "q");
+      check_norm(*norms.get(kNorms * l + kKNorm), d.norm, full ? kvs : hd, h, "k");
     }
     L.push_back(d);
   }
@@ -156,15 +159,25 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
     if (int8) return op_int8_linear(x, w8[j], w8_scale[j], w8_off[j]);
     return op_quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j], amx_rows);
   };
-  at::Tensor x = norm_of(h, norm_w(0, kInNorm), L[0].norm, eps);
+  // h += delta, then the next block's input: its pre norm of h, or h itself (OLMo 2: no pre norms; the
+  // projections read it before the next add).
+  auto add_next = [&](const at::Tensor& delta, const LayerDesc& next, int64_t l_next, int64_t slot) -> at::Tensor {
+    if (next.pre_norms) return add_norm(h, delta, norm_w(l_next, slot), next.norm, eps);
+    h.add_(delta);
+    return h;
+  };
+  at::Tensor x = L[0].pre_norms ? norm_of(h, norm_w(0, kInNorm), L[0].norm, eps) : h;
   for (int64_t l = 0; l < layers; ++l) {
     const LayerDesc& d = L[l];
     at::Tensor qkv = proj(x, 4 * l);
     TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "layer ", l, ": qkv projection of ", qkv.size(1), " features, not ",
                 qs + 2 * kvs);
-    if (d.qk_norm) {  // each head of q, then of k, before the rotary (Qwen3, Gemma 3)
+    if (d.qk_norm == kQkHead) {  // each head of q, then of k, before the rotary (Qwen3, Gemma 3)
       head_norm_(qkv, 0, heads, hd, norm_w(l, kQNorm), d.norm, eps);
       head_norm_(qkv, qs, kvh, hd, norm_w(l, kKNorm), d.norm, eps);
+    } else if (d.qk_norm == kQkFull) {  // the whole q, then the whole k (OLMo 2)
+      head_norm_(qkv, 0, 1, qs, norm_w(l, kQNorm), d.norm, eps);
+      head_norm_(qkv, qs, 1, kvs, norm_w(l, kKNorm), d.norm, eps);
     }
     at::Tensor qk = qkv.narrow(1, 0, qs + kvs).view({B, heads + kvh, hd});
     op_rope(qk, positions, cos[d.rope], sin[d.rope]);
@@ -174,12 +187,12 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
     at::Tensor kc = k_all.select(0, l), vc = v_all.select(0, l);
     at::Tensor o = op_decode_attention(q, kc, vc, table, rows, lens, scale, k_new, v_new, out_loc, d.window);
     at::Tensor a = proj(o, 4 * l + 1);
-    if (d.sandwich) a = norm_of(a, norm_w(l, kPostAttnNorm), d.norm, eps);
-    x = add_norm(h, a, norm_w(l, kPreFfnNorm), d.norm, eps);
+    if (d.post_norms) a = norm_of(a, norm_w(l, kPostAttnNorm), d.norm, eps);
+    x = add_next(a, d, l, kPreFfnNorm);
     at::Tensor dn = proj(gated(proj(x, 4 * l + 2), d.act), 4 * l + 3);
-    if (d.sandwich) dn = norm_of(dn, norm_w(l, kPostFfnNorm), d.norm, eps);
+    if (d.post_norms) dn = norm_of(dn, norm_w(l, kPostFfnNorm), d.norm, eps);
     if (l + 1 < layers) {
-      x = add_norm(h, dn, norm_w(l + 1, kInNorm), L[l + 1].norm, eps);
+      x = add_next(dn, L[l + 1], l + 1, kInNorm);
     } else {
       h.add_(dn);
     }

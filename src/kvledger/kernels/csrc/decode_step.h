@@ -15,23 +15,28 @@ enum NormKind : int64_t { kNormRms = 0, kNormGemma = 1 };
 // The gated MLP's activation: silu(g) * u (SwiGLU) or gelu_tanh(g) * u (GeGLU, Gemma).
 enum ActKind : int64_t { kActSilu = 0, kActGeluTanh = 1 };
 
+// q/k norms: none, per head (Qwen3, Gemma 3), or over the whole q and the whole k projection (OLMo 2).
+enum QkNorm : int64_t { kQkNone = 0, kQkHead = 1, kQkFull = 2 };
+
 // One layer, as data. Per layer l the step runs
-//   x = norm_in(h)                                    (fused with the previous layer's residual add)
-//   q, k, v = W_qkv x; q, k = qk_norm(q), qk_norm(k)  (per head, where qk_norm)
+//   x = norm_in(h) where pre_norms, else h             (fused with the previous layer's residual add)
+//   q, k, v = W_qkv x; q, k = qk_norm(q), qk_norm(k)  (per head or whole, where qk_norm)
 //   q, k = rotary(q, k) with table `rope`; o = attention over the last `window` keys (0: all)
-//   a = W_o o; a = norm_post_attn(a) where sandwich; h += a; x = norm_pre_ffn(h)
-//   d = W_down act(W_gate_up x); d = norm_post_ffn(d) where sandwich; h += d
-// Every norm of a layer is of kind `norm`. Serialized as kFields int64 a layer, in this order.
+//   a = W_o o; a = norm_post_attn(a) where post_norms; h += a; x = norm_pre_ffn(h) where pre_norms, else h
+//   d = W_down act(W_gate_up x); d = norm_post_ffn(d) where post_norms; h += d
+// Every norm of a layer is of kind `norm`. Llama: pre norms only; Gemma 2/3: both ("sandwich");
+// OLMo 2: post norms only. Serialized as kFields int64 a layer, in this order.
 struct LayerDesc {
   int64_t norm = kNormRms;
-  bool sandwich = false;
-  bool qk_norm = false;
+  bool post_norms = false;
+  int64_t qk_norm = kQkNone;
   int64_t act = kActSilu;
   int64_t rope = 0;    // index into the step's cos/sin tables (Gemma 3: local and global layers differ)
   int64_t window = 0;  // sliding window in keys; 0: every key of the sequence
-  static constexpr int kFields = 6;
+  bool pre_norms = true;
+  static constexpr int kFields = 7;
   static LayerDesc from(const int64_t* p) {
-    return LayerDesc{p[0], p[1] != 0, p[2] != 0, p[3], p[4], p[5]};
+    return LayerDesc{p[0], p[1] != 0, p[2], p[3], p[4], p[5], p[6] != 0};
   }
 };
 // The norm weights of a layer: kNorms entries a layer in the step's `norms` list, in this order

@@ -18,7 +18,7 @@ from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
 from ..quantized import Weight, dense
 from .base import Builder, CausalNet, Projections
-from .one_call import ACTIVATIONS, NORM_GEMMA, LayerDesc, LayerNorms, OneCallDecode
+from .one_call import ACTIVATIONS, NORM_GEMMA, QK_HEAD, QK_NONE, LayerDesc, LayerNorms, OneCallDecode
 
 
 class GemmaLayer(Projections, nn.Module):
@@ -142,7 +142,9 @@ class Gemma2Net(OneCallDecode, CausalNet):
         if act is None or not all(n.gemma for n in norms):
             return None
         rope = int(attn.rotary is self.local_rotary and self.local_rotary is not self.rotary)
-        desc = LayerDesc(NORM_GEMMA, True, qk, act, rope, self.cfg.layer_windows()[i] or 0)
+        desc = LayerDesc(
+            NORM_GEMMA, True, QK_HEAD if qk else QK_NONE, act, rope, self.cfg.layer_windows()[i] or 0
+        )
         w = [n.weight for n in norms] + [None, None]
         return desc, LayerNorms(w[0], w[2], post_attn=w[1], post_ffn=w[3], q=w[4], k=w[5])
 

@@ -18,7 +18,7 @@ from ..gguf_map import unpermute_attention
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding, rms_norm
 from ..quantized import Weight
 from .base import Builder, CausalNet, Projections
-from .one_call import ACTIVATIONS, LayerDesc, LayerNorms, OneCallDecode
+from .one_call import ACTIVATIONS, QK_HEAD, QK_NONE, LayerDesc, LayerNorms, OneCallDecode
 
 # model_type -> (qkv bias, per-head q/k RMSNorm)
 VARIANTS: dict[str, tuple[bool, bool]] = {
@@ -104,7 +104,7 @@ class LlamaNet(OneCallDecode, CausalNet):
         if act is None or (attn.q_norm is not None and (attn.qk_norm != "per_head" or attn.q_norm.gemma)):
             return None
         qk = attn.q_norm is not None
-        desc = LayerDesc(qk_norm=qk, act=act, window=self.cfg.layer_windows()[i] or 0)
+        desc = LayerDesc(qk_norm=QK_HEAD if qk else QK_NONE, act=act, window=self.cfg.layer_windows()[i] or 0)
         norms = LayerNorms(
             layer.in_norm,
             layer.post_norm,

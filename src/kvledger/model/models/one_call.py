@@ -4,15 +4,16 @@
 A family opts in by describing its layers (``OneCallDecode.layer_desc``: a ``LayerDesc`` and the
 layer's norm weights), not by a kernel of its own. The description holds what differs between the
 families on this path: the norm kind (Llama's ``w * x_normed`` in the model dtype, or Gemma's
-``x_normed * (1 + w)`` in float32) and places (pre-attention and pre-MLP always; Gemma's "sandwich"
-norms after the attention and after the MLP), per-head q/k norms (Qwen3, Gemma 3), the gated MLP's
+``x_normed * (1 + w)`` in float32) and places (before the attention and the MLP; after them, Gemma's
+"sandwich" with both and OLMo 2's with only these), q/k norms (per head: Qwen3, Gemma 3; over the
+whole projection: OLMo 2), the gated MLP's
 activation (SiLU or GELU-tanh), the layer's rotary table (Gemma 3's local and global layers) and its
 sliding window. The scale of the scores is the family's (``attention_scale``), the embedding's scale
 is the embedding's (it runs before the call), the final norm and the head after it.
 
 What the call does not do, the Python loop keeps: attention soft-capping (Gemma 2) and sinks
-(gpt-oss), biased projections, OLMo 2's whole-projection q/k norms and post-only norms, routed
-experts, partial rotary, tensor parallel, LoRA (``CausalLM._forward`` checks the batch)."""
+(gpt-oss), biased projections, routed experts, partial rotary, tensor parallel, LoRA
+(``CausalLM._forward`` checks the batch)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ..layers import Rotary
 from ..layers.norm import RMSNorm
 
 NORM_RMS, NORM_GEMMA = 0, 1  # csrc/decode_step.h's NormKind
+QK_NONE, QK_HEAD, QK_FULL = 0, 1, 2  # its QkNorm
 ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # its ActKind
 
 
@@ -32,14 +34,14 @@ ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}  # 
 class LayerDesc:
     """One layer as the C++ step reads it (csrc/decode_step.h's ``LayerDesc``, fields in its order)."""
 
-    norm: int = (
-        NORM_RMS  # every norm of the layer: NORM_RMS (weights of the model dtype) or NORM_GEMMA (1 + w, fp32)
-    )
-    sandwich: bool = False  # norms after the attention and after the MLP (Gemma 2/3)
-    qk_norm: bool = False  # per-head RMS norms on q and k before the rotary
+    # every norm of the layer: NORM_RMS (weights of the model dtype) or NORM_GEMMA (1 + w, float32)
+    norm: int = NORM_RMS
+    post_norms: bool = False  # norms after the attention and after the MLP (Gemma 2/3, OLMo 2)
+    qk_norm: int = QK_NONE  # q/k RMS norms before the rotary: QK_HEAD per head, QK_FULL whole (OLMo 2)
     act: int = 0  # ACTIVATIONS' value of the gated MLP's activation
     rope: int = 0  # index of the layer's rotary table in ``OneCallDecode.rope_tables()``
     window: int = 0  # sliding window in keys (0: every key)
+    pre_norms: bool = True  # norms before the attention and the MLP (all but OLMo 2)
 
     def fields(self) -> list[int]:
         return [int(v) for v in astuple(self)]
@@ -50,8 +52,8 @@ class LayerNorms:
     """A layer's norm weights as the step takes them (None where the layer has none): in the model
     dtype for NORM_RMS, ``1 + w`` in float32 for NORM_GEMMA."""
 
-    pre_attn: torch.Tensor
-    pre_ffn: torch.Tensor
+    pre_attn: torch.Tensor | None
+    pre_ffn: torch.Tensor | None
     post_attn: torch.Tensor | None = None
     post_ffn: torch.Tensor | None = None
     q: torch.Tensor | None = None
