@@ -110,8 +110,9 @@ def _table(lens, ps, pages, seed):
     return table
 
 
-def ref_decode(q, k, v, table, rows, lens, scale):
-    """Float attention of each request's heads over its tokens (GQA by head groups)."""
+def ref_decode(q, k, v, table, rows, lens, scale, window=0):
+    """Float attention of each request's heads over its tokens (GQA by head groups); ``window`` > 0:
+    over its last ``window`` tokens only."""
     b, h, d = q.shape
     kvh = k.shape[0]
     out = torch.zeros(b, h, d)
@@ -119,7 +120,7 @@ def ref_decode(q, k, v, table, rows, lens, scale):
         n = int(lens[i])
         if n == 0:
             continue
-        loc = table[rows[i], :n]
+        loc = table[rows[i], max(0, n - window) if window else 0 : n]
         ki = k[:, loc].float().repeat_interleave(h // kvh, 0)  # [H, n, D]
         vi = v[:, loc].float().repeat_interleave(h // kvh, 0)
         p = torch.softmax((ki @ q[i].float().unsqueeze(-1)).squeeze(-1) * scale, -1)
@@ -151,6 +152,27 @@ def test_decode_attention_reads_pages_in_place(dtype, ps, heads, kvh, d):
         rel=1e-5 if dtype == torch.float32 else 2**-8,
         atol=1e-5 if dtype == torch.float32 else 2**-8,
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 7, 64, 300])
+def test_decode_attention_over_a_sliding_window(dtype, window):
+    """``window``: each row attends its last ``window`` keys (the one-call decode's sliding layers),
+    contexts shorter than the window all of theirs; long ones split over threads as without it."""
+    d, heads, kvh, ps = 64, 8, 2, 16
+    lens = [1, 6, 7, 8, 70, 1100]
+    pages = sum(-(-n // ps) for n in lens) + 2
+    k, v = _pool(kvh, pages, ps, d, dtype, 11)
+    table = _table(lens, ps, pages, 12)
+    rows, blens = torch.arange(len(lens)), torch.tensor(lens)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    got = ops.decode_attention(q, k, v, table, rows, blens, d**-0.5, window=window)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    close(got, ref_decode(q, k, v, table, rows, blens, d**-0.5, window), dtype, rel=tol, atol=tol)
+    whole = ref_decode(q, k, v, table, rows, blens, d**-0.5)
+    assert not torch.allclose(got.float()[-1], whole[-1], atol=1e-3)  # the window cut the long row
+    with pytest.raises(RuntimeError, match="window must be"):
+        ops.decode_attention(q, k, v, table, rows, blens, d**-0.5, window=-1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -148,9 +148,11 @@ def test_family_refuses_tp(tmp_path, family):
         Engine(build_family(str(tmp_path), family), dtype="float32", tp_size=2)
 
 
-def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
-    """A window matters once a sequence outgrows it: before, the batch keeps the kernels (here the
-    one-call decode of every layer); after, the windowed layers run the reference attention."""
+def test_windows_keep_the_one_call_decode(tmp_path):
+    """A window matters once a sequence outgrows it: before, every layer attends all keys; after, the
+    one-call decode of every layer applies each layer's window in its attention kernel (the Python
+    loop would run the reference attention for those layers). Its tokens against transformers':
+    tests/unit/test_one_call_decode.py."""
     if not kernels.load():
         pytest.skip(f"CPU kernels unavailable: {kernels.status()}")
     path = build_family(str(tmp_path), "mistral_window")  # windows of 8
@@ -160,7 +162,7 @@ def test_windows_that_cut_nothing_keep_the_fast_paths(tmp_path):
     short = model.one_call_forwards
     assert short >= 4
     eng.generate(input_ids=list(range(10, 30)), sampling_params=GREEDY)  # 20 tokens and more
-    assert model.one_call_forwards == short
+    assert model.one_call_forwards >= short + GREEDY["max_new_tokens"] - 1
     assert_idle_clean(eng)
 
 

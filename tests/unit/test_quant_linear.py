@@ -284,3 +284,26 @@ def test_the_portable_path_is_bit_identical(tmp_path):
         assert torch.equal(pack(w, b)(x), y)
         xq2, s2 = torch.ops.kvledger_cpu.quantize_rows(x)
         assert torch.equal(xq, xq2) and torch.equal(s, s2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_argmax_is_the_argmax_of_the_heads_logits(bits, dtype):
+    """``head_argmax`` (the LM head's greedy token, the vocabulary in chunks of 4,096 outputs): the
+    index ``max(dim).indices`` picks on ``quant_linear``'s logits, the first of equal maxima, over the
+    ``valid`` first outputs only (a head padded past the vocabulary)."""
+    torch.manual_seed(3)
+    n, k = 9008, 64  # three chunks, the last partial
+    q = pack(torch.randn(n, k), bits)
+    x = torch.randn(5, k).to(dtype)
+    logits = q(x)
+    for valid in (n, 8195, 17):
+        got = torch.ops.kvledger_cpu.head_argmax(x, q.w, q.scales, q.wsum128, bits, n, valid)
+        assert torch.equal(got, logits[:, :valid].float().max(dim=-1).indices)
+    # ties: a row whose best output appears twice (two equal weight rows) takes the first
+    w = torch.randn(n, k)
+    w[7000] = w[123] = 4 * w[:, :].abs().max(0).values
+    q = pack(w, bits)
+    x = torch.rand(2, k).to(dtype) + 0.5
+    got = torch.ops.kvledger_cpu.head_argmax(x, q.w, q.scales, q.wsum128, bits, n, n)
+    assert got.tolist() == [123, 123] == q(x).float().max(dim=-1).indices.tolist()

@@ -13,6 +13,7 @@ from ..kernels.governor import ThreadGovernor
 from ..memory import KVBuffer
 from ..model import DeviceSampler, ForwardBatch, LlamaModel, Sampler
 from ..model import lora as lora_mod
+from ..model.sampler import GREEDY_EPS
 from ..scheduler.output import ModelRunnerOutput, ScheduledReq, SchedulerOutput
 from .page_table import PageTable
 
@@ -115,11 +116,41 @@ class ModelRunner:
         batch = self.build(sched)
         hidden = None
         with lora_mod.active(batch.lora):  # each row's adapter, for the adapted projections
+            if sample and batch.pool_index is None and self._greedy_only(sched, batch):
+                tokens = self.model.forward(batch, self.kv_buffer, connector, greedy=True).tolist()
+                return self._greedy_out(sched, tokens)
             if batch.pool_index is None:
                 logits = self.model.forward(batch, self.kv_buffer, connector)
             else:
                 logits, hidden = self.model.forward_pooled(batch, self.kv_buffer, connector)
         return self._sample(sched, logits, hidden) if sample else None
+
+    def _greedy_only(self, sched: SchedulerOutput, batch: ForwardBatch) -> bool:
+        """Whether this step's sampled rows need only their greedy tokens: every request greedy, with no
+        logprobs, penalties, grammar, drafts, prompt logprobs, labels or pooling, sampled on the host,
+        and the model's head can give them in C++ (``CausalLM.greedy_head``). Then the head runs as an
+        argmax over chunks of the vocabulary (a 262,144-token head's logits never written out)."""
+        if self.on_device or not batch.logit_index.numel():
+            return False
+        for r in sched.reqs:
+            if r.num_draft or r.token_bitmask is not None or r.prompt_lp_targets or r.label_token_ids:
+                return False
+            p = r.sampling.params if r.sampling is not None else None
+            if p is not None and (p.temperature >= GREEDY_EPS or p.wants_logprobs or p.has_penalties):
+                return False
+        return self.model.greedy_head(int(batch.logit_index.numel()))
+
+    @staticmethod
+    def _greedy_out(sched: SchedulerOutput, tokens: list[int]) -> ModelRunnerOutput:
+        """What ``_sample`` gives for greedy rows without logprobs: one token each, in row order."""
+        out = ModelRunnerOutput.empty(len(sched.reqs))
+        k = 0
+        for i, r in enumerate(sched.reqs):
+            if r.sampling is None:
+                continue
+            out.tokens[i], out.logprobs[i], out.top_logprobs[i] = [tokens[k]], [None], [None]
+            k += 1
+        return out
 
     def _sample(
         self, sched: SchedulerOutput, logits: torch.Tensor, hidden: torch.Tensor | None = None

@@ -29,7 +29,7 @@ from ..common.cpus import default_threads
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "dense.cpp", "pool.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "dense.cpp", "pool.cpp", "decode_step.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried", "threads": None}
 
@@ -155,12 +155,17 @@ def _register_fakes() -> None:
         return None
 
     @torch.library.register_fake(lib + "decode_attention")
-    def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None, head_stride=0):
+    def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None, head_stride=0,
+          window=0):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake(lib + "decode_layers")
-    def _(h, w, scales, wsum, bits, n, in_norms, post_norms, k_all, v_all, *rest):
+    def _(h, w, scales, wsum, bits, n, dense, norms, desc, k_all, v_all, *rest):
         return None
+
+    @torch.library.register_fake(lib + "head_argmax")
+    def _(x, w, scales, wsum128, bits, n, valid):
+        return x.new_empty(x.shape[0], dtype=torch.int64)
 
     @torch.library.register_fake(lib + "extend_attention_")
     def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):

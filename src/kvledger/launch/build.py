@@ -29,7 +29,7 @@ from ..engine.core import EngineCore
 from ..engine.executor import Executor, InProcessExecutor
 from ..engine.graph_runner import GraphCapture, graph_max_bs, graphs_planned, make_graph_runner
 from ..engine.introspect import EngineInfo
-from ..engine.malloc import keep_heap_memory
+from ..engine.malloc import keep_heap_memory, trim_heap
 from ..engine.page_table import PageTable
 from ..engine.resources import auto_stored, default_kv_tokens, resolve_dtype
 from ..engine.runner import ModelRunner
@@ -126,10 +126,13 @@ def build_parts(
         comm, workers = start_group(cfg)
     opened: dict[str, Any] = {}  # what a failed start closes
     try:
-        return _build(cfg, loaded, connector, graph_capture, device, comm, workers, t0, opened), workers
+        parts = _build(cfg, loaded, connector, graph_capture, device, comm, workers, t0, opened)
     except BaseException:
         _close_partial_start(opened.get("connector") or opened.get("tiers"), workers)
         raise
+    if device == "cpu":
+        trim_heap()  # the load's freed buffers back to the OS, once (engine/malloc.py)
+    return parts, workers
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from .models.base import Builder
 from .models.registry import family_for, supported
 
 DECODE_IN_ONE_CALL = True
-"""Batches of decodes run every layer in one C++ call (``LlamaNet.decode_step``) where the model allows."""
+"""Batches of decodes run every layer in one C++ call (``models/one_call.py``) where the model allows."""
 
 
 class CausalLM:
@@ -135,13 +135,22 @@ class CausalLM:
                 n += t.untyped_storage().nbytes()
         return n + sum(m.packed_bytes() for m in self.net.modules() if isinstance(m, Linear))
 
+    def greedy_head(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` sampled rows may return greedy tokens (``forward(greedy=True)``):
+        eager (no compiled graph) and the head's kernel serves them (``LMHead.greedy_in_kernel``)."""
+        return self.compiled is None and self.net.lm_head.greedy_in_kernel(rows)
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None) -> torch.Tensor:
-        """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``.
-        ``connector``: a KV connector's worker side, called per layer (see ``connector/base.py``)."""
+    def forward(
+        self, batch: ForwardBatch, kv_buffer: KVBuffer, connector=None, greedy: bool = False
+    ) -> torch.Tensor:
+        """Run one mixed batch; returns float32 logits ``[len(batch.logit_index), vocab]``, or with
+        ``greedy`` (where ``greedy_head``) each row's greedy token, int64 ``[len(batch.logit_index)]``,
+        the vocabulary's logits never materialized. ``connector``: a KV connector's worker side,
+        called per layer (see ``connector/base.py``)."""
         if batch.pool_index is not None:
             raise ValueError("a batch that pools runs through forward_pooled")
-        return self._forward(batch, kv_buffer, connector)
+        return self._forward(batch, kv_buffer, connector, greedy)
 
     @torch.inference_mode()
     def forward_pooled(
@@ -150,7 +159,7 @@ class CausalLM:
         """``forward``, plus the final-norm hidden states of the ``batch.pool_index`` rows (float32)."""
         return self._forward(batch, kv_buffer, connector)
 
-    def _forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector):
+    def _forward(self, batch: ForwardBatch, kv_buffer: KVBuffer, connector, greedy: bool = False):
         self.attn.prepare(batch)
         pool = batch.pool_index
         # Only forwards that sample several rows go through the compiled graph: dynamo specializes
@@ -163,6 +172,7 @@ class CausalLM:
             and batch.lora is None  # adapter rows run eager: LoRA deltas live in the projections' calls
             and batch.num_tokens > 1
             and batch.logit_index.shape[0] > 1
+            and not greedy
         )
         net = self.compiled if use else self.net
         self.compiled_forwards += use
@@ -174,20 +184,27 @@ class CausalLM:
             and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
             and DECODE_IN_ONE_CALL
             and getattr(meta, "only_decodes", False)
-            and meta.special is None  # the kernel attends every key: no window cuts this batch
         ):
             plan = self.net.decode_plan
-            if plan is not None and batch.num_tokens <= plan.max_rows:
+            # A plan exists only without soft-capping or sinks: a batch with special layers has them
+            # for a window that cuts, which the call applies where the plan has windows.
+            if (
+                plan is not None
+                and batch.num_tokens <= plan.max_rows
+                and (meta.special is None or plan.windows)
+            ):
                 self.one_call_forwards += 1
                 return self.net.decode_step(
                     plan, batch.input_ids, batch.positions, batch.logit_index, kv_buffer, batch.req_to_token,
-                    meta.dec_rows, meta.dec_lens, batch.out_loc, self.attn.scale,
+                    meta.dec_rows, meta.dec_lens, batch.out_loc, self.attn.scale, greedy,
                 )  # fmt: skip
         with (
             attention_context(self.handle, self.attn, kv_buffer, batch, connector),
             sdpa_backends(self.device),
         ):
             if pool is None:
+                if greedy:
+                    return net(batch.input_ids, batch.positions, batch.logit_index, greedy=True)
                 return net(batch.input_ids, batch.positions, batch.logit_index)
             return net(batch.input_ids, batch.positions, batch.logit_index, pool)
 

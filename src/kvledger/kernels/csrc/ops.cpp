@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_step.h"
 #include "flash.h"
 #include "kernels.h"
 #include "pool.h"
@@ -232,7 +233,7 @@ struct FoldRows {
 at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& table,
                             const at::Tensor& rows, const at::Tensor& lens, double scale,
                             const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
-                            const c10::optional<at::Tensor>& out_loc, int64_t head_stride) {
+                            const c10::optional<at::Tensor>& out_loc, int64_t head_stride, int64_t window) {
   check_float(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [batch, heads, head_dim]");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -249,14 +250,25 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
                   lens.is_contiguous() && rows.numel() == B && lens.numel() == B,
               "rows and lens must be int64 [batch]");
   const int64_t* rp = rows.data_ptr<int64_t>();
-  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* lens_p = lens.data_ptr<int64_t>();
   TORCH_CHECK(head_stride >= 0 && (head_stride == 0 || head_stride * KVH <= table.size(1)),
               "head_stride ", head_stride, " does not fit ", KVH, " kv heads in a row of ", table.size(1));
   const int64_t row_len = head_stride > 0 ? head_stride : table.size(1);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(rp[b] >= 0 && rp[b] < table.size(0), "row ", rp[b], " outside req_to_token");
-    TORCH_CHECK(lp[b] >= 0 && lp[b] <= row_len, "length ", lp[b], " outside req_to_token");
+    TORCH_CHECK(lens_p[b] >= 0 && lens_p[b] <= row_len, "length ", lens_p[b], " outside req_to_token");
   }
+  // window > 0: each row attends its last `window` keys (a sliding-window layer; the query is the last
+  // token), from key st[b] of its row, in chunks from there; lp: the keys each row attends.
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  std::vector<int64_t> st(static_cast<size_t>(B), 0), seen(lens_p, lens_p + B);
+  if (window > 0) {
+    for (int64_t b = 0; b < B; ++b) {
+      st[b] = std::max<int64_t>(0, lens_p[b] - window);
+      seen[b] = lens_p[b] - st[b];
+    }
+  }
+  const int64_t* lp = seen.data();
   const bool write = k_new.has_value();
   if (write) {
     TORCH_CHECK(v_new && out_loc, "k_new, v_new and out_loc go together");
@@ -312,7 +324,7 @@ at::Tensor decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor
       const float sc = static_cast<float>(scale);
       // (b, h)'s query rows, keys and cache rows
       auto qrow = [&](int64_t b, int64_t h) { return qp + b * q.stride(0) + h * G * D; };
-      auto locs = [&](int64_t b, int64_t h) { return tp + rp[b] * ts + h * head_stride; };
+      auto locs = [&](int64_t b, int64_t h) { return tp + rp[b] * ts + h * head_stride + st[b]; };
       auto chunk = [&](int64_t b, int64_t h, int64_t c, float* pm) {
         chunk_partial(flash, attend, qrow(b, h), kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), locs(b, h),
                       lp[b], c, G, static_cast<int>(D), sc, pm);
@@ -804,60 +816,6 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   return out;
 }
 
-// Every layer of a batch of decodes in one call: the eager forward's ops in its order, with nothing
-// between them but C++ (the Python loop spent ~1 ms a token on calls around ~6 ms of kernels).
-// Per layer l: qkv = W_qkv x; rotary on q and k; o = decode attention (the new K/V written first);
-// x = norm(h += W_o o); h += W_down silu(W_gate_up x), x = norm(h) with the next layer's weight (the
-// last layer adds only). The four projections of layer l are entries 4l..4l+3 of the weight lists
-// (kernels/quant.py's packing); h [B, hidden] is the residual stream, updated in place.
-void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
-                   const c10::List<std::optional<at::Tensor>>& wsum, at::IntArrayRef bits, at::IntArrayRef n,
-                   at::TensorList in_norms, at::TensorList post_norms, at::Tensor& k_all, at::Tensor& v_all,
-                   const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& table,
-                   const at::Tensor& rows, const at::Tensor& lens, const at::Tensor& out_loc, int64_t heads,
-                   double scale, double eps, int64_t amx_rows, at::TensorList w8, at::TensorList w8_scale,
-                   at::TensorList w8_off, int64_t int8_rows) {
-  const int64_t layers = static_cast<int64_t>(in_norms.size());
-  TORCH_CHECK(layers > 0 && static_cast<int64_t>(post_norms.size()) == layers, "one input and one post norm a layer");
-  TORCH_CHECK(static_cast<int64_t>(w.size()) == 4 * layers && scales.size() == w.size() && wsum.size() == w.size() &&
-                  bits.size() == w.size() && n.size() == w.size(),
-              "four projections a layer: qkv, o, gate_up, down");
-  TORCH_CHECK(k_all.dim() == 4 && k_all.size(0) == layers && v_all.sizes() == k_all.sizes(),
-              "k/v pools must be [layers, kv_heads, locations, head_dim]");
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be [batch, hidden] contiguous");
-  const int64_t B = h.size(0), kvh = k_all.size(1), hd = k_all.size(3);
-  const int64_t qs = heads * hd, kvs = kvh * hd;
-  // From int8_rows decodes (> 0) every projection takes its int8 copy (--enable-int8-batch's, VNNI layout):
-  // at 32 rows the 120 projections take ~10% less time than on the int4 groups (bench/RESULTS.md).
-  const bool int8 = int8_rows > 0 && B >= int8_rows;
-  TORCH_CHECK(int8_rows <= 0 || (w8.size() == w.size() && w8_scale.size() == w.size() && w8_off.size() == w.size()),
-              "int8_rows needs an int8 copy of every projection");
-  auto proj = [&](const at::Tensor& x, int64_t j) {
-    if (int8) return int8_linear(x, w8[j], w8_scale[j], w8_off[j], c10::nullopt);
-    return quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j], amx_rows);
-  };
-  at::Tensor x = rms_norm(h, in_norms[0], eps);
-  for (int64_t l = 0; l < layers; ++l) {
-    at::Tensor qkv = proj(x, 4 * l);
-    TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "layer ", l, ": qkv projection of ", qkv.size(1), " features, not ",
-                qs + 2 * kvs);
-    at::Tensor qk = qkv.narrow(1, 0, qs + kvs).view({B, heads + kvh, hd});
-    rope_(qk, positions, cos, sin);
-    at::Tensor q = qkv.narrow(1, 0, qs).view({B, heads, hd});
-    const c10::optional<at::Tensor> k_new = qkv.narrow(1, qs, kvs).view({B, kvh, hd});
-    const c10::optional<at::Tensor> v_new = qkv.narrow(1, qs + kvs, kvs).view({B, kvh, hd});
-    at::Tensor kc = k_all.select(0, l), vc = v_all.select(0, l);
-    at::Tensor o = decode_attention(q, kc, vc, table, rows, lens, scale, k_new, v_new, out_loc, 0);
-    x = add_rms_norm(h, proj(o, 4 * l + 1), post_norms[l], eps);
-    at::Tensor d = proj(silu_mul(proj(x, 4 * l + 2)), 4 * l + 3);
-    if (l + 1 < layers) {
-      x = add_rms_norm(h, d, in_norms[l + 1], eps);
-    } else {
-      h.add_(d);
-    }
-  }
-}
-
 std::string isa() { return kAvx512 ? "avx512" : "scalar"; }
 
 std::string quant_isa() { return kVnni ? "avx512-vnni" : "scalar"; }
@@ -865,6 +823,30 @@ std::string quant_isa() { return kVnni ? "avx512-vnni" : "scalar"; }
 bool has_amx() { return kAmx; }
 
 }  // namespace
+
+// The ops decode_step.cpp's one-call decode runs (decode_step.h), called directly (no dispatcher).
+at::Tensor op_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return rms_norm(x, w, eps); }
+at::Tensor op_add_rms_norm(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w, double eps) {
+  return add_rms_norm(residual, x, w, eps);
+}
+at::Tensor op_silu_mul(const at::Tensor& gu) { return silu_mul(gu); }
+void op_rope(at::Tensor& x, const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin) {
+  rope_(x, pos, cos, sin);
+}
+at::Tensor op_decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& table,
+                               const at::Tensor& rows, const at::Tensor& lens, double scale, const at::Tensor& k_new,
+                               const at::Tensor& v_new, const at::Tensor& out_loc, int64_t window) {
+  return decode_attention(q, k_cache, v_cache, table, rows, lens, scale, k_new, v_new, out_loc, 0, window);
+}
+at::Tensor op_quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                           const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t amx_rows) {
+  return quant_linear(x, w, scales, wsum128, bits, n, amx_rows);
+}
+at::Tensor op_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& woff) {
+  return int8_linear(x, w, w_scale, woff, c10::nullopt);
+}
+at::Tensor op_dense_linear(const at::Tensor& x, const at::Tensor& w) { return dense_linear(x, w, c10::nullopt); }
+
 }  // namespace kvl
 
 TORCH_LIBRARY(kvledger_cpu, m) {
@@ -875,7 +857,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
-      "int head_stride=0) -> Tensor");
+      "int head_stride=0, int window=0) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(
@@ -886,9 +868,10 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale, bool amx=True) -> ()");
   m.def(
       "decode_layers(Tensor(a!) h, Tensor[] w, Tensor[] scales, Tensor?[] wsum, int[] bits, int[] n, "
-      "Tensor[] in_norms, Tensor[] post_norms, Tensor(b!) k_all, Tensor(c!) v_all, Tensor positions, Tensor cos, "
-      "Tensor sin, Tensor req_to_token, Tensor rows, Tensor lens, Tensor out_loc, int heads, float scale, "
-      "float eps, int amx_rows, Tensor[] w8, Tensor[] w8_scale, Tensor[] w8_off, int int8_rows) -> ()");
+      "Tensor[] dense, Tensor?[] norms, int[] desc, Tensor(b!) k_all, Tensor(c!) v_all, Tensor positions, "
+      "Tensor[] cos, Tensor[] sin, Tensor req_to_token, Tensor rows, Tensor lens, Tensor out_loc, int heads, "
+      "float scale, float eps, int amx_rows, Tensor[] w8, Tensor[] w8_scale, Tensor[] w8_off, int int8_rows) -> ()");
+  m.def("head_argmax(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int valid) -> Tensor");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);
   m.def("set_flash_amx", &kvl::set_flash_amx);
@@ -912,6 +895,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("extend_attention_", &kvl::extend_attention);
   m.impl("flash_attention_", &kvl::flash_attention);
   m.impl("decode_layers", &kvl::decode_layers);
+  m.impl("head_argmax", &kvl::head_argmax);
   m.impl("quantize_rows", &kvl::quantize_rows);
   m.impl("scale_rows", &kvl::scale_rows);
   m.impl("int8_linear", &kvl::int8_linear);

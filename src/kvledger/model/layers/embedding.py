@@ -67,6 +67,38 @@ class LMHead(nn.Module):
         self.comm = comm
         self.softcap = softcap
 
+    def greedy_in_kernel(self, rows: int) -> bool:
+        """Whether ``greedy`` serves ``rows`` rows: the kernels' packed head (a tied Q8_0 embedding's
+        own blocks, or a quantized head) where ``forward`` runs that kernel too (``Linear.path``: not
+        the int8 or AMX copies, whose logits differ), on one rank, no soft-cap (its saturation can tie
+        logits the raw ones do not), no adapter on the head, eager."""
+        lin = self.linear
+        return (
+            lin.qw is not None
+            and lin.path(rows) == "kernel"
+            and self.comm.size == 1
+            and self.softcap is None
+            and lin.b is None
+            and lin.lora is None
+            and not torch.compiler.is_compiling()
+        )
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """The greedy token of each row, int64 ``[rows]``: the head in C++ over chunks of the
+        vocabulary on its stored blocks, the argmax kept as it goes (``kvledger_cpu::head_argmax``), no
+        logits materialized; the same tokens as ``forward`` then ``max(dim).indices``. Needs
+        ``greedy_in_kernel(rows)``."""
+        q = self.linear.qw
+        return torch.ops.kvledger_cpu.head_argmax(
+            h.contiguous(),
+            q.w,
+            q.scales,
+            q.wsum128,
+            q.bits,
+            q.out_features,
+            min(self.vocab_size, q.out_features),
+        )
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.linear(h).float()
         if self.comm.size > 1:

@@ -216,7 +216,7 @@ class CausalNet(nn.Module):
         return sinks if any(s is not None for s in sinks) else None
 
     # -- the forward ------------------------------------------------------------------------------
-    decode_plan = None  # the one-kernel-call decode of every layer (only the Llama family has one)
+    decode_plan = None  # the one-kernel-call decode of every layer (families with ``one_call.OneCallDecode``)
 
     def dense_embedding(self) -> None:
         """Make the embedding a dense table (``torch.compile`` traces ``F.embedding``)."""
@@ -238,10 +238,15 @@ class CausalNet(nn.Module):
         positions: torch.Tensor,
         logit_index: torch.Tensor,
         pool_index: torch.Tensor | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits of the ``logit_index`` rows; with ``pool_index``, also those rows' final-norm
-        hidden states (float32 ``[rows, hidden]``, what the LM head reads: pooling)."""
+        hidden states (float32 ``[rows, hidden]``, what the LM head reads: pooling). ``greedy``: the
+        rows' greedy tokens instead of their logits (``LMHead.greedy``; the caller checked
+        ``LMHead.greedy_in_kernel``)."""
         h = self.hidden(input_ids, positions)
+        if greedy:
+            return self.lm_head.greedy(self.norm(h[logit_index]))
         logits = self.lm_head(self.norm(h[logit_index]))
         if pool_index is None:
             return logits

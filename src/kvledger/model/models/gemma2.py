@@ -18,6 +18,7 @@ from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
 from ..quantized import Weight, dense
 from .base import Builder, CausalNet, Projections
+from .one_call import ACTIVATIONS, NORM_GEMMA, QK_HEAD, QK_NONE, LayerDesc, LayerNorms, OneCallDecode
 
 
 class GemmaLayer(Projections, nn.Module):
@@ -47,7 +48,7 @@ def gguf_query_scalar(cfg: ModelConfig, layers_27b: int) -> int:
     return cfg.hidden_size // cfg.num_heads if cfg.num_layers == layers_27b else cfg.head_dim
 
 
-class Gemma2Net(CausalNet):
+class Gemma2Net(OneCallDecode, CausalNet):
     model_types = ("gemma2",)
     gguf_tensors: ClassVar[dict] = {
         **DECODER,
@@ -120,7 +121,32 @@ class Gemma2Net(CausalNet):
             layers.append(GemmaLayer(attn, mlp, [b.norm(p + n + ".weight", gemma=True) for n in LAYER_NORMS]))
         net = cls(cfg, embed, layers, norm, head, b.comm)
         net.rotary, net.local_rotary = rotary, local
+        net.fused = b.fused  # the cpu backend with the kernels loaded: the one-call decode may run
         return net
+
+    def rope_tables(self) -> list:
+        return [self.rotary] if self.local_rotary is self.rotary else [self.rotary, self.local_rotary]
+
+    def layer_desc(self, i: int, layer: GemmaLayer) -> tuple[LayerDesc, LayerNorms] | None:
+        """Gemma's sandwich: ``(1 + w)`` norms in float32 before and after both blocks, GeGLU, Gemma 3's
+        per-head q/k norms, the local rotary table and the window on the sliding layers. (Gemma 2's
+        attention soft-cap keeps the Python loop: ``decode_plan`` checks the family's.)"""
+        attn = layer.attn
+        act = ACTIVATIONS.get(layer.mlp.act_name)
+        norms = [layer.in_norm, layer.post_attn_norm, layer.pre_mlp_norm, layer.post_mlp_norm]
+        qk = attn.q_norm is not None
+        if qk:
+            if attn.qk_norm != "per_head":
+                return None
+            norms += [attn.q_norm, attn.k_norm]
+        if act is None or not all(n.gemma for n in norms):
+            return None
+        rope = int(attn.rotary is self.local_rotary and self.local_rotary is not self.rotary)
+        desc = LayerDesc(
+            NORM_GEMMA, True, QK_HEAD if qk else QK_NONE, act, rope, self.cfg.layer_windows()[i] or 0
+        )
+        w = [n.weight for n in norms] + [None, None]
+        return desc, LayerNorms(w[0], w[2], post_attn=w[1], post_ffn=w[3], q=w[4], k=w[5])
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)

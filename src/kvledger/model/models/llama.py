@@ -3,14 +3,11 @@ Qwen2's QKV biases, Qwen3's per-head q/k norms, Mistral's sliding window).
 
 The fast path of kvledger's default model: eager forwards with the ``cpu`` attention backend run
 the norms, rotary and SiLU in the C++ kernels (``fused``), and a batch of decodes runs every layer
-in one kernel call (``decode_plan``/``decode_step``) where the layers are the kernel's packed
-projections.
+in one kernel call (``one_call.py``: ``decode_plan``/``decode_step``, each layer described by
+``layer_desc``) where the layers are the kernel's packed projections.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,6 +18,7 @@ from ..gguf_map import unpermute_attention
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding, rms_norm
 from ..quantized import Weight
 from .base import Builder, CausalNet, Projections
+from .one_call import ACTIVATIONS, QK_HEAD, QK_NONE, LayerDesc, LayerNorms, OneCallDecode
 
 # model_type -> (qkv bias, per-head q/k RMSNorm)
 VARIANTS: dict[str, tuple[bool, bool]] = {
@@ -29,15 +27,6 @@ VARIANTS: dict[str, tuple[bool, bool]] = {
     "qwen2": (True, False),
     "qwen3": (False, True),
 }
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    args: tuple  # kvledger_cpu::decode_layers' weight arguments, in its order
-    max_rows: int  # the most rows (decodes) a step may have for it
-    amx_rows: int = 0  # calls of this many rows and more on AMX tiles (``PackedWeight.amx_rows``)
-    int8: tuple = ([], [], [])  # the projections' int8 copies (VNNI route): weights, scales, sums
-    int8_rows: int = 0  # steps of this many decodes and more run on ``int8`` (0: never)
 
 
 class LlamaLayer(Projections, nn.Module):
@@ -49,7 +38,7 @@ class LlamaLayer(Projections, nn.Module):
         self.post_norm = nn.Parameter(post_norm, requires_grad=False)
 
 
-class LlamaNet(CausalNet):
+class LlamaNet(OneCallDecode, CausalNet):
     model_types = tuple(VARIANTS)
 
     def __init__(
@@ -107,72 +96,22 @@ class LlamaNet(CausalNet):
         # The C++ rotary kernel turns whole heads: partial rotation (Phi-4-mini) runs the torch ops.
         return cls(cfg, embed, layers, norm, head, b.comm, rotary, b.fused and rotary.rot_dim == cfg.head_dim)
 
-    @functools.cached_property
-    def decode_plan(self) -> DecodePlan | None:
-        """What ``kvledger_cpu::decode_layers`` takes, built once; None where the layers are not all
-        the kernel's packed projections without biases or q/k norms, with SiLU, on one rank, with
-        the kernels loaded (the Python loop then runs). Projections and weights are not replaced
-        after construction (``Linear.unpack`` only touches the bf16 copy). A forward where a sliding
-        window cuts some sequence does not take it (``CausalLM._forward``)."""
-        projs = [p for L in self.layers for p in (L.attn.qkv, L.attn.o, L.mlp.gate_up, L.mlp.down)]
-        if (
-            not self.fused
-            or self.comm.size > 1
-            or any(p.qw is None or p.b is not None for p in projs)
-            or any(L.attn.q_norm is not None or L.mlp.act_name != "silu" for L in self.layers)
-        ):
+    def layer_desc(self, i: int, layer: LlamaLayer) -> tuple[LayerDesc, LayerNorms] | None:
+        """Llama's pre-norm layer: RMS norms of the model dtype, SiLU, Qwen3's per-head q/k norms,
+        Mistral's and Qwen2/3's window where the layer slides."""
+        attn = layer.attn
+        act = ACTIVATIONS.get(layer.mlp.act_name)
+        if act is None or (attn.q_norm is not None and (attn.qk_norm != "per_head" or attn.q_norm.gemma)):
             return None
-        qw = [p.qw for p in projs]
-        args = (
-            [q.w for q in qw],
-            [q.scales for q in qw],
-            [q.wsum128 for q in qw],
-            [q.bits for q in qw],
-            [q.out_features for q in qw],
-            [L.in_norm for L in self.layers],
-            [L.post_norm for L in self.layers],
+        qk = attn.q_norm is not None
+        desc = LayerDesc(qk_norm=QK_HEAD if qk else QK_NONE, act=act, window=self.cfg.layer_windows()[i] or 0)
+        norms = LayerNorms(
+            layer.in_norm,
+            layer.post_norm,
+            q=attn.q_norm.weight if qk else None,
+            k=attn.k_norm.weight if qk else None,
         )
-        # Every projection's int8 copy on kvledger's VNNI route, from one threshold: the kernel call
-        # takes them from there. Otherwise calls from int8_batch_rows rows of a layer with an int8
-        # copy (oneDNN's) go there, and from amx_rows rows of one with the AMX copy to oneDNN's bf16
-        # GEMM (Linear._quantized), not the kernel.
-        w8 = [p.w8 for p in projs]
-        rows8 = {p.int8_batch_rows for p in projs}
-        in_call = all(q is not None and q.vnni for q in w8) and len(rows8) == 1
-        int8 = ([q.w for q in w8], [q.w_scale for q in w8], [q.woff for q in w8]) if in_call else ([], [], [])
-        max_rows = min(
-            [p.int8_batch_rows - 1 for p in projs if p.w8 is not None and not in_call]
-            + [p.amx_rows - 1 for p in projs if p.packed is not None],
-            default=1 << 62,
-        )
-        # One threshold for the AMX tiles (the kernel call takes one); layers built alike share it.
-        tile_rows = {q.amx_rows for q in qw}
-        if len(tile_rows) > 1:
-            return None
-        return DecodePlan(args, max_rows, tile_rows.pop(), int8, rows8.pop() if in_call else 0)
-
-    def decode_step(
-        self,
-        plan: DecodePlan,
-        input_ids,
-        positions,
-        logit_index,
-        kv_buffer,
-        table,
-        rows,
-        lens,
-        out_loc,
-        scale,
-    ) -> torch.Tensor:
-        """The forward of a batch of decodes with every layer in one kernel call; the same ops in the
-        same order as ``forward``'s fused path, so the same logits bit for bit."""
-        h = self.embed(input_ids)
-        torch.ops.kvledger_cpu.decode_layers(
-            h, *plan.args, kv_buffer.k, kv_buffer.v, positions, self.rotary.cos, self.rotary.sin, table, rows,
-            lens, out_loc, self.cfg.num_heads, scale, self.cfg.rms_norm_eps, plan.amx_rows, *plan.int8,
-            plan.int8_rows,
-        )  # fmt: skip
-        return self.lm_head(self.norm(h[logit_index]))
+        return desc, norms
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # The C++ kernels in eager forwards; a compiled graph keeps the torch ops (Inductor fuses them).

@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
 from .base import Builder, CausalNet, Projections
+from .one_call import ACTIVATIONS, QK_FULL, LayerDesc, LayerNorms, OneCallDecode
 
 
 class Olmo2Layer(Projections, nn.Module):
@@ -30,7 +31,7 @@ class Olmo2Layer(Projections, nn.Module):
         return h + self.post_mlp_norm(self.mlp(h))
 
 
-class Olmo2Net(CausalNet):
+class Olmo2Net(OneCallDecode, CausalNet):
     model_types = ("olmo2",)
     supports_tp = False
     gguf_tensors: ClassVar[dict] = {
@@ -69,7 +70,18 @@ class Olmo2Net(CausalNet):
             layers.append(Olmo2Layer(attn, mlp, *post))
         net = cls(cfg, embed, layers, norm, head, b.comm)
         net.rotary = rotary
+        net.fused = b.fused  # the cpu backend with the kernels loaded: the one-call decode may run
         return net
+
+    def layer_desc(self, i: int, layer: Olmo2Layer) -> tuple[LayerDesc, LayerNorms] | None:
+        """Norms after the blocks only, q/k norms over the whole projections, SiLU."""
+        attn, act = layer.attn, ACTIVATIONS.get(layer.mlp.act_name)
+        norms = [layer.post_attn_norm, layer.post_mlp_norm, attn.q_norm, attn.k_norm]
+        if act is None or attn.qk_norm != "full" or any(n is None or n.gemma for n in norms):
+            return None
+        desc = LayerDesc(post_norms=True, qk_norm=QK_FULL, act=act, pre_norms=False)
+        w = [n.weight for n in norms]
+        return desc, LayerNorms(None, None, post_attn=w[0], post_ffn=w[1], q=w[2], k=w[3])
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed(input_ids)

@@ -1,0 +1,244 @@
+// kvledger_cpu::decode_layers: every layer of a batch of decodes in one call, each layer run as its
+// description says (decode_step.h: norm kind and places, q/k norms, activation, rotary table, window).
+// The Python loop spent ~1 ms a token on calls around the kernels; here nothing runs between them but
+// C++. A Llama-shape description runs exactly the ops of the Llama family's fused eager forward in its
+// order (the same logits bit for bit); the parts only other families use (Gemma's norms, GeGLU, q/k
+// norms) are the loops below, in the float32 order of their torch reference (model/layers/norm.py).
+#include "decode_step.h"
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace kvl {
+namespace {
+
+// One row's inverse RMS: rsqrt(mean(x^2) + eps), the sum in float32 in index order.
+template <typename T> float inv_rms(const T* x, int dim, float eps) {
+  float ss = 0.f;
+  for (int i = 0; i < dim; ++i) {
+    const float v = to_f(x[i]);
+    ss += v * v;
+  }
+  return 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+}
+
+// out = norm(x) of `kind` over rows of dim values (x and out may be the same rows: in place).
+// kNormRms: w (of T) * T(x * r), as transformers' Llama; kNormGemma: T(x * r * w) in float32, w float32.
+template <typename T>
+void norm_rows(const T* x, long xs, T* out, long os, const at::Tensor& w, int64_t kind, int dim, float eps, long rows) {
+  for (long r = 0; r < rows; ++r) {
+    const T* xr = x + r * xs;
+    T* o = out + r * os;
+    const float inv = inv_rms(xr, dim, eps);
+    if (kind == kNormGemma) {
+      const float* wp = w.data_ptr<float>();
+      for (int i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(xr[i]) * inv * wp[i]);
+    } else {
+      const T* wp = reinterpret_cast<const T*>(w.data_ptr());
+      for (int i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(wp[i]) * round_t<T>(to_f(xr[i]) * inv));
+    }
+  }
+}
+
+template <typename F> void by_dtype(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kBFloat16) f(bf16{});
+  else f(float{});
+}
+
+void check_norm(const at::Tensor& w, int64_t kind, int64_t dim, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == dim, what, " norm must be [", dim, "] contiguous");
+  TORCH_CHECK(kind == kNormGemma ? w.scalar_type() == at::kFloat : w.scalar_type() == like.scalar_type(), what,
+              " norm: Gemma's weights (1 + w) are float32, RMS norms' of the model's dtype");
+}
+
+// A new [rows, dim] tensor: the norm of x's rows.
+at::Tensor norm_of(const at::Tensor& x, const at::Tensor& w, int64_t kind, double eps) {
+  if (kind == kNormRms) return op_rms_norm(x, w, eps);
+  auto out = at::empty_like(x);
+  by_dtype(x, [&](auto tag) {
+    using T = decltype(tag);
+    norm_rows<T>(reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), reinterpret_cast<T*>(out.data_ptr()),
+                 out.stride(0), w, kind, static_cast<int>(x.size(1)), static_cast<float>(eps), x.size(0));
+  });
+  return out;
+}
+
+// h += delta (rounded to the model's dtype, as the eager forward's addition), then the norm of h.
+at::Tensor add_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, int64_t kind, double eps) {
+  if (kind == kNormRms) return op_add_rms_norm(h, delta, w, eps);
+  h.add_(delta);
+  return norm_of(h, w, kind, eps);
+}
+
+// In place on each of `heads` heads of hd values at column `col` of every row of the fused QKV rows.
+void head_norm_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const at::Tensor& w, int64_t kind,
+                double eps) {
+  by_dtype(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    T* base = reinterpret_cast<T*>(qkv.data_ptr()) + col;
+    for (int64_t b = 0; b < qkv.size(0); ++b) {
+      T* row = base + b * qkv.stride(0);
+      norm_rows<T>(row, hd, row, hd, w, kind, static_cast<int>(hd), static_cast<float>(eps), heads);
+    }
+  });
+}
+
+// act(g) * u of rows [g (dim) | u (dim)]: SiLU in the kernel, GELU (tanh form) in ATen's own op, the
+// product rounded to the model's dtype as the eager forward's.
+at::Tensor gated(const at::Tensor& gu, int64_t act) {
+  if (act == kActSilu) return op_silu_mul(gu);
+  const int64_t dim = gu.size(1) / 2;
+  return at::gelu(gu.narrow(1, 0, dim), "tanh").mul_(gu.narrow(1, dim, dim)).contiguous();
+}
+
+}  // namespace
+
+void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
+                   const c10::List<std::optional<at::Tensor>>& wsum, at::IntArrayRef bits, at::IntArrayRef n,
+                   at::TensorList dense, const c10::List<std::optional<at::Tensor>>& norms, at::IntArrayRef desc,
+                   at::Tensor& k_all, at::Tensor& v_all, const at::Tensor& positions, at::TensorList cos,
+                   at::TensorList sin, const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
+                   const at::Tensor& out_loc, int64_t heads, double scale, double eps, int64_t amx_rows,
+                   at::TensorList w8, at::TensorList w8_scale, at::TensorList w8_off, int64_t int8_rows) {
+  const int64_t layers = static_cast<int64_t>(desc.size()) / LayerDesc::kFields;
+  TORCH_CHECK(layers > 0 && static_cast<int64_t>(desc.size()) == layers * LayerDesc::kFields,
+              "desc: ", LayerDesc::kFields, " values a layer");
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == kNorms * layers, "norms: ", kNorms, " entries a layer");
+  // The projections: packed (w, scales, wsum, bits, n), or dense weights of the model's dtype (`dense`,
+  // deterministic inference's float32/bf16 layers, on the dense kernel).
+  const int64_t nproj = static_cast<int64_t>(dense.empty() ? w.size() : dense.size());
+  TORCH_CHECK(nproj == 4 * layers, "four projections a layer: qkv, o, gate_up, down");
+  TORCH_CHECK(!dense.empty() || (scales.size() == w.size() && wsum.size() == w.size() && bits.size() == w.size() &&
+                                 n.size() == w.size()),
+              "packed projections need their scales, sums, bits and widths");
+  TORCH_CHECK(k_all.dim() == 4 && k_all.size(0) == layers && v_all.sizes() == k_all.sizes(),
+              "k/v pools must be [layers, kv_heads, locations, head_dim]");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "h must be [batch, hidden] contiguous");
+  TORCH_CHECK(!cos.empty() && cos.size() == sin.size(), "one sin table per cos table");
+  const int64_t B = h.size(0), kvh = k_all.size(1), hd = k_all.size(3);
+  const int64_t qs = heads * hd, kvs = kvh * hd;
+  std::vector<LayerDesc> L;
+  for (int64_t l = 0; l < layers; ++l) {
+    const LayerDesc d = LayerDesc::from(desc.data() + l * LayerDesc::kFields);
+    TORCH_CHECK((d.norm == kNormRms || d.norm == kNormGemma) && (d.act == kActSilu || d.act == kActGeluTanh) &&
+                    d.qk_norm >= kQkNone && d.qk_norm <= kQkFull && d.rope >= 0 &&
+                    d.rope < static_cast<int64_t>(cos.size()) && d.window >= 0,
+                "layer ", l, ": a description out of range");
+    auto has = [&](int64_t slot) { return norms.get(kNorms * l + slot).has_value(); };
+    const bool qk = d.qk_norm != kQkNone;
+    TORCH_CHECK(has(kInNorm) == d.pre_norms && has(kPreFfnNorm) == d.pre_norms && has(kPostAttnNorm) == d.post_norms &&
+                    has(kPostFfnNorm) == d.post_norms && has(kQNorm) == qk && has(kKNorm) == qk,
+                "layer ", l, ": its norms do not match its description");
+    for (int64_t slot : {kInNorm, kPostAttnNorm, kPreFfnNorm, kPostFfnNorm}) {
+      if (has(slot)) check_norm(*norms.get(kNorms * l + slot), d.norm, h.size(1), h, "layer");
+    }
+    if (qk) {
+      const bool full = d.qk_norm == kQkFull;
+      check_norm(*norms.get(kNorms * l + kQNorm), d.norm, full ? qs : hd, h, "q");
+      check_norm(*norms.get(kNorms * l + kKNorm), d.norm, full ? kvs : hd, h, "k");
+    }
+    L.push_back(d);
+  }
+  auto norm_w = [&](int64_t l, int64_t slot) { return *norms.get(kNorms * l + slot); };
+  // From int8_rows decodes (> 0) every projection takes its int8 copy (--enable-int8-batch's, VNNI layout):
+  // at 32 rows the 120 projections take ~10% less time than on the int4 groups (bench/RESULTS.md).
+  const bool int8 = int8_rows > 0 && B >= int8_rows;
+  TORCH_CHECK(int8_rows <= 0 || (w8.size() == w.size() && w8_scale.size() == w.size() && w8_off.size() == w.size()),
+              "int8_rows needs an int8 copy of every projection");
+  // Every projection of the step goes through here: projection j of layer l is 4l + {0: qkv, 1: o,
+  // 2: gate_up, 3: down}.
+  auto proj = [&](const at::Tensor& x, int64_t j) {
+    if (!dense.empty()) return op_dense_linear(x, dense[j]);
+    if (int8) return op_int8_linear(x, w8[j], w8_scale[j], w8_off[j]);
+    return op_quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j], amx_rows);
+  };
+  // h += delta, then the next block's input: its pre norm of h, or h itself (OLMo 2: no pre norms; the
+  // projections read it before the next add).
+  auto add_next = [&](const at::Tensor& delta, const LayerDesc& next, int64_t l_next, int64_t slot) -> at::Tensor {
+    if (next.pre_norms) return add_norm(h, delta, norm_w(l_next, slot), next.norm, eps);
+    h.add_(delta);
+    return h;
+  };
+  at::Tensor x = L[0].pre_norms ? norm_of(h, norm_w(0, kInNorm), L[0].norm, eps) : h;
+  for (int64_t l = 0; l < layers; ++l) {
+    const LayerDesc& d = L[l];
+    at::Tensor qkv = proj(x, 4 * l);
+    TORCH_CHECK(qkv.size(1) == qs + 2 * kvs, "layer ", l, ": qkv projection of ", qkv.size(1), " features, not ",
+                qs + 2 * kvs);
+    if (d.qk_norm == kQkHead) {  // each head of q, then of k, before the rotary (Qwen3, Gemma 3)
+      head_norm_(qkv, 0, heads, hd, norm_w(l, kQNorm), d.norm, eps);
+      head_norm_(qkv, qs, kvh, hd, norm_w(l, kKNorm), d.norm, eps);
+    } else if (d.qk_norm == kQkFull) {  // the whole q, then the whole k (OLMo 2)
+      head_norm_(qkv, 0, 1, qs, norm_w(l, kQNorm), d.norm, eps);
+      head_norm_(qkv, qs, 1, kvs, norm_w(l, kKNorm), d.norm, eps);
+    }
+    at::Tensor qk = qkv.narrow(1, 0, qs + kvs).view({B, heads + kvh, hd});
+    op_rope(qk, positions, cos[d.rope], sin[d.rope]);
+    at::Tensor q = qkv.narrow(1, 0, qs).view({B, heads, hd});
+    at::Tensor k_new = qkv.narrow(1, qs, kvs).view({B, kvh, hd});
+    at::Tensor v_new = qkv.narrow(1, qs + kvs, kvs).view({B, kvh, hd});
+    at::Tensor kc = k_all.select(0, l), vc = v_all.select(0, l);
+    at::Tensor o = op_decode_attention(q, kc, vc, table, rows, lens, scale, k_new, v_new, out_loc, d.window);
+    at::Tensor a = proj(o, 4 * l + 1);
+    if (d.post_norms) a = norm_of(a, norm_w(l, kPostAttnNorm), d.norm, eps);
+    x = add_next(a, d, l, kPreFfnNorm);
+    at::Tensor dn = proj(gated(proj(x, 4 * l + 2), d.act), 4 * l + 3);
+    if (d.post_norms) dn = norm_of(dn, norm_w(l, kPostFfnNorm), d.norm, eps);
+    if (l + 1 < layers) {
+      x = add_next(dn, L[l + 1], l + 1, kInNorm);
+    } else {
+      h.add_(dn);
+    }
+  }
+}
+
+// The LM head's greedy choice: argmax over j < valid of (x @ W.T)[m, j] for a packed head (quant_linear's
+// layout: output rows in blocks of 16, each block's codes, scales and sums contiguous), computed over
+// kHeadChunk outputs at a time so that a 262,144-token vocabulary's logits are never all held. Each
+// chunk is quant_linear over that block range (the same activations' codes, each output's sum as in the
+// whole call): the same values as the head's logits, and the first of equal maxima, as the sampler's
+// ``max(dim).indices``.
+at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t valid) {
+  constexpr int64_t kHeadChunk = 4096;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(valid > 0 && valid <= n && n % 16 == 0, "valid outputs must be in (0, n], n a multiple of 16");
+  const int64_t M = x.size(0), K = x.size(1), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.is_contiguous() && scales.is_contiguous() && w.numel() * (bits == 4 ? 2 : 1) == n * K,
+              "packed weights do not match [", n, ", ", K, "]");
+  const int64_t w_row = bits == 4 ? K / 2 : K, s_row = G * (bits == 4 ? 2 : 1);
+  const at::Tensor wf = w.view({-1}), sf = scales.view({-1});
+  c10::optional<at::Tensor> zf;
+  if (wsum128) zf = wsum128->view({-1});
+  std::vector<float> best(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
+  auto idx = at::zeros({M}, at::kLong);
+  int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t c0 = 0; c0 < valid; c0 += kHeadChunk) {
+    const int64_t c = std::min(kHeadChunk, n - c0), use = std::min(c, valid - c0);
+    c10::optional<at::Tensor> z;
+    if (zf) z = zf->narrow(0, c0 * G, c * G);
+    const at::Tensor y = op_quant_linear(x, wf.narrow(0, c0 * w_row, c * w_row), sf.narrow(0, c0 * s_row, c * s_row),
+                                         z, bits, c, 0);
+    by_dtype(y, [&](auto tag) {
+      using T = decltype(tag);
+      const T* yp = reinterpret_cast<const T*>(y.data_ptr());
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t j = 0; j < use; ++j) {
+          const float v = to_f(yp[m * c + j]);
+          if (v > best[m]) best[m] = v, ip[m] = c0 + j;
+        }
+      }
+    });
+  }
+  return idx;
+}
+
+}  // namespace kvl
