@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "flash.h"
+#include "gguf_blocks.h"
 #include "kernels.h"
 #include "pool.h"
 #include "qlinear.h"
@@ -774,6 +775,59 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return out;
 }
 
+// y = x @ W.T with W [n, k] as a GGUF file's blocks (gguf_blocks.h: kind is the GGML type id), read as
+// stored: x [M, k] float32 or bf16 (rows contiguous), y [M, n] of x's dtype. The activations are
+// quantized here, once per call, to int8 per group of 32 (qlinear.h's quantize, both ISA paths the same
+// codes); output rows over the threads, each weight row decoded once for all M activation rows.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, "x must be [rows, ", k, "] contiguous");
+  GgufFormat f;
+  TORCH_CHECK(gguf_format(static_cast<int>(kind), &f), "GGML type ", kind, " has no kernel here");
+  TORCH_CHECK(k % f.block == 0 && n > 0, "in_features ", k, " is not whole blocks of ", f.block);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.numel() == n * (k / f.block) * f.bytes,
+              "blocks do not match [", n, ", ", k, "] of GGML type ", kind);
+  const int64_t M = x.size(0), Kp = gguf_padded(k), G = k / 32, Gp = Kp / 32;
+  auto out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+  static const QuantKernels scalar = quant_scalar();
+#if defined(__x86_64__) || defined(_M_X64)
+  static const QuantKernels vnni = quant_vnni();
+  const QuantKernels& qk = kVnni ? vnni : scalar;
+  const GgufRowsFn rows = kVnni ? &gguf_rows_vnni : &gguf_rows_scalar;
+#else
+  const QuantKernels& qk = scalar;
+  const GgufRowsFn rows = &gguf_rows_scalar;
+#endif
+  const auto xq = scratch_of<int8_t>(M * Kp);
+  const auto xu = scratch_of<uint8_t>(M * Kp);
+  const auto sx = scratch_of<float>(M * Gp), xsum = scratch_of<float>(M * Gp);
+  const auto sxl = scratch_of<float>(M * Kp / 4);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t esz = bf16 ? 2 : 4;
+  kvl::parallel_for(0, M, std::max<int64_t>(1, 16384 / k), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const char* xm = static_cast<const char*>(x.data_ptr()) + m * k * esz;
+      qk.quantize(xm, bf16, xq.get() + m * Kp, xu.get() + m * Kp, sx.get() + m * Gp, xsum.get() + m * Gp, 0, G);
+      for (int64_t g = G; g < Gp; ++g) {  // the padding: zero codes, scales and sums
+        std::memset(xq.get() + m * Kp + 32 * g, 0, 32);
+        std::memset(xu.get() + m * Kp + 32 * g, 128, 32);
+        sx[m * Gp + g] = 0.f;
+        xsum[m * Gp + g] = 0.f;
+      }
+      for (int64_t l = 0; l < Kp / 4; ++l) sxl[m * Kp / 4 + l] = sx[m * Gp + l / 8];
+    }
+  });
+  const GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), static_cast<int>(M), Kp};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  void* y = out.data_ptr();
+  // Output rows over the threads; ~64K weights a task keeps one-row calls of small layers whole.
+  kvl::parallel_for(0, n, std::max<int64_t>(1, 65536 / k), [&](int64_t n0, int64_t n1) {
+    rows(acts, static_cast<int>(kind), wp, k, y, bf16, n, n0, n1);
+  });
+  return out;
+}
+
 // y = x @ w.T (+ bias) for an unquantized layer under --enable-deterministic-inference: x [M, K] and w
 // [N, K] (as loaded, rows contiguous) of one dtype, float32 or bf16; y [M, N] of that dtype. Each output
 // is one order of sums whatever M (dense.cpp), split over the threads by outputs, never by rows or K.
@@ -876,6 +930,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
       "int head_stride=0) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(
@@ -909,6 +964,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("rope_", &kvl::rope_);
   m.impl("decode_attention", &kvl::decode_attention);
   m.impl("quant_linear", &kvl::quant_linear);
+  m.impl("gguf_linear", &kvl::gguf_linear);
   m.impl("extend_attention_", &kvl::extend_attention);
   m.impl("flash_attention_", &kvl::flash_attention);
   m.impl("decode_layers", &kvl::decode_layers);
