@@ -195,7 +195,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape, dtype=dtype)
 
     @torch.library.register_fake(lib + "gguf_linear")
-    def _(x, w, kind, n, k):
+    def _(x, w, kind, n, k, segments=None):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(lib + "quant_linear")

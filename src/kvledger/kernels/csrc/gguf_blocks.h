@@ -71,12 +71,13 @@ struct GgufActs {
   long Kp;
 };
 
-// Rows [n0, n1) of y [M, N] (float, or bf16 when out_bf16) from w: N rows of K/block blocks.
-using GgufRowsFn = void (*)(const GgufActs& a, int kind, const uint8_t* w, long K, void* y, bool out_bf16, long N,
+// Rows [n0, n1) of y [M, N] (float, or bf16 when out_bf16); w points at row row0's K/block blocks, rows
+// contiguous (a part of a stack of kinds starts at its first row).
+using GgufRowsFn = void (*)(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
                             long n0, long n1);
-void gguf_rows_scalar(const GgufActs& a, int kind, const uint8_t* w, long K, void* y, bool out_bf16, long N,
+void gguf_rows_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
                       long n0, long n1);
-void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long K, void* y, bool out_bf16, long N,
+void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
                     long n0, long n1);
 
 // --- the portable decode of one row (the reference for the vectorized ones) -------------------------

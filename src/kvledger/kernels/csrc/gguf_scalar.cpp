@@ -19,7 +19,7 @@ inline float hsum16(const float* a) {  // the VNNI build's reduction order
 
 }  // namespace
 
-void gguf_rows_scalar(const GgufActs& a, int kind, const uint8_t* w, long K, void* y, bool out_bf16, long N,
+void gguf_rows_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
                       long n0, long n1) {
   GgufFormat f;
   if (!gguf_format(kind, &f)) return;
@@ -34,7 +34,7 @@ void gguf_rows_scalar(const GgufActs& a, int kind, const uint8_t* w, long K, voi
   float* wl = wl_v.data();
   float* mn = mn_v.data();
   for (long n = n0; n < n1; ++n) {
-    gguf_ref::decode_row(kind, f, w + n * row_bytes, K, Kp, codes, wl, mn);
+    gguf_ref::decode_row(kind, f, w + (n - row0) * row_bytes, K, Kp, codes, wl, mn);
     for (int m = 0; m < a.M; ++m) {
       const int8_t* xq = a.xq + m * Kp;
       const float* sxl = a.sxl + m * L;

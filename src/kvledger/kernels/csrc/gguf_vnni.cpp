@@ -200,7 +200,7 @@ void dot_all(const GgufActs& a, const uint8_t* codes, const float* wl, const flo
 
 }  // namespace
 
-void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long K, void* y, bool out_bf16, long N, long n0,
+void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N, long n0,
                     long n1) {
   GgufFormat f;
   if (!gguf_format(kind, &f)) return;
@@ -212,7 +212,7 @@ void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long K, void*
   wl_v.resize(Kp / 4);
   mn_v.resize(Kp / 32);
   for (long n = n0; n < n1; ++n) {
-    decode_row(kind, f, w + n * row_bytes, K, Kp, codes_v.data(), wl_v.data(), mn_v.data());
+    decode_row(kind, f, w + (n - row0) * row_bytes, K, Kp, codes_v.data(), wl_v.data(), mn_v.data());
     if (f.signed_codes) dot_all<true>(a, codes_v.data(), wl_v.data(), mn_v.data(), y, out_bf16, N, n);
     else dot_all<false>(a, codes_v.data(), wl_v.data(), mn_v.data(), y, out_bf16, N, n);
   }

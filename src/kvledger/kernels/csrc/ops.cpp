@@ -776,16 +776,40 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 }
 
 // y = x @ W.T with W [n, k] as a GGUF file's blocks (gguf_blocks.h: kind is the GGML type id), read as
-// stored: x [M, k] float32 or bf16 (rows contiguous), y [M, n] of x's dtype. The activations are
-// quantized here, once per call, to int8 per group of 32 (qlinear.h's quantize, both ISA paths the same
-// codes); output rows over the threads, each weight row decoded once for all M activation rows.
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k) {
+// stored: x [M, k] float32 or bf16 (rows contiguous), y [M, n] of x's dtype. segments (int64 [S, 2]:
+// kind, rows), where given, say W is a stack of parts of different kinds (a fused q/k/v whose v is
+// stored wider), their blocks one after another in w; kind is then ignored. The activations are
+// quantized here, once per call, to int8 per group of 32 (qlinear.h's quantize, both ISA paths the
+// same codes); output rows over the threads, each weight row decoded once for all M activation rows.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k,
+                       const c10::optional<at::Tensor>& segments) {
   check_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, "x must be [rows, ", k, "] contiguous");
-  GgufFormat f;
-  TORCH_CHECK(gguf_format(static_cast<int>(kind), &f), "GGML type ", kind, " has no kernel here");
-  TORCH_CHECK(k % f.block == 0 && n > 0, "in_features ", k, " is not whole blocks of ", f.block);
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte && w.numel() == n * (k / f.block) * f.bytes,
+  struct Part {
+    int kind;
+    int64_t r0, r1, offset, row_bytes;
+  };
+  std::vector<Part> parts;
+  int64_t rows_seen = 0, bytes_seen = 0;
+  auto add = [&](int64_t kd, int64_t rows) {
+    GgufFormat f;
+    TORCH_CHECK(gguf_format(static_cast<int>(kd), &f), "GGML type ", kd, " has no kernel here");
+    TORCH_CHECK(k % f.block == 0 && rows > 0, "in_features ", k, " is not whole blocks of ", f.block);
+    const int64_t rb = k / f.block * f.bytes;
+    parts.push_back({static_cast<int>(kd), rows_seen, rows_seen + rows, bytes_seen, rb});
+    rows_seen += rows;
+    bytes_seen += rows * rb;
+  };
+  if (segments && segments->numel() > 0) {
+    TORCH_CHECK(segments->dim() == 2 && segments->size(1) == 2 && segments->scalar_type() == at::kLong &&
+                    segments->is_contiguous(),
+                "segments must be [parts, 2] int64 (kind, rows)");
+    const int64_t* sp = segments->data_ptr<int64_t>();
+    for (int64_t s = 0; s < segments->size(0); ++s) add(sp[2 * s], sp[2 * s + 1]);
+  } else {
+    add(kind, n);
+  }
+  TORCH_CHECK(rows_seen == n && w.is_contiguous() && w.scalar_type() == at::kByte && w.numel() == bytes_seen,
               "blocks do not match [", n, ", ", k, "] of GGML type ", kind);
   const int64_t M = x.size(0), Kp = gguf_padded(k), G = k / 32, Gp = Kp / 32;
   auto out = at::empty({M, n}, x.options());
@@ -823,7 +847,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
   void* y = out.data_ptr();
   // Output rows over the threads; ~64K weights a task keeps one-row calls of small layers whole.
   kvl::parallel_for(0, n, std::max<int64_t>(1, 65536 / k), [&](int64_t n0, int64_t n1) {
-    rows(acts, static_cast<int>(kind), wp, k, y, bf16, n, n0, n1);
+    for (const Part& p : parts) {
+      const int64_t a = std::max(n0, p.r0), b = std::min(n1, p.r1);
+      if (a < b) rows(acts, p.kind, wp + p.offset, p.r0, k, y, bf16, n, a, b);
+    }
   });
   return out;
 }
@@ -863,7 +890,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 // Per layer l: qkv = W_qkv x; rotary on q and k; o = decode attention (the new K/V written first);
 // x = norm(h += W_o o); h += W_down silu(W_gate_up x), x = norm(h) with the next layer's weight (the
 // last layer adds only). The four projections of layer l are entries 4l..4l+3 of the weight lists
-// (kernels/quant.py's packing); h [B, hidden] is the residual stream, updated in place.
+// (kernels/quant.py's packing, or a GGUF file's blocks where bits < 0: gguf_linear); h [B, hidden] is the residual stream, updated in place.
 void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    const c10::List<std::optional<at::Tensor>>& wsum, at::IntArrayRef bits, at::IntArrayRef n,
                    at::TensorList in_norms, at::TensorList post_norms, at::Tensor& k_all, at::Tensor& v_all,
@@ -887,6 +914,9 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
   TORCH_CHECK(int8_rows <= 0 || (w8.size() == w.size() && w8_scale.size() == w.size() && w8_off.size() == w.size()),
               "int8_rows needs an int8 copy of every projection");
   auto proj = [&](const at::Tensor& x, int64_t j) {
+    // bits < 0: a GGUF file's blocks of GGML type -bits read as stored (kernels/quant.py's GgufWeight)
+    // (scales[j]: its parts' kinds and rows where it stacks several kinds, else empty)
+    if (bits[j] < 0) return gguf_linear(x, w[j], -bits[j], n[j], x.size(1), scales[j]);
     if (int8) return int8_linear(x, w8[j], w8_scale[j], w8_off[j], c10::nullopt);
     return quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j], amx_rows);
   };
@@ -930,7 +960,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
       "int head_stride=0) -> Tensor");
-  m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k, Tensor? segments=None) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(
