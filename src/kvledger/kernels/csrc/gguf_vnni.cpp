@@ -14,9 +14,24 @@
 namespace kvl {
 namespace {
 
-using gguf_ref::fp16;
+inline float fp16(const uint8_t* p) {  // F16C: the same value as gguf_ref::fp16, one instruction
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
 
 inline void fill8(float* p, float v) { _mm256_storeu_ps(p, _mm256_set1_ps(v)); }
+
+// The decoders write whole 64-byte chunks (codes) and 16-float lanes (wl) with one store each: the dot
+// loop reads them back at once with 512-bit loads, and a load that spans two smaller stores still in
+// flight cannot be forwarded from them (it waits for both to retire; that stall was most of a
+// one-row call).
+inline void put64(uint8_t* p, __m256i lo, __m256i hi) {
+  _mm512_storeu_si512(p, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+inline void put_wl(float* p, float d0, float d1) {
+  _mm512_storeu_ps(p, _mm512_insertf32x8(_mm512_set1_ps(d0), _mm256_set1_ps(d1), 1));
+}
 
 inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes: low nibbles then high nibbles, 32 codes
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -26,36 +41,46 @@ inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes: low nibbles then hig
 
 inline void put32(uint8_t* p, __m256i v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 
+// A 32-element kind, two blocks a chunk: blk32(block pointer) -> its 32 codes; the last odd block alone.
+template <typename F>
+void decode_pairs(const uint8_t* row, long nb, long bytes, uint8_t* codes, float* wl, const F& blk32) {
+  long b = 0;
+  for (; b + 1 < nb; b += 2) {
+    const uint8_t* p = row + b * bytes;
+    put64(codes + 32 * b, blk32(p), blk32(p + bytes));
+    put_wl(wl + 8 * b, fp16(p), fp16(p + bytes));
+  }
+  if (b < nb) {
+    const uint8_t* p = row + b * bytes;
+    put32(codes + 32 * b, blk32(p));
+    fill8(wl + 8 * b, fp16(p));
+  }
+}
+
 void decode_q4_0(const uint8_t* row, long nb, uint8_t* codes, float* wl, bool iq4nl) {
   const __m256i eight = _mm256_set1_epi8(8);
   const __m256i table = _mm256_broadcastsi128_si256(
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(gguf_ref::kIQ4NL)));
-  for (long b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 18;
+  decode_pairs(row, nb, 18, codes, wl, [&](const uint8_t* blk) {
     const __m256i q = nibbles32(blk + 2);
-    put32(codes + 32 * b, iq4nl ? _mm256_shuffle_epi8(table, q) : _mm256_sub_epi8(q, eight));
-    fill8(wl + 8 * b, fp16(blk));
-  }
+    return iq4nl ? _mm256_shuffle_epi8(table, q) : _mm256_sub_epi8(q, eight);
+  });
 }
 
 void decode_q5_0(const uint8_t* row, long nb, uint8_t* codes, float* wl) {
   const __m256i sixteen = _mm256_set1_epi8(16);
-  for (long b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 22;
+  decode_pairs(row, nb, 22, codes, wl, [&](const uint8_t* blk) {
     uint32_t qh;
     std::memcpy(&qh, blk + 2, 4);
     const __m256i hi = _mm256_and_si256(_mm256_movm_epi8(qh), sixteen);
-    put32(codes + 32 * b, _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), hi), sixteen));
-    fill8(wl + 8 * b, fp16(blk));
-  }
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles32(blk + 6), hi), sixteen);
+  });
 }
 
 void decode_q8_0(const uint8_t* row, long nb, uint8_t* codes, float* wl) {
-  for (long b = 0; b < nb; ++b) {
-    const uint8_t* blk = row + b * 34;
-    put32(codes + 32 * b, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
-    fill8(wl + 8 * b, fp16(blk));
-  }
+  decode_pairs(row, nb, 34, codes, wl, [&](const uint8_t* blk) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+  });
 }
 
 void decode_qk(int kind, const uint8_t* row, long nb, uint8_t* codes, float* wl, float* mn) {
@@ -68,6 +93,13 @@ void decode_qk(int kind, const uint8_t* row, long nb, uint8_t* codes, float* wl,
     const uint8_t* qs = blk + (q5 ? 48 : 16);
     const __m256i qh = q5 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)) : _mm256_setzero_si256();
     uint8_t* o = codes + 256 * b;
+    float sc[8];
+    for (int j = 0; j < 8; ++j) {
+      int s, m;
+      gguf_ref::scale_min_k4(j, blk + 4, &s, &m);
+      sc[j] = d * static_cast<float>(s);
+      mn[8 * b + j] = -(dmin * static_cast<float>(m));
+    }
     for (int i = 0; i < 4; ++i) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
       __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -77,24 +109,22 @@ void decode_qk(int kind, const uint8_t* row, long nb, uint8_t* codes, float* wl,
         lo = _mm256_mask_add_epi8(lo, b0, lo, sixteen);  // bit 4 is clear: the add is an or
         hi = _mm256_mask_add_epi8(hi, b1, hi, sixteen);
       }
-      put32(o + 64 * i, lo);
-      put32(o + 64 * i + 32, hi);
-    }
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      gguf_ref::scale_min_k4(j, blk + 4, &sc, &m);
-      fill8(wl + 64 * b + 8 * j, d * static_cast<float>(sc));
-      mn[8 * b + j] = -(dmin * static_cast<float>(m));
+      put64(o + 64 * i, lo, hi);
+      put_wl(wl + 64 * b + 16 * i, sc[2 * i], sc[2 * i + 1]);
     }
   }
 }
 
 void decode_q6_k(const uint8_t* row, long nb, uint8_t* codes, float* wl) {
   const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+  // lane l of chunk c (elements 64c + 4l ..) takes scale 4c + l / 4
+  const __m512i lane_quarter = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   for (long b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * 210;
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = fp16(blk + 208);
+    const __m512 sc = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)))),
+        _mm512_set1_ps(d));  // d * sc[i], exact as the portable product (one rounding each)
     uint8_t* o = codes + 256 * b;
     for (int h = 0; h < 2; ++h) {
       const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
@@ -105,13 +135,12 @@ void decode_q6_k(const uint8_t* row, long nb, uint8_t* codes, float* wl) {
       const __m256i q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(q, m30));
       const __m256i q3 =
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_and_si256(_mm256_srli_epi16(q, 2), m30));
-      put32(o + 128 * h, _mm256_sub_epi8(q0, off));
-      put32(o + 128 * h + 32, _mm256_sub_epi8(q1, off));
-      put32(o + 128 * h + 64, _mm256_sub_epi8(q2, off));
-      put32(o + 128 * h + 96, _mm256_sub_epi8(q3, off));
+      put64(o + 128 * h, _mm256_sub_epi8(q0, off), _mm256_sub_epi8(q1, off));
+      put64(o + 128 * h + 64, _mm256_sub_epi8(q2, off), _mm256_sub_epi8(q3, off));
     }
-    for (int i = 0; i < 16; ++i) {
-      _mm_storeu_ps(wl + 64 * b + 4 * i, _mm_set1_ps(d * static_cast<float>(sc[i])));
+    for (int c = 0; c < 4; ++c) {
+      const __m512i idx = _mm512_add_epi32(lane_quarter, _mm512_set1_epi32(4 * c));
+      _mm512_storeu_ps(wl + 64 * b + 16 * c, _mm512_permutexvar_ps(idx, sc));
     }
   }
 }
