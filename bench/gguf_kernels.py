@@ -37,13 +37,13 @@ def blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     return torch.from_numpy(raw.reshape(n, -1))
 
 
-def timed(fn, reps: int) -> float:
+def timed(fn, args: tuple, reps: int) -> float:
     for _ in range(10):
-        fn()
+        fn(*args)
     ts = []
     for _ in range(reps):
         t = time.perf_counter()
-        fn()
+        fn(*args)
         ts.append(time.perf_counter() - t)
     return statistics.median(ts)
 
@@ -64,13 +64,13 @@ def main() -> None:
             tid = int(gguf.GGMLQuantizationType[kind])
             for m in args.rows:
                 x = torch.randn(m, kk, dtype=torch.bfloat16)
-                t = timed(lambda: torch.ops.kvledger_cpu.gguf_linear(x, w, tid, n, kk), args.reps)
+                t = timed(torch.ops.kvledger_cpu.gguf_linear, (x, w, tid, n, kk), args.reps)
                 print(f"{'gguf ' + kind:<18}{f'{n}x{kk}':>12}{m:>6}{t * 1e6:>10.1f}{w.numel() / t / 1e9:>8.2f}")
         for bits in (4, 8):
             pw = pack(torch.randn(n, k) * 0.02, bits)
             for m in args.rows:
                 x = torch.randn(m, k, dtype=torch.bfloat16)
-                t = timed(lambda: pw(x), args.reps)
+                t = timed(pw, (x,), args.reps)
                 name = f"packed {'Q4_1' if bits == 4 else 'Q8_0'}"
                 print(f"{name:<18}{f'{n}x{k}':>12}{m:>6}{t * 1e6:>10.1f}{pw.nbytes() / t / 1e9:>8.2f}")
 
