@@ -42,11 +42,11 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{i}.{LAYER[rest]}.{parts[-1]}"
 
 
-def _kquant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
-    """Random but valid K-quant blocks (finite fp16 scales); gguf has no K-quant quantizer."""
+def _kquant_bytes(qtype, rows: int, cols: int, rng, d: float = 0.01) -> np.ndarray:
+    """Random but valid K-quant blocks (finite fp16 scales ``d``); gguf has no K-quant quantizer."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // block, nbytes), dtype=np.uint8)
-    scale = np.frombuffer(np.float16(0.01).tobytes() * 2, dtype=np.uint8)
+    scale = np.frombuffer(np.float16(d).tobytes() * 2, dtype=np.uint8)
     if qtype == gguf.GGMLQuantizationType.Q6_K:
         raw[..., -2:] = scale[:2]  # d is the block's last field
     else:
@@ -54,9 +54,12 @@ def _kquant_bytes(qtype, rows: int, cols: int, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_gguf(src_dir: str, out: str, qtype: str, arch: str = "llama") -> dict[str, np.ndarray]:
-    """Write a GGUF of the HF model in ``src_dir`` with 2-D weights as ``qtype``; returns the
-    float32 weights a correct loader must produce (HF layout)."""
+def write_gguf(
+    src_dir: str, out: str, qtype: str, arch: str = "llama", kinds: dict[str, str] | None = None, kd: float = 0.01
+) -> dict[str, np.ndarray]:
+    """Write a GGUF of the HF model in ``src_dir`` with 2-D weights as ``qtype`` (or ``kinds[part]``
+    for a name containing ``part``: a mixed file as llama-quantize's _M recipes write; K-quants
+    random with scale ``kd``); returns the float32 weights a correct loader must produce (HF layout)."""
     cfg = json.loads(Path(src_dir, "config.json").read_text())
     hf = hf_model(src_dir)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
@@ -73,7 +76,7 @@ def write_gguf(src_dir: str, out: str, qtype: str, arch: str = "llama") -> dict[
     w.add_rope_freq_base(cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0)))
     w.add_vocab_size(cfg["vocab_size"])
     w.add_eos_token_id(2)
-    qt = gguf.GGMLQuantizationType[qtype]
+    qtype0 = qtype
     rng = np.random.default_rng(0)
     expected = {}
     for name, arr in sd.items():
@@ -83,9 +86,11 @@ def write_gguf(src_dir: str, out: str, qtype: str, arch: str = "llama") -> dict[
         elif "k_proj" in name:
             arr = permute_qk(torch.from_numpy(arr), cfg["num_key_value_heads"]).numpy()
         gname = _gguf_name(name)
+        qtype = next((k for part, k in (kinds or {}).items() if part in name), qtype0)
+        qt = gguf.GGMLQuantizationType[qtype]
         if arr.ndim == 2 and qt != gguf.GGMLQuantizationType.F32:
             if qtype in ("Q4_K", "Q5_K", "Q6_K"):
-                data = _kquant_bytes(qt, *arr.shape, rng)
+                data = _kquant_bytes(qt, *arr.shape, rng, kd)
             elif qt == gguf.GGMLQuantizationType.F16:
                 data = arr.astype(np.float16)
             else:

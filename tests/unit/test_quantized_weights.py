@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from kvledger import Engine, kernels
-from kvledger.kernels.quant import PackedWeight, pack, pack_blocks
+from kvledger.kernels.quant import GgufWeight, PackedWeight, pack, pack_blocks
 from kvledger.model import LlamaModel, load_model
 from kvledger.model.linear import Linear
-from kvledger.model.quantized import BlockWeight, cat_rows, dense
+from kvledger.model.quantized import BLOCK_KINDS, BlockStack, BlockWeight, cat_rows, dense
 from kvledger.parallel.shard import shard_weights
 from tests.helpers import assert_idle_clean, build_tiny_model
+from tests.unit.test_gguf_linear import random_blocks
 from tests.unit.test_loader import write_gguf
 
 needs_kernels = pytest.mark.skipif(not kernels.load(), reason="kvledger's C++ kernels did not build here")
@@ -46,6 +47,88 @@ def test_block_selections_equal_the_same_selections_of_the_dense_weight(kind):
     assert torch.equal(cat_rows([bw, w[:8]]), torch.cat([w, w[:8]]))  # mixed: dense
     padded = bw.pad_rows(64).dequantize()
     assert torch.equal(padded[:48], w) and not padded[48:].any()
+
+
+@pytest.mark.parametrize("kind", [k for k in BLOCK_KINDS if k not in ("Q4_1", "Q8_0")])
+def test_selections_of_every_kind_are_whole_blocks_of_the_dense_weight(kind):
+    cols = 512
+    bw = BlockWeight.from_gguf(kind, random_blocks(kind, 48, cols, np.random.default_rng(4)))
+    b = bw.block
+    assert bw.shape == (48, cols) and bw.nbytes() == bw.raw.size
+    w = bw.dequantize()
+    ref = gguf.quants.dequantize(bw.raw.reshape(48, -1), gguf.GGMLQuantizationType[kind])
+    assert torch.equal(w, torch.from_numpy(ref))
+    perm = torch.randperm(48, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(bw.rows(perm).dequantize(), w[perm])
+    assert torch.equal(bw.cols(slice(b, 2 * b)).dequantize(), w[:, b : 2 * b])
+    assert bw.cols(slice(b // 2, 2 * b)) is None
+    padded = bw.pad_rows(64).dequantize()
+    assert torch.equal(padded[:48], w) and not padded[48:].any()
+    other = BlockWeight.from_gguf("Q8_0", random_blocks("Q8_0", 16, cols, np.random.default_rng(5)))
+    stack = cat_rows([bw, other])  # two kinds: kept as blocks, each in its own
+    assert isinstance(stack, BlockStack) and stack.shape == (64, cols)
+    assert torch.equal(stack.dequantize(), torch.cat([w, other.dequantize()]))
+
+
+@needs_kernels
+def test_a_kind_served_as_stored_keeps_the_files_bytes_and_no_dense_copy():
+    raw = random_blocks("Q6_K", 40, 512, np.random.default_rng(6))
+    bw = BlockWeight.from_gguf("Q6_K", raw)
+    lin = Linear(bw, None, "int4", dtype=torch.bfloat16)
+    assert isinstance(lin.qw, GgufWeight) and lin.w is None and lin.packed is None
+    assert lin.qw.w.data_ptr() == raw.ctypes.data  # a view of the file's bytes, not a copy
+    assert lin.packed_bytes() == raw.size
+    x = torch.randn(3, 512, dtype=torch.bfloat16)
+    assert torch.equal(lin(x), torch.ops.kvledger_cpu.gguf_linear(x, torch.from_numpy(raw), 14, 40, 512))
+    ids = torch.tensor([0, 39, 7, 7])
+    assert torch.equal(lin.qw.rows(ids), bw.dequantize()[ids])  # the tied embedding's lookups
+    lin.unpack()
+    assert torch.equal(lin.w, bw.dequantize().to(torch.bfloat16))
+
+
+@needs_kernels
+def test_a_fused_projection_of_mixed_kinds_runs_each_part_in_its_own_kind():
+    rng = np.random.default_rng(8)
+    parts = [BlockWeight.from_gguf(k, random_blocks(k, r, 256, rng)) for k, r in
+             (("Q5_0", 32), ("Q5_0", 16), ("Q8_0", 16), ("Q6_K", 8))]  # fmt: skip
+    fused = Linear(cat_rows(parts), None, "int4", dtype=torch.bfloat16)
+    assert isinstance(fused.qw, GgufWeight) and [k for k, _ in fused.qw.parts] == ["Q5_0", "Q5_0", "Q8_0", "Q6_K"]
+    for m in (1, 5):
+        x = torch.randn(m, 256)
+        alone = torch.cat([GgufWeight(((p.kind, p.shape[0]),), 256, torch.from_numpy(p.raw))(x) for p in parts], 1)
+        assert torch.equal(fused.qw(x), alone)
+    assert torch.equal(fused.qw.rows(), torch.cat([p.dequantize() for p in parts]))
+
+
+@needs_kernels
+def test_a_mixed_kquant_gguf_decodes_in_one_call_as_layer_by_layer(tmp_path):
+    """A Q4_K_M-like file (q/k Q5_0, v Q8_0, o and gate/up Q4_K, down Q6_K): every projection served
+    from its blocks, the one-call decode taking them (a stacked qkv included), token for token what
+    the per-layer path gives with the same kernels."""
+    src = build_tiny_model(
+        str(tmp_path / "hf"), "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64,
+    )  # fmt: skip
+    path = str(tmp_path / "tiny-mixed.gguf")
+    kinds = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "down_proj": "Q6_K", "embed": "Q8_0"}
+    write_gguf(src, path, "Q4_K", kinds=kinds, kd=0.0005)
+    eng = Engine(path, dtype="bfloat16", page_size=16, max_total_tokens=1024, strict_memory=True)
+    net = eng.core.model.net
+    lins = [m for m in net.modules() if isinstance(m, Linear)]
+    served = [m for m in lins if isinstance(m.qw, GgufWeight)]
+    # 2 layers' 4 projections and the Q4_K LM head
+    assert len(served) == 4 * 2 + 1 and all(m.w is None and m.packed is None for m in served)
+    plan = net.decode_plan
+    assert plan is not None and sum(b < 0 for b in plan.args[3]) == 8
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    prompts = [[5, 9, 33, 7], [100, 3], [17]]
+    one_call = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    assert eng.core.model.one_call_forwards > 0
+    net.__dict__["decode_plan"] = None  # the cached plan away: the per-layer path
+    layered = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    assert one_call == layered
+    assert_idle_clean(eng)
+    eng.shutdown()
 
 
 @needs_kernels

@@ -29,7 +29,7 @@ from ..common.cpus import default_threads
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "dense.cpp", "pool.cpp", "decode_step.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "gguf_scalar.cpp", "gguf_vnni.cpp", "dense.cpp", "pool.cpp", "decode_step.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried", "threads": None}
 
@@ -198,6 +198,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "from_f8")
     def _(x, dtype):
         return x.new_empty(x.shape, dtype=dtype)
+
+    @torch.library.register_fake(lib + "gguf_linear")
+    def _(x, w, kind, n, k, segments=None):
+        return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(lib + "quant_linear")
     def _(x, w, scales, wsum128, bits, n, amx_rows=0):

@@ -13,8 +13,10 @@ the error that adds is measured in tests/unit/test_quant_linear.py and docs/arch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import gguf
+import numpy as np
 import torch
 
 from . import has_amx, load, quant_isa
@@ -69,6 +71,64 @@ class PackedWeight:
         if m is not None:
             w = w + m.float()[..., None]
         return w.view(-1, k)
+
+
+GGUF_KERNEL_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
+"""The GGML types ``kvledger_cpu::gguf_linear`` reads as stored (``csrc/gguf_blocks.h``)."""
+
+
+@dataclass
+class GgufWeight:
+    """A layer served from a GGUF file's own blocks by ``kvledger_cpu::gguf_linear``: ``w`` holds the
+    blocks of every output row, uint8, rows contiguous (for one tensor, a view of the file's memory
+    map: no copy, no dequantization, no second rounding). ``parts``: ``(kind, rows)`` stacked along
+    the outputs, more than one where a fused projection's parts are stored in different kinds (a
+    Q4_K_M file's q/k in Q4_K or Q5_0 beside a v in Q6_K or Q8_0): each part runs in its own kind.
+    Shares ``PackedWeight``'s attribute names, so the one-call decode takes it as one more
+    projection: ``bits`` is minus the first part's GGML type id (``decode_layers`` dispatches on the
+    sign) and ``scales`` the parts as ``[S, 2]`` int64 (empty for one part)."""
+
+    parts: tuple[tuple[str, int], ...]
+    in_features: int
+    w: torch.Tensor
+    wsum128: None = None
+    amx_rows: int = 0  # never on AMX tiles
+    scales: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        ids = [[int(gguf.GGMLQuantizationType[kind]), rows] for kind, rows in self.parts]
+        self.scales = torch.tensor(ids if len(ids) > 1 else [], dtype=torch.int64).reshape(-1, 2)
+
+    @property
+    def out_features(self) -> int:
+        return sum(rows for _, rows in self.parts)
+
+    @property
+    def bits(self) -> int:
+        return -int(gguf.GGMLQuantizationType[self.parts[0][0]])
+
+    def nbytes(self) -> int:
+        return self.w.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvledger_cpu.gguf_linear(
+            x, self.w, -self.bits, self.out_features, self.in_features, self.scales
+        )
+
+    def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``index`` (all when None) in float32, as ``gguf.quants.dequantize`` computes them."""
+        out, start, flat = [], 0, self.w.reshape(-1)
+        for kind, rows in self.parts:
+            block, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+            size = rows * self.in_features // block * nbytes
+            raw = flat[start : start + size].numpy().reshape(rows, -1)
+            start += size
+            if len(self.parts) == 1 and index is not None:
+                raw, index = raw[index.reshape(-1).numpy()], None  # only the rows asked for
+            w = gguf.quants.dequantize(np.ascontiguousarray(raw), gguf.GGMLQuantizationType[kind])
+            out.append(torch.from_numpy(np.asarray(w, dtype=np.float32)).reshape(-1, self.in_features))
+        w = torch.cat(out) if len(out) > 1 else out[0]
+        return w if index is None else w[index.reshape(-1)]
 
 
 def packable(w: torch.Tensor) -> bool:

@@ -3,7 +3,9 @@
 Where kvledger's CPU kernels load, the copy is its own (``kernels/quant.py``: GGUF's Q4_1 / Q8_0
 blocks, int8 activations per block of 32, VNNI dot products) and serves every call: one row is bound
 by streaming the weights (int4 reads a quarter of bf16's bytes), and from 16 rows up the integer dot
-products still beat the prepacked bf16 GEMM 1.2-1.5x on this CPU. Without the kernels, torch's
+products still beat the prepacked bf16 GEMM 1.2-1.5x on this CPU. A GGUF matrix of another kind the
+kernels read (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, or a fused stack of kinds) is served as the
+file stores it (``kernels/quant.GgufWeight``, ``gguf_linear``). Without the kernels, torch's
 ``_weight_int8pack_mm`` (int8, per-output-channel scales) and ``_weight_int4pack_mm_for_cpu`` (int4
 in groups of 32, a bf16 scale and zero per group) serve calls of up to ``small_rows`` rows, where
 they are 2-4x faster than bf16; the bf16 GEMM wins from ~8 rows up, so those modes keep both copies
@@ -16,13 +18,26 @@ from Q4_1 recovers the file's own codes: no error beyond rounding ``d`` and ``m`
 
 from __future__ import annotations
 
+import warnings
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
-from ..kernels.quant import GROUP, Int8Weight, PackedWeight, int8_linear, pack, pack_blocks, q4_1
-from .quantized import BlockWeight, Weight, dense
+from ..kernels.quant import (
+    GGUF_KERNEL_KINDS,
+    GROUP,
+    GgufWeight,
+    Int8Weight,
+    PackedWeight,
+    int8_linear,
+    pack,
+    pack_blocks,
+    q4_1,
+)
+from .quantized import PACKED_BITS, BlockStack, BlockWeight, Weight, dense
 
 QUANTIZATIONS = (None, "int8", "int4")
 INT4_GROUP = GROUP  # GGUF Q4_1 blocks: the same groups on both int4 paths
@@ -110,7 +125,9 @@ class Linear(nn.Module):
     the int8 linear (``quant.Int8Weight``) instead (per-token int8 activations).
 
     ``w`` is the weight as loaded: a float tensor, or a GGUF file's blocks (``BlockWeight``), which
-    the kernel packs as they are when their format is the mode's (Q4_1 for int4, Q8_0 for int8).
+    the kernel packs as they are when their format is the mode's (Q4_1 for int4, Q8_0 for int8);
+    blocks of the other kinds ``gguf_linear`` reads (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL) are
+    served as stored in either mode (``GgufWeight``: the file's bytes, no copy, no re-quantization).
     A dense copy in ``dtype`` on ``device`` (default: ``w``'s own; float32 for blocks) is kept only
     where a call can read it: not when kvledger's kernel serves every call (``unpack`` makes one
     for ``torch.compile``). With ``amx`` (``use_amx``), a layer the kernel serves also keeps a
@@ -133,7 +150,7 @@ class Linear(nn.Module):
         super().__init__()
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-        blocks = isinstance(w, BlockWeight)
+        blocks = isinstance(w, (BlockWeight, BlockStack))
         self.dtype = dtype or (torch.float32 if blocks else w.dtype)
         self.device = torch.device(device or ("cpu" if blocks else w.device))
         self.out_features, self.in_features = w.shape
@@ -152,7 +169,7 @@ class Linear(nn.Module):
         if deterministic:
             prepack, int8_batch, amx = False, False, False
         # kvledger's VNNI kernel where it loads and the shape has whole blocks; torch's kernels otherwise
-        self.qw: PackedWeight | None = None
+        self.qw: PackedWeight | GgufWeight | None = None
         self.w8: Int8Weight | None = None  # int8_batch_rows rows and more: the int8 linear
         if quantization is not None and self.device.type == "cpu" and kernels.load():
             self.qw = _pack(w, 4 if quantization == "int4" else 8)
@@ -190,7 +207,7 @@ class Linear(nn.Module):
         # A gated MLP's gate_up with the AMX copy: its gate and up halves apart (``split_gated``).
         self.gated: tuple[torch.Tensor, torch.Tensor] | None = None
         if amx and self.qw is not None:
-            if kernels.has_amx():
+            if kernels.has_amx() and isinstance(self.qw, PackedWeight):
                 self.qw.amx_rows = AMX_TILE_ROWS
             # The values the kernel computes with (the file's Q4_1/Q8_0 blocks, dequantized exactly),
             # so both paths share the weights and differ only in the kernel's int8 activations.
@@ -336,9 +353,20 @@ def place_packed_weights(net: nn.Module) -> int:
     return off
 
 
-def _pack(w: Weight, bits: int) -> PackedWeight | None:
-    """The kernel's copy of ``w``: a file's blocks of the same format packed as they are (its own codes
-    and scales), anything else quantized first."""
+def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
+    """The kernel's copy of ``w``: a file's blocks of a kind ``gguf_linear`` reads other than Q4_1/Q8_0,
+    and any stack of kinds, as they are (a view where they are contiguous, as the loader's are);
+    Q4_1/Q8_0 blocks of the mode's width packed as they are (their own codes and scales); anything
+    else quantized first."""
+    if isinstance(w, BlockStack) and all(p.kind in GGUF_KERNEL_KINDS for p in w.parts):
+        flat = np.concatenate([p.raw.reshape(-1) for p in w.parts])  # one copy, as a fused tensor's
+        return GgufWeight(tuple((p.kind, p.shape[0]) for p in w.parts), w.shape[1], torch.from_numpy(flat))
+    if isinstance(w, BlockWeight) and w.kind not in PACKED_BITS and w.kind in GGUF_KERNEL_KINDS:
+        raw = np.ascontiguousarray(w.raw)
+        with warnings.catch_warnings():  # the memory map is read-only; the kernel only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            blocks = torch.from_numpy(raw)
+        return GgufWeight(((w.kind, w.shape[0]),), w.shape[1], blocks)
     if isinstance(w, BlockWeight) and w.bits == bits:
         return pack_blocks(*w.codes(), bits=bits)
     return pack(dense(w), bits)

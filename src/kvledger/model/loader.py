@@ -1,8 +1,10 @@
 """Load weights, config and tokenizer from a GGUF file or a Hugging Face directory.
 
 Weights come out in Hugging Face naming (``model.layers.0.self_attn.q_proj.weight`` ...): float32
-tensors, except a GGUF's Q4_1 and Q8_0 matrices, which stay the file's blocks (``quantized.BlockWeight``,
-views of the memory map) for the model to pack as they are or dequantize. The model class fuses and
+tensors, except a GGUF's quantized matrices of the kinds kvledger's kernels read (``quantized.FORMATS``:
+Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_NL), which stay the file's blocks
+(``quantized.BlockWeight``, views of the memory map) for the model to serve as stored, pack, or
+dequantize. The model class fuses and
 casts them. A GGUF is read through its family (``models/``): its table of llama.cpp's tensor names,
 its metadata keys and the converter's transforms it undoes (``gguf_map.py``); llama.cpp's stacked
 3-D expert tensors come out as one matrix per expert (blocks kept; the MoE layer dequantizes them at
@@ -289,8 +291,8 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
 
 
 def _weight(kind: str, data: np.ndarray) -> Weight:
-    """A Q4_1/Q8_0 matrix as the file's blocks (a view, not copied); anything else dequantized to a
-    float32 tensor (a writable copy)."""
+    """A matrix of a kind the kernels read as the file's blocks (a view, not copied); anything else
+    (F16, BF16, the other i-quants ...) dequantized to a float32 tensor (a writable copy)."""
     if kind in BLOCK_KINDS and data.ndim == 2:
         return BlockWeight.from_gguf(kind, data)
     arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])

@@ -156,6 +156,8 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
   // 2: gate_up, 3: down}.
   auto proj = [&](const at::Tensor& x, int64_t j) {
     if (!dense.empty()) return op_dense_linear(x, dense[j]);
+    // bits < 0: a GGUF file's blocks of GGML type -bits read as stored (scales[j]: its segments)
+    if (bits[j] < 0) return op_gguf_linear(x, w[j], -bits[j], n[j], scales[j]);
     if (int8) return op_int8_linear(x, w8[j], w8_scale[j], w8_off[j]);
     return op_quant_linear(x, w[j], scales[j], wsum.get(j), bits[j], n[j], amx_rows);
   };

@@ -53,6 +53,10 @@ at::Tensor op_decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Ten
                                const at::Tensor& v_new, const at::Tensor& out_loc, int64_t window);
 at::Tensor op_quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                            const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t amx_rows);
+// A GGUF file's blocks of GGML type `kind` read as stored; `segments` (may be empty) lists the parts'
+// kinds and rows where a fused projection stacks several kinds (kernels/quant.py's GgufWeight).
+at::Tensor op_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n,
+                          const at::Tensor& segments);
 at::Tensor op_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& woff);
 at::Tensor op_dense_linear(const at::Tensor& x, const at::Tensor& w);
 

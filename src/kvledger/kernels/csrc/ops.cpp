@@ -19,6 +19,7 @@
 
 #include "decode_step.h"
 #include "flash.h"
+#include "gguf_blocks.h"
 #include "kernels.h"
 #include "pool.h"
 #include "qlinear.h"
@@ -786,6 +787,86 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
   return out;
 }
 
+// y = x @ W.T with W [n, k] as a GGUF file's blocks (gguf_blocks.h: kind is the GGML type id), read as
+// stored: x [M, k] float32 or bf16 (rows contiguous), y [M, n] of x's dtype. segments (int64 [S, 2]:
+// kind, rows), where given, say W is a stack of parts of different kinds (a fused q/k/v whose v is
+// stored wider), their blocks one after another in w; kind is then ignored. The activations are
+// quantized here, once per call, to int8 per group of 32 (qlinear.h's quantize, both ISA paths the
+// same codes); output rows over the threads, each weight row decoded once for all M activation rows.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k,
+                       const c10::optional<at::Tensor>& segments) {
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, "x must be [rows, ", k, "] contiguous");
+  struct Part {
+    int kind;
+    int64_t r0, r1, offset, row_bytes;
+  };
+  std::vector<Part> parts;
+  int64_t rows_seen = 0, bytes_seen = 0;
+  auto add = [&](int64_t kd, int64_t rows) {
+    GgufFormat f;
+    TORCH_CHECK(gguf_format(static_cast<int>(kd), &f), "GGML type ", kd, " has no kernel here");
+    TORCH_CHECK(k % f.block == 0 && rows > 0, "in_features ", k, " is not whole blocks of ", f.block);
+    const int64_t rb = k / f.block * f.bytes;
+    parts.push_back({static_cast<int>(kd), rows_seen, rows_seen + rows, bytes_seen, rb});
+    rows_seen += rows;
+    bytes_seen += rows * rb;
+  };
+  if (segments && segments->numel() > 0) {
+    TORCH_CHECK(segments->dim() == 2 && segments->size(1) == 2 && segments->scalar_type() == at::kLong &&
+                    segments->is_contiguous(),
+                "segments must be [parts, 2] int64 (kind, rows)");
+    const int64_t* sp = segments->data_ptr<int64_t>();
+    for (int64_t s = 0; s < segments->size(0); ++s) add(sp[2 * s], sp[2 * s + 1]);
+  } else {
+    add(kind, n);
+  }
+  TORCH_CHECK(rows_seen == n && w.is_contiguous() && w.scalar_type() == at::kByte && w.numel() == bytes_seen,
+              "blocks do not match [", n, ", ", k, "] of GGML type ", kind);
+  const int64_t M = x.size(0), Kp = gguf_padded(k), G = k / 32, Gp = Kp / 32;
+  auto out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+  static const QuantKernels scalar = quant_scalar();
+#if defined(__x86_64__) || defined(_M_X64)
+  static const QuantKernels vnni = quant_vnni();
+  const QuantKernels& qk = kVnni ? vnni : scalar;
+  const GgufRowsFn rows = kVnni ? &gguf_rows_vnni : &gguf_rows_scalar;
+#else
+  const QuantKernels& qk = scalar;
+  const GgufRowsFn rows = &gguf_rows_scalar;
+#endif
+  const auto xq = scratch_of<int8_t>(M * Kp);
+  const auto xu = scratch_of<uint8_t>(M * Kp);
+  const auto sx = scratch_of<float>(M * Gp), xsum = scratch_of<float>(M * Gp);
+  const auto sxl = scratch_of<float>(M * Kp / 4);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t esz = bf16 ? 2 : 4;
+  kvl::parallel_for(0, M, std::max<int64_t>(1, 16384 / k), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const char* xm = static_cast<const char*>(x.data_ptr()) + m * k * esz;
+      qk.quantize(xm, bf16, xq.get() + m * Kp, xu.get() + m * Kp, sx.get() + m * Gp, xsum.get() + m * Gp, 0, G);
+      for (int64_t g = G; g < Gp; ++g) {  // the padding: zero codes, scales and sums
+        std::memset(xq.get() + m * Kp + 32 * g, 0, 32);
+        std::memset(xu.get() + m * Kp + 32 * g, 128, 32);
+        sx[m * Gp + g] = 0.f;
+        xsum[m * Gp + g] = 0.f;
+      }
+      for (int64_t l = 0; l < Kp / 4; ++l) sxl[m * Kp / 4 + l] = sx[m * Gp + l / 8];
+    }
+  });
+  const GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), static_cast<int>(M), Kp};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  void* y = out.data_ptr();
+  // Output rows over the threads; ~64K weights a task keeps one-row calls of small layers whole.
+  kvl::parallel_for(0, n, std::max<int64_t>(1, 65536 / k), [&](int64_t n0, int64_t n1) {
+    for (const Part& p : parts) {
+      const int64_t a = std::max(n0, p.r0), b = std::min(n1, p.r1);
+      if (a < b) rows(acts, p.kind, wp + p.offset, p.r0, k, y, bf16, n, a, b);
+    }
+  });
+  return out;
+}
+
 // y = x @ w.T (+ bias) for an unquantized layer under --enable-deterministic-inference: x [M, K] and w
 // [N, K] (as loaded, rows contiguous) of one dtype, float32 or bf16; y [M, N] of that dtype. Each output
 // is one order of sums whatever M (dense.cpp), split over the threads by outputs, never by rows or K.
@@ -842,6 +923,11 @@ at::Tensor op_quant_linear(const at::Tensor& x, const at::Tensor& w, const at::T
                            const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t amx_rows) {
   return quant_linear(x, w, scales, wsum128, bits, n, amx_rows);
 }
+at::Tensor op_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n,
+                          const at::Tensor& segments) {
+  // an empty segments tensor: one kind for the whole weight (the one-call plan passes a tensor always)
+  return gguf_linear(x, w, kind, n, x.size(1), segments.numel() ? c10::optional<at::Tensor>(segments) : c10::nullopt);
+}
 at::Tensor op_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& woff) {
   return int8_linear(x, w, w_scale, woff, c10::nullopt);
 }
@@ -858,6 +944,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
       "int head_stride=0, int window=0) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k, Tensor? segments=None) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(
@@ -892,6 +979,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("rope_", &kvl::rope_);
   m.impl("decode_attention", &kvl::decode_attention);
   m.impl("quant_linear", &kvl::quant_linear);
+  m.impl("gguf_linear", &kvl::gguf_linear);
   m.impl("extend_attention_", &kvl::extend_attention);
   m.impl("flash_attention_", &kvl::flash_attention);
   m.impl("decode_layers", &kvl::decode_layers);

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm import Comm
-from ...kernels.quant import PackedWeight
+from ...kernels.quant import GgufWeight, PackedWeight
 from ..linear import Linear
 
 
@@ -18,11 +18,11 @@ class VocabEmbedding(nn.Module):
     partial lookups are all-reduced. ``scale``: multiply the result (Gemma: sqrt(hidden))."""
 
     def __init__(
-        self, table: torch.Tensor | PackedWeight, dtype: torch.dtype, comm: Comm, scale: float | None = None
+        self, table: torch.Tensor | PackedWeight | GgufWeight, dtype: torch.dtype, comm: Comm, scale: float | None = None
     ):
         super().__init__()
-        packed = isinstance(table, PackedWeight)
-        self.weight: torch.Tensor | PackedWeight = (
+        packed = isinstance(table, (PackedWeight, GgufWeight))
+        self.weight: torch.Tensor | PackedWeight | GgufWeight = (
             table if packed else nn.Parameter(table, requires_grad=False)
         )
         self.dtype = dtype
@@ -32,13 +32,13 @@ class VocabEmbedding(nn.Module):
         self.scale = scale
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, PackedWeight):
+        if isinstance(self.weight, (PackedWeight, GgufWeight)):
             return self.weight.rows(ids).to(self.dtype)
         return F.embedding(ids, self.weight)
 
     def densify(self, device: torch.device) -> None:
         """A dense table in place of packed blocks (``torch.compile`` traces ``F.embedding``)."""
-        if isinstance(self.weight, PackedWeight):
+        if isinstance(self.weight, (PackedWeight, GgufWeight)):
             self.weight = nn.Parameter(
                 self.weight.rows().to(device=device, dtype=self.dtype), requires_grad=False
             )

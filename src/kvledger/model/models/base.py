@@ -18,6 +18,7 @@ from torch import nn
 
 from ...comm import Comm
 from ...errors import ModelLoadError
+from ...kernels.quant import GgufWeight
 from ..config import ModelConfig
 from ..gguf_map import DECODER, GGUFMeta
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
@@ -124,8 +125,11 @@ class Builder:
         tied = lm_head is None or cfg.tie_word_embeddings
         lm_mode = "int8" if self.quantization == "int4" else self.quantization
         lm = self.lin(raw_embed if tied else lm_head, mode=lm_mode)
-        shared = (
-            tied and isinstance(raw_embed, BlockWeight) and raw_embed.kind == "Q8_0" and lm.qw is not None
+        shared = (  # the head's copy holds the file's values: Q8_0 packed as is, or any kind served as stored
+            tied
+            and isinstance(raw_embed, BlockWeight)
+            and lm.qw is not None
+            and (raw_embed.kind == "Q8_0" or isinstance(lm.qw, GgufWeight))
         )
         table = lm.qw if shared else self.cast(raw_embed)
         return (

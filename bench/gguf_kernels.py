@@ -1,0 +1,79 @@
+"""GGUF-block linear (``kvledger_cpu::gguf_linear``) per kind against the packed Q4_1 / Q8_0 kernel
+(``quant_linear``): median time a call and weight bytes read per second, at a few row counts.
+
+    python bench/gguf_kernels.py [--rows 1 8] [--reps 300]
+
+Shapes are ``N x K`` (outputs x inputs): 2048 x 640 and 640 x 2048 (Gemma 3 270M's MLP); the
+K-quants need K a multiple of 256, so their first shape is 2048 x 768. Random blocks with valid scales.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import gguf
+import numpy as np
+import torch
+
+from kvledger import kernels
+from kvledger.kernels.quant import pack
+
+KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]
+
+
+def blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    qt = gguf.GGMLQuantizationType[kind]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    d = np.float16(0.001).tobytes()
+    if kind == "Q6_K":
+        raw[..., 208:210] = np.frombuffer(d, np.uint8)
+    else:
+        raw[..., 0:2] = np.frombuffer(d, np.uint8)
+        if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"):
+            raw[..., 2:4] = np.frombuffer(d, np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def timed(fn, args: tuple, reps: int) -> float:
+    for _ in range(10):
+        fn(*args)
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(*args)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=300)
+    args = ap.parse_args()
+    assert kernels.load(), kernels.status()
+    print(f"quant isa {kernels.quant_isa()}, threads {torch.get_num_threads()}")
+    rng = np.random.default_rng(0)
+    print(f"{'kernel':<18}{'N x K':>12}{'rows':>6}{'us':>10}{'GB/s':>8}")
+    for n, k in ((2048, 640), (640, 2048)):
+        for kind in KINDS:
+            kk = 768 if k == 640 and kind.endswith("_K") else k
+            w = blocks(kind, n, kk, rng)
+            tid = int(gguf.GGMLQuantizationType[kind])
+            for m in args.rows:
+                x = torch.randn(m, kk, dtype=torch.bfloat16)
+                t = timed(torch.ops.kvledger_cpu.gguf_linear, (x, w, tid, n, kk), args.reps)
+                print(f"{'gguf ' + kind:<18}{f'{n}x{kk}':>12}{m:>6}{t * 1e6:>10.1f}{w.numel() / t / 1e9:>8.2f}")
+        for bits in (4, 8):
+            pw = pack(torch.randn(n, k) * 0.02, bits)
+            for m in args.rows:
+                x = torch.randn(m, k, dtype=torch.bfloat16)
+                t = timed(pw, (x,), args.reps)
+                name = f"packed {'Q4_1' if bits == 4 else 'Q8_0'}"
+                print(f"{name:<18}{f'{n}x{k}':>12}{m:>6}{t * 1e6:>10.1f}{pw.nbytes() / t / 1e9:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
