@@ -10,7 +10,7 @@ dots and float32 sums. Hence, per output,
 
 ``A`` is the activations' rounding (it dominates: about 1% of the output's scale); ``F`` covers the
 float32 sums and gguf's own float32 rounding of ``d * sc * q``: the longest chain of additions into one
-float is the tiles' path's (calls of ``kGgufTileRows`` = 5 rows and more: one fused multiply-add per
+float is the tiles' path's (calls of ``kGgufTileRows`` = 8 rows and more: one fused multiply-add per
 unit of 32 inputs, 16 for Q6_K, and one per group for the mins, so K / 16 at most), each term with the
 product of the two scales rounded once more; the rows' path has K / 64 a lane, K / 512 for the mins and
 a 4-level tree. ``A`` is a worst case
@@ -124,7 +124,7 @@ def test_bf16_activations_and_output(kind):
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
 def test_the_tiles_path_and_the_rows_path_agree_and_tile_rows_0_keeps_rows_alone(kind):
-    """From 5 rows the tiles' path (another order of sums of the same products): within twice ``F`` of
+    """From 8 rows the tiles' path (another order of sums of the same products): within twice ``F`` of
     the rows' path's result; with ``tile_rows=0`` a row's output is the same bits alone or in a batch."""
     rng = np.random.default_rng(5)
     n, k = (70, 512) if KINDS[kind][0] == 256 else (70, 160)  # tiles of 32, 16 and a part one

@@ -93,7 +93,7 @@ def test_a_fused_projection_of_mixed_kinds_runs_each_part_in_its_own_kind():
              (("Q5_0", 32), ("Q5_0", 16), ("Q8_0", 16), ("Q6_K", 8))]  # fmt: skip
     fused = Linear(cat_rows(parts), None, "int4", dtype=torch.bfloat16)
     assert isinstance(fused.qw, GgufWeight) and [k for k, _ in fused.qw.parts] == ["Q5_0", "Q5_0", "Q8_0", "Q6_K"]
-    for m in (1, 5):
+    for m in (1, 5, 9):  # 9: gguf_linear's tiles' path (a tile never spans two parts)
         x = torch.randn(m, 256)
         alone = torch.cat([GgufWeight(((p.kind, p.shape[0]),), 256, torch.from_numpy(p.raw))(x) for p in parts], 1)
         assert torch.equal(fused.qw(x), alone)

@@ -90,7 +90,7 @@ void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, lo
 // then acc = fma(float(D), scale_u * sx_g, acc), and for the unsigned kinds acc = fma(mn_g, xsum_g, acc)
 // after each group; y = acc (no horizontal sums). Both builds the same sums in the same order: equal
 // bit for bit, as the rows' path; the two paths differ from each other in float rounding only.
-constexpr int kGgufTileRows = 5;
+constexpr int kGgufTileRows = 8;  // at 5-7 rows the two paths are within noise of each other (bench/RESULTS.md)
 constexpr int kGgufTile = 32;  // weight rows a tile: two blocks of 16 outputs share each broadcast
 void gguf_tiles_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16,
                        long N, long n0, long n1);
