@@ -101,6 +101,21 @@ def test_a_fused_projection_of_mixed_kinds_runs_each_part_in_its_own_kind():
 
 
 @needs_kernels
+def test_deterministic_gguf_blocks_keep_a_rows_output_whatever_the_batch():
+    """--enable-deterministic-inference: ``tile_rows=0`` (the rows' path at any batch), so a row's output
+    is the same bits alone and among 9; by default 9 rows take the tiles' path (another float order)."""
+    rng = np.random.default_rng(9)
+    bw = BlockWeight.from_gguf("Q4_K", random_blocks("Q4_K", 48, 512, rng))
+    det = Linear(bw, None, "int4", dtype=torch.bfloat16, deterministic=True)
+    plain = Linear(bw, None, "int4", dtype=torch.bfloat16)
+    assert isinstance(det.qw, GgufWeight) and det.qw.tile_rows == 0 and plain.qw.tile_rows == -1
+    x = torch.randn(9, 512)
+    alone = torch.cat([det.qw(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(det.qw(x), alone)
+    assert not torch.equal(plain.qw(x), alone)
+
+
+@needs_kernels
 def test_a_mixed_kquant_gguf_decodes_in_one_call_as_layer_by_layer(tmp_path):
     """A Q4_K_M-like file (q/k Q5_0, v Q8_0, o and gate/up Q4_K, down Q6_K): every projection served
     from its blocks, the one-call decode taking them (a stacked qkv included), token for token what
