@@ -1,7 +1,10 @@
 """GGUF-block linear (``kvledger_cpu::gguf_linear``) per kind against the packed Q4_1 / Q8_0 kernel
-(``quant_linear``): median time a call and weight bytes read per second, at a few row counts.
+(``quant_linear``): median time a call and weight bytes read per second, at a few row counts. Each
+GGUF row is timed twice in the same run: ``rows`` is the rows' path (``tile_rows=0``: each weight row
+decoded once, up to 8 activation rows dot it; main's kernel before the tiles), ``tiles`` the default
+dispatch (the tiles' path from ``kGgufTileRows`` rows; at fewer rows it is the rows' path again).
 
-    python bench/gguf_kernels.py [--rows 1 8] [--reps 300]
+    python bench/gguf_kernels.py [--rows 1 8 32 256] [--reps 300]
 
 Shapes are ``N x K`` (outputs x inputs): 2048 x 640 and 640 x 2048 (Gemma 3 270M's MLP); the
 K-quants need K a multiple of 256, so their first shape is 2048 x 768. Random blocks with valid scales.
@@ -50,13 +53,13 @@ def timed(fn, args: tuple, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 256])
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args()
     assert kernels.load(), kernels.status()
     print(f"quant isa {kernels.quant_isa()}, threads {torch.get_num_threads()}")
     rng = np.random.default_rng(0)
-    print(f"{'kernel':<18}{'N x K':>12}{'rows':>6}{'us':>10}{'GB/s':>8}")
+    print(f"{'kernel':<18}{'N x K':>12}{'rows':>6}{'us rows':>10}{'GB/s':>8}{'us tiles':>10}{'GB/s':>8}")
     for n, k in ((2048, 640), (640, 2048)):
         for kind in KINDS:
             kk = 768 if k == 640 and kind.endswith("_K") else k
@@ -64,15 +67,21 @@ def main() -> None:
             tid = int(gguf.GGMLQuantizationType[kind])
             for m in args.rows:
                 x = torch.randn(m, kk, dtype=torch.bfloat16)
-                t = timed(torch.ops.kvledger_cpu.gguf_linear, (x, w, tid, n, kk), args.reps)
-                print(f"{'gguf ' + kind:<18}{f'{n}x{kk}':>12}{m:>6}{t * 1e6:>10.1f}{w.numel() / t / 1e9:>8.2f}")
+                reps = max(20, args.reps * 8 // max(m, 8))
+                f = torch.ops.kvledger_cpu.gguf_linear
+                t0 = timed(f, (x, w, tid, n, kk, None, 0), reps)
+                t1 = timed(f, (x, w, tid, n, kk), reps)
+                print(
+                    f"{'gguf ' + kind:<18}{f'{n}x{kk}':>12}{m:>6}{t0 * 1e6:>10.1f}{w.numel() / t0 / 1e9:>8.2f}"
+                    f"{t1 * 1e6:>10.1f}{w.numel() / t1 / 1e9:>8.2f}"
+                )
         for bits in (4, 8):
             pw = pack(torch.randn(n, k) * 0.02, bits)
             for m in args.rows:
                 x = torch.randn(m, k, dtype=torch.bfloat16)
-                t = timed(pw, (x,), args.reps)
+                t = timed(pw, (x,), max(20, args.reps * 8 // max(m, 8)))
                 name = f"packed {'Q4_1' if bits == 4 else 'Q8_0'}"
-                print(f"{name:<18}{f'{n}x{k}':>12}{m:>6}{t * 1e6:>10.1f}{pw.nbytes() / t / 1e9:>8.2f}")
+                print(f"{name:<18}{f'{n}x{k}':>12}{m:>6}{'':>18}{t * 1e6:>10.1f}{pw.nbytes() / t / 1e9:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,14 @@ round to nearest), so each element is off by at most ``sx / 2``; everything afte
 dots and float32 sums. Hence, per output,
 
     |y - x @ W.T| <= A + F,   A = sum_g (sx_g / 2) * sum_{k in g} |W[n, k]|,
-                              F = (K / 64 + K / 512 + 8) * 2**-24 * sum_k |W[n, k]| * (|x_k| + sx_g / 2)
+                              F = (K / 16 + 8) * 2**-24 * sum_k |W[n, k]| * (|x_k| + sx_g / 2)
 
 ``A`` is the activations' rounding (it dominates: about 1% of the output's scale); ``F`` covers the
-float32 sums (one fused multiply-add a lane per 64 inputs, the mins' 16 lanes, the final tree, the
-product of the two scales) and gguf's own float32 rounding of ``d * sc * q``. ``A`` is a worst case
+float32 sums and gguf's own float32 rounding of ``d * sc * q``: the longest chain of additions into one
+float is the tiles' path's (calls of ``kGgufTileRows`` = 8 rows and more: one fused multiply-add per
+unit of 32 inputs, 16 for Q6_K, and one per group for the mins, so K / 16 at most), each term with the
+product of the two scales rounded once more; the rows' path has K / 64 a lane, K / 512 for the mins and
+a 4-level tree. ``A`` is a worst case
 (10-35% of the mean |y| on these shapes); the errors seen are 0.4-2.5% of it, so the tests also hold the
 mean error under 5% of the mean |y|: a wrong byte, nibble or scale puts errors of the output's own size
 on most rows.
@@ -70,7 +73,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     half = (xg.abs().amax(-1) / 127 / 2)  # [M, G]: sx / 2
     wa = w.abs().view(w.shape[0], -1, 32)  # [N, G, 32]
     a = half @ wa.sum(-1).T
-    f = (k / 64 + k / 512 + 8) * 2.0**-24 * ((xg.abs() + half[..., None]).view(m, k) @ w.abs().T)
+    f = (k / 16 + 8) * 2.0**-24 * ((xg.abs() + half[..., None]).view(m, k) @ w.abs().T)
     return a + f
 
 
@@ -117,6 +120,25 @@ def test_bf16_activations_and_output(kind):
     assert y.dtype == torch.bfloat16
     ref = x.double() @ w.T
     assert ((y.double() - ref).abs() <= bound(x.float(), w) * (1 + 2**-8) + ref.abs() * 2**-8).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"])
+def test_the_tiles_path_and_the_rows_path_agree_and_tile_rows_0_keeps_rows_alone(kind):
+    """From 8 rows the tiles' path (another order of sums of the same products): within twice ``F`` of
+    the rows' path's result; with ``tile_rows=0`` a row's output is the same bits alone or in a batch."""
+    rng = np.random.default_rng(5)
+    n, k = (70, 512) if KINDS[kind][0] == 256 else (70, 160)  # tiles of 32, 16 and a part one
+    raw = torch.from_numpy(random_blocks(kind, n, k, rng))
+    tid = int(gguf.GGMLQuantizationType[kind])
+    x = torch.randn(9, k)
+    tiled = torch.ops.kvledger_cpu.gguf_linear(x, raw, tid, n, k)
+    rowwise = torch.ops.kvledger_cpu.gguf_linear(x, raw, tid, n, k, None, 0)
+    alone = torch.cat([torch.ops.kvledger_cpu.gguf_linear(x[i : i + 1], raw, tid, n, k) for i in range(9)])
+    assert torch.equal(rowwise, alone)
+    assert not torch.equal(tiled, rowwise)  # the tiles' path did run
+    w = dequantized(kind, raw.numpy())
+    scale = x.double().abs() @ w.abs().T
+    assert ((tiled.double() - rowwise.double()).abs() <= 2 * (k / 16 + 8) * 2.0**-24 * scale * 1.01).all()
 
 
 def test_rejects_blocks_that_do_not_match():

@@ -93,11 +93,26 @@ def test_a_fused_projection_of_mixed_kinds_runs_each_part_in_its_own_kind():
              (("Q5_0", 32), ("Q5_0", 16), ("Q8_0", 16), ("Q6_K", 8))]  # fmt: skip
     fused = Linear(cat_rows(parts), None, "int4", dtype=torch.bfloat16)
     assert isinstance(fused.qw, GgufWeight) and [k for k, _ in fused.qw.parts] == ["Q5_0", "Q5_0", "Q8_0", "Q6_K"]
-    for m in (1, 5):
+    for m in (1, 5, 9):  # 9: gguf_linear's tiles' path (a tile never spans two parts)
         x = torch.randn(m, 256)
         alone = torch.cat([GgufWeight(((p.kind, p.shape[0]),), 256, torch.from_numpy(p.raw))(x) for p in parts], 1)
         assert torch.equal(fused.qw(x), alone)
     assert torch.equal(fused.qw.rows(), torch.cat([p.dequantize() for p in parts]))
+
+
+@needs_kernels
+def test_deterministic_gguf_blocks_keep_a_rows_output_whatever_the_batch():
+    """--enable-deterministic-inference: ``tile_rows=0`` (the rows' path at any batch), so a row's output
+    is the same bits alone and among 9; by default 9 rows take the tiles' path (another float order)."""
+    rng = np.random.default_rng(9)
+    bw = BlockWeight.from_gguf("Q4_K", random_blocks("Q4_K", 48, 512, rng))
+    det = Linear(bw, None, "int4", dtype=torch.bfloat16, deterministic=True)
+    plain = Linear(bw, None, "int4", dtype=torch.bfloat16)
+    assert isinstance(det.qw, GgufWeight) and det.qw.tile_rows == 0 and plain.qw.tile_rows == -1
+    x = torch.randn(9, 512)
+    alone = torch.cat([det.qw(x[i : i + 1]) for i in range(9)])
+    assert torch.equal(det.qw(x), alone)
+    assert not torch.equal(plain.qw(x), alone)
 
 
 @needs_kernels

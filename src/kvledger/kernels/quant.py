@@ -93,6 +93,9 @@ class GgufWeight:
     w: torch.Tensor
     wsum128: None = None
     amx_rows: int = 0  # never on AMX tiles
+    # Calls of this many rows and more take the kernel's tiles' path (-1: its default, 0: never, one
+    # order of sums a row whatever the batch: deterministic inference).
+    tile_rows: int = -1
     scales: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -112,7 +115,7 @@ class GgufWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvledger_cpu.gguf_linear(
-            x, self.w, -self.bits, self.out_features, self.in_features, self.scales
+            x, self.w, -self.bits, self.out_features, self.in_features, self.scales, self.tile_rows
         )
 
     def rows(self, index: torch.Tensor | None = None) -> torch.Tensor:

@@ -173,6 +173,8 @@ class Linear(nn.Module):
         self.w8: Int8Weight | None = None  # int8_batch_rows rows and more: the int8 linear
         if quantization is not None and self.device.type == "cpu" and kernels.load():
             self.qw = _pack(w, 4 if quantization == "int4" else 8)
+            if deterministic and isinstance(self.qw, GgufWeight):
+                self.qw.tile_rows = 0  # the rows' path at any batch: one order of sums a row
             self.w8 = int8_linear(dense(w)) if self.qw is not None and int8_batch else None
         # read here, so a test may lower them for the layers it builds
         self.int8_batch_rows = INT8_VNNI_ROWS if self.w8 is not None and self.w8.vnni else INT8_BATCH_ROWS

@@ -67,6 +67,7 @@ struct GgufActs {
   const uint8_t* xu;   // [M, Kp] xq + 128 (signed kinds: vpdpbusd takes the activations unsigned)
   const float* sxl;    // [M, Kp/4] the scale of each lane's group
   const float* xsum;   // [M, Kp/32] sx * the integer sum of the group's xq
+  const float* sx;     // [M, Kp/32] the group scales (the tiles' path reads them once a group)
   int M;
   long Kp;
 };
@@ -79,6 +80,23 @@ void gguf_rows_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, 
                       long n0, long n1);
 void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
                     long n0, long n1);
+
+// Calls of kGgufTileRows activation rows and more (unless the caller asks for one order of sums per
+// row whatever the batch) take the tiles' path: weight rows in tiles of kGgufTile, each decoded from
+// its blocks into the packed kernel's interleaved layout (qlinear.h: per 4 inputs, 64 bytes = 16 rows x
+// 4 codes) in a per-thread buffer, then every activation row passes over the tile with one output a
+// lane: per scale unit u (S = 32 inputs; Q6_K's sub-blocks of 16) the exact integer dot D of the unit
+// (vpdpbusd over broadcast activations; signed kinds start at -128 * the codes' sum, as xu = xq + 128),
+// then acc = fma(float(D), scale_u * sx_g, acc), and for the unsigned kinds acc = fma(mn_g, xsum_g, acc)
+// after each group; y = acc (no horizontal sums). Both builds the same sums in the same order: equal
+// bit for bit, as the rows' path; the two paths differ from each other in float rounding only.
+constexpr int kGgufTileRows = 8;  // at 5-7 rows the two paths are within noise of each other (bench/RESULTS.md)
+constexpr int kGgufTile = 32;  // weight rows a tile: two blocks of 16 outputs share each broadcast
+void gguf_tiles_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16,
+                       long N, long n0, long n1);
+void gguf_tiles_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
+                     long n0, long n1);
+inline int gguf_unit(int kind) { return kind == kQ6_K ? 16 : 32; }  // inputs a scale unit
 
 // --- the portable decode of one row (the reference for the vectorized ones) -------------------------
 namespace gguf_ref {

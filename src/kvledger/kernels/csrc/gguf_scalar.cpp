@@ -62,4 +62,38 @@ void gguf_rows_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, 
   }
 }
 
+// The tiles' sums (gguf_blocks.h) one output at a time: per scale unit the exact integer dot, one fused
+// multiply-add, and the group's min after it (unsigned kinds).
+void gguf_tiles_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16,
+                       long N, long n0, long n1) {
+  GgufFormat f;
+  if (!gguf_format(kind, &f)) return;
+  const long Kp = a.Kp, Gp = Kp / 32, S = gguf_unit(kind);
+  const long row_bytes = K / f.block * f.bytes;
+  thread_local std::vector<uint8_t> codes_v;
+  thread_local std::vector<float> wl_v, mn_v;
+  codes_v.resize(Kp);
+  wl_v.resize(Kp / 4);
+  mn_v.resize(Gp);
+  const uint8_t* codes = codes_v.data();
+  for (long n = n0; n < n1; ++n) {
+    gguf_ref::decode_row(kind, f, w + (n - row0) * row_bytes, K, Kp, codes_v.data(), wl_v.data(), mn_v.data());
+    for (int m = 0; m < a.M; ++m) {
+      const int8_t* xq = a.xq + m * Kp;
+      float acc = 0.f;
+      for (long u = 0; u < K / S; ++u) {
+        int32_t dot = 0;
+        for (long e = u * S; e < (u + 1) * S; ++e) {
+          dot += (f.signed_codes ? static_cast<int8_t>(codes[e]) : codes[e]) * xq[e];
+        }
+        const long g = u * S / 32;
+        acc = std::fma(static_cast<float>(dot), wl_v[u * S / 4] * a.sx[m * Gp + g], acc);
+        if (!f.signed_codes) acc = std::fma(mn_v[g], a.xsum[m * Gp + g], acc);
+      }
+      if (out_bf16) static_cast<uint16_t*>(y)[m * N + n] = f_to_bf16(acc);
+      else static_cast<float*>(y)[m * N + n] = acc;
+    }
+  }
+}
+
 }  // namespace kvl

@@ -6,6 +6,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "gguf_blocks.h"
@@ -227,6 +228,186 @@ void dot_all(const GgufActs& a, const uint8_t* codes, const float* wl, const flo
   }
 }
 
+
+// --- the tiles' path (gguf_blocks.h): 16 weight rows a block in the packed kernel's layout -------------
+
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 16 registers of 16 dwords, rows to columns: r[i] lane j -> r[j] lane i (unpacks within 128-bit lanes,
+// then a 4 x 4 transpose of the 128-bit lanes).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + k], 128-bit lane q: column 4q + k of rows 4i .. 4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    t[8 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// One tile's decode: rows row-decoded (decode_row above, into L1), then per block of 16 rows the codes
+// [Kp/4][16][4], the unit scales [U][16], the group mins [G][16] (unsigned kinds) and -128 * each
+// unit's code sum [U][16] (signed kinds).
+struct TileBuf {
+  std::vector<uint8_t> rows;  // [16][Kp]
+  std::vector<float> wl, mn;  // [16][Kp/4], [16][Kp/32]
+  std::vector<uint8_t> codes;  // [2][Kp/4][64]
+  std::vector<float> scale, mins;  // [2][Kp/16][16], [2][Kp/32][16]
+  std::vector<int32_t> corr;  // [2][Kp/16][16]
+  void size(long Kp) {
+    rows.resize(16 * Kp);
+    wl.resize(16 * Kp / 4);
+    mn.resize(16 * Kp / 32);
+    codes.resize(2 * Kp * 16);
+    scale.resize(2 * Kp);
+    mins.resize(2 * Kp / 2);
+    corr.resize(2 * Kp);
+  }
+};
+
+void decode_block(int kind, const GgufFormat& f, const uint8_t* w, long K, long Kp, long rows, TileBuf& t, int b) {
+  const long L = Kp / 4, Gp = Kp / 32, S = gguf_unit(kind), U = K / S, row_bytes = K / f.block * f.bytes;
+  for (long i = 0; i < 16; ++i) {
+    if (i < rows) {
+      decode_row(kind, f, w + i * row_bytes, K, Kp, t.rows.data() + i * Kp, t.wl.data() + i * L, t.mn.data() + i * Gp);
+    } else {  // past the part's last row: zero codes, scales and mins (their lanes are not stored)
+      std::memset(t.rows.data() + i * Kp, 0, Kp);
+      std::memset(t.wl.data() + i * L, 0, L * sizeof(float));
+      std::memset(t.mn.data() + i * Gp, 0, Gp * sizeof(float));
+    }
+  }
+  uint8_t* codes = t.codes.data() + b * Kp * 16;
+  for (long c = 0; c < Kp / 64; ++c) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(t.rows.data() + i * Kp + 64 * c);
+    transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_storeu_si512(codes + (16 * c + j) * 64, r[j]);
+  }
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i wl_idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(L)));
+  float* scale = t.scale.data() + b * Kp;
+  for (long u = 0; u < U; ++u) {
+    _mm512_storeu_ps(scale + 16 * u, _mm512_i32gather_ps(wl_idx, t.wl.data() + u * S / 4, 4));
+  }
+  if (f.signed_codes) {
+    int32_t* corr = t.corr.data() + b * Kp;
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (long u = 0; u < U; ++u) {
+      __m512i sum = _mm512_setzero_si512();
+      for (long k4 = u * S / 4; k4 < (u + 1) * S / 4; ++k4) {
+        sum = _mm512_dpbusd_epi32(sum, ones, _mm512_loadu_si512(codes + 64 * k4));
+      }
+      _mm512_storeu_si512(corr + 16 * u, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+    }
+  } else {
+    const __m512i mn_idx = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int>(Gp)));
+    float* mins = t.mins.data() + b * Kp / 2;
+    for (long g = 0; g < K / 32; ++g) _mm512_storeu_ps(mins + 16 * g, _mm512_i32gather_ps(mn_idx, t.mn.data() + g, 4));
+  }
+}
+
+inline void store_lanes(void* y, bool bf16, long i, __m512 v, __mmask16 k) {
+  if (!bf16) {
+    _mm512_mask_storeu_ps(static_cast<float*>(y) + i, k, v);
+    return;
+  }
+  // round to nearest even, NaN kept NaN: f_to_bf16's bits
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+// Activation rows [m0, m0 + MR) x NB blocks of 16 weight rows (outputs n ..): MR * NB int32 and float
+// accumulators; per 4 inputs NB weight loads and MR broadcasts.
+template <int MR, int NB, bool SIGNED, int S>
+void tile_dot(const GgufActs& a, long K, int m0, const TileBuf& t, void* y, bool bf16, long N, long n, long rows) {
+  const long Kp = a.Kp, Gp = Kp / 32, U = K / S;
+  const uint8_t* X = SIGNED ? a.xu : reinterpret_cast<const uint8_t*>(a.xq);
+  __m512 acc[NB][MR];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < MR; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (long u = 0; u < U; ++u) {
+    __m512i d[NB][MR];
+    for (int b = 0; b < NB; ++b) {
+      const __m512i init = SIGNED ? _mm512_loadu_si512(t.corr.data() + b * Kp + 16 * u) : _mm512_setzero_si512();
+      for (int r = 0; r < MR; ++r) d[b][r] = init;
+    }
+#pragma GCC unroll 8
+    for (int k4 = 0; k4 < S / 4; ++k4) {
+      const long e = u * S + 4 * k4;
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_si512(t.codes.data() + b * Kp * 16 + e * 16);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xb = bcast4(X + (m0 + r) * Kp + e);
+        for (int b = 0; b < NB; ++b) {
+          d[b][r] = SIGNED ? _mm512_dpbusd_epi32(d[b][r], xb, wv[b]) : _mm512_dpbusd_epi32(d[b][r], wv[b], xb);
+        }
+      }
+    }
+    const long g = u * S / 32;
+    __m512 sc[NB];
+    for (int b = 0; b < NB; ++b) sc[b] = _mm512_loadu_ps(t.scale.data() + b * Kp + 16 * u);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 sxb = _mm512_set1_ps(a.sx[(m0 + r) * Gp + g]);
+      for (int b = 0; b < NB; ++b) {
+        acc[b][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[b][r]), _mm512_mul_ps(sc[b], sxb), acc[b][r]);
+      }
+    }
+    if constexpr (!SIGNED) {
+      __m512 mv[NB];
+      for (int b = 0; b < NB; ++b) mv[b] = _mm512_loadu_ps(t.mins.data() + b * Kp / 2 + 16 * g);
+      for (int r = 0; r < MR; ++r) {
+        const __m512 xs = _mm512_set1_ps(a.xsum[(m0 + r) * Gp + g]);
+        for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(mv[b], xs, acc[b][r]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const long valid = std::min<long>(16, rows - 16 * b);
+    const __mmask16 k = valid >= 16 ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < MR; ++r) store_lanes(y, bf16, (m0 + r) * N + n + 16 * b, acc[b][r], k);
+  }
+}
+
+template <int NB, bool SIGNED, int S>
+void tile_all(const GgufActs& a, long K, const TileBuf& t, void* y, bool bf16, long N, long n, long rows) {
+  for (int m0 = 0; m0 < a.M; m0 += 4) {
+    switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
+      case 4: tile_dot<4, NB, SIGNED, S>(a, K, m0, t, y, bf16, N, n, rows); break;
+      case 3: tile_dot<3, NB, SIGNED, S>(a, K, m0, t, y, bf16, N, n, rows); break;
+      case 2: tile_dot<2, NB, SIGNED, S>(a, K, m0, t, y, bf16, N, n, rows); break;
+      default: tile_dot<1, NB, SIGNED, S>(a, K, m0, t, y, bf16, N, n, rows);
+    }
+  }
+}
+
+template <bool SIGNED, int S>
+void tile_run(const GgufActs& a, long K, const TileBuf& t, void* y, bool bf16, long N, long n, long rows) {
+  if (rows > 16) tile_all<2, SIGNED, S>(a, K, t, y, bf16, N, n, rows);
+  else tile_all<1, SIGNED, S>(a, K, t, y, bf16, N, n, rows);
+}
+
 }  // namespace
 
 void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N, long n0,
@@ -244,6 +425,24 @@ void gguf_rows_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, lo
     decode_row(kind, f, w + (n - row0) * row_bytes, K, Kp, codes_v.data(), wl_v.data(), mn_v.data());
     if (f.signed_codes) dot_all<true>(a, codes_v.data(), wl_v.data(), mn_v.data(), y, out_bf16, N, n);
     else dot_all<false>(a, codes_v.data(), wl_v.data(), mn_v.data(), y, out_bf16, N, n);
+  }
+}
+
+void gguf_tiles_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
+                     long n0, long n1) {
+  GgufFormat f;
+  if (!gguf_format(kind, &f)) return;
+  const long row_bytes = K / f.block * f.bytes;
+  thread_local TileBuf t;
+  t.size(a.Kp);
+  for (long n = n0; n < n1; n += kGgufTile) {
+    const long rows = std::min<long>(kGgufTile, n1 - n);
+    for (int b = 0; 16 * b < rows; ++b) {
+      decode_block(kind, f, w + (n + 16 * b - row0) * row_bytes, K, a.Kp, std::min<long>(16, rows - 16 * b), t, b);
+    }
+    if (!f.signed_codes) tile_run<false, 32>(a, K, t, y, out_bf16, N, n, rows);
+    else if (gguf_unit(kind) == 16) tile_run<true, 16>(a, K, t, y, out_bf16, N, n, rows);
+    else tile_run<true, 32>(a, K, t, y, out_bf16, N, n, rows);
   }
 }
 

@@ -793,8 +793,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tens
 // stored wider), their blocks one after another in w; kind is then ignored. The activations are
 // quantized here, once per call, to int8 per group of 32 (qlinear.h's quantize, both ISA paths the
 // same codes); output rows over the threads, each weight row decoded once for all M activation rows.
+// tile_rows: calls of that many rows and more take the tiles' path (gguf_blocks.h: 32 weight rows at a
+// time in the packed kernel's layout, one output a lane); -1: kGgufTileRows; 0: never (one order of sums
+// a row whatever the batch: --enable-deterministic-inference).
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n, int64_t k,
-                       const c10::optional<at::Tensor>& segments) {
+                       const c10::optional<at::Tensor>& segments, int64_t tile_rows) {
   check_float(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == k, "x must be [rows, ", k, "] contiguous");
   struct Part {
@@ -831,9 +834,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
   static const QuantKernels vnni = quant_vnni();
   const QuantKernels& qk = kVnni ? vnni : scalar;
   const GgufRowsFn rows = kVnni ? &gguf_rows_vnni : &gguf_rows_scalar;
+  const GgufRowsFn tiles = kVnni ? &gguf_tiles_vnni : &gguf_tiles_scalar;
 #else
   const QuantKernels& qk = scalar;
   const GgufRowsFn rows = &gguf_rows_scalar;
+  const GgufRowsFn tiles = &gguf_tiles_scalar;
 #endif
   const auto xq = scratch_of<int8_t>(M * Kp);
   const auto xu = scratch_of<uint8_t>(M * Kp);
@@ -854,9 +859,24 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
       for (int64_t l = 0; l < Kp / 4; ++l) sxl[m * Kp / 4 + l] = sx[m * Gp + l / 8];
     }
   });
-  const GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), static_cast<int>(M), Kp};
+  const GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), sx.get(), static_cast<int>(M), Kp};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   void* y = out.data_ptr();
+  if (tile_rows != 0 && M >= (tile_rows < 0 ? kGgufTileRows : tile_rows)) {
+    // Tiles of kGgufTile rows within each part (a tile is one kind), over the threads.
+    std::vector<std::pair<size_t, int64_t>> work;  // (part, first row)
+    for (size_t i = 0; i < parts.size(); ++i) {
+      for (int64_t r = parts[i].r0; r < parts[i].r1; r += kGgufTile) work.emplace_back(i, r);
+    }
+    kvl::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const Part& p = parts[work[t].first];
+        const int64_t a = work[t].second;
+        tiles(acts, p.kind, wp + p.offset, p.r0, k, y, bf16, n, a, std::min<int64_t>(a + kGgufTile, p.r1));
+      }
+    });
+    return out;
+  }
   // Output rows over the threads; ~64K weights a task keeps one-row calls of small layers whole.
   kvl::parallel_for(0, n, std::max<int64_t>(1, 65536 / k), [&](int64_t n0, int64_t n1) {
     for (const Part& p : parts) {
@@ -926,7 +946,8 @@ at::Tensor op_quant_linear(const at::Tensor& x, const at::Tensor& w, const at::T
 at::Tensor op_gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t n,
                           const at::Tensor& segments) {
   // an empty segments tensor: one kind for the whole weight (the one-call plan passes a tensor always)
-  return gguf_linear(x, w, kind, n, x.size(1), segments.numel() ? c10::optional<at::Tensor>(segments) : c10::nullopt);
+  return gguf_linear(x, w, kind, n, x.size(1), segments.numel() ? c10::optional<at::Tensor>(segments) : c10::nullopt,
+                     -1);
 }
 at::Tensor op_int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& woff) {
   return int8_linear(x, w, w_scale, woff, c10::nullopt);
@@ -944,7 +965,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "decode_attention(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor req_to_token, Tensor rows, "
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
       "int head_stride=0, int window=0) -> Tensor");
-  m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k, Tensor? segments=None) -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k, Tensor? segments=None, int tile_rows=-1) -> Tensor");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(

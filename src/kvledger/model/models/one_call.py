@@ -98,7 +98,7 @@ class OneCallDecode:
     def decode_plan(self) -> DecodePlan | None:
         """What ``kvledger_cpu::decode_layers`` takes, built once; None where some layer has no
         description, a projection is not the kernel's packed one (or, under deterministic inference,
-        a dense weight on the dense kernel) or has a bias, the attention soft-caps or has sinks, on
+        a dense weight on the dense kernel, or GGUF blocks: their batches take another order of sums) or has a bias, the attention soft-caps or has sinks, on
         more than one rank, or without the kernels (the Python loop then runs). Projections and
         weights are not replaced after construction (``Linear.unpack`` only touches the bf16 copy)."""
         if not self.fused or self.comm.size > 1 or self.attention_sinks() is not None:
@@ -120,6 +120,8 @@ class OneCallDecode:
                 return None
             dense = [p.w for p in projs]
         qw = [p.qw for p in projs] if not dense else []
+        if any(getattr(q, "tile_rows", -1) == 0 for q in qw):
+            return None  # deterministic GGUF blocks: the eager calls keep one order of sums a row
         norms = [t for _, n in descs for t in n.slots()]
         desc = [v for d, _ in descs for v in d.fields()]
         args = (
