@@ -13,7 +13,8 @@ from pydantic import ValidationError as PydanticValidationError
 from ..errors import KVLedgerError, ValidationError
 from .auth import current_principal
 from .generation import GenState
-from .openai_api import ChatJob, OpenAIServing, split_calls
+from .openai_api import ChatJob, OpenAIServing
+from .openai_format import split_calls
 from .protocol import ChatRequest, ResponsesRequest
 from .responses import (
     OutputBuilder,
