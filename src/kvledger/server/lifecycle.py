@@ -24,8 +24,8 @@ from .engine_client import EngineClient
 from .generation import GenerationService
 from .openai_api import OpenAIServing
 from .pooling_api import PoolingServing
-from .responses import ResponseStore
 from .responses_api import ResponsesServing
+from .responses_store import ResponseStore
 from .session_journal import SessionJournal
 from .session_store import SessionStore
 from .state import ServerState
