@@ -26,7 +26,8 @@ from .openai_stream import StreamWriter, first_events, pump
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
 from .reasoning import ReasoningParser
 from .tool_grammar import tool_call_grammar
-from .tools import ToolParser, check_tools, make_parser, render_messages
+from .tool_requests import check_tools, render_messages
+from .tools import ToolParser, make_parser
 
 
 @dataclass
