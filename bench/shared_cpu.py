@@ -27,6 +27,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -66,13 +67,24 @@ class Server:
     kind: str  # "kvledger" or "llama"
     port: int = 0
     proc: subprocess.Popen | None = None
+    log: object = None  # the server's output file
     runs: dict = field(default_factory=dict)  # (streams, neighbour) -> [tok/s]
 
     def start(self) -> None:
         self.port = free_port()
         argv = [a.replace("{port}", str(self.port)) for a in self.argv]
-        self.proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_up(f"http://127.0.0.1:{self.port}/health", self.proc)
+        # the server's output goes to a file, so a start that fails says why
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (open while the server runs)
+            prefix=f"shared_cpu-{self.label}-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(argv, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            wait_up(f"http://127.0.0.1:{self.port}/health", self.proc)
+        except RuntimeError as e:
+            tail = Path(self.log.name).read_text(errors="replace").splitlines()[-20:]
+            raise RuntimeError(
+                f"{self.label}: {e}; its output ({self.log.name}) ends:\n" + "\n".join(tail)
+            ) from None
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -85,15 +97,27 @@ class Server:
     def one(self, prompt: list[int], tokens: int, deadline: float) -> int:
         """One streamed request; the tokens received by ``deadline``."""
         if self.kind == "llama":
-            body = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "cache_prompt": False}
+            body = {
+                "prompt": prompt,
+                "n_predict": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "cache_prompt": False,
+            }
             path = "/completion"
         else:
-            body = {"input_ids": prompt, "stream": True,
-                    "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+            body = {
+                "input_ids": prompt,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+            }
             path = "/generate"
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         got = 0
         with urllib.request.urlopen(req, timeout=600) as r:
             for line in r:
@@ -186,8 +210,23 @@ def main() -> None:
     systems = args.system or [f"kvledger={ROOT / 'src'}"]
     servers = [kvledger_server(*s.split("=", 1), args) for s in systems]
     if args.llama_server:
-        argv = [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1", "--port", "{port}", "-t", "2", "-tb", "2",
-                "-np", str(max(streams)), "-c", str(max(streams) * 512)]
+        argv = [
+            args.llama_server,
+            "-m",
+            args.gguf,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "{port}",
+            "-t",
+            "2",
+            "-tb",
+            "2",
+            "-np",
+            str(max(streams)),
+            "-c",
+            str(max(streams) * 512),
+        ]
         servers.append(Server("llama-server", argv, dict(os.environ), "llama"))
     try:
         for s in servers:
@@ -202,7 +241,10 @@ def main() -> None:
                         for n in streams:
                             v = s.measure(n, args.tokens, args.cap_s, seed=rnd)
                             s.runs.setdefault((n, nb), []).append(v)
-                            print(f"round {rnd} {nb:7s} {s.label:12s} {n:2d} streams: {v:7.1f} tok/s", flush=True)
+                            print(
+                                f"round {rnd} {nb:7s} {s.label:12s} {n:2d} streams: {v:7.1f} tok/s",
+                                flush=True,
+                            )
                 finally:
                     if p:
                         p.kill()
@@ -216,10 +258,12 @@ def main() -> None:
         with open("/proc/cpuinfo") as f:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
         with open(ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write(f"\n### bench/shared_cpu.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-                    f"{len(os.sched_getaffinity(0))} cores of {cpu}, dp_size {args.dp_size}, tp_size {args.tp_size}, "
-                    f"{args.extra or 'default flags'}, {args.rounds} rounds\n\n"
-                    f"{out}\n")
+            f.write(
+                f"\n### bench/shared_cpu.py, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+                f"{len(os.sched_getaffinity(0))} cores of {cpu}, dp_size {args.dp_size}, tp_size {args.tp_size}, "
+                f"{args.extra or 'default flags'}, {args.rounds} rounds\n\n"
+                f"{out}\n"
+            )
 
 
 if __name__ == "__main__":

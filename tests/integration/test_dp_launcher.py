@@ -68,6 +68,18 @@ def test_dp_size_starts_replicas_behind_the_router(chat_model, tmp_path):
             assert r.choices[0].text is not None
         gained = [served(u) for u in replicas]
         assert sum(gained) >= 6 and min(gained) > 0, gained
+        # The router's Prometheus exporter is this deployment's (--port + N + 2) and on loopback only:
+        # by default it takes 0.0.0.0:29000, open to the network, and a second launcher's router dies.
+        metrics = httpx.get(f"http://127.0.0.1:{port + 4}/metrics", timeout=10)
+        assert metrics.status_code == 200 and "# TYPE" in metrics.text, metrics.text[:200]
+        pids = {proc.pid} | {ch.pid for ch in children}
+        listens = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids
+        }
+        assert ("127.0.0.1", port + 4) in listens, listens
+        assert all(ip == "127.0.0.1" for ip, p in listens if p != port), listens  # only the front on --host
         # Kill one replica outright: the router marks it down and serves on with the other.
         victim = httpx.get(replicas[0] + "/get_server_info", timeout=10).json()["server_pid"]
         os.kill(victim, signal.SIGKILL)

@@ -154,3 +154,24 @@ def test_the_portable_path_is_bit_identical(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     for (kind, w, x), y in zip(cases, torch.load(tmp_path / "out.pt")):
         assert torch.equal(run(kind, w.numpy(), x), y), kind
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0", "Q4_K"])
+def test_head_argmax_on_blocks_as_stored(kind):
+    """A head the file keeps in its own kind (Q4_K_M files put ``output.weight`` in Q6_K): ``head_argmax``
+    picks what ``max(dim).indices`` picks on ``gguf_linear``'s logits, over the first ``valid`` outputs,
+    the vocabulary in chunks of 4,096 (three here, the last partial; n not a multiple of 16)."""
+    rng = np.random.default_rng(5)
+    n, k = 9003, 256
+    raw = random_blocks(kind, n, k, rng)
+    w = torch.from_numpy(raw)
+    kid = int(gguf.GGMLQuantizationType[kind])
+    empty = torch.empty(0, 2, dtype=torch.int64)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, k).to(dtype)
+        logits = run(kind, raw, x).float()
+        for valid in (n, 8195, 17):
+            got = torch.ops.kvledger_cpu.head_argmax(x, w, empty, None, -kid, n, valid)
+            assert torch.equal(got, logits[:, :valid].max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="GGUF blocks do not match"):
+        torch.ops.kvledger_cpu.head_argmax(x, w[:-1], empty, None, -kid, n, n)

@@ -126,7 +126,12 @@ def test_a_mixed_kquant_gguf_decodes_in_one_call_as_layer_by_layer(tmp_path):
     assert eng.core.model.one_call_forwards > 0
     net.__dict__["decode_plan"] = None  # the cached plan away: the per-layer path
     layered = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
-    assert one_call == layered
+    assert one_call == layered and [len(o) for o in one_call] == [10, 10, 10]  # no request failed
+    # the Q4_K head served greedy rows in C++ (head_argmax on its blocks): the logits path's tokens
+    assert net.lm_head.greedy_in_kernel(1)
+    net.lm_head.greedy_in_kernel = lambda rows: False
+    logits = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    assert logits == one_call
     assert_idle_clean(eng)
     eng.shutdown()
 

@@ -72,7 +72,7 @@ class LaunchSettings:
 
     dp_size: int = setting(
         1,
-        "start this many replicas (ports --port+1..) behind SGLang's router (--port+N+1) and a session "
+        "start this many replicas (ports --port+1..) behind SGLang's router (--port+N+1, its metrics --port+N+2) and a session "
         "front on --port",
         flags=("--dp-size", "--data-parallel-size"),
     )

@@ -2,7 +2,8 @@
 
 Each replica is a whole ``kvledger serve`` process (its own engine, pools and books) on 127.0.0.1 at
 ``--port + 1 .. --port + N``. SGLang's router (``sglang-router``, the ``router`` extra) listens on
-127.0.0.1 at ``--port + N + 1`` with ``--router-policy`` (cache-aware by default) and health-checks
+127.0.0.1 at ``--port + N + 1`` (its Prometheus exporter at ``--port + N + 2``, loopback too) with
+``--router-policy`` (cache-aware by default) and health-checks
 them; the session front (``dp_front.py``, a thread of this process) listens on ``--host:--port``: it
 passes everything to the router except sessions, which the router cannot route (it keeps each
 session's turns on the replica that opened it). The CPU's cores are shared out between the replicas
@@ -52,8 +53,8 @@ def port_free(port: int) -> bool:
 
 
 def check_dp(dp_size: int, port: int, policy: str) -> list[int]:
-    """The replicas' ports and last the router's, after the checks that need nothing started (a bad
-    flag: exit 2)."""
+    """The replicas' ports, then the router's and its metrics exporter's, after the checks that need
+    nothing started (a bad flag: exit 2)."""
     if dp_size < 2:
         raise ValidationError("--dp-size must be >= 2 to start replicas", param="dp_size")
     if policy not in ROUTER_POLICIES:
@@ -65,7 +66,9 @@ def check_dp(dp_size: int, port: int, policy: str) -> list[int]:
             "--dp-size runs SGLang's router: pip install 'kvledger[router]' (sglang-router)",
             param="dp_size",
         ) from None
-    ports = [port + 1 + i for i in range(dp_size + 1)]
+    # the replicas, the router, and the router's Prometheus exporter (loopback: by default it would
+    # listen on 0.0.0.0:29000, open to the network and taken by a second launcher on the same host)
+    ports = [port + 1 + i for i in range(dp_size + 2)]
     busy = [p for p in ports if not port_free(p)]
     if busy:
         raise ValidationError(f"--dp-size {dp_size} needs ports {ports}; in use: {busy}", param="port")
@@ -184,7 +187,7 @@ def serve_dp(
     """Start the replicas, the router and the front; tend the replicas until a signal; stop them all
     (exit status). ``session_journal`` is the directory under which each replica keeps its sessions
     (a temporary one, removed at the end, by default)."""
-    *ports, router_port = check_dp(dp_size, port, policy)
+    *ports, router_port, router_metrics_port = check_dp(dp_size, port, policy)
     if num_threads is None:
         # The cores this process may run on (its affinity, not the machine's), shared out: replicas
         # that oversubscribe them stall each other's compute threads. Not pinned to cores: beside
@@ -211,7 +214,7 @@ def serve_dp(
         _wait_healthy([r.proc for r in replicas], urls, timeout=600)
         up[:] = [True] * dp_size
         router_url = f"http://127.0.0.1:{router_port}"
-        router = _start_router(router_port, urls, policy, api_key)
+        router = _start_router(router_port, router_metrics_port, urls, policy, api_key)
         _wait_router(router, router_url, api_key)  # (assigned first: the finally stops it if it never answers)
         # The front is the public origin: it refuses cross-site requests itself (the replicas see the
         # front's address as Host, so it drops Origin once checked).
@@ -240,10 +243,14 @@ def serve_dp(
             signal.signal(s, h)
 
 
-def _start_router(router_port: int, urls: list[str], policy: str, api_key: list[str] | None) -> subprocess.Popen:
-    """SGLang's router over the replicas, on loopback (started; the caller waits for it to answer)."""
+def _start_router(
+    router_port: int, metrics_port: int, urls: list[str], policy: str, api_key: list[str] | None
+) -> subprocess.Popen:
+    """SGLang's router over the replicas, on loopback, its Prometheus exporter too (started; the
+    caller waits for it to answer)."""
     cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
            "--port", str(router_port), "--worker-urls", *urls, "--policy", policy,
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
            "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1"]  # fmt: skip
     if api_key:  # the key of the router's own calls to the replicas (health, loads, flush)
         cmd += ["--api-key", api_key[0]]

@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "gguf_blocks.h"
 #include "kernels.h"
 
 namespace kvl {
@@ -211,24 +212,38 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                        const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t valid) {
   constexpr int64_t kHeadChunk = 4096;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be [rows, in_features] contiguous");
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(valid > 0 && valid <= n && n % 16 == 0, "valid outputs must be in (0, n], n a multiple of 16");
+  // bits 4 / 8: kernels/quant.py's packed layout; bits < 0: a GGUF file's blocks of GGML type -bits
+  // as stored, one kind (a head the file keeps in Q6_K, as Q4_K_M files do)
+  const bool gguf = bits < 0;
+  TORCH_CHECK(bits == 4 || bits == 8 || (gguf && scales.numel() == 0), "bits must be 4, 8, or a GGUF kind's -type");
+  TORCH_CHECK(valid > 0 && valid <= n && (gguf || n % 16 == 0), "valid outputs must be in (0, n], n a multiple of 16");
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
-  TORCH_CHECK(K % 32 == 0 && w.is_contiguous() && scales.is_contiguous() && w.numel() * (bits == 4 ? 2 : 1) == n * K,
+  GgufFormat f{};
+  TORCH_CHECK(!gguf || (gguf_format(static_cast<int>(-bits), &f) && K % f.block == 0), "GGML type ", -bits,
+              " is not read here, or ", K, " inputs are not whole blocks");
+  TORCH_CHECK(gguf || (K % 32 == 0 && w.is_contiguous() && scales.is_contiguous() &&
+                       w.numel() * (bits == 4 ? 2 : 1) == n * K),
               "packed weights do not match [", n, ", ", K, "]");
-  const int64_t w_row = bits == 4 ? K / 2 : K, s_row = G * (bits == 4 ? 2 : 1);
+  TORCH_CHECK(!gguf || (w.is_contiguous() && w.numel() == n * (K / f.block) * f.bytes), "GGUF blocks do not match [",
+              n, ", ", K, "]");
+  const int64_t w_row = gguf ? K / f.block * f.bytes : (bits == 4 ? K / 2 : K), s_row = G * (bits == 4 ? 2 : 1);
   const at::Tensor wf = w.view({-1}), sf = scales.view({-1});
   c10::optional<at::Tensor> zf;
   if (wsum128) zf = wsum128->view({-1});
+  // outputs [c0, c0 + c) for every row: the head's own kernel on that slice of its rows
+  auto logits = [&](int64_t c0, int64_t c) {
+    const at::Tensor wc = wf.narrow(0, c0 * w_row, c * w_row);
+    if (gguf) return op_gguf_linear(x, wc, -bits, c, scales);
+    c10::optional<at::Tensor> z;
+    if (zf) z = zf->narrow(0, c0 * G, c * G);
+    return op_quant_linear(x, wc, sf.narrow(0, c0 * s_row, c * s_row), z, bits, c, 0);
+  };
   std::vector<float> best(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
   auto idx = at::zeros({M}, at::kLong);
   int64_t* ip = idx.data_ptr<int64_t>();
   for (int64_t c0 = 0; c0 < valid; c0 += kHeadChunk) {
     const int64_t c = std::min(kHeadChunk, n - c0), use = std::min(c, valid - c0);
-    c10::optional<at::Tensor> z;
-    if (zf) z = zf->narrow(0, c0 * G, c * G);
-    const at::Tensor y = op_quant_linear(x, wf.narrow(0, c0 * w_row, c * w_row), sf.narrow(0, c0 * s_row, c * s_row),
-                                         z, bits, c, 0);
+    const at::Tensor y = logits(c0, c);
     by_dtype(y, [&](auto tag) {
       using T = decltype(tag);
       const T* yp = reinterpret_cast<const T*>(y.data_ptr());

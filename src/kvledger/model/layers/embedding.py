@@ -69,12 +69,14 @@ class LMHead(nn.Module):
 
     def greedy_in_kernel(self, rows: int) -> bool:
         """Whether ``greedy`` serves ``rows`` rows: the kernels' packed head (a tied Q8_0 embedding's
-        own blocks, or a quantized head) where ``forward`` runs that kernel too (``Linear.path``: not
+        own blocks, or a quantized head) or a head of one GGUF kind served as stored, where ``forward`` runs that kernel too (``Linear.path``: not
         the int8 or AMX copies, whose logits differ), on one rank, no soft-cap (its saturation can tie
         logits the raw ones do not), no adapter on the head, eager."""
         lin = self.linear
         return (
             lin.qw is not None
+            # one kind for the whole head where it is a GGUF file's blocks as stored (head_argmax's)
+            and not (isinstance(lin.qw, GgufWeight) and len(lin.qw.parts) > 1)
             and lin.path(rows) == "kernel"
             and self.comm.size == 1
             and self.softcap is None
