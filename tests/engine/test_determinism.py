@@ -83,7 +83,8 @@ def run_among(eng: Engine, prompt: list[int], sp: dict, rng: random.Random, neig
 def _tool_prompt(tokenizer) -> list[int]:
     """Issue 56's request: the weather in Paris and 2 + 3, with a get_weather and an add tool (the
     hermes parser's system prompt, as the server renders it for SmolLM2's template)."""
-    from kvledger.server.tools import make_parser, render_messages
+    from kvledger.server.tool_requests import render_messages
+    from kvledger.server.tools import make_parser
 
     tools = [
         {"type": "function", "function": {"name": "get_weather", "parameters": {

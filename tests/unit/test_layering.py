@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
 
 # Lowest first: each imports only those above it in this list. A top-level module counts as a
-# package of its own (``config.py`` is ``config``); ``__init__`` is ``kvledger/__init__.py``.
+# package of its own (``compat.py`` is ``compat``); ``__init__`` is ``kvledger/__init__.py``.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),  # the exceptions every layer raises, in the OpenAI error shape; the version
     ("config",),  # plain settings types
@@ -36,15 +36,16 @@ RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
 # Imports of ``config`` that reach up, owed by issue 53's item 3 (compat.py the one place that
 # refuses, and the checks that touch the disk or the environment leave the settings types): the
-# list may only shrink. Each entry is (importing file, imported module).
+# list may only shrink (the config package's files hold the same seven that config.py did). Each
+# entry is (importing file, imported module).
 CONFIG_OWED = {
-    ("src/kvledger/config.py", "kvledger.model.linear"),
-    ("src/kvledger/config.py", "kvledger.hicache.storage"),
-    ("src/kvledger/config.py", "kvledger.common.disagg"),
-    ("src/kvledger/config.py", "kvledger.disagg.auth"),
-    ("src/kvledger/config.py", "kvledger.disagg.mooncake"),
-    ("src/kvledger/config.py", "kvledger.compat"),
-    ("src/kvledger/config.py", "kvledger.engine.resources"),
+    ("src/kvledger/config/base.py", "kvledger.model.linear"),
+    ("src/kvledger/config/memory.py", "kvledger.hicache.storage"),
+    ("src/kvledger/config/distributed.py", "kvledger.common.disagg"),
+    ("src/kvledger/config/distributed.py", "kvledger.disagg.auth"),
+    ("src/kvledger/config/distributed.py", "kvledger.disagg.mooncake"),
+    ("src/kvledger/config/engine.py", "kvledger.compat"),
+    ("src/kvledger/config/engine.py", "kvledger.engine.resources"),
 }
 
 
@@ -155,7 +156,7 @@ def test_config_imports_nothing_of_the_project():
         for mod, imports in GRAPH.items()
         if _package(mod) == "config"
         for line, target in imports
-        if _package(target) != "errors" and not _owed(mod, target)
+        if _package(target) not in ("errors", "config") and not _owed(mod, target)  # (its own files: a package)
     ]
     assert not bad, "config imports the project:\n" + "\n".join(bad)
     owed = {(str(MODULES[m].relative_to(ROOT)), t) for m, imps in GRAPH.items() for _, t in imps}

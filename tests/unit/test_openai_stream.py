@@ -1,4 +1,4 @@
-"""The OpenAI stream writer (``OpenAIServing._stream``) against a generation service that runs ahead
+"""The OpenAI stream writer (``openai_stream.StreamWriter``) against a generation service that runs ahead
 of it: every chunk before a choice's last carries a token, each token is sent once, each choice ends
 once. ``GenerationService.stream`` yields one live state that it keeps advancing, so the writer may
 see several steps' tokens at once and then notices with nothing new (issue 37, item 3)."""

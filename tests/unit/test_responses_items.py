@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvledger.errors import NotFoundError, ValidationError
-from kvledger.server.responses import OutputBuilder, ResponseStore, Stored, input_messages, output_messages
+from kvledger.server.responses import OutputBuilder
+from kvledger.server.responses_input import input_messages, output_messages
+from kvledger.server.responses_store import ResponseStore, Stored
 from kvledger.server.tools import ToolCall
 
 

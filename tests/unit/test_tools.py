@@ -14,7 +14,8 @@ import pytest
 
 from kvledger.errors import ValidationError
 from kvledger.server.tool_grammar import tool_call_grammar
-from kvledger.server.tools import PARSERS, check_tools, make_parser, render_messages
+from kvledger.server.tool_requests import check_tools, render_messages
+from kvledger.server.tools import PARSERS, make_parser
 
 WEATHER = {
     "type": "function",

@@ -14,7 +14,7 @@ table.
 
 Without a key (``--disaggregation-auth-key-file`` / ``KVLEDGER_DISAGGREGATION_AUTH_KEY`` unset) the
 seal is still sent, its MAC all zeros, and a receiver checks only its size: that is allowed only when
-every PD socket is on loopback (``config.py``), where it trusts the processes of this machine as the
+every PD socket is on loopback (``config/distributed.py``), where it trusts the processes of this machine as the
 HTTP port does without ``--api-key``.
 
 The wire is authenticated, not encrypted: run PD over a network you trust with the prompts' KV (or

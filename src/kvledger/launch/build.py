@@ -20,39 +20,35 @@ import torch
 
 from ..comm import Comm, rank_threads
 from ..common import Limits, SamplingParams
-from ..compat import check_model
 from ..config import EngineConfig
 from ..connector import KVConnector, MultiConnector
 from ..constrained import GrammarBackend
 from ..disagg import make_connector
 from ..engine.core import EngineCore
 from ..engine.executor import Executor, InProcessExecutor
-from ..engine.graph_runner import GraphCapture, graph_max_bs, graphs_planned, make_graph_runner
+from ..engine.graph_runner import GraphCapture, graph_max_bs, make_graph_runner
 from ..engine.introspect import EngineInfo
 from ..engine.malloc import keep_heap_memory, trim_heap
 from ..engine.page_table import PageTable
-from ..engine.resources import auto_stored, default_kv_tokens, resolve_dtype
 from ..engine.runner import ModelRunner
-from ..engine.weights import checkpoint_shapes
 from ..kernels import set_threads
 from ..memory import KVBuffer, KVManager, release_window
 from ..memory.sparse_kv import SparseKV
-from ..model import LlamaModel, load_model
-from ..model.chat_templates import install_chat_template, read_chat_template, template_stop_ids
+from ..model import LlamaModel
+from ..model.chat_templates import install_chat_template, template_stop_ids
 from ..model.loader import LoadedModel
 from ..model.lora import LoraSet
 from ..parallel.ranks import (
-    kv_cache_dtype,
-    model_quantization,
     pd_with_tiers,
     sampling_backend,
     sharded_model,
 )
-from ..parallel.shard import check_tp
 from ..scheduler import Scheduler, SessionManager
 from ..spec.setup import make_proposer
 from ..testing import faults
+from .model_build import build_model
 from .parts import grammars_of, hisparse_of, limits_of, loras_of, overlap_schedule, tiers_of
+from .plan import PoolPlan, engine_info, plan_pool
 
 log = logging.getLogger("kvledger.engine.core")
 
@@ -135,55 +131,16 @@ def build_parts(
     return parts, workers
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The pool's shape, decided once the model is loaded (what is left of the memory)."""
-
-    num_pages: int
-    total: int  # tokens: num_pages * page_size
-    context: int
-    graphs: bool  # decode steps in CUDA graphs (they keep one page for their padding rows)
-    kv_dtype: torch.dtype
-    per_token: int  # KV bytes per token on this rank
-
-
-def _plan(cfg: EngineConfig, mc, model: LlamaModel, device: str, graph_capture: GraphCapture | None) -> _Plan:
-    ps = cfg.cache.page_size
-    lc = model.cfg  # this rank's shapes (all of them on one rank)
-    kv_dtype = kv_cache_dtype(cfg, model.dtype)
-    per_token = KVBuffer.bytes_per_token(mc.num_layers, lc.num_kv_heads, mc.head_dim, kv_dtype)
-    num_pages = max(1, (cfg.cache.max_total_tokens or default_kv_tokens(per_token, device)) // ps)
-    total = num_pages * ps
-    # Decode steps in CUDA graphs keep one page for their padding rows, out of every request's reach.
-    graphs = graphs_planned(cfg.kernels.disable_cuda_graph, device, graph_capture, model, num_pages)
-    context = min(cfg.model.context_length or mc.max_position_embeddings, mc.max_position_embeddings, total - ps * graphs)
-    return _Plan(num_pages, total, context, graphs, kv_dtype, per_token)
-
-
 def _build(
     cfg: EngineConfig, loaded: LoadedModel | None, connector: KVConnector | None, graph_capture: GraphCapture | None,
     device: str, comm: Comm, workers: list, t0: float, opened: dict[str, Any],
 ) -> EngineParts:  # fmt: skip
-    if cfg.model.chat_template:  # a bad template stops the start before the model is read
-        read_chat_template(cfg.model.chat_template)
-    loaded = loaded or load_model(cfg.model.model)
-    t_read = time.monotonic() - t0
+    """Every part, in the order of the module's docstring; what needs closing is put in ``opened``."""
+    cfg, m = build_model(cfg, loaded, device, comm, t0)
+    loaded, model, dtype = m.loaded, m.model, m.dtype
     mc = loaded.config
-    weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
-    check_tp(mc, cfg.parallel.tp_size)
-    stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
-    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
-    model = sharded_model(cfg, loaded, comm, dtype, device)
-    t_model = time.monotonic() - t0 - t_read
-    # From here on the settings name what runs (the L3 cache keys, /get_server_info).
-    cfg = cfg.replace(
-        device=device, quantization=model_quantization(cfg, loaded, dtype, device), attention_backend=model.attention
-    )
-    # The model's own features against the settings' (the compatibility table).
-    check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
-    check_model(cfg, device, ["routed_experts"] if mc.num_experts else [], detail=mc.arch)
     loras = loras_of(cfg, model)
-    plan = _plan(cfg, mc, model, device, graph_capture)
+    plan = plan_pool(cfg, mc, model, device, graph_capture)
     ps, total, context, lc = cfg.cache.page_size, plan.total, plan.context, model.cfg
     run_cfg = cfg.replace(max_total_tokens=total, context_length=context)  # the settings as they run
     kv_buffer = KVBuffer(lc.num_layers, total, lc.num_kv_heads, lc.head_dim, plan.kv_dtype, device)
@@ -212,56 +169,63 @@ def _build(
         disagg = make_connector(cfg, kv_buffer, lambda *a: scheduler.abort(*a), limits, mc.num_kv_heads, sparse)
         connector = disagg if hicache is None else MultiConnector(pd_with_tiers(cfg, hicache, disagg), ps)
     opened["connector"] = connector
-    executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
-    if cfg.parallel.tp_size > 1:
-        from ..parallel.executor import TPExecutor, share_setup
-
-        # The workers build the same pool; on one machine the collectives move to shared memory.
-        model.net.comm = share_setup(run_cfg, mc, total, context, workers)
-        executor = TPExecutor(executor, workers)
+    executor = _executor(run_cfg, mc, model, runner, connector, plan, workers)
     tokenizer = loaded.tokenizer
-    # The chat template the model is served with (the HTTP front resolves the same one); its
-    # end-of-turn tokens end generation beside the model's EOS.
-    template = install_chat_template(tokenizer, cfg.model.chat_template, loaded.path)
-    eos = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
-    eos |= template_stop_ids(template.text, tokenizer, cfg.model.chat_template)
-    log.info("chat template: %s", template.source)
+    eos = _eos(cfg, loaded)
     proposer = make_proposer(cfg, model, total)
     grammars = grammars_of(cfg, tokenizer, mc.vocab_size, eos)
     overlap = overlap_schedule(run_cfg, connector)
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else (lambda ids: "")
     scheduler = Scheduler(run_cfg, kv_manager, context, eos, decode, connector, proposer, mc.vocab_size, overlap)
     sessions = SessionManager(kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
-    if cfg.kernels.enable_torch_compile:
-        model.enable_compile()  # (before the capture: it may replace the embedding's table)
-    if plan.graphs:  # captured before any request (the padding page is reserved from a full pool)
-        max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
-        runner.graphs = make_graph_runner(model, kv_buffer, table, kv_manager, max_bs, graph_capture)
-    info = _info(cfg, mc, loaded, model, plan, workers, (t0, t_read, t_model))
+    _compile_and_capture(cfg, plan, model, runner, kv_buffer, table, kv_manager, graph_capture)
+    info = engine_info(cfg, mc, loaded, model, plan, workers, (t0, m.t_read, m.t_model))
     return EngineParts(
         run_cfg, model, tokenizer, loras, kv_manager, runner, connector, disagg, executor, grammars, scheduler,
-        sessions, limits, overlap, info, weight_shapes,
+        sessions, limits, overlap, info, m.weight_shapes,
         lambda new: sharded_model(run_cfg, new, model.net.comm, dtype, device),
     )  # fmt: skip
 
 
-def _info(cfg: EngineConfig, mc, loaded: LoadedModel, model: LlamaModel, plan: _Plan, workers: list, times) -> EngineInfo:
-    """What the engine says it is (``/get_server_info``), logged once: ready, in how long."""
-    t0, t_read, t_model = times
-    ps = cfg.cache.page_size
-    dtype_name = str(model.dtype).replace("torch.", "") + (f"+{cfg.model.quantization}" if cfg.model.quantization else "")
-    info = EngineInfo(
-        mc.name, loaded.path, dtype_name, plan.context, mc.vocab_size, ps, plan.total, plan.per_token,
-        model.weight_bytes(), mc.arch, cfg.parallel.tp_size, [p.pid for p in workers], cfg.disagg.disaggregation_mode,
-    )  # fmt: skip
-    kv = "" if plan.kv_dtype == model.dtype else f", {str(plan.kv_dtype).removeprefix('torch.')}"
-    log.info(
-        "engine ready in %.1fs (model read %.1fs, built %.1fs) on %s: %s (%s, %s), weights %.0f MiB, "
-        "KV %d tokens in pages of %d (%.0f MiB%s), context %d",
-        time.monotonic() - t0, t_read, t_model, cfg.model.device, mc.name, mc.arch, dtype_name,
-        info.weight_bytes / 2**20, plan.total, ps, plan.total * plan.per_token / 2**20, kv, plan.context,
-    )  # fmt: skip
-    return info
+def _executor(
+    run_cfg: EngineConfig, mc, model: LlamaModel, runner: ModelRunner, connector: KVConnector | None, plan: PoolPlan,
+    workers: list,
+) -> Executor:  # fmt: skip
+    """The executor the step calls: in-process (behind the fault injection of tests), or with TP
+    rank 0's, which broadcasts each step to the workers."""
+    executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
+    if run_cfg.parallel.tp_size > 1:
+        from ..parallel.executor import TPExecutor, share_setup
+
+        # The workers build the same pool; on one machine the collectives move to shared memory.
+        model.net.comm = share_setup(run_cfg, mc, plan.total, plan.context, workers)
+        executor = TPExecutor(executor, workers)
+    return executor
+
+
+def _eos(cfg: EngineConfig, loaded: LoadedModel) -> set[int]:
+    """The tokens that end generation: the model's EOS, the tokenizer's, and the end-of-turn tokens
+    of the chat template the model is served with (the HTTP front resolves the same one), which is
+    installed on the tokenizer here."""
+    mc, tokenizer = loaded.config, loaded.tokenizer
+    template = install_chat_template(tokenizer, cfg.model.chat_template, loaded.path)
+    eos = set(mc.eos_token_ids) | ({tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set())
+    eos |= template_stop_ids(template.text, tokenizer, cfg.model.chat_template)
+    log.info("chat template: %s", template.source)
+    return eos
+
+
+def _compile_and_capture(
+    cfg: EngineConfig, plan: PoolPlan, model: LlamaModel, runner: ModelRunner, kv_buffer: KVBuffer, table: PageTable,
+    kv_manager: KVManager, graph_capture: GraphCapture | None,
+) -> None:  # fmt: skip
+    """torch.compile (``--enable-torch-compile``), then the decode steps' CUDA graphs, captured
+    before any request runs (their padding page is reserved from a full pool)."""
+    if cfg.kernels.enable_torch_compile:
+        model.enable_compile()  # (before the capture: it may replace the embedding's table)
+    if plan.graphs:
+        max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+        runner.graphs = make_graph_runner(model, kv_buffer, table, kv_manager, max_bs, graph_capture)
 
 
 def _warm_up_compile(core: EngineCore) -> None:

@@ -40,37 +40,34 @@ import asyncio
 import contextlib
 import json
 import logging
-import threading
-import time
-from collections.abc import Awaitable, Callable
 
 import httpx
-import uvicorn
 
 from ..errors import error_body
+from .dp_bodies import as_the_server_reads, session_of, stored_response
+from .dp_http import (
+    GONE,
+    Receive,
+    Scope,
+    Send,
+    disconnected,
+    from_a_replica,
+    is_json,
+    read_body,
+    reply,
+    reply_raw,
+    response_headers,
+    upstream_request,
+)
+from .dp_sessions import SessionPlaces
 
 log = logging.getLogger("kvledger.dp")
-
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
-
-# Headers of one hop only (RFC 9110 7.6.1), and those the relay recomputes.
-_HOP = {
-    b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
-    b"upgrade", b"host", b"content-length",
-}  # fmt: skip
-# Origin is checked by this front (middleware.CSRFMiddleware, dp_launcher): upstream, Host is a
-# replica's or the router's address, which a browser's Origin would never match.
-_NOT_FORWARDED = _HOP | {b"origin"}
-_GONE = object()
 
 # The routes SGLang's router (0.3.2) balances faithfully once their bodies are in its types.
 ROUTED = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 # The routes it answers itself (404, 501), with its own model list, or with a body it changed
 # ("model": "unknown" on /v1/rerank): the front balances them over the replicas.
 BALANCED = ("/v1/score", "/v1/rerank", "/tokenize", "/detokenize", "/v1/responses", "/v1/models")
-ANY_MODEL = "default"  # every replica's alias of its served model (an answer names the served model)
 
 
 class DPFront:
@@ -88,11 +85,7 @@ class DPFront:
         self.up = up
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s  # a body not whole by then: 408 (a stalled client)
-        # Session id -> the replica that holds it, least recently used first. The replicas together
-        # hold at most ``max_sessions`` x N; past that the oldest entries are sessions they have let go
-        # (expired, or dropped for a newer one) without this front seeing it: forgotten here too.
-        self.sessions: dict[str, int] = {}
-        self.cap = max_sessions * len(replica_urls)
+        self.sessions = SessionPlaces(len(replica_urls), max_sessions)  # session id -> its replica
         self._turn = 0  # ties between replicas go round
         self.http: httpx.AsyncClient | None = None
 
@@ -102,19 +95,19 @@ class DPFront:
             await self._lifespan(receive, send)
         elif scope["type"] == "http":
             try:
-                body = await asyncio.wait_for(self._read_body(receive), self.body_timeout_s)
+                body = await asyncio.wait_for(read_body(receive, self.max_body_bytes), self.body_timeout_s)
             except TimeoutError:
                 msg = f"the request body was not received within {self.body_timeout_s:g} s"
-                await _reply(send, 408, error_body(msg, "invalid_request_error", code="body_timeout"))
+                await reply(send, 408, error_body(msg, "invalid_request_error", code="body_timeout"))
                 return
-            if body is _GONE:
+            if body is GONE:
                 return
             if body is None:
-                await _reply(send, 413, error_body("request body too large", "invalid_request_error"))
+                await reply(send, 413, error_body("request body too large", "invalid_request_error"))
                 return
             # Answer, unless the client goes away first: then the upstream request is closed too.
             answer = asyncio.ensure_future(self._answer(scope, body, send))
-            gone = asyncio.ensure_future(_disconnected(receive))
+            gone = asyncio.ensure_future(disconnected(receive))
             await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
             for t in (answer, gone):
                 t.cancel()
@@ -136,20 +129,6 @@ class DPFront:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _read_body(self, receive: Receive):
-        """The whole body; None when it is over the limit, ``_GONE`` when the client left first."""
-        parts, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return _GONE
-            parts.append(msg.get("body", b""))
-            size += len(parts[-1])
-            if size > self.max_body_bytes:
-                return None
-            if not msg.get("more_body"):
-                return b"".join(parts)
-
     # -- routing ------------------------------------------------------------------------------------
     async def _answer(self, scope: Scope, body: bytes, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -157,20 +136,20 @@ class DPFront:
             await self._open(scope, body, send)
             return
         if method == "POST" and path in ("/close_session", "/generate"):
-            sid = _session_of(path, body)
+            sid = session_of(path, body)
             if sid is not None:
                 await self._session_request(scope, body, send, sid, closing=path == "/close_session")
                 return
             if path == "/close_session":  # not a body naming a session: a replica says what is wrong
                 await self._relay(self._any_replica(), scope, body, send)
                 return
-        stored = _stored_response(method, path, body)
+        stored = stored_response(method, path, body)
         if stored is not None:
             await self._relay(await self._holder(scope, stored), scope, body, send)
         elif method == "POST" and path == "/abort_request":
             await self._abort(scope, body, send)
         elif method == "POST" and path in ROUTED:
-            routed = _as_the_server_reads(body, path != "/generate")
+            routed = as_the_server_reads(body, path != "/generate")
             await self._relay(self.router_url, scope, routed, send, unrouted=body)
         elif path in BALANCED or path.startswith("/v1/models/"):
             await self._relay(self._next_replica(), scope, body, send)
@@ -209,30 +188,19 @@ class DPFront:
                 with contextlib.suppress(httpx.TransportError):
                     answers.append(await self._request(url, scope, body))
         if not answers:
-            await _reply(send, 503, error_body("no replica is up", "service_unavailable"), retry_after=True)
+            await reply(send, 503, error_body("no replica is up", "service_unavailable"), retry_after=True)
             return
-        await _reply_raw(send, next((r for r in answers if r.status_code == 200), answers[0]))
+        await reply_raw(send, next((r for r in answers if r.status_code == 200), answers[0]))
 
     def _pick(self) -> list[int]:
         """Replicas to open a session on, best first: up ones, fewest of our sessions, ties in turn."""
-        held = [0] * len(self.replicas)
-        for i in self.sessions.values():
-            held[i] += 1
-        n = len(self.replicas)
         self._turn += 1
-        order = sorted(range(n), key=lambda i: (held[i], (i - self._turn) % n))
-        return [i for i in order if self.up[i]]
-
-    def _remember(self, sid: str, i: int) -> None:
-        self.sessions.pop(sid, None)
-        self.sessions[sid] = i
-        while len(self.sessions) > self.cap:
-            del self.sessions[next(iter(self.sessions))]
+        return self.sessions.pick(self.up, self._turn)
 
     async def _open(self, scope: Scope, body: bytes, send: Send) -> None:
-        named = _session_of("/open_session", body)
+        named = session_of("/open_session", body)
         if named in self.sessions:  # a client-chosen id we route already: its holder answers (409)
-            await self._relay(self.replicas[self.sessions[named]], scope, body, send)
+            await self._relay(self.replicas[self.sessions.get(named)], scope, body, send)
             return
         last = None
         for i in self._pick():
@@ -249,15 +217,15 @@ class DPFront:
                 except ValueError:
                     sid = None
                 if isinstance(sid, str):
-                    self._remember(sid, i)
+                    self.sessions.remember(sid, i)
                     log.info("dp: a session opened on replica %d", i)  # (never its id: logs are not private)
-            await _reply_raw(send, r)
+            await reply_raw(send, r)
             return
         if last is not None:
-            await _reply_raw(send, last)
+            await reply_raw(send, last)
             return
-        await _reply(send, 503, error_body("no replica is up to open a session on", "service_unavailable"),
-                     retry_after=True)  # fmt: skip
+        await reply(send, 503, error_body("no replica is up to open a session on", "service_unavailable"),
+                    retry_after=True)  # fmt: skip
 
     async def _session_request(self, scope: Scope, body: bytes, send: Send, sid: str, closing: bool) -> None:
         i = self.sessions.get(sid)
@@ -265,29 +233,25 @@ class DPFront:
             await self._relay(self._any_replica(), scope, body, send)
             return
         if not self.up[i]:
-            await _reply(
+            await reply(
                 send, 503,
                 error_body(f"session {sid!r} is on replica {i}, which is restarting; retry", "service_unavailable"),
                 retry_after=True,
             )  # fmt: skip
             return
         if not closing:
-            self._remember(sid, i)  # recently used
+            self.sessions.remember(sid, i)  # recently used
         status = await self._relay(self.replicas[i], scope, body, send)
         if closing and status == 200:
             # Closed: gone here too. Not on a 404: another key naming the session gets one (the
             # session is its owner's), and must not unroute it; a session that expired on its
             # replica stays here until the cap pushes it out.
-            self.sessions.pop(sid, None)
+            self.sessions.forget(sid)
 
     # -- HTTP ---------------------------------------------------------------------------------------
     def _build(self, base: str, scope: Scope, body: bytes) -> httpx.Request:
         assert self.http is not None  # type narrowing only: None would fail at once on use
-        url = base + scope["path"]
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _NOT_FORWARDED]
-        return self.http.build_request(scope["method"], url, headers=headers, content=body)
+        return upstream_request(self.http, base, scope, body)
 
     async def _request(self, base: str, scope: Scope, body: bytes) -> httpx.Response:
         assert self.http is not None  # type narrowing only: None would fail at once on use
@@ -303,21 +267,21 @@ class DPFront:
             r = await self.http.send(self._build(base, scope, body), stream=True)
         except httpx.TransportError as e:
             what = "the router" if base == self.router_url else base
-            await _reply(send, 503, error_body(f"{what} is not reachable ({e!r}); retry", "service_unavailable"),
-                         retry_after=True)  # fmt: skip
+            await reply(send, 503, error_body(f"{what} is not reachable ({e!r}); retry", "service_unavailable"),
+                        retry_after=True)  # fmt: skip
             return 503
-        if unrouted is not None and r.status_code >= 400 and not _from_a_replica(r):
+        if unrouted is not None and r.status_code >= 400 and not from_a_replica(r):
             await r.aclose()
             return await self._relay(self._next_replica(), scope, unrouted, send)
-        if base == self.router_url and r.status_code >= 400 and not _is_json(r):
+        if base == self.router_url and r.status_code >= 400 and not is_json(r):
             # The router's own refusal, in plain text: in the API's error shape, as the server answers.
             text = (await r.aread()).decode("utf-8", "replace").strip()[:500]
             await r.aclose()
             kind = "not_found_error" if r.status_code == 404 else "invalid_request_error"
-            await _reply(send, r.status_code, error_body(text or f"HTTP {r.status_code}", kind))
+            await reply(send, r.status_code, error_body(text or f"HTTP {r.status_code}", kind))
             return r.status_code
         try:
-            await send({"type": "http.response.start", "status": r.status_code, "headers": _headers(r)})
+            await send({"type": "http.response.start", "status": r.status_code, "headers": response_headers(r)})
             try:
                 async for chunk in r.aiter_raw():
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -329,124 +293,3 @@ class DPFront:
         finally:
             await r.aclose()
         return r.status_code
-
-
-def _session_of(path: str, body: bytes) -> str | None:
-    """The session a /generate turn, a /close_session or an /open_session names, or None."""
-    if path == "/generate" and b"session_params" not in body:
-        return None  # the common case, without parsing the body
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
-        return None
-    if path in ("/close_session", "/open_session"):
-        sid = doc.get("session_id")
-    else:
-        sp = doc.get("session_params")
-        sid = sp.get("id") if isinstance(sp, dict) else None
-    return sid if isinstance(sid, str) else None
-
-
-def _stored_response(method: str, path: str, body: bytes) -> str | None:
-    """The stored response a request needs (a follow-up's ``previous_response_id``, or the id of a
-    retrieve, delete or cancel), or None."""
-    if path.startswith("/v1/responses/"):
-        return path.removeprefix("/v1/responses/").removesuffix("/cancel") or None
-    if method != "POST" or path != "/v1/responses" or b"previous_response_id" not in body:
-        return None
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    prev = doc.get("previous_response_id") if isinstance(doc, dict) else None
-    return prev if isinstance(prev, str) else None
-
-
-def _as_the_server_reads(body: bytes, with_model: bool) -> bytes:
-    """``body`` as a replica reads it, for the router's stricter parser: JSON null is "not given"
-    (dropped from the body, its messages and stream options) and no ``model`` is the served one."""
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return body  # not JSON: a replica's 400 would say so; the router's is put into that shape
-    if not isinstance(doc, dict):
-        return body
-    doc = _unset_nulls(doc)
-    if isinstance(doc.get("messages"), list):
-        doc["messages"] = [_message(m) if isinstance(m, dict) else m for m in doc["messages"]]
-    if isinstance(doc.get("stream_options"), dict):
-        doc["stream_options"] = _unset_nulls(doc["stream_options"])
-    if with_model:
-        doc.setdefault("model", ANY_MODEL)
-    return json.dumps(doc).encode()
-
-
-def _message(m: dict) -> dict:
-    out = _unset_nulls(m)
-    if "content" in m and m["content"] is None:  # the server reads a null content as "" (chat_input)
-        out["content"] = ""
-    return out
-
-
-def _unset_nulls(doc: dict) -> dict:
-    return {k: v for k, v in doc.items() if v is not None}
-
-
-def _from_a_replica(r: httpx.Response) -> bool:
-    """Whether the router passed a replica's answer on (it keeps the replica's headers; uvicorn,
-    which serves every replica, names itself) rather than answering itself."""
-    return r.headers.get("server") == "uvicorn"
-
-
-def _is_json(r: httpx.Response) -> bool:
-    return "json" in r.headers.get("content-type", "")
-
-
-def _headers(r: httpx.Response) -> list[tuple[bytes, bytes]]:
-    return [(k, v) for k, v in r.headers.raw if k.lower() not in _HOP]
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _reply_raw(send: Send, r: httpx.Response) -> None:
-    await send({"type": "http.response.start", "status": r.status_code, "headers": _headers(r)})
-    await send({"type": "http.response.body", "body": r.content})
-
-
-async def _reply(send: Send, status: int, doc: dict, retry_after: bool = False) -> None:
-    headers = [(b"content-type", b"application/json")]
-    if retry_after:
-        headers.append((b"retry-after", b"1"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": json.dumps(doc).encode()})
-
-
-class FrontThread:
-    """The front served by uvicorn on a thread of the launcher (no signal handlers there: the
-    launcher's own handle SIGINT/SIGTERM and stop it)."""
-
-    def __init__(self, app: DPFront, host: str, port: int):
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, name="dp-front", daemon=True)
-
-    def start(self, timeout: float = 30) -> None:
-        self.thread.start()
-        for _ in range(int(timeout / 0.05)):
-            if self.server.started:
-                return
-            if not self.thread.is_alive():
-                break
-            time.sleep(0.05)
-        raise RuntimeError("the front did not start (is its port free?)")
-
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def stop(self, timeout: float = 10) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout)

@@ -35,7 +35,8 @@ import httpx
 
 from ..config import ROUTER_POLICIES  # declared with --router-policy (config.LaunchSettings)
 from ..errors import ValidationError
-from .dp_front import DPFront, FrontThread
+from .dp_front import DPFront
+from .dp_http import FrontThread
 from .middleware import CSRFMiddleware, parse_origins
 
 log = logging.getLogger("kvledger.dp")

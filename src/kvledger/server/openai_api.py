@@ -1,9 +1,10 @@
-"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of ``Generator``."""
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of ``GenerationService``: the
+checks of a body, its prompts (``chat_input``: the chat template), its jobs (``chat_job`` is shared
+with ``/v1/responses``), and the answer, whole or streamed. The body's fields are read in
+``openai_params.py``, the answer's shape is ``openai_format.py``'s, the stream ``openai_stream.py``'s."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,119 +16,18 @@ from ..common.disagg import parse_disagg
 from ..common.prompts import split_openai_prompt
 from ..common.reasoning import REASONING_FORMATS
 from ..common.sampling import GRAMMAR_KINDS
-from ..constrained.grammar import ANY_JSON
-from ..errors import NotFoundError, ValidationError, error_body
+from ..errors import NotFoundError, ValidationError
 from ..model.chat_templates import no_template_message
 from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
-from .generation import GenerationService, GenState
+from .generation import GenerationService
+from .openai_format import Chunks, chat_message, finish_reason, logprobs, matched_stop, usage
+from .openai_params import COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_dict, template_options, text_parts
+from .openai_stream import StreamWriter, first_events, pump
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
 from .reasoning import ReasoningParser
 from .tool_grammar import tool_call_grammar
-from .tools import ToolCall, ToolParser, check_tools, make_parser, render_messages
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy default, which SGLang and vLLM keep
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # "max": SGLang's
-# apply_chat_template's own arguments: chat_template_kwargs may not reach them (a client's template).
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-     "return_assistant_tokens_mask", "tokenizer_kwargs"}
-)  # fmt: skip
-
-
-# The OpenAI bodies' fields that carry a sampling parameter under its own name: taken by name, so a
-# sampling field declared on the body (protocol.py) with the type's name needs nothing here. The
-# others (cache_salt: the salt; no_stop_trim: two spellings) are renamed or derived below.
-_BY_NAME = tuple(
-    f for f in SamplingParams.__struct_fields__
-    if f in _OpenAICommon.model_fields and f not in ("cache_salt", "no_stop_trim")
-)  # fmt: skip
-
-
-def sampling_dict(body: _OpenAICommon, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
-    """OpenAI fields -> SGLang sampling params (range checks happen in the one validation). Without
-    ``max_tokens`` there is no ``max_new_tokens``: the endpoint's default applies (``validate_request``)."""
-    rf = response_format_grammar(body.response_format)
-    if rf and body.json_schema is not None:
-        raise ValidationError("give json_schema or response_format, not both", param="json_schema")
-    trims = [v for v in (body.no_stop_trim, body.include_stop_str_in_output) if v is not None]
-    d: dict[str, Any] = {name: getattr(body, name) for name in _BY_NAME}
-    d.update(rf)
-    d.update(
-        max_new_tokens=max_tokens,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-        min_new_tokens=body.min_tokens,
-        spaces_between_special_tokens=body.spaces_between_special_tokens,
-        no_stop_trim=any(trims) if trims else None,
-        cache_salt=body.salt(),
-    )
-    return {k: v for k, v in d.items() if v is not None}
-
-
-def response_format_grammar(rf: dict | None) -> dict:
-    """OpenAI ``response_format`` -> the sampling param that constrains the output."""
-    if rf is None:
-        return {}
-    kind = rf.get("type")
-    if kind == "text":
-        return {}
-    if kind == "json_object":
-        return {"json_schema": ANY_JSON}
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        schema = js.get("schema") if isinstance(js, dict) else None
-        if not isinstance(schema, dict):
-            raise ValidationError(
-                "response_format.json_schema.schema must be a JSON schema object",
-                param="response_format.json_schema.schema",
-            )
-        return {"json_schema": json.dumps(schema)}
-    raise ValidationError(
-        f"response_format.type must be text, json_object or json_schema, got {kind!r}",
-        param="response_format.type",
-    )
-
-
-def text_parts(content: list[dict]) -> list[str]:
-    """The text of a message's content parts (``[{"type": "text", "text": ...}]``): this server reads
-    text only, so another kind of part is refused rather than dropped."""
-    out = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValidationError(
-                f"message content parts must be {{\"type\": \"text\", \"text\": string}}; got {str(part)[:80]}",
-                param="messages",
-            )
-        out.append(part["text"])
-    return out
-
-
-def finish_reason(st: GenState) -> str | None:
-    return None if st.finish is None else st.finish.type
-
-
-def split_calls(tools: ToolParser, text: str, st: GenState) -> tuple[str, list[ToolCall] | None]:
-    """A completion's content and complete tool calls so far. One cut by ``max_tokens`` or the
-    context keeps only its complete calls: the call the limit cut is dropped, never shown as content
-    (and the finish reason stays ``length``: ``tool_finish_reason``)."""
-    return tools.split(text, st.finished, cut=st.finish is not None and st.finish.type == "length")
-
-
-def tool_finish_reason(st: GenState, calls) -> str | None:
-    """``tool_calls`` when the model ended its turn with calls; any other end (a limit) says itself."""
-    fr = finish_reason(st)
-    return "tool_calls" if calls and fr == "stop" else fr
-
-
-def matched_stop(st: GenState) -> int | str | None:
-    """SGLang's ``matched_stop``: the stop token id, stop string or stop_regex pattern that ended the choice."""
-    return st.finish.matched if st.finish is not None and st.finish.type == "stop" else None
+from .tool_requests import check_tools, render_messages
+from .tools import ToolParser, make_parser
 
 
 @dataclass
@@ -229,7 +129,7 @@ class OpenAIServing:
     def chat_input(self, body: ChatRequest, tools: list[dict] | None = None) -> list[int]:
         if not body.messages:
             raise ValidationError("messages must not be empty", param="messages", code="empty_prompt")
-        add_generation_prompt, kwargs = self._template_options(body)
+        add_generation_prompt, kwargs = template_options(body)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError(no_template_message(), param="messages")
         msgs = []
@@ -251,45 +151,6 @@ class OpenAIServing:
         except Exception as e:  # a template error is the client's messages' fault
             raise ValidationError(f"cannot apply the chat template: {e}", param="messages") from None
         return list(ids)
-
-    @staticmethod
-    def _template_options(body) -> tuple[bool, dict[str, Any]]:
-        """``add_generation_prompt`` and the rest of the template's arguments from ``body``:
-        ``continue_final_message`` (vLLM: the last message is the assistant's, continued as is, with
-        no generation prompt), ``documents``, ``reasoning_effort`` and ``chat_template_kwargs``."""
-        kwargs: dict[str, Any] = dict(getattr(body, "chat_template_kwargs", None) or {})
-        bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
-        if bad:
-            raise ValidationError(
-                f"chat_template_kwargs may not set {', '.join(bad)}", param=f"chat_template_kwargs.{bad[0]}"
-            )
-        agp = body.add_generation_prompt
-        if body.continue_final_message:
-            if agp:
-                raise ValidationError(
-                    "continue_final_message continues the last message, so it cannot be combined with "
-                    "add_generation_prompt: true",
-                    param="continue_final_message",
-                )
-            if body.messages[-1].role != "assistant":
-                raise ValidationError(
-                    "continue_final_message needs the last message to be the assistant's",
-                    param="continue_final_message",
-                )
-            kwargs["continue_final_message"] = True
-        effort = getattr(body, "reasoning_effort", None)
-        if effort is not None:
-            if effort not in REASONING_EFFORTS:
-                raise ValidationError(
-                    f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning_effort"
-                )
-            # As SGLang: templates read one of these (Qwen3: enable_thinking; DeepSeek: thinking).
-            kwargs.setdefault("reasoning_effort", effort)
-            kwargs.setdefault("enable_thinking", effort != "none")
-            kwargs.setdefault("thinking", effort != "none")
-        if getattr(body, "documents", None) is not None:
-            kwargs["documents"] = body.documents
-        return (not body.continue_final_message) if agp is None else agp, kwargs
 
     def chat_job(self, body: ChatRequest, max_param: str | None = None) -> ChatJob:
         """One chat request's prompt ids, sampling params, tool and reasoning parsers: the chat path
@@ -317,7 +178,7 @@ class OpenAIServing:
                 sp["ebnf"] = calls
         reasoning = None
         if self.reasoning_format is not None:
-            thinking = self.reasoning_format.thinking(self._template_options(body)[1])
+            thinking = self.reasoning_format.thinking(template_options(body)[1])
             if thinking:  # the output begins with reasoning: a grammar starts after it (SGLang's rule)
                 sp["require_reasoning"] = True
             if body.separate_reasoning:
@@ -346,41 +207,6 @@ class OpenAIServing:
     def token_text(self, t: int) -> str:
         return self.tokenizer.decode([t]) if self.tokenizer is not None else str(t)
 
-    def _logprobs(self, st: GenState, chat: bool, start: int = 0, echo: bool = False) -> dict | None:
-        if not (st.params.logprobs or st.params.top_logprobs):
-            return None
-        text = self.token_text
-        ids, lps, tops = st.output_ids[start:], st.logprobs[start:], st.top_logprobs[start:]
-        if echo and st.prompt is not None:  # the prompt's tokens first (the first has no logprob)
-            plps, ptops = st.prompt.padded()
-            ids, lps, tops = st.prompt.ids + ids, plps + lps, ptops + tops
-        if chat:
-            return {
-                "content": [
-                    {
-                        "token": text(t),
-                        "logprob": lp,
-                        "bytes": list(text(t).encode()),
-                        "top_logprobs": [
-                            {"token": text(a), "logprob": b, "bytes": list(text(a).encode())}
-                            for a, b in (top or [])
-                        ],
-                    }
-                    for t, lp, top in zip(ids, lps, tops)
-                ]
-            }
-        texts = [text(t) for t in ids]
-        offsets, at = [], 0
-        for piece in texts:
-            offsets.append(at)
-            at += len(piece)
-        return {
-            "tokens": texts,
-            "token_logprobs": lps,
-            "top_logprobs": [None if top is None else {text(a): b for a, b in top} for top in tops],
-            "text_offset": offsets,
-        }
-
     async def _run(
         self,
         base: str,
@@ -391,9 +217,9 @@ class OpenAIServing:
         tools: ToolParser | None = None,
         reasoning: ReasoningParser | None = None,
     ):
+        """Run a request's choices (``jobs``, one per choice) and answer: one whole answer, or a stream."""
         # PD: the router's bootstrap room(s), one per choice; validated before anything runs.
         rooms = parse_disagg(body.model_extra, len(jobs))
-        echo = not chat and body.echo
         model = self.answer_model(body.model)
         created = int(time.time())
         rids = [f"{base}-{i}" for i in range(len(jobs))]
@@ -406,84 +232,43 @@ class OpenAIServing:
                 err = st.error()
                 if err is not None:
                     raise err
-            choices = []
-            for i, st in enumerate(states):
-                c: dict[str, Any] = {
-                    "index": i,
-                    "logprobs": self._logprobs(st, chat, echo=echo),
-                    "finish_reason": finish_reason(st),
-                    "matched_stop": matched_stop(st),
-                }
-                if chat:
-                    # reasoning_content: null without reasoning, as SGLang and vLLM answer (their
-                    # clients read it; the openai SDK raises for a field the answer lacks).
-                    text, thought = st.visible, None
-                    if reasoning is not None:
-                        part = reasoning.split(text, final=True)
-                        text, thought = part.content, part.reasoning or None
-                    content, calls = split_calls(tools, text, st) if tools else (text, None)
-                    c["message"] = {"role": "assistant", "content": content, "reasoning_content": thought}
-                    if calls:
-                        c["message"] = {
-                            "role": "assistant",
-                            "content": content or None,
-                            "reasoning_content": thought,
-                            "tool_calls": [call.to_openai() for call in calls],
-                        }
-                    c["finish_reason"] = tool_finish_reason(st, calls)
-                else:
-                    c["text"] = (self._echo_text(i, jobs[i][0], body) if echo else "") + st.visible
-                choices.append(c)
             return {
                 "id": base,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": created,
                 "model": model,
-                "choices": choices,
-                "usage": self._usage(states, jobs, body.n),
+                "choices": [self._choice(i, st, jobs, body, chat, tools, reasoning) for i, st in enumerate(states)],
+                "usage": usage(states, jobs, body.n),
             }
         opts = body.stream_options
-        usage = (bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), body.n)
         self.gen.check_room(len(jobs))  # all the choices, or none (429)
-        queue, tasks = self._pump(jobs, rids, rooms)
-        # Wait for each choice's first event: a request the engine refuses (a grammar that does not
-        # compile, a full queue) is answered with its status code, not a 200 stream with an error.
-        early: list = []
-        seen: set[int] = set()
-        while len(seen) < len(jobs):
-            item = await queue.get()
-            early.append(item)
-            i, st, err = item
-            if i in seen:
-                continue
-            seen.add(i)
-            refused = err if err is not None else (st.error() if not st.output_ids else None)
-            if refused is not None:
-                for t in tasks:
-                    t.cancel()
-                raise refused
+        queue, tasks = pump(self.gen, jobs, rids, rooms)
+        early = await first_events(queue, tasks, len(jobs))
+        echo = not chat and body.echo
         echo_texts = [self._echo_text(j, ids, body) for j, (ids, _) in enumerate(jobs)] if echo else None
-        return self._stream(base, jobs, model, created, chat, usage, queue, tasks, early, tools, echo_texts, reasoning)
+        prompt_lens = [len(ids) for ids, _ in jobs]
+        chunks = Chunks(base, chat, created, model, prompt_lens, bool(opts and opts.continuous_usage_stats))
+        writer = StreamWriter(
+            chunks, jobs, self.token_text, queue, tasks, early, bool(opts and opts.include_usage), body.n,
+            tools, echo_texts, reasoning,
+        )  # fmt: skip
+        return writer.events()
 
-    def _pump(self, jobs, rids, rooms) -> tuple[asyncio.Queue, list[asyncio.Task]]:
-        """One task per choice, putting ``(choice, state, error)`` on one queue; a final
-        ``StopAsyncIteration`` marks each choice's end."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, ids, params, rid, room):
-            try:
-                async for st in self.gen.stream(ids, params, rid, disagg=room):
-                    await queue.put((i, st, None))
-            except Exception as e:
-                await queue.put((i, None, e))
-            finally:
-                await queue.put((i, None, StopAsyncIteration()))
-
-        tasks = [
-            asyncio.create_task(pump(i, ids, p, rid, room))
-            for i, ((ids, p), rid, room) in enumerate(zip(jobs, rids, rooms))
-        ]
-        return queue, tasks
+    def _choice(self, i: int, st, jobs, body, chat: bool, tools, reasoning) -> dict[str, Any]:
+        """Choice ``i`` of a whole answer: a chat message, or a completion's text (after the prompt
+        with ``echo``)."""
+        echo = not chat and body.echo
+        c: dict[str, Any] = {
+            "index": i,
+            "logprobs": logprobs(st, chat, self.token_text, echo=echo),
+            "finish_reason": finish_reason(st),
+            "matched_stop": matched_stop(st),
+        }
+        if chat:
+            c["message"], c["finish_reason"] = chat_message(st, tools, reasoning)
+        else:
+            c["text"] = (self._echo_text(i, jobs[i][0], body) if echo else "") + st.visible
+        return c
 
     def _echo_text(self, j: int, ids: list[int], body) -> str:
         """The prompt of choice ``j`` as the client sent it (choices are n per prompt, in order)."""
@@ -493,128 +278,3 @@ class OpenAIServing:
         if isinstance(text, list):
             return text[j // body.n]
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
-    @staticmethod
-    def _usage(states: list[GenState | None], jobs, n: int) -> dict:
-        """Usage of a request's choices (``n`` per prompt, in order; None: a choice that failed). A
-        prompt and its cached tokens count once, from its first choice, whatever ``n`` (SGLang's rule)."""
-        firsts = range(0, len(jobs), n)
-        p = sum(len(jobs[i][0]) for i in firsts)
-        c = sum(len(s.output_ids) for s in states if s is not None)
-        cached = sum(states[i].cached_tokens for i in firsts if states[i] is not None)
-        return {
-            "prompt_tokens": p,
-            "completion_tokens": c,
-            "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    async def _stream(
-        self, base, jobs, model, created, chat, usage, queue, tasks, early, tools=None, echo=None, reasoning=None
-    ) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        include_usage, continuous_usage, n = usage
-
-        def chunk(
-            i: int, delta_text: str | None, st: GenState | None, fr=None, lp=None, role=False, calls=None,
-            thought: str | None = None,
-        ) -> dict:  # fmt: skip
-            c: dict[str, Any] = {"index": i, "logprobs": lp, "finish_reason": fr}
-            c["matched_stop"] = matched_stop(st) if fr is not None and st is not None else None
-            if chat:
-                delta: dict[str, Any] = {"reasoning_content": thought}  # as in the message (SGLang's deltas)
-                if role:
-                    delta["role"] = "assistant"
-                if delta_text is not None:
-                    delta["content"] = delta_text
-                if calls is not None:
-                    delta["tool_calls"] = calls
-                c["delta"] = delta
-            else:
-                c["text"] = delta_text or ""
-            out = {"id": base, "object": obj, "created": created, "model": model, "choices": [c]}
-            if continuous_usage:  # vLLM's and SGLang's: this choice's usage so far, in every chunk
-                p, k = len(jobs[i][0]), len(st.output_ids) if st is not None else 0
-                out["usage"] = {"prompt_tokens": p, "completion_tokens": k, "total_tokens": p + k}
-            return out
-
-        shown = [0] * len(jobs)
-        thought_shown = [0] * len(jobs)
-        calls_sent = [0] * len(jobs)
-        tok_shown = [0] * len(jobs)
-        final: list[GenState | None] = [None] * len(jobs)
-        live = len(jobs)
-        try:
-            if chat:
-                for i in range(len(jobs)):
-                    yield sse(chunk(i, "", None, role=True))
-            echoed = [echo is None] * len(jobs)
-            while live:
-                # An item says that choice i changed. Its state is the live one, which its pump may
-                # have advanced further before this loop got here, so one item may find several
-                # steps' tokens and a later item of the same choice nothing new (skipped below).
-                i, st, err = early.pop(0) if early else await queue.get()
-                if isinstance(err, StopAsyncIteration):
-                    live -= 1
-                    continue
-                if err is not None:
-                    yield sse(error_body(str(err), getattr(err, "type", "internal_error")))
-                    continue
-                if final[i] is not None:
-                    continue  # the choice has ended: a late item
-                e = st.error()
-                if e is not None and not st.output_ids:
-                    yield sse(e.to_dict())
-                    final[i] = st
-                    continue
-                if not echoed[i] and not (st.output_ids or st.finished):
-                    continue  # the echo waits until the whole prompt is scored
-                text, new_thought = st.visible, ""
-                if reasoning is not None:
-                    part = reasoning.split(text, st.finished)
-                    text = part.content
-                    if reasoning.stream or part.closed or st.finished:  # stream_reasoning false: whole, once
-                        new_thought = (part.reasoning or "")[thought_shown[i] :]
-                        thought_shown[i] += len(new_thought)
-                text, calls = split_calls(tools, text, st) if tools else (text, None)
-                new_text = text[shown[i] :]
-                shown[i] = max(shown[i], len(text))
-                new_tokens = len(st.output_ids) - tok_shown[i]
-                lp = self._logprobs(st, chat, tok_shown[i], echo=not echoed[i])
-                if new_thought:  # the reasoning first (with this step's logprobs), then the answer's text
-                    yield sse(chunk(i, None, st, lp=lp, thought=new_thought))
-                    lp = None
-                if not echoed[i]:  # the first chunk of an echoed completion begins with the prompt
-                    new_text, echoed[i] = echo[i] + new_text, True
-                tok_shown[i] = len(st.output_ids)
-                fr = finish_reason(st)
-                for j, call in enumerate((calls or [])[calls_sent[i] :], start=calls_sent[i]):
-                    # As OpenAI streams a call: its id and name first, then the arguments.
-                    d = call.to_openai(index=j)
-                    args, d["function"] = d["function"]["arguments"], {"name": call.name, "arguments": ""}
-                    yield sse(chunk(i, None, st, calls=[d]))
-                    yield sse(chunk(i, None, st, calls=[{"index": j, "function": {"arguments": args}}]))
-                    calls_sent[i] = j + 1
-                if calls_sent[i]:
-                    fr = tool_finish_reason(st, True)
-                # A chunk before the last carries text or, with logprobs, the tokens whose text is
-                # still held back (an incomplete character, a possible stop string or tool call).
-                if new_text or (lp is not None and new_tokens) or st.finished:
-                    yield sse(chunk(i, new_text, st, fr, lp))
-                if st.finished:
-                    final[i] = st
-            if include_usage:
-                yield sse(
-                    {
-                        "id": base,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": self._usage(final, jobs, n),
-                    }
-                )
-            yield "data: [DONE]\n\n"
-        finally:
-            for t in tasks:
-                t.cancel()

@@ -1,5 +1,5 @@
 """``POST /v1/responses`` and ``GET /v1/responses/{id}``: a Responses request becomes a chat request
-(``responses.py`` converts), runs on the chat path (``OpenAIServing.chat_job``: template, tools'
+(``responses_input.py`` converts), runs on the chat path (``OpenAIServing.chat_job``: template, tools'
 grammar, structured output, one validation) and is answered as a response object or its event stream."""
 
 from __future__ import annotations
@@ -13,21 +13,18 @@ from pydantic import ValidationError as PydanticValidationError
 from ..errors import KVLedgerError, ValidationError
 from .auth import current_principal
 from .generation import GenState
-from .openai_api import ChatJob, OpenAIServing, split_calls
+from .openai_api import ChatJob, OpenAIServing
+from .openai_format import split_calls
 from .protocol import ChatRequest, ResponsesRequest
-from .responses import (
-    OutputBuilder,
-    ResponseStore,
-    Stored,
+from .responses import OutputBuilder, new_id, now, usage
+from .responses_input import (
     chat_response_format,
     chat_tool_choice,
     chat_tools,
     input_messages,
-    new_id,
-    now,
     output_messages,
-    usage,
 )
+from .responses_store import ResponseStore, Stored
 
 STATUS = {"stop": "completed", "length": "incomplete", "abort": "failed"}  # by finish type
 ITEM_STATUS = {"completed": "completed", "incomplete": "incomplete", "failed": "incomplete"}  # its items

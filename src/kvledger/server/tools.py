@@ -1,7 +1,8 @@
-"""Tool calling: the tool-call formats models are trained on (``--tool-call-parser``), how a
-conversation with tools is rendered, and parsing a completion (whole, or as it streams) into OpenAI
-``tool_calls``. The grammar that enforces ``tool_choice`` and ``parallel_tool_calls`` is built from
-each format's pieces in ``tool_grammar``.
+"""Tool calling: the tool-call formats models are trained on (``--tool-call-parser``), each written
+(a call, a system prompt describing the tools) and parsed from a completion (whole, or as it
+streams) into OpenAI ``tool_calls``. A request's tools are checked and rendered into its
+conversation in ``tool_requests``; the grammar that enforces ``tool_choice`` and
+``parallel_tool_calls`` is built from each format's pieces in ``tool_grammar``.
 
 Formats:
 - ``hermes`` / ``qwen``: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (one
@@ -21,8 +22,6 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ..errors import ValidationError
-
 
 @dataclass
 class ToolCall:
@@ -37,7 +36,7 @@ class ToolCall:
         return d
 
 
-def _loads_object(text: str) -> dict | None:
+def loads_object(text: str) -> dict | None:
     try:
         v = json.loads(text)
     except json.JSONDecodeError:
@@ -136,7 +135,7 @@ class HermesParser(ToolParser):
             j = text.find(self.end, i)
             if not text.startswith(self.start, i) or j < 0:
                 return calls, done
-            call = self._call(_loads_object(text[i + len(self.start) : j].strip()))
+            call = self._call(loads_object(text[i + len(self.start) : j].strip()))
             if call is None:
                 return calls, done
             calls.append(call)
@@ -222,84 +221,3 @@ PARSERS: dict[str, type[ToolParser]] = {
 
 def make_parser(name: str) -> ToolParser:
     return PARSERS[name]()
-
-
-# -- requests -----------------------------------------------------------------------------------------
-def check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
-    """Validate ``tools`` and ``tool_choice``; returns the tools and the forced function's name
-    (``"*"`` for ``required``, None for ``auto``). ``none`` or no tools: ``([], None)``."""
-    if tools is None:
-        if tool_choice not in (None, "none", "auto"):
-            raise ValidationError("tool_choice needs tools", param="tool_choice")
-        return [], None
-    if not isinstance(tools, list) or not tools:
-        raise ValidationError("tools must be a non-empty list", param="tools")
-    names = []
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise ValidationError(
-                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param=f"tools.{i}"
-            )
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValidationError(
-                f"tools[{i}].function.name must be a non-empty string", param=f"tools.{i}.function.name"
-            )
-        params = fn.get("parameters", {"type": "object"})
-        if not isinstance(params, dict):
-            raise ValidationError(
-                f"tools[{i}].function.parameters must be a JSON schema object",
-                param=f"tools.{i}.function.parameters",
-            )
-        names.append(fn["name"])
-    if len(set(names)) != len(names):
-        raise ValidationError("tool names must be distinct", param="tools")
-    if tool_choice in (None, "auto"):
-        return tools, None
-    if tool_choice == "none":
-        return [], None
-    if tool_choice == "required":
-        return tools, "*"
-    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise ValidationError(
-            "tool_choice must be none, auto, required or {'type': 'function', 'function': {'name': ...}}",
-            param="tool_choice",
-        )
-    if name not in names:
-        raise ValidationError(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
-    return tools, name
-
-
-def render_messages(
-    messages: list[dict], tools: list[dict], parser: ToolParser, template_has_tools: bool
-) -> list[dict]:
-    """Messages for the chat template. With a template that knows tools, assistant ``tool_calls`` get
-    their arguments as objects (what such templates expect); without one, the tools become a system
-    message and earlier calls are written as the parser's text."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        calls = m.pop("tool_calls", None) or []
-        parsed = []
-        for c in calls:
-            fn = c.get("function", {}) if isinstance(c, dict) else {}
-            args = fn.get("arguments", "{}")
-            args = _loads_object(args) if isinstance(args, str) else args
-            parsed.append((fn.get("name", ""), args if isinstance(args, dict) else {}))
-        if parsed and template_has_tools:
-            m["tool_calls"] = [
-                {"type": "function", "function": {"name": n, "arguments": a}} for n, a in parsed
-            ]
-        elif parsed:
-            text = parser.format_calls(parsed)
-            m["content"] = f"{m.get('content') or ''}\n{text}".strip()
-        out.append(m)
-    if tools and not template_has_tools:
-        prompt = parser.system_prompt([t["function"] for t in tools])
-        if out and out[0].get("role") == "system":
-            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".strip()}
-        else:
-            out.insert(0, {"role": "system", "content": prompt})
-    return out

@@ -13,7 +13,7 @@ from ...compat import refusal_error
 from ...errors import ValidationError
 from ..admission import check_fanout, check_prompt_tokens, prompt_count
 from ..handlers import parse_body
-from ..openai_api import sse
+from ..openai_format import sse
 from ..protocol import GenerateRequest
 from ..state import state
 

@@ -1,0 +1,61 @@
+"""The first step of the composition root: the model read (unless the caller did) and this rank's
+shard of it built in the dtype the settings resolve to, checked against the settings; from here on
+the settings name what runs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import Comm
+from ..compat import check_model
+from ..config import EngineConfig
+from ..engine.resources import auto_stored, resolve_dtype
+from ..engine.weights import checkpoint_shapes
+from ..memory import release_window
+from ..model import LlamaModel, load_model
+from ..model.chat_templates import read_chat_template
+from ..model.loader import LoadedModel
+from ..parallel.ranks import model_quantization, sharded_model
+from ..parallel.shard import check_tp
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """The model as read and built for this rank, and how long each took."""
+
+    loaded: LoadedModel
+    model: LlamaModel
+    dtype: torch.dtype
+    weight_shapes: dict  # the checkpoint's, what a weight update must match
+    t_read: float
+    t_model: float
+
+
+def build_model(
+    cfg: EngineConfig, loaded: LoadedModel | None, device: str, comm: Comm, t0: float
+) -> tuple[EngineConfig, BuiltModel]:
+    """Read the model (unless the caller did) and build this rank's shard of it in the dtype the
+    settings resolve to; checked against the settings (TP's divisibility, the compatibility table).
+    Returns the settings naming what runs (device, quantization, attention backend) and the model."""
+    if cfg.model.chat_template:  # a bad template stops the start before the model is read
+        read_chat_template(cfg.model.chat_template)
+    loaded = loaded or load_model(cfg.model.model)
+    t_read = time.monotonic() - t0
+    mc = loaded.config
+    weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
+    check_tp(mc, cfg.parallel.tp_size)
+    stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
+    dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
+    model = sharded_model(cfg, loaded, comm, dtype, device)
+    t_model = time.monotonic() - t0 - t_read
+    # From here on the settings name what runs (the L3 cache keys, /get_server_info).
+    cfg = cfg.replace(
+        device=device, quantization=model_quantization(cfg, loaded, dtype, device), attention_backend=model.attention
+    )
+    # The model's own features against the settings' (the compatibility table).
+    check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
+    check_model(cfg, device, ["routed_experts"] if mc.num_experts else [], detail=mc.arch)
+    return cfg, BuiltModel(loaded, model, dtype, weight_shapes, t_read, t_model)
