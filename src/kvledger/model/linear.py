@@ -186,17 +186,8 @@ class Linear(nn.Module):
             self.w = nn.Parameter(self._cast(dense(w)), requires_grad=False)
         if self.qw is not None:
             self.mode = quantization
-        elif self.mode == "int8":
-            q, scale = quantize_int8(dense(w))
-            self.q = q.to(self.device)
-            self.q_scale = scale.to(device=self.device, dtype=self.dtype)
-        elif self.mode == "int4":
-            q, scale, zero = quantize_int4(dense(w))
-            self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(self.device), 1)
-            # [K/group, N, 2]: the layout the int4 kernel reads
-            self.q_scale = (
-                torch.stack([scale.t(), zero.t()], dim=-1).to(device=self.device, dtype=self.dtype).contiguous()
-            )
+        elif self.mode in ("int8", "int4"):
+            self._torch_quantized(dense(w))
         # An opaque oneDNN tensor; a plain attribute (not a parameter: module utilities that walk
         # parameters, such as weight_bytes or state_dict, cannot read its storage).
         self.packed: torch.Tensor | None = None
@@ -216,6 +207,21 @@ class Linear(nn.Module):
             wb = self._cast(self.qw.rows())
             if can_prepack(wb):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(wb, PACK_ROWS_HINT)
+
+    def _torch_quantized(self, w: torch.Tensor) -> None:
+        """``q`` and ``q_scale`` for torch's int8/int4 weight-only kernels (a layer the kvledger kernel
+        does not serve: no kernels, or a shape without whole blocks)."""
+        if self.mode == "int8":
+            q, scale = quantize_int8(w)
+            self.q = q.to(self.device)
+            self.q_scale = scale.to(device=self.device, dtype=self.dtype)
+            return
+        q, scale, zero = quantize_int4(w)
+        self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(self.device), 1)
+        # [K/group, N, 2]: the layout the int4 kernel reads
+        self.q_scale = (
+            torch.stack([scale.t(), zero.t()], dim=-1).to(device=self.device, dtype=self.dtype).contiguous()
+        )
 
     def split_gated(self) -> None:
         """For a SwiGLU MLP's ``gate_up`` (gate rows, then up rows) with the AMX copy: that copy as two
