@@ -240,3 +240,34 @@ def test_the_default_model_keeps_its_files_blocks_within_1_3x_the_file():
     down = net.layers[7].mlp.down.qw
     via_float = pack(sample["model.layers.7.mlp.down_proj.weight"].dequantize(), 4)
     assert torch.equal(down.w, via_float.w) and torch.equal(down.scales, via_float.scales)
+
+
+@needs_kernels
+def test_an_untied_kquant_embedding_stays_the_files_blocks(tmp_path, monkeypatch):
+    """A Q4_K_M file's untied Q4_K token table is kept as its blocks (rows dequantized as looked up),
+    not a bfloat16 copy (the Llama-shape 1.2B: 54 MiB against 192): the same tokens as with the copy,
+    and counted in the weights held."""
+    from kvledger.model.models.base import Builder
+
+    src = build_tiny_model(
+        str(tmp_path / "hf"), "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64,
+    )  # fmt: skip
+    path = str(tmp_path / "tiny-emb.gguf")
+    write_gguf(src, path, "Q4_K", kinds={"embed": "Q4_K", "down_proj": "Q6_K"}, kd=0.0005)
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    prompts = [[5, 9, 33, 7] * 20, [100, 3], [17]]
+    outs, held = [], []
+    for blocks in (True, False):
+        if not blocks:
+            monkeypatch.setattr(Builder, "_embed_table", lambda self, raw: self.cast(raw))
+        eng = Engine(path, dtype="bfloat16", page_size=16, max_total_tokens=1024)
+        emb = eng.core.model.net.embed.weight
+        assert isinstance(emb, GgufWeight) == blocks
+        held.append(eng.core.model.weight_bytes())
+        outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
+        assert_idle_clean(eng)
+        eng.shutdown()
+    assert outs[0] == outs[1] and all(len(o) == 8 for o in outs[0])
+    vocab, hidden = 256, 256
+    assert held[1] - held[0] == vocab * hidden * 2 - vocab * hidden // 256 * 144  # bf16 table - Q4_K blocks

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..comm import Comm
 from ..errors import ModelLoadError
+from ..kernels.quant import GgufWeight, PackedWeight
 from .attention import AttentionBackend, KVBuffer, attention_context, new_handle, sdpa_backends
 from .attention_cpu import make_backend, resolve_backend
 from .batch import ForwardBatch
@@ -133,7 +134,12 @@ class CausalLM:
             if ptr not in seen:
                 seen.add(ptr)
                 n += t.untyped_storage().nbytes()
-        return n + sum(m.packed_bytes() for m in self.net.modules() if isinstance(m, Linear))
+        n += sum(m.packed_bytes() for m in self.net.modules() if isinstance(m, Linear))
+        # an untied embedding kept as the file's blocks (a tied one is the LM head's copy, counted above)
+        emb = self.net.embed.weight
+        if isinstance(emb, (PackedWeight, GgufWeight)) and emb is not self.net.lm_head.linear.qw:
+            n += emb.nbytes()
+        return n
 
     def greedy_head(self, rows: int) -> bool:
         """Whether a forward of ``rows`` sampled rows may return greedy tokens (``forward(greedy=True)``):

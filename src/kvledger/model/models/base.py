@@ -10,20 +10,22 @@ the registry (``registry.py``) maps HF ``model_type`` names (and GGUF architectu
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
 from ...comm import Comm
 from ...errors import ModelLoadError
-from ...kernels.quant import GgufWeight
+from ...kernels.quant import GGUF_KERNEL_KINDS, GgufWeight
 from ..config import ModelConfig
 from ..gguf_map import DECODER, GGUFMeta
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
 from ..linear import Linear
-from ..quantized import BlockWeight, Weight, cat_rows, dense
+from ..quantized import PACKED_BITS, BlockWeight, Weight, cat_rows, dense
 
 
 @dataclass
@@ -131,11 +133,30 @@ class Builder:
             and lm.qw is not None
             and (raw_embed.kind == "Q8_0" or isinstance(lm.qw, GgufWeight))
         )
-        table = lm.qw if shared else self.cast(raw_embed)
+        table = lm.qw if shared else self._embed_table(raw_embed)
         return (
             VocabEmbedding(table, self.dtype, self.comm, embed_scale),
             LMHead(lm, cfg.vocab_size, self.comm, softcap),
         )
+
+
+    def _embed_table(self, raw: Weight) -> torch.Tensor | GgufWeight:
+        """An untied embedding's table: in a quantized mode on the CPU, a kind ``gguf_linear`` reads
+        other than Q4_1/Q8_0 stays the file's blocks (``GgufWeight``, its rows dequantized as looked
+        up: a Q4_K_M file's Q4_K table of 49k x 2048 is 54 MiB as stored, 192 MiB in bfloat16);
+        otherwise the table in the model dtype."""
+        if (
+            self.quantization is not None
+            and torch.device(self.device).type == "cpu"
+            and isinstance(raw, BlockWeight)
+            and raw.kind in GGUF_KERNEL_KINDS
+            and raw.kind not in PACKED_BITS
+        ):
+            with warnings.catch_warnings():  # a view of the read-only memory map; only ever read
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(np.ascontiguousarray(raw.raw))
+            return GgufWeight(((raw.kind, raw.shape[0]),), raw.shape[1], blocks)
+        return self.cast(raw)
 
 
 class CausalNet(nn.Module):
