@@ -107,7 +107,9 @@ class ModelRunner:
                 for layer in range(self.kv_buffer.k.shape[0]):
                     connector.wait_for_layer_load(layer)
             return ModelRunnerOutput.empty(0) if sample else None
-        if self.threads is not None:
+        # Not under torch.compile: its graphs guard on torch's thread count (a change recompiles the
+        # forward, seconds of compilation each time a core comes or goes).
+        if self.threads is not None and getattr(self.model, "compiled", None) is None:
             self.threads.tick()
         if self.graphs is not None:
             logits = self.graphs.try_run(sched, connector)  # None: this step runs eager (counted)
