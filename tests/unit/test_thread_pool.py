@@ -94,11 +94,19 @@ def test_pool_governor_judges_waits_against_the_chunks_length():
     before = kernels.pool_stats()["threads"]
     kernels.set_threads(2)
     try:
-        kernels.set_governor(True)  # resets the rule's windows and counts
-        for _ in range(60):  # ~360 ms of compute: several 50 ms windows
-            torch.ops.kvledger_cpu.pool_cover(3, 1, 2000, 0)
-        stats = kernels.pool_stats()
-        assert stats["drops"] == 0 and stats["active"] == 2, stats
+        # Up to three tries: a loaded box (a CI runner, the suite's own servers) may really take a core
+        # for three windows in a row, and then a drop is right. The old rule dropped on every try: each
+        # job's wait for the second chunk was ~2 ms, over its 200 us.
+        tries = []
+        for _ in range(3):
+            kernels.set_governor(True)  # resets the rule's windows and counts
+            for _ in range(60):  # ~360 ms of compute: several 50 ms windows
+                torch.ops.kvledger_cpu.pool_cover(3, 1, 2000, 0)
+            tries.append(kernels.pool_stats())
+            if tries[-1]["drops"] == 0:
+                break
+        assert tries[-1]["drops"] == 0 and tries[-1]["active"] == 2, tries
+        kernels.set_governor(True)
         for _ in range(100):  # ~300 ms of late jobs: more than three windows in a row
             torch.ops.kvledger_cpu.pool_cover(8, 1, 100, 3000)
         assert kernels.pool_stats()["drops"] >= 1, kernels.pool_stats()
