@@ -132,3 +132,26 @@ def test_the_check_catches_an_undeclared_import(tmp_path):
     assert "import msgpack" in problems[0] and "not a core dependency" in problems[0]
     assert "import sglang_router" in problems[1] and "lazily" in problems[1]
 
+
+
+def test_every_file_the_package_reads_at_run_time_is_package_data():
+    """A non-editable install (a wheel) carries the kernels' C++ sources, which kernels/__init__.py
+    builds at first use, and the dashboard's HTML: every such file matches a ``package-data`` pattern
+    (before, the wheel had no csrc/ and an install from it silently ran without the kernels)."""
+    import fnmatch
+
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    needed = [*(SRC / "kernels" / "csrc").iterdir(), *(SRC / "server" / "static").glob("*.html")]
+    assert needed
+    for f in needed:
+        if f.suffix not in (".cpp", ".h", ".html"):
+            continue
+        covered = any(
+            fnmatch.fnmatch(str(f.relative_to(ROOT / "src" / Path(*pkg.split(".")))), pat)
+            for pkg, pats in data.items()
+            if f.is_relative_to(ROOT / "src" / Path(*pkg.split(".")))
+            for pat in pats
+        )
+        assert covered, f"{f.relative_to(ROOT)} is in no package-data pattern of pyproject.toml"
