@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -275,3 +279,14 @@ def mixed_layer_batch(page_size: int, reqs=MIXED_LAYER_REQS):
     runner = ModelRunner.__new__(ModelRunner)
     runner.page_table, runner.sparse = table, None
     return runner.build(sched), nxt * page_size
+
+
+def load_bench_script(name: str) -> ModuleType:
+    """bench/<name>.py imported as the module ``bench_<name>`` (registered in ``sys.modules`` first:
+    dataclasses look their module up while the class is built)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -8,10 +8,7 @@ skip, and fail where .ci/run sets KVLEDGER_CI_NO_SKIP."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import openai
 import pytest
@@ -20,21 +17,10 @@ import torch
 from kvledger import Engine
 from kvledger.model.chat_templates import BUILTIN_TEMPLATES, template_stop_ids
 from kvledger.model.loader import load_tokenizer
-from tests.helpers import assert_idle_clean
+from tests.helpers import assert_idle_clean, load_bench_script
 from tests.integration.conftest import started_server
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _real_models():
-    spec = importlib.util.spec_from_file_location("bench_real_models", ROOT / "bench" / "real_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_real_models"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-GEMMA = _real_models().find_gemma()
+GEMMA = load_bench_script("real_models").find_gemma()
 pytestmark = pytest.mark.skipif(
     GEMMA is None, reason="the Gemma 3 270M Q4_K_M file is absent (python bench/real_models.py fetch)"
 )

@@ -6,22 +6,17 @@ the cores given, llama-server's slots big enough for every row, both clients on 
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import load_bench_script
 
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("bench_compare", ROOT / "bench" / "compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_compare"] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
+    mod = load_bench_script("compare")
     yield mod
     sys.modules.pop("bench_compare", None)
 

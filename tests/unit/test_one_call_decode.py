@@ -17,7 +17,7 @@ import torch
 
 from kvledger import Engine, kernels
 from kvledger.model import causal_lm
-from tests.helpers import assert_idle_clean, hf_greedy
+from tests.helpers import assert_idle_clean, build_tiny_model, hf_greedy
 from tests.unit.test_families import build_family
 
 pytestmark = pytest.mark.skipif(not kernels.load(), reason=f"CPU kernels unavailable: {kernels.status()}")
@@ -35,19 +35,7 @@ CASES = {
 
 def _build(path: str, family: str) -> str:
     if family == "qwen3":  # Llama's layer with per-head q/k norms: test_model_parity's tiny config
-        import transformers
-
-        from tests.helpers import TINY_CONFIG
-
-        torch.manual_seed(0)
-        cfg = transformers.Qwen3Config(**{**TINY_CONFIG, "pad_token_id": 0})
-        model = transformers.Qwen3ForCausalLM(cfg).float().eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name:
-                    p.mul_(2.5)
-        model.save_pretrained(path)
-        return path
+        return build_tiny_model(path, "qwen3", pad_token_id=0)
     build_family(path, family, **CASES[family])
     if family == "gemma2":  # (build_family drops None settings: transformers' default cap would stand)
         cfg = json.loads((Path(path) / "config.json").read_text())
