@@ -153,7 +153,8 @@ LLAMA_1B_NAME = "llama-shape-1.2b-q4_k_m.gguf"
 
 def make_llama(llama_cpp: Path, directory: str | None = None) -> Path:
     """The Llama-shape 1.2B Q4_K_M file (made once; reused when present). Needs torch, transformers,
-    the shipped SmolLM2 file (its tokenizer), and llama.cpp's converter and quantizer."""
+    the shipped SmolLM2 file (its tokenizer), llama.cpp's converter and quantizer, and
+    ``sentencepiece`` (the converter imports it before it falls back to the BPE tokenizer)."""
     import importlib.util
     import shutil
     import tempfile

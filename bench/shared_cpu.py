@@ -81,9 +81,11 @@ class Server:
         try:
             wait_up(f"http://127.0.0.1:{self.port}/health", self.proc)
         except RuntimeError as e:
-            tail = Path(self.log.name).read_text(errors="replace").splitlines()[-20:]
+            log, self.log = self.log, None  # kept: stop() removes only the logs of servers that started
+            log.close()
+            tail = Path(log.name).read_text(errors="replace").splitlines()[-20:]
             raise RuntimeError(
-                f"{self.label}: {e}; its output ({self.log.name}) ends:\n" + "\n".join(tail)
+                f"{self.label}: {e}; its output ({log.name}) ends:\n" + "\n".join(tail)
             ) from None
 
     def stop(self) -> None:
@@ -93,6 +95,10 @@ class Server:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        if self.log is not None:  # kept only for a start that failed (its path is in that error)
+            self.log.close()
+            os.unlink(self.log.name)
+            self.log = None
 
     def one(self, prompt: list[int], tokens: int, deadline: float) -> int:
         """One streamed request; the tokens received by ``deadline``."""
