@@ -19,7 +19,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import MoE
 from .linear import Linear, place_packed_weights, use_amx
-from .models.base import Builder
+from .models.builder import Builder
 from .models.registry import family_for, supported
 
 DECODE_IN_ONE_CALL = True
