@@ -115,7 +115,7 @@ def offline_speed(args, model: str, res: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from kvledger import Engine
-    from kvledger.model.attention import sdpa_backends
+    from kvledger.model.attention_context import sdpa_backends
 
     dev = args.device
     gen = {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True}
@@ -137,17 +137,17 @@ def offline_speed(args, model: str, res: dict) -> None:
         # The same single stream with torch's own SDPA choice (cuDNN first on Hopper): the before figure.
         from torch.nn.attention import SDPBackend
 
-        from kvledger.model import attention
+        from kvledger.model import attention_context
 
-        kept = attention.CUDA_SDPA_BACKENDS
-        attention.CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *kept]
+        kept = attention_context.CUDA_SDPA_BACKENDS
+        attention_context.CUDA_SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, *kept]
         try:
             sync(dev)
             t = time.perf_counter()
             eng.generate(input_ids=rand_prompts(1, 128, 555)[0], sampling_params=gen)
             sync(dev)
         finally:
-            attention.CUDA_SDPA_BACKENDS = kept
+            attention_context.CUDA_SDPA_BACKENDS = kept
         speed["c1_out_tok_s_torch_sdpa_choice"] = round(128 / (time.perf_counter() - t), 1)
         log.info("kvledger offline c=1 with torch's SDPA choice: %s", speed["c1_out_tok_s_torch_sdpa_choice"])
     times = []

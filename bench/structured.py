@@ -37,7 +37,7 @@ NAMES = ["Alice", "Bob", "Chen", "Dana", "Eve", "Farid", "Grace", "Hugo"]
 
 def timed_masks():
     """Wrap GrammarState.masks to add up the time the scheduler spends filling bitmasks."""
-    from kvledger.constrained.grammar import GrammarState
+    from kvledger.constrained.matcher import GrammarState
 
     spent = {"s": 0.0, "calls": 0}
     inner = GrammarState.masks

@@ -172,7 +172,7 @@ def test_cuda_index_past_the_devices_is_refused():
 @needs_cuda
 def test_cuda_attention_never_builds_cudnn_plans(make_engine):
     """cuDNN's SDPA builds an execution plan per new shape, and a decode's KV length is new at every
-    step (``attention.CUDA_SDPA_BACKENDS``): no forward of a bf16 run (a prefill, one stream, a batch
+    step (``attention_context.CUDA_SDPA_BACKENDS``): no forward of a bf16 run (a prefill, one stream, a batch
     of decodes, a cached prefix) may call it, where torch would otherwise pick it."""
     from torch.profiler import ProfilerActivity, profile
 

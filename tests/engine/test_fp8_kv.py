@@ -13,7 +13,7 @@ import torch
 from kvledger import kernels
 from kvledger.config import EngineConfig
 from kvledger.errors import ValidationError
-from kvledger.model.attention import FP8_MAX, to_cache
+from kvledger.model.kv_cast import FP8_MAX, to_cache
 from tests.engine.test_disagg import pd  # noqa: F401 (the PD pair fixture)
 
 F8 = torch.float8_e4m3fn

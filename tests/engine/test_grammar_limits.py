@@ -13,7 +13,7 @@ import pytest
 
 from kvledger import Engine, ValidationError
 from kvledger.common import RequestOutput
-from kvledger.constrained import grammar as grammar_mod
+from kvledger.constrained import matcher
 from kvledger.constrained.grammar import GrammarBackend, GrammarSpec
 from tests.helpers import assert_idle_clean
 
@@ -124,7 +124,7 @@ def test_a_grammar_too_costly_to_follow_ends_its_request_alone(chat_loaded, monk
     eng = engine(chat_loaded)
     sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     want = eng.generate(input_ids=[7, 8, 9], sampling_params=sp)["output_ids"]
-    monkeypatch.setattr(grammar_mod, "MASK_CPU_LIMIT_S", 0.0)
+    monkeypatch.setattr(matcher, "MASK_CPU_LIMIT_S", 0.0)
     core = eng.core
     g = core.make_request([5, 6], {"regex": "[ab]{20}", "max_new_tokens": 30}, rid="g")
     n = core.make_request([7, 8, 9], sp, rid="n")

@@ -158,7 +158,7 @@ def grammar_accepts_prefix(schema: dict, text: str) -> bool:
     enforces, from ``json_schema_grammar``), with xgrammar's string matcher."""
     import xgrammar as xgr
 
-    from kvledger.constrained.grammar import json_schema_grammar
+    from kvledger.constrained.json_schema import json_schema_grammar
 
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"]), max_threads=1).compile_grammar(
         json_schema_grammar(schema, "schema", "schema")

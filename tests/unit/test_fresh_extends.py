@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.model.attention import TorchAttention
+from kvledger.model.attention_extend import attend_extends
 
 
 def _case(lengths: list[int], dtype: torch.dtype, seed: int = 0):
@@ -24,7 +24,7 @@ def _case(lengths: list[int], dtype: torch.dtype, seed: int = 0):
     for n in lengths:
         ext.append((start, n, locs[start : start + n], None))
         start += n
-    return TorchAttention(heads, kvh, d), q, k, v, k_cache, v_cache, ext
+    return d**-0.5, q, k, v, k_cache, v_cache, ext
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def _case(lengths: list[int], dtype: torch.dtype, seed: int = 0):
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prompts_together_equal_one_call_each_over_the_pool(lengths, dtype, monkeypatch):
-    attn, q, k, v, k_cache, v_cache, ext = _case(lengths, dtype)
+    scale, q, k, v, k_cache, v_cache, ext = _case(lengths, dtype)
     calls = []
     real = torch.nn.functional.scaled_dot_product_attention
 
@@ -46,10 +46,10 @@ def test_prompts_together_equal_one_call_each_over_the_pool(lengths, dtype, monk
         return real(*a, **kw)
 
     want = torch.empty_like(q)
-    attn.extend(want, q, k_cache, v_cache, ext)  # no k/v: one call per prompt, gathered from the pool
+    attend_extends(want, q, k_cache, v_cache, ext, scale)  # no k/v: one call per prompt, gathered from the pool
     got = torch.empty_like(q)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
-    attn.extend(got, q, k_cache, v_cache, ext, k, v)
+    attend_extends(got, q, k_cache, v_cache, ext, scale, k, v)
     tol = 1e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     if dtype == torch.float32:

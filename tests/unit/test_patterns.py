@@ -11,7 +11,7 @@ import pytest
 from kvledger import ValidationError
 from kvledger.common import Limits, validate_sampling
 from kvledger.common.patterns import compile_pattern
-from kvledger.constrained.grammar import json_schema_grammar
+from kvledger.constrained.json_schema import json_schema_grammar
 from kvledger.constrained.keywords import unsupported_keywords
 from kvledger.scheduler import Req
 from kvledger.scheduler.stop import StopChecker

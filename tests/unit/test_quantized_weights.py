@@ -247,7 +247,7 @@ def test_an_untied_kquant_embedding_stays_the_files_blocks(tmp_path, monkeypatch
     """A Q4_K_M file's untied Q4_K token table is kept as its blocks (rows dequantized as looked up),
     not a bfloat16 copy (the Llama-shape 1.2B: 54 MiB against 192): the same tokens as with the copy,
     and counted in the weights held."""
-    from kvledger.model.models.base import Builder
+    from kvledger.model.models.builder import Builder
 
     src = build_tiny_model(
         str(tmp_path / "hf"), "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4,

@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 from ..common import patterns
+from .disjoint import COMBINATORS, branches_disjoint, is_type
 
 # Describe, do not constrain: allowed anywhere (``$id`` only at the root, see below).
 ANNOTATIONS = frozenset(
@@ -26,7 +27,6 @@ ANNOTATIONS = frozenset(
      "$schema", "$id", "$anchor", "$dynamicAnchor", "$vocabulary", "discriminator"}
 )  # fmt: skip
 DEFINITIONS = ("$defs", "definitions")  # containers of schemas reached by $ref
-COMBINATORS = ("anyOf", "oneOf", "allOf")
 # The keywords xgrammar enforces for each type (with the conditions checked below).
 BY_TYPE: dict[str, frozenset[str]] = {
     "string": frozenset({"minLength", "maxLength", "pattern", "format"}),
@@ -154,7 +154,7 @@ class _Check:
         if not isinstance(values, list) or not isinstance(types, list):
             return
         for v in values:
-            if not any(_is_type(v, x) for x in types):
+            if not any(is_type(v, x) for x in types):
                 self.bad(path, "type", f"the {kw} value {json.dumps(v)} is not of this type")
 
     def combinator(self, s: dict, path: str, kw: str) -> None:
@@ -165,7 +165,7 @@ class _Check:
         if kw == "allOf" and len(branches) > 1:
             self.bad(path, "allOf", "with several schemas, xgrammar enforces none of them")
             return
-        if kw == "oneOf" and not self.disjoint(branches):
+        if kw == "oneOf" and not branches_disjoint(self.root, branches):
             self.bad(
                 path,
                 "oneOf",
@@ -249,105 +249,6 @@ class _Check:
             self.node(extra, f"{path}/{free}")
         if "propertyNames" in s:
             self.node(s["propertyNames"], f"{path}/propertyNames", default_type="string")
-
-    # -- oneOf: branches provably disjoint -------------------------------------------------------
-    def resolve(self, s: Any, depth: int = 0) -> Any:
-        """``s`` with its ``$ref`` followed (inside the document only)."""
-        while isinstance(s, dict) and isinstance(s.get("$ref"), str) and depth < 32:
-            ref, s, depth = s["$ref"], self.root, depth + 1
-            if ref != "#":
-                if not ref.startswith("#/"):
-                    return None
-                for part in ref[2:].split("/"):
-                    s = s.get(part) if isinstance(s, dict) else None
-        return s
-
-    def disjoint(self, branches: list) -> bool:
-        kinds = [self.kind(self.resolve(b)) for b in branches]
-        if any(k is None for k in kinds):
-            return False
-        return all(
-            _kinds_disjoint(kinds[i], kinds[j])
-            for i in range(len(kinds))
-            for j in range(i + 1, len(kinds))
-        )
-
-    def kind(self, s: Any) -> tuple | None:
-        """What decides a branch's values: ("values", [...]) or ("types", {...}, object schema)."""
-        if not isinstance(s, dict):
-            return None
-        if "const" in s:
-            return ("values", [s["const"]])
-        if isinstance(s.get("enum"), list):
-            return ("values", s["enum"])
-        if any(k in s for k in ("$ref", *COMBINATORS)):
-            return None
-        t = s.get("type")
-        types = {t} if isinstance(t, str) else {x for x in t if isinstance(x, str)} if isinstance(t, list) else None
-        if not types:
-            return None
-        return ("types", types, s)
-
-
-def _kinds_disjoint(a: tuple, b: tuple) -> bool:
-    if a[0] == "values" and b[0] == "values":
-        keys = {_value_key(v) for v in a[1]}
-        return not any(_value_key(v) in keys for v in b[1])
-    if a[0] == "values" or b[0] == "values":
-        values, types = (a[1], b[1]) if a[0] == "values" else (b[1], a[1])
-        return not any(_is_type(v, t) for v in values for t in types)
-    if not any(_types_overlap(x, y) for x in a[1] for y in b[1]):
-        return True
-    return a[1] == b[1] == {"object"} and _discriminated(a[2], b[2])
-
-
-def _discriminated(a: dict, b: dict) -> bool:
-    """Two object schemas that require one property with const/enum values that differ."""
-
-    def finite(s: dict, name: str) -> list | None:
-        props, required = s.get("properties"), s.get("required")
-        p = props.get(name) if isinstance(props, dict) else None
-        if not isinstance(p, dict) or not isinstance(required, list) or name not in required:
-            return None
-        if "const" in p:
-            return [p["const"]]
-        return p.get("enum") if isinstance(p.get("enum"), list) else None
-
-    for name in a["properties"] if isinstance(a.get("properties"), dict) else ():
-        va, vb = finite(a, name), finite(b, name)
-        if va is not None and vb is not None and not {_value_key(v) for v in va} & {_value_key(v) for v in vb}:
-            return True
-    return False
-
-
-def _types_overlap(x: str, y: str) -> bool:
-    return x == y or {x, y} == {"integer", "number"}
-
-
-def _is_type(v: Any, t: str) -> bool:
-    if t == "null":
-        return v is None
-    if t == "boolean":
-        return isinstance(v, bool)
-    if t == "string":
-        return isinstance(v, str)
-    if t == "array":
-        return isinstance(v, list)
-    if t == "object":
-        return isinstance(v, dict)
-    is_num = isinstance(v, (int, float)) and not isinstance(v, bool)
-    if t == "integer":
-        return is_num and float(v).is_integer()
-    return is_num and t == "number"
-
-
-def _value_key(v: Any) -> str:
-    """JSON equality (1 == 1.0, true != 1)."""
-    if isinstance(v, bool) or v is None:
-        return json.dumps(v)
-    if isinstance(v, (int, float)):
-        return f"n{float(v)!r}"
-    return json.dumps(v, sort_keys=True)
 
 
 def _search(pattern: str, name: str) -> bool | None:

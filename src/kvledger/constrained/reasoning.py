@@ -30,8 +30,8 @@ class ReasoningGate:
     """One request's grammar behind its reasoning: inactive until ``end_ids`` appear in the output."""
 
     def __init__(self, inner: Any, end_ids: list[int]):
-        """``inner``: the request's ``GrammarState`` (``grammar.py``, which imports this module: the
-        gate names its interface, not its module)."""
+        """``inner``: the request's ``GrammarState`` (``matcher.py``; ``grammar.py``, which imports this
+        module, wraps it: the gate names its interface, not its module)."""
         self.inner = inner
         self.end_ids = list(end_ids)
         self.thinking = True

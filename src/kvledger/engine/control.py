@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import ConflictError, ModelLoadError, ValidationError
-from ..model.lora import read_adapter
+from ..model.lora_adapter import read_adapter
 from ..scheduler import PAUSE_MODES
 from .weights import check_reload_supported, load_replacement
 

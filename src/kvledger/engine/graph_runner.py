@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from ..kernels import triton_decode
 from ..memory import KVBuffer
 from ..model import ForwardBatch, LlamaModel
-from ..model.attention import attention_context
+from ..model.attention_context import attention_context
 from ..model.attention_graph import GraphDecodeAttention, GraphDecodeMeta
 from ..scheduler.output import SchedulerOutput
 from .page_table import PageTable

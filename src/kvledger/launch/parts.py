@@ -18,7 +18,8 @@ from ..hicache import HiCacheConnector, TierBooks, build_tiers
 from ..memory import KVBuffer
 from ..model import LlamaModel
 from ..model.hisparse import SparseWorker
-from ..model.lora import LoraSet, read_adapter
+from ..model.lora import LoraSet
+from ..model.lora_adapter import read_adapter
 from ..parallel.ranks import tp_gather
 
 log = logging.getLogger("kvledger.engine.core")

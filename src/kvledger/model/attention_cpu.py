@@ -41,6 +41,8 @@ from .. import kernels
 from ..config import ATTENTION_BACKENDS
 from ..errors import ModelLoadError
 from .attention import AttentionBackend, TorchAttention
+from .attention_batch import request_spans, sparse_meta, split_batch
+from .attention_extend import attend_extends
 from .batch import ForwardBatch
 
 
@@ -88,7 +90,7 @@ class _CpuMeta:
     flash: tuple[torch.Tensor, ...] | None  # the same columns, extends for the bf16 flash kernel
     long_ext: list  # long extends, for SDPA: BatchSplit.sdpa_ext
     only_decodes: bool
-    sparse: tuple | None = None  # HiSparse decodes (TorchAttention.sparse_meta)
+    sparse: tuple | None = None  # HiSparse decodes (attention_batch.sparse_meta)
     special: list[bool] | None = None  # the layers that take TorchAttention.attend_spans
     spans: list | None = None
 
@@ -162,7 +164,7 @@ class CpuAttention(TorchAttention):
         ]
 
     def prepare(self, batch: ForwardBatch) -> None:
-        sp = self.split(batch, self._in_kernel)
+        sp = split_batch(batch, self._in_kernel)
         i64, dec = torch.int64, bool(sp.dec_tok)
         short: list[list[int]] = [[], [], [], []]
         long: list[list[int]] = [[], [], [], []]
@@ -177,11 +179,11 @@ class CpuAttention(TorchAttention):
             tuple(torch.tensor(col, dtype=i64) for col in long) if long[0] else None,
             self._additive(sp.sdpa_ext),
             not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) == batch.num_tokens,
-            self.sparse_meta(sp),
+            sparse_meta(sp),
         )
         batch.attn_meta.special = special = self.special_layers(batch)
         if special is not None:
-            batch.attn_meta.spans = self.spans(batch)
+            batch.attn_meta.spans = request_spans(batch)
 
     def forward(self, layer, q, k, v, kv_buffer, batch):
         k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]
@@ -206,7 +208,7 @@ class CpuAttention(TorchAttention):
         if meta.flash is not None:
             self.flash_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale, self.flash_amx)
         if meta.long_ext:
-            self.extend(out.view_as(q), q, k_cache, v_cache, meta.long_ext, k, v)
+            attend_extends(out.view_as(q), q, k_cache, v_cache, meta.long_ext, self.scale, k, v)
         if meta.sparse is not None:
             self.sparse_decode(layer, q, k, v, kv_buffer, batch, out, meta.sparse)
         return out

@@ -12,13 +12,14 @@ from torch import nn
 from ..comm import Comm
 from ..errors import ModelLoadError
 from ..kernels.quant import GgufWeight, PackedWeight
-from .attention import AttentionBackend, KVBuffer, attention_context, new_handle, sdpa_backends
+from .attention import AttentionBackend, KVBuffer
+from .attention_context import attention_context, new_handle, sdpa_backends
 from .attention_cpu import make_backend, resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import MoE
 from .linear import Linear, place_packed_weights, use_amx
-from .models.base import Builder
+from .models.builder import Builder
 from .models.registry import family_for, supported
 
 DECODE_IN_ONE_CALL = True

@@ -1,7 +1,7 @@
 """LoRA adapters of the base model (S-LoRA's serving: many adapters, one base, one forward).
 
-An adapter is what peft saves: ``adapter_config.json`` (rank, alpha, target modules) and
-``adapter_model.safetensors`` (``...layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`` ``[r, in]`` and
+An adapter is what peft saves (read and checked by ``lora_adapter.py``): ``adapter_config.json``
+(rank, alpha, target modules) and ``adapter_model.safetensors`` (``...layers.{i}.{self_attn|mlp}.{name}.lora_A.weight`` ``[r, in]`` and
 ``lora_B.weight`` ``[out, r]``). Its delta on a projection is ``scale * (x @ A.T) @ B.T``, computed in
 float32 and added to the base projection's output, whatever that is (bf16 GEMM, the quantized
 kernels over a GGUF file's blocks, float32): the base weights are never touched, so adapters of
@@ -22,10 +22,6 @@ decode, compiled graphs) are not taken when a batch has adapter rows.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -34,91 +30,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
 
 from ..errors import ValidationError
-
-# The projections an adapter may target, by the fused layer that runs them (attribute of a layer).
-FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-         "down": ("down_proj",)}  # fmt: skip
-MODULES = tuple(m for ms in FUSED.values() for m in ms)
-_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-@dataclass
-class LoraAdapter:
-    """One adapter as loaded: its per-(layer, module) ``(A [r, in], B [out, r] * scale)`` float32."""
-
-    name: str
-    path: str
-    rank: int
-    alpha: float
-    fingerprint: str  # sha256 of its files: the prefix cache's namespace for it
-    target_modules: list[str]
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False, default_factory=dict)
-
-    def info(self) -> dict:
-        return {"name": self.name, "path": self.path, "rank": self.rank, "alpha": self.alpha,
-                "target_modules": self.target_modules}  # fmt: skip
-
-
-def _bad(message: str) -> ValidationError:
-    return ValidationError(message, param="lora_path", code="invalid_lora_adapter")
-
-
-def read_adapter(name: str, path: str, max_rank: int | None) -> LoraAdapter:
-    """Read and check a peft LoRA adapter directory (400 for anything this server cannot serve)."""
-    cfg_path, w_path = os.path.join(path, CONFIG_FILE), os.path.join(path, WEIGHTS_FILE)
-    if not os.path.isdir(path):
-        raise _bad(f"LoRA adapter path {path!r} is not a directory")
-    if not (os.path.isfile(cfg_path) and os.path.isfile(w_path)):
-        raise _bad(f"LoRA adapter path {path!r} lacks {CONFIG_FILE} or {WEIGHTS_FILE} (peft's save_pretrained)")
-    try:
-        with open(cfg_path, "rb") as f:
-            raw_cfg = f.read()
-        cfg = json.loads(raw_cfg)
-        with open(w_path, "rb") as f:
-            raw_w = f.read()
-        tensors = load_safetensors(raw_w)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # unreadable, bad JSON or tensors
-        raise _bad(f"LoRA adapter at {path!r} cannot be read: {e}") from None
-    if not isinstance(cfg, dict) or str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise _bad(f"{cfg_path} is not a LoRA adapter config (peft_type {cfg.get('peft_type')!r})")
-    unsupported = [
-        k for k, bad in (
-            ("use_dora", bool(cfg.get("use_dora"))), ("fan_in_fan_out", bool(cfg.get("fan_in_fan_out"))),
-            ("bias", cfg.get("bias", "none") != "none"), ("modules_to_save", bool(cfg.get("modules_to_save"))),
-            ("rank_pattern", bool(cfg.get("rank_pattern"))), ("alpha_pattern", bool(cfg.get("alpha_pattern"))),
-        ) if bad
-    ]  # fmt: skip
-    if unsupported:
-        raise _bad(f"LoRA adapter {name!r} uses {', '.join(unsupported)}, which this server does not serve")
-    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
-    if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)):
-        raise _bad(f"{cfg_path} has no valid r / lora_alpha")
-    if max_rank is not None and rank > max_rank:
-        raise _bad(f"LoRA adapter {name!r} has rank {rank}, above --max-lora-rank {max_rank}")
-    scale = alpha / (rank**0.5 if cfg.get("use_rslora") else rank)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        m = _KEY.search(key)
-        if m is None or m.group(2) not in MODULES:
-            raise _bad(f"LoRA adapter {name!r} has tensor {key}; only {', '.join(MODULES)} can be adapted")
-        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = t
-    weights = {}
-    for (layer, module), ab in pairs.items():
-        a, b = ab.get("A"), ab.get("B")
-        if a is None or b is None or a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise _bad(f"LoRA adapter {name!r}: layer {layer} {module} lacks lora_A/lora_B of rank {rank}")
-        weights[(layer, module)] = (a.float().contiguous(), (b.float() * scale).contiguous())
-    if not weights:
-        raise _bad(f"LoRA adapter {name!r} has no LoRA weights")
-    digest = hashlib.sha256(raw_cfg + b"\0" + raw_w).hexdigest()
-    targets = sorted({m for _, m in weights})
-    return LoraAdapter(name, path, rank, float(alpha), digest, targets, weights)
+from .lora_adapter import FUSED, LoraAdapter, bad_adapter
 
 
 class LoraLayer:
@@ -144,7 +58,7 @@ class LoraLayer:
             if ab is not None:
                 a, b = ab
                 if a.shape[1] != self.in_features or b.shape[0] != width:
-                    raise _bad(
+                    raise bad_adapter(
                         f"LoRA adapter {adapter.name!r}: layer {self.layer} {module} is [{b.shape[0]} x "
                         f"{a.shape[1]}], the base model's is [{width} x {self.in_features}]"
                     )
@@ -282,7 +196,7 @@ class LoraSet:
     def _install(self, adapter: LoraAdapter) -> None:
         stacked = [(L, L.stacked(adapter)) for L in self.layers]  # every check before any change
         if adapter.weights and max(layer for layer, _ in adapter.weights) >= len(self.layers) // len(FUSED):
-            raise _bad(f"LoRA adapter {adapter.name!r} has more layers than the base model")
+            raise bad_adapter(f"LoRA adapter {adapter.name!r} has more layers than the base model")
         for L, ab in stacked:
             L._stacks.clear()
             if ab is not None:

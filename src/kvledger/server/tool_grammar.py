@@ -15,7 +15,7 @@ structural tags and handed to the engine as EBNF.
 
 from __future__ import annotations
 
-from ..constrained.grammar import json_schema_grammar
+from ..constrained.json_schema import json_schema_grammar
 from ..errors import ValidationError
 from .tools import ToolParser
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import paged_attention
+from ..attention_context import paged_attention
 from ..linear import Linear
 from .norm import RMSNorm
 from .rotary import Rotary

@@ -17,7 +17,8 @@ from ..config import FULL, SLIDING, ModelConfig
 from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
 from ..quantized import Weight, dense
-from .base import Builder, CausalNet, Projections
+from .base import CausalNet, Projections
+from .builder import Builder
 from .one_call import ACTIVATIONS, NORM_GEMMA, QK_HEAD, QK_NONE, LayerDesc, LayerNorms, OneCallDecode
 
 

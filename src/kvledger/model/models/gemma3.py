@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ..config import FULL, SLIDING, ModelConfig
 from ..gguf_map import GGUFMeta, Keys
-from .base import Builder, CausalNet
+from .base import CausalNet
+from .builder import Builder
 from .gemma2 import Gemma2Net, gguf_query_scalar
 
 

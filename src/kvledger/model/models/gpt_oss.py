@@ -19,7 +19,8 @@ from ...errors import ModelLoadError
 from ..config import FULL, SLIDING, ModelConfig
 from ..layers import Attention, ClampedSwiGLU, MoE
 from ..quantized import Weight, dense
-from .base import Builder, CausalNet, PreNormLayer
+from .base import CausalNet, PreNormLayer
+from .builder import Builder
 
 # transformers' GptOssConfig defaults where a config.json leaves them out
 DEFAULT_THETA = 150000.0

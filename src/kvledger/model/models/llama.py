@@ -17,7 +17,8 @@ from ..config import SLIDING, ModelConfig
 from ..gguf_map import unpermute_attention
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding, rms_norm
 from ..quantized import Weight
-from .base import Builder, CausalNet, Projections
+from .base import CausalNet, Projections
+from .builder import Builder
 from .one_call import ACTIVATIONS, QK_HEAD, QK_NONE, LayerDesc, LayerNorms, OneCallDecode
 
 # model_type -> (qkv bias, per-head q/k RMSNorm)

@@ -16,7 +16,8 @@ from ...errors import ModelLoadError
 from ..config import ModelConfig
 from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
-from .base import Builder, CausalNet, Projections
+from .base import CausalNet, Projections
+from .builder import Builder
 from .one_call import ACTIVATIONS, QK_FULL, LayerDesc, LayerNorms, OneCallDecode
 
 

@@ -16,7 +16,8 @@ from ..config import ModelConfig
 from ..gguf_map import DECODER, EXPERTS, GGUFMeta, Keys, gguf_name
 from ..layers import MoE
 from ..quantized import Weight
-from .base import Builder, CausalNet, PreNormLayer, stack_experts
+from .base import CausalNet, PreNormLayer
+from .builder import Builder, stack_experts
 
 
 class Qwen3MoeNet(CausalNet):
