@@ -49,6 +49,7 @@ from ..testing import faults
 from .model_build import build_model
 from .parts import grammars_of, hisparse_of, limits_of, loras_of, overlap_schedule, tiers_of
 from .plan import PoolPlan, engine_info, plan_pool
+from .validate import check_settings
 
 log = logging.getLogger("kvledger.engine.core")
 
@@ -108,7 +109,7 @@ def build_parts(
     None: CUDA graphs on CUDA unless ``--disable-cuda-graph``, none elsewhere). Whatever raises, what
     was opened is closed: the connectors' ports and threads, the TP ranks and this process's group
     (a second engine in the same process could not form its group otherwise)."""
-    device = cfg.check()  # every settings check that needs no model; the device the engine runs on
+    device = check_settings(cfg)  # every settings check that needs no model; the device the engine runs on
     if ":" in device:  # cuda:N: this process's current device (allocations, streams)
         torch.cuda.set_device(torch.device(device))
     set_threads(rank_threads(cfg))  # torch's and the kernels' pools: this process's cores
