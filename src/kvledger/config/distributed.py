@@ -3,13 +3,11 @@ parallel) and ``DisaggregationSettings`` (prefill and decode on different server
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..errors import ValidationError
 from .base import (
     DISAGGREGATION_MODES,
-    DIST_AUTH_KEY_ENV,
     TRANSFER_BACKENDS,
     _norm,
     _one_of,
@@ -46,11 +44,8 @@ class ParallelSettings:
             raise ValidationError(f"node_rank must be in [0, {self.nnodes})", param="node_rank")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValidationError("several nodes need --dist-init-addr host:port (node 0's)", param="dist_init_addr")
-        if self.nnodes > 1 and not (self.dist_auth_key_file or os.environ.get(DIST_AUTH_KEY_ENV)):
-            raise ValidationError(
-                f"several nodes need a shared key: --dist-auth-key-file PATH (or {DIST_AUTH_KEY_ENV})",
-                param="dist_auth_key_file",
-            )
+        # A shared key for several nodes (a file, or the environment's) is parallel/rendezvous.py's
+        # check_group_key, run by the composition root (launch/validate.py) after this one.
         _positive(self, "dist_timeout_s", "num_threads")
 
 
