@@ -67,7 +67,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = EngineConfig.section_of()
     values = {k: v for k, v in vars(args).items() if k in names}
     cfg = EngineConfig.from_flat(**values)
-    cfg.check()
+    from .launch.validate import (
+        check_settings,  # (lazily: the engine's packages load torch; --help needs none)
+    )
+
+    check_settings(cfg)
     if cfg.model.chat_template:  # read and tried here, before anything starts (a bad one: exit 2)
         from .model.chat_templates import read_chat_template  # (lazily: the model package loads torch)
 

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from kvledger.config import EngineConfig
-from kvledger.engine import resources
 from kvledger.engine.page_table import PageTable
 from kvledger.engine.resources import resolve_device
 from kvledger.engine.runner import ModelRunner
 from kvledger.errors import ValidationError
+from kvledger.launch import validate
+from kvledger.launch.validate import check_settings
 from kvledger.memory import KVBuffer, PageWrite
 from kvledger.model import LlamaModel
 from kvledger.scheduler.output import ScheduledReq, SchedulerOutput
@@ -33,7 +34,7 @@ def test_resolve_device():
     assert resolve_device("auto") == ("cuda" if HAS_CUDA else "cpu")
     assert resolve_device("") == resolve_device("auto")
     assert resolve_device("CPU") == "cpu"
-    assert EngineConfig().check() == "cpu"  # a GPU is opt-in until the CUDA path has run on one
+    assert check_settings(EngineConfig()) == "cpu"  # a GPU is opt-in until the CUDA path has run on one
     for bad in ("tpu", "cuda:x", "cuda:-1", "cpu:0", "mps"):
         with pytest.raises(ValidationError, match=re.escape("device must be auto | cpu | cuda | cuda:N")):
             resolve_device(bad)
@@ -65,11 +66,11 @@ def test_cuda_without_a_device_is_refused_in_one_line():
     ],
 )
 def test_what_cuda_does_not_run_yet_is_refused_before_start(monkeypatch, opts, what):
-    monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda")
+    monkeypatch.setattr(validate, "resolve_device", lambda name: "cuda")
     with pytest.raises(ValidationError, match=f"CUDA device .* does not work with {what}|{what} .* does not work with CUDA"):
-        EngineConfig.from_flat(device="cuda", **opts).check()
+        check_settings(EngineConfig.from_flat(device="cuda", **opts))
     # auto settings resolve to what CUDA runs: quantization auto, attention auto, dtype auto
-    assert EngineConfig.from_flat(device="cuda").check() == "cuda"
+    assert check_settings(EngineConfig.from_flat(device="cuda")) == "cuda"
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -13,6 +13,7 @@ import torch
 from kvledger import kernels
 from kvledger.config import EngineConfig
 from kvledger.errors import ValidationError
+from kvledger.launch.validate import check_settings
 from kvledger.model.kv_cast import FP8_MAX, to_cache
 from tests.engine.test_disagg import pd  # noqa: F401 (the PD pair fixture)
 
@@ -30,9 +31,9 @@ def test_the_setting_takes_sglang_and_vllm_spellings_and_refuses_others():
     assert EngineConfig.from_flat(kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8_e4m3"
     assert EngineConfig.from_flat(kv_cache_dtype="FP8_E4M3").cache.kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValidationError, match="kv_cache_dtype must be one of auto, fp8_e4m3"):
-        EngineConfig.from_flat(kv_cache_dtype="int3").check()
+        check_settings(EngineConfig.from_flat(kv_cache_dtype="int3"))
     with pytest.raises(ValidationError, match="HiSparse"):
-        EngineConfig.from_flat(kv_cache_dtype="fp8", enable_hisparse=True).check()
+        check_settings(EngineConfig.from_flat(kv_cache_dtype="fp8", enable_hisparse=True))
 
 
 def test_a_value_beyond_float8_saturates_instead_of_becoming_nan():

@@ -22,6 +22,7 @@ from kvledger.config import EngineConfig
 from kvledger.engine import graph_runner as gr
 from kvledger.engine.graph_runner import EagerCapture, GraphCaptureError, capture_sizes, graph_max_bs
 from kvledger.errors import ValidationError
+from kvledger.launch.validate import check_settings
 from kvledger.scheduler.output import ScheduledReq, SchedulerOutput
 from tests.helpers import assert_idle_clean, build_tiny_model
 
@@ -41,7 +42,7 @@ def test_flags():
     assert cfg.kernels.disable_cuda_graph and cfg.kernels.cuda_graph_max_bs == 8
     assert EngineConfig().kernels.cuda_graph_max_bs is None and not EngineConfig().kernels.disable_cuda_graph
     with pytest.raises(ValidationError, match="cuda_graph_max_bs must be > 0"):
-        EngineConfig.from_flat(cuda_graph_max_bs=0).check()
+        check_settings(EngineConfig.from_flat(cuda_graph_max_bs=0))
     p = argparse.ArgumentParser()
     add_engine_args(p)
     cfg = engine_config(p.parse_args(["--disable-cuda-graph", "--cuda-graph-max-bs", "24"]))

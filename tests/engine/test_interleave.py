@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger import Engine, ValidationError, config
+from kvledger import Engine, ValidationError
 from kvledger.config import (
     CPU_INTERLEAVE_PREFILL_TOKENS,
     CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX,
     SchedulerSettings,
 )
+from kvledger.model.linear import amx_available
 
 G = {"temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[3 + i] * 10 + list(range(20 + i, 40 + i)) for i in range(6)]  # 30 tokens each
@@ -77,9 +78,9 @@ def test_default_and_validation(tiny_loaded, monkeypatch):
     s = SchedulerSettings()
     for amx, want in ((True, CPU_INTERLEAVE_PREFILL_TOKENS), (False, CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
-        assert s.interleave_tokens("cpu") == want == config.cpu_interleave_default()
+        assert s.interleave_tokens("cpu", amx_available()) == want
     monkeypatch.undo()
-    assert s.interleave_tokens("cuda:0") == 0
-    assert SchedulerSettings(interleave_prefill_tokens=0).interleave_tokens("cpu") == 0
+    assert s.interleave_tokens("cuda:0", True) == s.interleave_tokens("cuda:0", False) == 0
+    assert SchedulerSettings(interleave_prefill_tokens=0).interleave_tokens("cpu", True) == 0
     with pytest.raises(ValidationError, match="interleave_prefill_tokens must be >= 0"):
         Engine(loaded_model=tiny_loaded, interleave_prefill_tokens=-1)

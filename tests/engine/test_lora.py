@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvledger.errors import ConflictError, NotFoundError, ValidationError
+from kvledger.launch.validate import check_settings
 from tests.helpers import build_lora_adapter, hf_greedy, peft_merged
 
 N = 8
@@ -238,12 +239,12 @@ def test_bad_lora_flags_are_refused_before_anything_starts(tmp_path):
 
     for paths in ([f"a={tmp_path}/missing"], ["a=" + str(tmp_path), "a=" + str(tmp_path)], ["=x"]):
         with pytest.raises(ValidationError):
-            EngineConfig.from_flat(lora_paths=paths).check()
+            check_settings(EngineConfig.from_flat(lora_paths=paths))
     cfg = EngineConfig.from_flat(lora_paths=[str(tmp_path)], max_loras_per_batch=2)
-    cfg.check()
+    check_settings(cfg)
     assert cfg.lora.enable_lora and cfg.lora.named_paths() == {tmp_path.name: str(tmp_path)}
     with pytest.raises(ValidationError):
-        EngineConfig.from_flat(enable_lora=True, max_lora_rank=0).check()
+        check_settings(EngineConfig.from_flat(enable_lora=True, max_lora_rank=0))
     for other in ({"tp_size": 2}, {"enable_torch_compile": True}):  # the table's refusals, with reasons
         with pytest.raises(ValidationError, match="LoRA adapters"):
-            EngineConfig.from_flat(enable_lora=True, **other).check()
+            check_settings(EngineConfig.from_flat(enable_lora=True, **other))

@@ -34,21 +34,6 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 
-# Imports of ``config`` that reach up, owed by issue 53's item 3 (compat.py the one place that
-# refuses, and the checks that touch the disk or the environment leave the settings types): the
-# list may only shrink (the config package's files hold the same seven that config.py did). Each
-# entry is (importing file, imported module).
-CONFIG_OWED = {
-    ("src/kvledger/config/base.py", "kvledger.model.linear"),
-    ("src/kvledger/config/memory.py", "kvledger.hicache.storage"),
-    ("src/kvledger/config/distributed.py", "kvledger.common.disagg"),
-    ("src/kvledger/config/distributed.py", "kvledger.disagg.auth"),
-    ("src/kvledger/config/distributed.py", "kvledger.disagg.mooncake"),
-    ("src/kvledger/config/engine.py", "kvledger.compat"),
-    ("src/kvledger/config/engine.py", "kvledger.engine.resources"),
-}
-
-
 def _module_name(path: Path) -> str:
     base = SRC if path.is_relative_to(SRC) else ROOT
     parts = list(path.relative_to(base).with_suffix("").parts)
@@ -119,11 +104,6 @@ def _package(mod: str) -> str | None:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _owed(mod: str, target: str) -> bool:
-    """An import of ``config`` that ``CONFIG_OWED`` lists (its circles are the same debt)."""
-    return (str(MODULES[mod].relative_to(ROOT)), target) in CONFIG_OWED
-
-
 def _where(mod: str, line: int) -> str:
     return f"{MODULES[mod].relative_to(ROOT)}:{line}"
 
@@ -143,8 +123,6 @@ def test_imports_only_point_down():
             dst = _package(target)
             if dst is None or dst == src or dst not in RANK:
                 continue
-            if _owed(mod, target):
-                continue
             if RANK[dst] >= RANK[src]:
                 bad.append(f"{_where(mod, line)}: {src} (layer {RANK[src]}) imports {target} (layer {RANK[dst]})")
     assert not bad, "imports that do not point down:\n" + "\n".join(bad)
@@ -156,12 +134,9 @@ def test_config_imports_nothing_of_the_project():
         for mod, imports in GRAPH.items()
         if _package(mod) == "config"
         for line, target in imports
-        if _package(target) not in ("errors", "config") and not _owed(mod, target)  # (its own files: a package)
+        if _package(target) not in ("errors", "config")  # (its own files: a package)
     ]
     assert not bad, "config imports the project:\n" + "\n".join(bad)
-    owed = {(str(MODULES[m].relative_to(ROOT)), t) for m, imps in GRAPH.items() for _, t in imps}
-    paid = sorted(CONFIG_OWED - owed)
-    assert not paid, f"imports of config gone from the code: strike them from CONFIG_OWED: {paid}"
 
 
 def _circles() -> list[list[str]]:
@@ -171,7 +146,7 @@ def _circles() -> list[list[str]]:
     stack: list[str] = []
     on: set[str] = set()
     groups = []
-    edges = {m: sorted({t for _, t in imps if not _owed(m, t)}) for m, imps in GRAPH.items()}
+    edges = {m: sorted({t for _, t in imps}) for m, imps in GRAPH.items()}
     counter = 0
     for start in edges:
         if start in index:

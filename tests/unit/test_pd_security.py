@@ -14,6 +14,7 @@ from kvledger.common.disagg import DisaggParams, PrefillPeers, is_loopback
 from kvledger.config import EngineConfig
 from kvledger.disagg import auth, wire
 from kvledger.errors import ValidationError
+from kvledger.launch.validate import check_settings
 
 KEY = b"k" * 40
 
@@ -126,21 +127,22 @@ def test_the_key_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
 )
 def test_pd_off_loopback_needs_the_shared_key(flat, exposed, tmp_path, monkeypatch):
     monkeypatch.delenv(auth.ENV_KEY, raising=False)
+    EngineConfig.from_flat(**flat).check()  # the values alone are fine: the key is the machine's question
     with pytest.raises(ValidationError, match=exposed) as e:
-        EngineConfig.from_flat(**flat).check()
+        check_settings(EngineConfig.from_flat(**flat))
     assert e.value.param == "disaggregation_auth_key_file"
     key = tmp_path / "k"
     key.write_text("c" * 64)
-    EngineConfig.from_flat(**flat, disaggregation_auth_key_file=str(key)).check()
+    check_settings(EngineConfig.from_flat(**flat, disaggregation_auth_key_file=str(key)))
     monkeypatch.setenv(auth.ENV_KEY, "d" * 64)
-    EngineConfig.from_flat(**flat).check()
+    check_settings(EngineConfig.from_flat(**flat))
 
 
 def test_pd_on_loopback_runs_without_a_key(monkeypatch):
     monkeypatch.delenv(auth.ENV_KEY, raising=False)
     for mode in ("prefill", "decode"):
-        EngineConfig.from_flat(disaggregation_mode=mode).check()
-    EngineConfig.from_flat(disaggregation_mode="decode", disaggregation_prefill_peers=["[::1]:9000"]).check()
+        check_settings(EngineConfig.from_flat(disaggregation_mode=mode))
+    check_settings(EngineConfig.from_flat(disaggregation_mode="decode", disaggregation_prefill_peers=["[::1]:9000"]))
 
 
 def test_the_bootstrap_port_binds_loopback_whatever_the_http_host():

@@ -13,8 +13,9 @@ import pytest
 from kvledger import Engine, compat
 from kvledger.cli import add_engine_args
 from kvledger.config import EngineConfig
-from kvledger.engine import resources
 from kvledger.errors import ValidationError
+from kvledger.launch import validate
+from kvledger.launch.validate import check_settings
 from tests import combos
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -30,7 +31,7 @@ def knobs(tmp_path: Path) -> dict[str, dict]:
 def test_every_pair_is_refused_exactly_where_the_table_says(tmp_path, monkeypatch):
     """For every pair of start-up features: a configuration with both either passes every check or is
     refused with one error naming both and the table's reason — never refused by another rule."""
-    monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda" if "cuda" in name else "cpu")
+    monkeypatch.setattr(validate, "resolve_device", lambda name: "cuda" if "cuda" in name else "cpu")
     k = knobs(tmp_path)
     assert set(k) == {f.name for f in compat.FUZZED if not f.request_level}  # a knob per fuzzed feature
     for a, b in itertools.combinations(k, 2):
@@ -45,10 +46,10 @@ def test_every_pair_is_refused_exactly_where_the_table_says(tmp_path, monkeypatc
         assert set(compat.active_features(cfg, cfg.model.device if "cuda" in (a, b) else "cpu")) >= {a, b}
         refusal = compat.refusal(a, b)
         if refusal is None:
-            cfg.check()
+            check_settings(cfg)
             continue
         with pytest.raises(ValidationError) as e:
-            cfg.check()
+            check_settings(cfg)
         msg = str(e.value)
         assert compat.BY_NAME[a].title in msg and compat.BY_NAME[b].title in msg and refusal.reason in msg, msg
 
@@ -77,7 +78,7 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
     cfg = EngineConfig.from_flat(**k["quantized"], dtype="FP32")
     assert cfg.model.explicit_quantization == "int4" and cfg.model.dtype == "float32"
     with pytest.raises(ValidationError, match=r"int8/int4 weights .* does not work with float32"):
-        cfg.check()
+        check_settings(cfg)
     with pytest.raises(ValidationError, match="does not work with"):
         Engine(quantization="Int8", dtype="fp32")  # the offline API goes through the same check
     cfg = EngineConfig.from_flat(dtype="BF16", quantization="None", attention_backend=" Torch ",
@@ -102,7 +103,7 @@ def test_enum_like_settings_are_normalised_where_they_are_parsed(tmp_path):
         ({"schedule_policy": "lpm", "enable_prefix_cache": False}, "schedule_policy"),
     ):
         with pytest.raises(ValidationError) as e:
-            EngineConfig.from_flat(**bad).check()
+            check_settings(EngineConfig.from_flat(**bad))
         assert e.value.param == param, (bad, e.value.param)
 
 
@@ -159,7 +160,7 @@ def _ask(feature: str, cfg: EngineConfig, device: str, others: tuple[str, ...] =
     elif f.model_level:
         compat.check_model(cfg, device, [feature])
     elif feature in OTHER_KNOBS:
-        cfg.check()
+        check_settings(cfg)
     else:  # the launcher's (--dp-size) or the caller's (a KV connector)
         compat.check_feature(cfg, device, feature)
 
@@ -168,7 +169,7 @@ def test_every_other_row_is_refused_where_it_meets_and_nowhere_else(tmp_path, mo
     """The features outside the fuzz's matrix (request kinds, the launcher's, a caller's, a model's
     property, two settings' values): each against every start-up feature, refused exactly where the
     table has a row (with its reason and its code), and each request-level pair as the engine asks it."""
-    monkeypatch.setattr(resources, "resolve_device", lambda name: "cuda" if "cuda" in name else "cpu")
+    monkeypatch.setattr(validate, "resolve_device", lambda name: "cuda" if "cuda" in name else "cpu")
     monkeypatch.setenv("KVLEDGER_DIST_AUTH_KEY", "k" * 32)
     k = knobs(tmp_path)
     others = [f for f in compat.FEATURES if not f.fuzzed]
@@ -192,7 +193,7 @@ def test_every_other_row_is_refused_where_it_meets_and_nowhere_else(tmp_path, mo
             assert x.title in msg and compat.BY_NAME[y].title in msg and row.reason in msg, msg
             assert e.value.code == (x.code or compat.BY_NAME[y].code), msg
         if x.name in OTHER_KNOBS:  # the setting alone starts
-            EngineConfig.from_flat(**OTHER_KNOBS[x.name]).check()
+            check_settings(EngineConfig.from_flat(**OTHER_KNOBS[x.name]))
     # Two request-level features: a session turn that is an embedding, or under an adapter.
     for a, b in (("sessions", "pooling"), ("adapter", "sessions"), ("prompt_logprobs", "sessions"),
                  ("sessions", "several_prompts")):  # fmt: skip

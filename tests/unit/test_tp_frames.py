@@ -63,7 +63,8 @@ def test_a_step_crosses_whole_and_typed():
     for x, y in zip(pd.collect + pd.place, sent.connector_meta[1].collect + sent.connector_meta[1].place, strict=True):
         assert x.dtype == torch.long and torch.equal(x, y)
     assert got.hisparse == sent.hisparse
-    for kind, frame in ((frames.Setup, frames.Setup(10, 20, "/dev/shm/x", 7)), (frames.ToWorker, frames.Stop()),
+    for kind, frame in ((frames.CommSetup, frames.CommSetup("/dev/shm/x", 7)), (frames.CommSetup, frames.CommSetup()),
+                        (frames.Setup, frames.Setup(10, 20)), (frames.ToWorker, frames.Stop()),
                         (frames.ToWorker, frames.StatsQuery()), (frames.Stats, frames.Stats(1, {"graphs": 2}))):  # fmt: skip
         assert frames.decode(frames.encode(frame), kind) == frame
 
@@ -93,6 +94,7 @@ def test_crafted_frames_are_refused_and_nothing_in_them_runs(tmp_path):
         "a truncated step": (bytes(step[:-5]), frames.ToWorker),
         "a step and trailing bytes": (bytes(step) + b"\x00", frames.ToWorker),
         "another frame (a stop where the setup is due)": (frames.encode(frames.Stop()), frames.Setup),
+        "another frame (the pool's setup where the communicator's is due)": (frames.encode(frames.Setup(1, 2)), frames.CommSetup),
         "another frame (the setup in the step loop)": (frames.encode(frames.Setup(1, 2)), frames.ToWorker),
         "an unknown tag": (msgspec.msgpack.encode({"type": "exec", "code": "print(1)"}), frames.ToWorker),
         "a stats frame with a string count": (

@@ -17,6 +17,7 @@ import pytest
 
 from kvledger.config import DIST_AUTH_KEY_ENV, EngineConfig
 from kvledger.errors import ValidationError
+from kvledger.launch.validate import check_settings
 from kvledger.parallel import rendezvous
 
 RANK1 = """
@@ -116,7 +117,7 @@ def test_the_key_comes_from_the_file_the_environment_or_is_made_per_launch(tmp_p
     one = EngineConfig.from_flat(tp_size=2)
     assert len(rendezvous.auth_key(one)) == 32 and rendezvous.auth_key(one) != rendezvous.auth_key(one)
     with pytest.raises(ValidationError, match="dist-auth-key-file") as e:
-        EngineConfig.from_flat(tp_size=2, nnodes=2, dist_init_addr="10.0.0.1:5000").parallel.check()
+        check_settings(EngineConfig.from_flat(tp_size=2, nnodes=2, dist_init_addr="10.0.0.1:5000"))
     assert e.value.param == "dist_auth_key_file"
     path = tmp_path / "key"
     path.write_text("  a-shared-secret-of-enough-bytes\n")
@@ -130,7 +131,7 @@ def test_the_key_comes_from_the_file_the_environment_or_is_made_per_launch(tmp_p
         rendezvous.auth_key(EngineConfig.from_flat(tp_size=2, dist_auth_key_file=str(tmp_path / "none")))
     monkeypatch.setenv(DIST_AUTH_KEY_ENV, "from-the-environment-0123")
     env = EngineConfig.from_flat(tp_size=2, nnodes=2, dist_init_addr="10.0.0.1:5000")
-    env.parallel.check()
+    check_settings(env)
     assert rendezvous.auth_key(env) == b"from-the-environment-0123"
     # A launcher hands the key to its ranks in their environment; a rank takes it out of its own.
     monkeypatch.setitem(os.environ, rendezvous.KEY_HANDOFF_ENV, rendezvous.handoff_env(b"k" * 20)[rendezvous.KEY_HANDOFF_ENV])

@@ -43,14 +43,6 @@ cores: TTFT p50 0.24-0.37 s and 504-506 tok/s at 128 against 0.60-0.71 s and 509
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8_e4m3"}
 
 
-def cpu_interleave_default() -> int:
-    """The CPU's prefill budget between decode steps: a prefill step of ~0.1-0.15 s on either kind of
-    CPU (``CPU_INTERLEAVE_PREFILL_TOKENS`` with AMX tiles, ``..._NO_AMX`` without)."""
-    from ..model.linear import amx_available  # (lazily: config stays importable without torch)
-
-    return CPU_INTERLEAVE_PREFILL_TOKENS if amx_available() else CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX
-
-
 def _norm(value: str | None, *, upper: bool = False, null: tuple[str, ...] = ()) -> str | None:
     """One spelling of an enum-like value: stripped, one case, aliases resolved; ``null`` spellings
     (SGLang's ``null`` for "off") become None."""

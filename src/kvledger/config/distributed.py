@@ -3,13 +3,11 @@ parallel) and ``DisaggregationSettings`` (prefill and decode on different server
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ..errors import ValidationError
 from .base import (
     DISAGGREGATION_MODES,
-    DIST_AUTH_KEY_ENV,
     TRANSFER_BACKENDS,
     _norm,
     _one_of,
@@ -46,11 +44,8 @@ class ParallelSettings:
             raise ValidationError(f"node_rank must be in [0, {self.nnodes})", param="node_rank")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValidationError("several nodes need --dist-init-addr host:port (node 0's)", param="dist_init_addr")
-        if self.nnodes > 1 and not (self.dist_auth_key_file or os.environ.get(DIST_AUTH_KEY_ENV)):
-            raise ValidationError(
-                f"several nodes need a shared key: --dist-auth-key-file PATH (or {DIST_AUTH_KEY_ENV})",
-                param="dist_auth_key_file",
-            )
+        # A shared key for several nodes (a file, or the environment's) is parallel/rendezvous.py's
+        # check_group_key, run by the composition root (launch/validate.py) after this one.
         _positive(self, "dist_timeout_s", "num_threads")
 
 
@@ -112,11 +107,10 @@ class DisaggregationSettings:
         return self.disaggregation_mode is not None
 
     def check(self) -> None:
+        """The values alone; the key, the sockets' exposure and the transport's package are checked
+        against the machine by ``disagg/start_check.py`` (the composition root runs both)."""
         if not self.enabled:
             return
-        from ..common.disagg import PrefillPeers, is_loopback  # (lazy: config imports none of the project)
-        from ..disagg.auth import ENV_KEY, load_key
-
         _one_of(self.disaggregation_mode, DISAGGREGATION_MODES, "disaggregation_mode", optional=True)
         _one_of(self.disaggregation_transfer_backend, TRANSFER_BACKENDS, "disaggregation_transfer_backend")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
@@ -129,29 +123,3 @@ class DisaggregationSettings:
             raise ValidationError(
                 "disaggregation_bind_host must be an address", param="disaggregation_bind_host"
             )
-        try:
-            key = load_key(self.disaggregation_auth_key_file)
-        except ValueError as e:
-            raise ValidationError(str(e), param="disaggregation_auth_key_file") from None
-        peers = PrefillPeers(self.disaggregation_prefill_peers, self.disaggregation_bootstrap_port)
-        if key is None:
-            # Without a key anyone who reaches a PD socket is trusted: only loopback may go without.
-            exposed = None
-            if self.disaggregation_mode == "prefill" and not is_loopback(self.disaggregation_bind_host):
-                exposed = f"its bootstrap port binds {self.disaggregation_bind_host}"
-            elif self.disaggregation_mode == "decode" and not peers.all_loopback:
-                exposed = f"it fetches KV from {', '.join(peers.describe())}"
-            if exposed is not None:
-                raise ValidationError(
-                    f"a PD server whose sockets leave loopback needs the PD nodes' shared key ({exposed}): "
-                    f"--disaggregation-auth-key-file PATH or {ENV_KEY} (e.g. `openssl rand -hex 32`)",
-                    param="disaggregation_auth_key_file",
-                )
-        if self.disaggregation_transfer_backend == "mooncake":
-            from ..disagg.mooncake import available
-
-            why = available()
-            if why is not None:
-                raise ValidationError(
-                    f"the mooncake transfer backend is not installed: {why}", param="disaggregation_transfer_backend"
-                )

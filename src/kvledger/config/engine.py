@@ -59,18 +59,13 @@ class EngineConfig:
         return EngineConfig.from_flat(**{**self.flat(), **changes})
 
     # -- checks ------------------------------------------------------------------------------------------
-    def check(self) -> str:
-        """Every check that needs no model: each section's own, then which features combine
-        (``compat.check_combinations``). Returns the device the engine runs on. The CLI runs it before
-        starting anything (a bad flag is one line of error, exit 2); the engine runs it again."""
-        from ..compat import check_combinations
-        from ..engine.resources import resolve_device
-
+    def check(self) -> None:
+        """Each section's own check: the values alone, in ``SECTIONS`` order. What needs the world
+        outside the values (the device, the disk, the environment, which features combine) is the
+        composition root's ``launch/validate.check_settings``, which runs this first; the CLI runs
+        that before starting anything (a bad flag is one line of error, exit 2), the engine again."""
         for s in self.SECTIONS:
             getattr(self, s).check()
-        device = resolve_device(self.model.device)
-        check_combinations(self, device)
-        return device
 
 
 _SECTION_TYPES = {f.name: f.default_factory for f in fields(EngineConfig)}

@@ -90,14 +90,10 @@ class HiCacheSettings:
             raise ValidationError("hicache_ratio must be > 0 and hicache_size >= 0", param="hicache_ratio")
         _positive(self, "hicache_load_back_threshold", "hicache_prefetch_threshold", allow_zero=True)
         _positive(self, "hicache_prefetch_timeout_s")
-        if self.hicache_storage_backend == "file":
-            if not self.hicache_storage_dir:
-                raise ValidationError(
-                    "the file storage backend needs --hicache-storage-dir", param="hicache_storage_dir"
-                )
-            from ..hicache.storage import check_storage_dir  # the one check that touches the disk
-
-            check_storage_dir(self.hicache_storage_dir, salt_kept=not self.hicache_salt)
+        # Whether the directory can be used is the disk's question: hicache/storage.py's
+        # check_storage_dir, run by the composition root (launch/validate.py) after this one.
+        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
+            raise ValidationError("the file storage backend needs --hicache-storage-dir", param="hicache_storage_dir")
 
 
 @dataclass

@@ -4,7 +4,6 @@ sessions, overlap) and ``SpeculativeSettings`` (the drafter)."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 from ..errors import ValidationError
@@ -17,7 +16,6 @@ from .base import (
     _norm,
     _one_of,
     _positive,
-    cpu_interleave_default,
     setting,
 )
 
@@ -49,8 +47,8 @@ class SchedulerSettings:
     requests start decoding (and end, and are replaced) a chunk apart instead of all together: under
     closed-loop arrival the next wave's prompts come a few at a time and wait one short chunk, not the
     whole wave's prefill. 0: prefill first (every waiting prompt, ``chunked_prefill_size`` tokens a
-    step, before the next decode step: SGLang's order). None: ``cpu_interleave_default()`` on the
-    CPU (512 with AMX tiles, 128 without), 0 on CUDA. With mixed chunks it caps a mixed step's prefill part. Measured on the CPU, 32
+    step, before the next decode step: SGLang's order). None: on the CPU ``CPU_INTERLEAVE_PREFILL_TOKENS``
+    with AMX tiles (512), ``..._NO_AMX`` without (128): a prefill step of ~0.1-0.15 s on either, 0 on CUDA. With mixed chunks it caps a mixed step's prefill part. Measured on the CPU, 32
     streams of 128+128 tokens: TTFT p50 halved (0.56-0.60 s -> 0.31-0.34 s) for 3-8% fewer tokens
     per second (bench/RESULTS.md)."""
     enable_mixed_chunk: bool = setting(False, (
@@ -116,10 +114,14 @@ class SchedulerSettings:
             return device.startswith("cuda") or CPU_OVERLAP_DEFAULT
         return not self.disable_overlap_schedule
 
-    def interleave_tokens(self, device: str) -> int:
-        """``interleave_prefill_tokens`` on ``device`` (0: prefill first)."""
+    def interleave_tokens(self, device: str, amx: bool) -> int:
+        """``interleave_prefill_tokens`` on ``device`` (0: prefill first); unset, 0 on CUDA and on the
+        CPU the budget of a CPU with AMX tiles or without (``amx``: the caller asks the hardware,
+        ``model.linear.amx_available``)."""
         if self.interleave_prefill_tokens is None:
-            return 0 if device.startswith("cuda") else cpu_interleave_default()
+            if device.startswith("cuda"):
+                return 0
+            return CPU_INTERLEAVE_PREFILL_TOKENS if amx else CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX
         return self.interleave_prefill_tokens
 
     @property
@@ -180,9 +182,5 @@ class SpeculativeSettings:
                 f"need 1 <= speculative_ngram_min_match_window_size ({lo}) <= ..._max_match_window_size ({hi})",
                 param="speculative_ngram_min_match_window_size",
             )
-        path = self.speculative_draft_model_path
-        if self.draft_model and (not path or not os.path.exists(path)):
-            raise ValidationError(
-                f"STANDALONE needs --speculative-draft-model-path to an existing model (got {path!r})",
-                param="speculative_draft_model_path",
-            )
+        # That the draft model exists is the disk's question: spec/setup.py's check_draft_model, run
+        # by the composition root (launch/validate.py) after this one.

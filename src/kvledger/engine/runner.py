@@ -4,6 +4,8 @@ changes, builds the ``ForwardBatch``, runs the model, samples, and verifies draf
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,6 +19,9 @@ from ..model.sampler import GREEDY_EPS
 from ..scheduler.output import ModelRunnerOutput, ScheduledReq, SchedulerOutput
 from .page_table import PageTable
 
+if TYPE_CHECKING:
+    from .graph_runner import DecodeGraphRunner
+
 
 class ModelRunner:
     def __init__(
@@ -27,10 +32,13 @@ class ModelRunner:
         seed: int = 0,
         sampling: str = "host",
         sparse=None,
+        graphs: Callable[[], DecodeGraphRunner] | None = None,
     ):
         """``sampling``: ``host`` (a CPU copy of the sampled rows' logits, ``model/sampler.py``) or
         ``device`` (batched on the logits' device, one copy of the ids back, ``model/sampler_device.py``).
-        ``sparse``: HiSparse's ``SparseWorker`` (``model/hisparse.py``), with --enable-hisparse."""
+        ``sparse``: HiSparse's ``SparseWorker`` (``model/hisparse.py``), with --enable-hisparse.
+        ``graphs``: captures the decode steps' CUDA graphs (``engine/graph_runner.make_graph_runner``),
+        called here once the model's attention knows the pool's KV dtype, which the capture writes."""
         self.model = model
         self.kv_buffer = kv_buffer
         model.attn.kv_dtype = kv_buffer.k.dtype  # what the backend writes and reads (float8: --kv-cache-dtype)
@@ -39,7 +47,8 @@ class ModelRunner:
         det = getattr(model, "deterministic", False)  # unseeded rows seeded under deterministic inference
         self.sampler = DeviceSampler(seed, det) if self.on_device else Sampler(seed, det)
         self.sparse = sparse
-        self.graphs = None  # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs
+        # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs (None: all eager).
+        self.graphs: DecodeGraphRunner | None = graphs() if graphs is not None else None
         # On a CPU, fewer torch threads while another process holds one of this process's cores
         # (kernels/governor.py; the kernels' own pool governs itself, csrc/pool.h).
         cpu = kv_buffer.k.device.type == "cpu" and os.environ.get("KVLEDGER_THREAD_GOVERNOR", "1") != "0"

@@ -1,15 +1,22 @@
 """The composition root: one function builds an engine's parts from its settings, each part given what
 it needs through its constructor, in the order they depend on each other:
 
-    settings checked -> TP group -> model (+ LoRA) -> pool sizes -> tiers -> pools and ledger ->
-    KV buffer and runner (+ HiSparse) -> connectors (tiers, PD) -> executor (+ TP) -> compile and
-    graphs -> drafter, grammars, scheduler, sessions -> ``EngineParts``
+    settings checked -> TP group -> model (with its communicator; + LoRA) -> pool sizes -> tiers ->
+    pools and ledger -> KV buffer, compile, runner (with its CUDA graphs; + HiSparse) -> connectors
+    (tiers, PD) -> executor (+ TP: the pool's shape to the workers) -> drafter, grammars, scheduler,
+    sessions -> ``EngineParts``
+
+No part has an attribute set after its construction: the model is built with the communicator its
+forward uses (TP's shared-memory one is made once the model is read: its slot is sized by the
+model's shapes, not the pool's), and the runner with the capture of its CUDA graphs (called by its
+constructor, once the model's attention knows the KV dtype the capture writes).
 
 ``EngineCore`` (``engine/core.py``) takes the parts and runs the step; ``start_engine`` does both,
 then warms a compiled model up. The worker ranks' side of the same build is ``parallel/ranks.py``."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +33,7 @@ from ..constrained import GrammarBackend
 from ..disagg import make_connector
 from ..engine.core import EngineCore
 from ..engine.executor import Executor, InProcessExecutor
-from ..engine.graph_runner import GraphCapture, graph_max_bs, make_graph_runner
+from ..engine.graph_runner import DecodeGraphRunner, GraphCapture, graph_max_bs, make_graph_runner
 from ..engine.introspect import EngineInfo
 from ..engine.malloc import keep_heap_memory, trim_heap
 from ..engine.page_table import PageTable
@@ -49,6 +56,7 @@ from ..testing import faults
 from .model_build import build_model
 from .parts import grammars_of, hisparse_of, limits_of, loras_of, overlap_schedule, tiers_of
 from .plan import PoolPlan, engine_info, plan_pool
+from .validate import check_settings
 
 log = logging.getLogger("kvledger.engine.core")
 
@@ -108,21 +116,25 @@ def build_parts(
     None: CUDA graphs on CUDA unless ``--disable-cuda-graph``, none elsewhere). Whatever raises, what
     was opened is closed: the connectors' ports and threads, the TP ranks and this process's group
     (a second engine in the same process could not form its group otherwise)."""
-    device = cfg.check()  # every settings check that needs no model; the device the engine runs on
+    device = check_settings(cfg)  # every settings check that needs no model; the device the engine runs on
     if ":" in device:  # cuda:N: this process's current device (allocations, streams)
         torch.cuda.set_device(torch.device(device))
     set_threads(rank_threads(cfg))  # torch's and the kernels' pools: this process's cores
     if device == "cpu":
         keep_heap_memory()
     t0 = time.monotonic()
-    comm, workers = Comm(), []
-    if cfg.parallel.tp_size > 1:  # the other ranks start loading while this one does
-        from ..parallel.executor import start_group
+    comm_for: Callable[[Any], Comm] = _one_rank
+    workers: list = []
+    if cfg.parallel.tp_size > 1:  # the other ranks start while this one loads
+        from ..parallel.executor import share_comm, start_group
 
-        comm, workers = start_group(cfg)
+        _, workers = start_group(cfg)
+        # Once the model is read, before its shards are built: the forward's communicator (shared
+        # memory on one machine), which the model is constructed with.
+        comm_for = functools.partial(share_comm, cfg, workers=workers)
     opened: dict[str, Any] = {}  # what a failed start closes
     try:
-        parts = _build(cfg, loaded, connector, graph_capture, device, comm, workers, t0, opened)
+        parts = _build(cfg, loaded, connector, graph_capture, device, comm_for, workers, t0, opened)
     except BaseException:
         _close_partial_start(opened.get("connector") or opened.get("tiers"), workers)
         raise
@@ -131,12 +143,17 @@ def build_parts(
     return parts, workers
 
 
+def _one_rank(mc) -> Comm:
+    """One rank's communicator: no collectives."""
+    return Comm()
+
+
 def _build(
     cfg: EngineConfig, loaded: LoadedModel | None, connector: KVConnector | None, graph_capture: GraphCapture | None,
-    device: str, comm: Comm, workers: list, t0: float, opened: dict[str, Any],
+    device: str, comm_for: Callable[[Any], Comm], workers: list, t0: float, opened: dict[str, Any],
 ) -> EngineParts:  # fmt: skip
     """Every part, in the order of the module's docstring; what needs closing is put in ``opened``."""
-    cfg, m = build_model(cfg, loaded, device, comm, t0)
+    cfg, m = build_model(cfg, loaded, device, comm_for, t0)
     loaded, model, dtype = m.loaded, m.model, m.dtype
     mc = loaded.config
     loras = loras_of(cfg, model)
@@ -161,7 +178,10 @@ def _build(
         tier_books=tier_books,
         sparse=None if sparse is None else (lambda km: SparseKV(km, cfg.hisparse, num_host, context)),
     )
-    runner = ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device), sparse)
+    if cfg.kernels.enable_torch_compile:
+        model.enable_compile()  # (before the graphs' capture: it may replace the embedding's table)
+    graphs = _graphs(cfg, plan, model, kv_buffer, table, kv_manager, graph_capture)
+    runner = ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device), sparse, graphs)
     limits = limits_of(cfg, mc, context)
     # The PD transport (None without PD); it reaches the scheduler only through its thread-safe abort.
     disagg = None
@@ -169,7 +189,7 @@ def _build(
         disagg = make_connector(cfg, kv_buffer, lambda *a: scheduler.abort(*a), limits, mc.num_kv_heads, sparse)
         connector = disagg if hicache is None else MultiConnector(pd_with_tiers(cfg, hicache, disagg), ps)
     opened["connector"] = connector
-    executor = _executor(run_cfg, mc, model, runner, connector, plan, workers)
+    executor = _executor(run_cfg, runner, connector, plan, workers)
     tokenizer = loaded.tokenizer
     eos = _eos(cfg, loaded)
     proposer = make_proposer(cfg, model, total)
@@ -178,7 +198,6 @@ def _build(
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else (lambda ids: "")
     scheduler = Scheduler(run_cfg, kv_manager, context, eos, decode, connector, proposer, mc.vocab_size, overlap)
     sessions = SessionManager(kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
-    _compile_and_capture(cfg, plan, model, runner, kv_buffer, table, kv_manager, graph_capture)
     info = engine_info(cfg, mc, loaded, model, plan, workers, (t0, m.t_read, m.t_model))
     return EngineParts(
         run_cfg, model, tokenizer, loras, kv_manager, runner, connector, disagg, executor, grammars, scheduler,
@@ -188,17 +207,15 @@ def _build(
 
 
 def _executor(
-    run_cfg: EngineConfig, mc, model: LlamaModel, runner: ModelRunner, connector: KVConnector | None, plan: PoolPlan,
-    workers: list,
-) -> Executor:  # fmt: skip
+    run_cfg: EngineConfig, runner: ModelRunner, connector: KVConnector | None, plan: PoolPlan, workers: list
+) -> Executor:
     """The executor the step calls: in-process (behind the fault injection of tests), or with TP
     rank 0's, which broadcasts each step to the workers."""
     executor: Executor = faults.wrap_executor(InProcessExecutor(runner, connector))
     if run_cfg.parallel.tp_size > 1:
-        from ..parallel.executor import TPExecutor, share_setup
+        from ..parallel.executor import TPExecutor, share_pool
 
-        # The workers build the same pool; on one machine the collectives move to shared memory.
-        model.net.comm = share_setup(run_cfg, mc, plan.total, plan.context, workers)
+        share_pool(plan.total, plan.context)  # the workers build the same pool, then their runners
         executor = TPExecutor(executor, workers)
     return executor
 
@@ -215,17 +232,17 @@ def _eos(cfg: EngineConfig, loaded: LoadedModel) -> set[int]:
     return eos
 
 
-def _compile_and_capture(
-    cfg: EngineConfig, plan: PoolPlan, model: LlamaModel, runner: ModelRunner, kv_buffer: KVBuffer, table: PageTable,
-    kv_manager: KVManager, graph_capture: GraphCapture | None,
-) -> None:  # fmt: skip
-    """torch.compile (``--enable-torch-compile``), then the decode steps' CUDA graphs, captured
-    before any request runs (their padding page is reserved from a full pool)."""
-    if cfg.kernels.enable_torch_compile:
-        model.enable_compile()  # (before the capture: it may replace the embedding's table)
-    if plan.graphs:
-        max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
-        runner.graphs = make_graph_runner(model, kv_buffer, table, kv_manager, max_bs, graph_capture)
+def _graphs(
+    cfg: EngineConfig, plan: PoolPlan, model: LlamaModel, kv_buffer: KVBuffer, table: PageTable, kv_manager: KVManager,
+    graph_capture: GraphCapture | None,
+) -> Callable[[], DecodeGraphRunner] | None:  # fmt: skip
+    """How the runner captures the decode steps' CUDA graphs (None: no graphs): called by its
+    constructor once the model's attention knows the KV dtype, before any request runs (the padding
+    page is reserved from a full pool)."""
+    if not plan.graphs:
+        return None
+    max_bs = graph_max_bs(cfg.kernels.cuda_graph_max_bs, cfg.scheduler.max_running_requests)
+    return functools.partial(make_graph_runner, model, kv_buffer, table, kv_manager, max_bs, graph_capture)
 
 
 def _warm_up_compile(core: EngineCore) -> None:

@@ -5,6 +5,7 @@ the settings name what runs."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from ..engine.weights import checkpoint_shapes
 from ..memory import release_window
 from ..model import LlamaModel, load_model
 from ..model.chat_templates import read_chat_template
+from ..model.config import ModelConfig
 from ..model.loader import LoadedModel
 from ..parallel.ranks import model_quantization, sharded_model
 from ..parallel.shard import check_tp
@@ -35,11 +37,13 @@ class BuiltModel:
 
 
 def build_model(
-    cfg: EngineConfig, loaded: LoadedModel | None, device: str, comm: Comm, t0: float
+    cfg: EngineConfig, loaded: LoadedModel | None, device: str, comm_for: Callable[[ModelConfig], Comm], t0: float
 ) -> tuple[EngineConfig, BuiltModel]:
     """Read the model (unless the caller did) and build this rank's shard of it in the dtype the
     settings resolve to; checked against the settings (TP's divisibility, the compatibility table).
-    Returns the settings naming what runs (device, quantization, attention backend) and the model."""
+    ``comm_for``: the communicator the forward uses, made once the model's shapes are known (TP's
+    shared-memory slot is sized by them) and given to the model's constructor. Returns the settings
+    naming what runs (device, quantization, attention backend) and the model."""
     if cfg.model.chat_template:  # a bad template stops the start before the model is read
         read_chat_template(cfg.model.chat_template)
     loaded = loaded or load_model(cfg.model.model)
@@ -49,7 +53,7 @@ def build_model(
     check_tp(mc, cfg.parallel.tp_size)
     stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
     dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
-    model = sharded_model(cfg, loaded, comm, dtype, device)
+    model = sharded_model(cfg, loaded, comm_for(mc), dtype, device)
     t_model = time.monotonic() - t0 - t_read
     # From here on the settings name what runs (the L3 cache keys, /get_server_info).
     cfg = cfg.replace(

@@ -5,6 +5,7 @@ a request to, whether steps overlap. The composition root (``build.py``) puts th
 from __future__ import annotations
 
 import logging
+import os
 
 from ..common import Limits
 from ..common.reasoning import REASONING_FORMATS
@@ -74,6 +75,14 @@ def grammars_of(cfg: EngineConfig, tokenizer, vocab_size: int, eos: set[int]) ->
         except ValueError as e:
             raise ValidationError(f"--reasoning-parser {name}: {e}", param="reasoning_parser") from None
     return GrammarBackend(tokenizer, vocab_size, sorted(eos), end_ids, cfg.scheduler.grammar_compile_timeout_s)
+
+
+def check_lora_paths(cfg: EngineConfig) -> None:
+    """Before anything starts: each ``--lora-paths`` adapter is a directory (what it holds is read,
+    and checked, by ``loras_of``)."""
+    for name, path in cfg.lora.named_paths().items():
+        if not os.path.isdir(path):
+            raise ValidationError(f"lora_paths: {name}={path} is not a directory", param="lora_paths")
 
 
 def loras_of(cfg: EngineConfig, model: LlamaModel) -> LoraSet | None:

@@ -32,7 +32,7 @@ from ..engine.executor import Executor
 from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
 from . import rendezvous
 from .errors import TPGroupBroken
-from .frames import Setup, Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
+from .frames import CommSetup, Setup, Stats, StatsQuery, Step, Stop, ToWorker, broadcast, gather
 
 log = logging.getLogger("kvledger.engine")
 
@@ -111,38 +111,45 @@ def shm_capacity(cfg: EngineConfig, mc) -> int:
     return min(SHM_MAX_FLOATS, tokens * max(mc.hidden_size, per_vocab))
 
 
-def share_setup(cfg: EngineConfig, mc, num_tokens: int, context: int, workers) -> TPComm:
-    """Rank 0: tell the workers the pool's shape and, when all ranks share this machine, a shared-
-    memory communicator's file; returns the communicator the forward should use."""
+def share_comm(cfg: EngineConfig, mc, workers) -> TPComm:
+    """Rank 0, once the model is read and before its shards are built (the model is constructed with
+    the communicator its forward uses): when all ranks share this machine, a shared-memory
+    communicator, its file told to the workers; gloo's otherwise. Its slot's size needs only the
+    settings and the model's shapes (``shm_capacity``), not the pool's."""
     import torch.distributed as dist
 
     from ..comm import ShmComm
 
-    setup = Setup(num_tokens, context)
+    setup = CommSetup()
     comm = TPComm(0, cfg.parallel.tp_size)
     if cfg.parallel.nnodes == 1:
-        setup = Setup(num_tokens, context, f"/dev/shm/kvledger-tp-{uuid.uuid4().hex}", shm_capacity(cfg, mc))
+        setup = CommSetup(f"/dev/shm/kvledger-tp-{uuid.uuid4().hex}", shm_capacity(cfg, mc))
         comm = ShmComm(0, cfg.parallel.tp_size, setup.shm, setup.shm_capacity, create=True,
                        peers_alive=lambda: all(p.poll() is None for p in workers))  # fmt: skip
-    broadcast(setup, Setup)
+    broadcast(setup, CommSetup)
     if setup.shm:
         dist.barrier()  # every rank has mapped the file: it can go (the mappings stay)
         os.unlink(setup.shm)
     return comm
 
 
+def share_pool(num_tokens: int, context: int) -> None:
+    """Rank 0, once its pool is sized (from what the model left): tell the workers its shape."""
+    broadcast(Setup(num_tokens, context), Setup)
+
+
 def join_setup(rank: int, size: int) -> tuple[Setup, TPComm]:
-    """A worker's side of ``share_setup``."""
+    """A worker's side of ``share_comm`` then ``share_pool``: its communicator, then the pool's shape."""
     import torch.distributed as dist
 
     from ..comm import ShmComm
 
-    setup = broadcast(None, Setup)
-    if not setup.shm:
-        return setup, TPComm(rank, size)
-    comm = ShmComm(rank, size, setup.shm, setup.shm_capacity, create=False)
-    dist.barrier()
-    return setup, comm
+    shared = broadcast(None, CommSetup)
+    comm = TPComm(rank, size)
+    if shared.shm:
+        comm = ShmComm(rank, size, shared.shm, shared.shm_capacity, create=False)
+        dist.barrier()
+    return broadcast(None, Setup), comm
 
 
 class TPExecutor(Executor):

@@ -2,7 +2,7 @@
 
 Every message is a tagged msgspec struct (or a plain msgspec type such as ``TierReport``), encoded as
 msgpack and sent over the group's gloo connections as uint8 tensors: its length first, then its
-bytes. The receiver decodes it into the exact type it expects at that point (``Setup`` after the
+bytes. The receiver decodes it into the exact type it expects at that point (``CommSetup``, then ``Setup``, after the
 group forms, ``ToWorker`` in a worker's loop, ``Stats`` / ``TierReport`` in a gather): a frame of
 another type, a malformed one or one over ``MAX_FRAME_BYTES`` raises ``FrameError`` and nothing of it
 is used. Never pickle: ``broadcast_object_list`` / ``gather_object`` unpickled whatever arrived, so
@@ -86,13 +86,19 @@ def unwrap_meta(frame: ConnectorMetaFrame | None) -> Any:
 # -- the frames -----------------------------------------------------------------------------------------
 
 
+class CommSetup(msgspec.Struct, tag="comm_setup", frozen=True):
+    """Rank 0, once the model is read and before any rank builds its shards: the shared-memory
+    communicator's file when all ranks share a machine (None: gloo's collectives)."""
+
+    shm: str | None = None
+    shm_capacity: int = 0
+
+
 class Setup(msgspec.Struct, tag="setup", frozen=True):
-    """Rank 0, once loaded: the pool's shape, and the shared-memory file when all ranks share a machine."""
+    """Rank 0, once its pool is sized: the pool's shape, which every rank builds."""
 
     num_tokens: int
     context: int
-    shm: str | None = None
-    shm_capacity: int = 0
 
 
 class Step(msgspec.Struct, tag="step"):

@@ -54,6 +54,17 @@ NONCE_BYTES = 32
 MAC_BYTES = hashlib.sha256().digest_size
 
 
+def check_group_key(cfg: EngineConfig) -> None:
+    """Before anything starts: several nodes need a shared key, from ``--dist-auth-key-file`` or the
+    environment (whether the file reads is ``auth_key``'s, when the group forms)."""
+    p = cfg.parallel
+    if p.nnodes > 1 and not (p.dist_auth_key_file or os.environ.get(DIST_AUTH_KEY_ENV)):
+        raise ValidationError(
+            f"several nodes need a shared key: --dist-auth-key-file PATH (or {DIST_AUTH_KEY_ENV})",
+            param="dist_auth_key_file",
+        )
+
+
 def auth_key(cfg: EngineConfig) -> bytes:
     """The group's shared key: the key file's content (surrounding whitespace stripped), else
     ``KVLEDGER_DIST_AUTH_KEY``, else on one machine a fresh random key for this launch."""

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..common import FinishReason
+from ..model.linear import amx_available
 from .queue_order import QueueOrder, may_preempt
 from .request import Req, ReqState
 
@@ -46,7 +47,7 @@ class BatchPolicy:
         self.priorities = sched.cfg.scheduler.enable_priority_scheduling
         self.total_preemptions = 0  # requests retracted for a more important one
         # --interleave-prefill-tokens (0: prefill first), and whether the last batch was a prefill's.
-        self.interleave = sched.cfg.scheduler.interleave_tokens(sched.cfg.model.device)
+        self.interleave = sched.cfg.scheduler.interleave_tokens(sched.cfg.model.device, amx_available())
         self.prefilled_last = False
 
     def _live(self, r: Req) -> bool:

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
-from ..config import EngineConfig
-from ..errors import ModelLoadError
+import os
+
+from ..config import EngineConfig, SpeculativeSettings
+from ..errors import ModelLoadError, ValidationError
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 
 
+def check_draft_model(spec: SpeculativeSettings) -> None:
+    """Before anything starts: STANDALONE's draft model is a path that exists (read by ``make_proposer``)."""
+    path = spec.speculative_draft_model_path
+    if spec.draft_model and (not path or not os.path.exists(path)):
+        raise ValidationError(
+            f"STANDALONE needs --speculative-draft-model-path to an existing model (got {path!r})",
+            param="speculative_draft_model_path",
+        )
+
+
 def make_proposer(cfg: EngineConfig, target, num_tokens: int):
     """None without speculation; the draft model is loaded here, in the target's dtype and device.
-    The settings were checked by ``SpeculativeSettings.check`` (normalised: upper case)."""
+    The settings were checked by ``SpeculativeSettings.check`` (normalised: upper case) and
+    ``check_draft_model``."""
     algo = cfg.spec.speculative_algorithm
     if algo is None:
         return None

@@ -50,19 +50,7 @@ class CausalNet(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
-        self.comm = comm  # tensor parallel: the O/down all-reduces, vocab-parallel ends
-
-    @property
-    def comm(self) -> Comm:
-        return self._comm
-
-    @comm.setter
-    def comm(self, comm: Comm) -> None:
-        """The engine swaps in its shared-memory collectives after the build (``launch/build.py``):
-        the vocabulary ends hold the same object."""
-        self._comm = comm
-        self.embed.comm = comm
-        self.lm_head.comm = comm
+        self.comm = comm  # tensor parallel: the O/down all-reduces (the vocabulary ends hold the same one)
 
     # -- what a family says about itself (class methods: read before any weight is) ----------------
     @classmethod
