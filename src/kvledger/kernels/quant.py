@@ -132,22 +132,19 @@ class GgufWeight:
             and all(kind in GGUF_REPACK_KINDS for kind, _ in self.parts)
         )
 
-    def repack(self, release: bool = False) -> None:
+    def repack(self) -> None:
         """Interleave ``w`` in place of the file's order (``kvledger_cpu::gguf_repack``, over the
         threads): the one-row kernel then advances 16 outputs a SIMD lane each, its nibbles unpacked in
         registers, instead of decoding each row to int8 codes first; the bytes stay the file's (Q6_K
         exactly, Q4_K +2.8%: its 6-bit scales a byte each; parts padded to whole groups of 16 rows).
-        ``release``: ``w`` is a view of the file's read-only memory map, whose pages are then dropped
-        from the process (``release_pages``) so that only the repacked copy stays resident."""
+        ``w`` is only read: the file's pages it viewed are dropped once the model is built
+        (``loader.release_file_pages``)."""
         if not self.repackable():
             raise ValueError(f"parts {self.parts} with {self.in_features} inputs have no repack")
-        old = self.w
         segs = torch.tensor([[int(gguf.GGMLQuantizationType[k]), r] for k, r in self.parts], dtype=torch.int64)
-        self.w = torch.ops.kvledger_cpu.gguf_repack(old, segs, self.in_features, False)
+        self.w = torch.ops.kvledger_cpu.gguf_repack(self.w, segs, self.in_features, False)
         self.packed = True
         self._set_scales()
-        if release:
-            torch.ops.kvledger_cpu.release_pages(old)
 
     def file_blocks(self) -> torch.Tensor:
         """The file's bytes of every row (``w`` itself, or the repack undone: the same bytes exactly)."""

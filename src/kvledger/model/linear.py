@@ -373,11 +373,9 @@ def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
     else quantized first."""
     if isinstance(w, BlockStack) and all(p.kind in GGUF_KERNEL_KINDS for p in w.parts):
         parts = tuple((p.kind, p.shape[0]) for p in w.parts)
-        if _repacks(parts, w.shape[1]):  # repacked from the file's pages, then those pages dropped
+        if _repacks(parts, w.shape[1]):  # the file's pages dropped after the build (release_file_pages)
             stack = GgufWeight(parts, w.shape[1], torch.cat([_view(p.raw) for p in w.parts]))
             stack.repack()
-            for p in w.parts:
-                _release(p.raw)
             return stack
         flat = np.concatenate([p.raw.reshape(-1) for p in w.parts])  # one copy, as a fused tensor's
         return GgufWeight(parts, w.shape[1], torch.from_numpy(flat))
@@ -385,7 +383,6 @@ def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
         qw = GgufWeight(((w.kind, w.shape[0]),), w.shape[1], _view(w.raw))
         if _repacks(qw.parts, w.shape[1]):
             qw.repack()
-            _release(w.raw)
         return qw
     if isinstance(w, BlockWeight) and w.bits == bits:
         return pack_blocks(*w.codes(), bits=bits)
@@ -406,15 +403,3 @@ def _repacks(parts: tuple[tuple[str, int], ...], in_features: int) -> bool:
     probe = GgufWeight(parts, in_features, torch.empty(0, dtype=torch.uint8))
     return probe.repackable() and kernels.quant_isa() == "avx512-vnni" and REPACK
 
-
-def _release(raw: np.ndarray) -> None:
-    """Drop ``raw``'s pages from the process where it is a view of a file's read-only memory map (the
-    loader's ``np.memmap``): its bytes now live in the repacked copy. Never on other memory, which
-    ``madvise(MADV_DONTNEED)`` would zero."""
-    base = raw
-    while base is not None and not isinstance(base, np.memmap):
-        base = getattr(base, "base", None)
-    if isinstance(base, np.memmap) and raw.flags.c_contiguous and base.mode == "r":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.ops.kvledger_cpu.release_pages(torch.from_numpy(raw.reshape(-1)))

@@ -100,6 +100,7 @@ struct GgufActs {
   const float* sx;     // [M, Kp/32] the group scales (the tiles' path reads them once a group)
   int M;
   long Kp;
+  const int32_t* xs16 = nullptr;  // [M, Kp/16] the integer sums of xq a 16 (a call with a repacked Q6_K part)
 };
 
 // Rows [n0, n1) of y [M, N] (float, or bf16 when out_bf16); w points at row row0's K/block blocks, rows

@@ -42,9 +42,44 @@ inline void store_lanes(void* y, bool bf16, long i, __m512 v, __mmask16 k) {
 }
 
 // Activation rows [m0, m0 + MR) x NB groups of 16 rows (g: the first group's bytes, gstride a group's).
-template <int MR, int NB>
-void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, void* y, bool bf16, long N, long n,
-             long rows) {
+// The codes of up to two groups unpacked to one byte each, once a call where several blocks of 4
+// activation rows pass over them (ub: [NB][K / 4][64], the tiles' layout): the nibbles' and/shift (and
+// Q6_K's or of its high bits) then cost once per weight instead of once per 4 activation rows.
+void unpack_codes(int kind, const uint8_t* g, long gstride, long K, int nb_groups, uint8_t* ub) {
+  const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  const long nb = K / 256;
+  for (int b = 0; b < nb_groups; ++b) {
+    uint8_t* o = ub + b * K * 16;
+    for (long s = 0; s < nb; ++s) {
+      if (kind == kQ4_Kx16) {
+        const uint8_t* q = g + b * gstride + s * 2368 + 320;
+        for (int c = 0; c < 32; ++c) {  // 8 inputs: low nibbles 4, high 4
+          const __m512i wv = _mm512_loadu_si512(q + 64 * c);
+          _mm512_storeu_si512(o + (64 * s + 2 * c) * 64, _mm512_and_si512(wv, m4));
+          _mm512_storeu_si512(o + (64 * s + 2 * c + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4));
+        }
+      } else {
+        const uint8_t* base = g + b * gstride + s * 3360;
+        for (int t = 0; t < 16; ++t) {
+          const __m512i l0 = _mm512_loadu_si512(base + 288 + 128 * t);
+          const __m512i l1 = _mm512_loadu_si512(base + 288 + 128 * t + 64);
+          const __m512i h = _mm512_loadu_si512(base + 2336 + 64 * t);
+          uint8_t* p = o + (64 * s + 4 * t) * 64;
+          _mm512_storeu_si512(p, _mm512_or_si512(_mm512_and_si512(l0, m4), _mm512_and_si512(_mm512_slli_epi16(h, 4), m30)));
+          _mm512_storeu_si512(p + 64, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l0, 4), m4),
+                                                      _mm512_and_si512(_mm512_slli_epi16(h, 2), m30)));
+          _mm512_storeu_si512(p + 128, _mm512_or_si512(_mm512_and_si512(l1, m4), _mm512_and_si512(h, m30)));
+          _mm512_storeu_si512(p + 192, _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m4),
+                                                       _mm512_and_si512(_mm512_srli_epi16(h, 2), m30)));
+        }
+      }
+    }
+  }
+}
+
+template <int MR, int NB, bool PRE>
+void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const uint8_t* ub, void* y, bool bf16,
+             long N, long n, long rows) {
   constexpr long GB = 2368;
   const long Kp = a.Kp, Gp = Kp / 32, nb = K / 256;
   const uint8_t* X = reinterpret_cast<const uint8_t*>(a.xq);
@@ -70,9 +105,15 @@ void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
       for (int c = 0; c < 4; ++c) {
         __m512i lo[NB], hi[NB];
         for (int b = 0; b < NB; ++b) {
-          const __m512i wv = _mm512_loadu_si512(base[b] + 320 + (4 * j + c) * 64);
-          lo[b] = _mm512_and_si512(wv, m4);
-          hi[b] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+          if constexpr (PRE) {
+            const uint8_t* p = ub + b * K * 16 + (64 * s + 2 * (4 * j + c)) * 64;
+            lo[b] = _mm512_loadu_si512(p);
+            hi[b] = _mm512_loadu_si512(p + 64);
+          } else {
+            const __m512i wv = _mm512_loadu_si512(base[b] + 320 + (4 * j + c) * 64);
+            lo[b] = _mm512_and_si512(wv, m4);
+            hi[b] = _mm512_and_si512(_mm512_srli_epi16(wv, 4), m4);
+          }
         }
         for (int r = 0; r < MR; ++r) {
           const uint8_t* xr = X + (m0 + r) * Kp + e0 + 8 * c;
@@ -113,9 +154,9 @@ void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
 
 // Q6_K: codes q = 0..63 unsigned against the signed activations, so each unit of 16 starts at -32 * the
 // integer sum of its activations (xs16): the same integer as the tiles' sum of (q - 32) * xq.
-template <int MR, int NB>
-void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const int32_t* xs16, void* y,
-             bool bf16, long N, long n, long rows) {
+template <int MR, int NB, bool PRE>
+void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const uint8_t* ub, const int32_t* xs16,
+             void* y, bool bf16, long N, long n, long rows) {
   constexpr long GB = 3360;
   const long Kp = a.Kp, Gp = Kp / 32, nb = K / 256, U16 = Kp / 16;
   const uint8_t* X = reinterpret_cast<const uint8_t*>(a.xq);
@@ -142,6 +183,11 @@ void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
       }
       __m512i w[NB][4];
       for (int b = 0; b < NB; ++b) {
+        if constexpr (PRE) {
+          const uint8_t* p = ub + b * K * 16 + (64 * s + 4 * t) * 64;
+          for (int i = 0; i < 4; ++i) w[b][i] = _mm512_loadu_si512(p + 64 * i);
+          continue;
+        }
         const __m512i l0 = _mm512_loadu_si512(base[b] + 288 + 128 * t);
         const __m512i l1 = _mm512_loadu_si512(base[b] + 288 + 128 * t + 64);
         const __m512i h = _mm512_loadu_si512(base[b] + 2336 + 64 * t);
@@ -183,24 +229,24 @@ void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
   }
 }
 
-template <int NB>
-void run(const GgufActs& a, int kind, long K, const uint8_t* g, long gstride, const int32_t* xs16, void* y, bool bf16,
-         long N, long n, long rows) {
+template <int NB, bool PRE>
+void run(const GgufActs& a, int kind, long K, const uint8_t* g, long gstride, const uint8_t* ub, const int32_t* xs16,
+         void* y, bool bf16, long N, long n, long rows) {
   for (int m0 = 0; m0 < a.M; m0 += 4) {
     const int mr = a.M - m0 >= 4 ? 4 : a.M - m0;
     if (kind == kQ4_Kx16) {
       switch (mr) {
-        case 4: q4k_dot<4, NB>(a, K, m0, g, gstride, y, bf16, N, n, rows); break;
-        case 3: q4k_dot<3, NB>(a, K, m0, g, gstride, y, bf16, N, n, rows); break;
-        case 2: q4k_dot<2, NB>(a, K, m0, g, gstride, y, bf16, N, n, rows); break;
-        default: q4k_dot<1, NB>(a, K, m0, g, gstride, y, bf16, N, n, rows);
+        case 4: q4k_dot<4, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows); break;
+        case 3: q4k_dot<3, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows); break;
+        case 2: q4k_dot<2, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows); break;
+        default: q4k_dot<1, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows);
       }
     } else {
       switch (mr) {
-        case 4: q6k_dot<4, NB>(a, K, m0, g, gstride, xs16, y, bf16, N, n, rows); break;
-        case 3: q6k_dot<3, NB>(a, K, m0, g, gstride, xs16, y, bf16, N, n, rows); break;
-        case 2: q6k_dot<2, NB>(a, K, m0, g, gstride, xs16, y, bf16, N, n, rows); break;
-        default: q6k_dot<1, NB>(a, K, m0, g, gstride, xs16, y, bf16, N, n, rows);
+        case 4: q6k_dot<4, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows); break;
+        case 3: q6k_dot<3, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows); break;
+        case 2: q6k_dot<2, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows); break;
+        default: q6k_dot<1, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows);
       }
     }
   }
@@ -213,7 +259,7 @@ void gguf_packed_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, 
   if (!gguf_is_packed(kind)) return;
   const long gstride = K / 256 * gguf_group_bytes(kind), Kp = a.Kp, U16 = Kp / 16;
   thread_local std::vector<int32_t> xs16_v;
-  if (kind == kQ6_Kx16) {  // the activations' integer sums a unit of 16, once a call of this function
+  if (kind == kQ6_Kx16 && a.xs16 == nullptr) {  // the activations' integer sums a unit of 16 (gguf_linear's)
     xs16_v.resize(static_cast<size_t>(a.M) * U16);
     for (int m = 0; m < a.M; ++m) {
       const int8_t* xq = a.xq + m * Kp;
@@ -223,11 +269,24 @@ void gguf_packed_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, 
       }
     }
   }
+  const int32_t* xs16 = a.xs16 ? a.xs16 : xs16_v.data();
+  // More than one block of 4 activation rows: the tile's codes unpacked once (same integers, same sums)
+  const bool pre = a.M > 4;
+  thread_local std::vector<uint8_t> ub_v;
+  if (pre) ub_v.resize(2 * K * 16);
   for (long n = n0; n < n1; n += 2 * kGgufGroup) {
     const long rows = std::min<long>(2 * kGgufGroup, n1 - n);
     const uint8_t* g = w + (n - row0) / kGgufGroup * gstride;
-    if (rows > kGgufGroup) run<2>(a, kind, K, g, gstride, xs16_v.data(), y, out_bf16, N, n, rows);
-    else run<1>(a, kind, K, g, gstride, xs16_v.data(), y, out_bf16, N, n, rows);
+    const int ng = rows > kGgufGroup ? 2 : 1;
+    if (pre) unpack_codes(kind, g, gstride, K, ng, ub_v.data());
+    const uint8_t* ub = ub_v.data();
+    if (ng == 2) {
+      if (pre) run<2, true>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
+      else run<2, false>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
+    } else {
+      if (pre) run<1, true>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
+      else run<1, false>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
+    }
   }
 }
 

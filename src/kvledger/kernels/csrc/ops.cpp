@@ -869,7 +869,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
       for (int64_t l = 0; l < Kp / 4; ++l) sxl[m * Kp / 4 + l] = sx[m * Gp + l / 8];
     }
   });
-  const GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), sx.get(), static_cast<int>(M), Kp};
+  GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), sx.get(), static_cast<int>(M), Kp};
+  const bool q6x = std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.kind == kQ6_Kx16; });
+  const auto xs16 = scratch_of<int32_t>(q6x ? M * Kp / 16 : 1);
+  if (q6x) {  // the repacked Q6_K kernel's unit starts (gguf_packed_vnni.cpp), once a call
+    for (int64_t i = 0; i < M * Kp / 16; ++i) {
+      int32_t t = 0;
+      for (int e = 0; e < 16; ++e) t += xq[16 * i + e];
+      xs16[i] = t;
+    }
+    acts.xs16 = xs16.get();
+  }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   void* y = out.data_ptr();
   if (packed || (tile_rows != 0 && M >= (tile_rows < 0 ? kGgufTileRows : tile_rows))) {
