@@ -45,14 +45,27 @@ inline void store_lanes(void* y, bool bf16, long i, __m512 v, __mmask16 k) {
 // The codes of up to two groups unpacked to one byte each, once a call where several blocks of 4
 // activation rows pass over them (ub: [NB][K / 4][64], the tiles' layout): the nibbles' and/shift (and
 // Q6_K's or of its high bits) then cost once per weight instead of once per 4 activation rows.
-void unpack_codes(int kind, const uint8_t* g, long gstride, long K, int nb_groups, uint8_t* ub) {
+// With them the unit scales as floats (sf: [NB][K / 16][16], d * sc, the same products as the dot's) and
+// Q4_K's mins (mf: [NB][K / 32][16], -(dmin * m)), which every block of rows would otherwise convert again.
+void unpack_codes(int kind, const uint8_t* g, long gstride, long K, int nb_groups, uint8_t* ub, float* sf, float* mf) {
   const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+  const __m512 sign = _mm512_set1_ps(-0.f);
   const long nb = K / 256;
   for (int b = 0; b < nb_groups; ++b) {
     uint8_t* o = ub + b * K * 16;
     for (long s = 0; s < nb; ++s) {
       if (kind == kQ4_Kx16) {
-        const uint8_t* q = g + b * gstride + s * 2368 + 320;
+        const uint8_t* base = g + b * gstride + s * 2368;
+        const __m512 dv = fp16x16(base), dminv = fp16x16(base + 32);
+        for (int j = 0; j < 8; ++j) {
+          const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 64 + 16 * j));
+          const __m128i mb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 192 + 16 * j));
+          _mm512_storeu_ps(sf + (b * K / 16 + 8 * s + j) * 16,
+                           _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb))));
+          _mm512_storeu_ps(mf + (b * K / 32 + 8 * s + j) * 16,
+                           _mm512_xor_ps(_mm512_mul_ps(dminv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mb))), sign));
+        }
+        const uint8_t* q = base + 320;
         for (int c = 0; c < 32; ++c) {  // 8 inputs: low nibbles 4, high 4
           const __m512i wv = _mm512_loadu_si512(q + 64 * c);
           _mm512_storeu_si512(o + (64 * s + 2 * c) * 64, _mm512_and_si512(wv, m4));
@@ -60,6 +73,12 @@ void unpack_codes(int kind, const uint8_t* g, long gstride, long K, int nb_group
         }
       } else {
         const uint8_t* base = g + b * gstride + s * 3360;
+        const __m512 dv = fp16x16(base);
+        for (int t = 0; t < 16; ++t) {
+          const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 + 16 * t));
+          _mm512_storeu_ps(sf + (b * K / 16 + 16 * s + t) * 16,
+                           _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scb)), dv));
+        }
         for (int t = 0; t < 16; ++t) {
           const __m512i l0 = _mm512_loadu_si512(base + 288 + 128 * t);
           const __m512i l1 = _mm512_loadu_si512(base + 288 + 128 * t + 64);
@@ -78,8 +97,8 @@ void unpack_codes(int kind, const uint8_t* g, long gstride, long K, int nb_group
 }
 
 template <int MR, int NB, bool PRE>
-void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const uint8_t* ub, void* y, bool bf16,
-             long N, long n, long rows) {
+void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const uint8_t* ub, const float* sf,
+             const float* mf, void* y, bool bf16, long N, long n, long rows) {
   constexpr long GB = 2368;
   const long Kp = a.Kp, Gp = Kp / 32, nb = K / 256;
   const uint8_t* X = reinterpret_cast<const uint8_t*>(a.xq);
@@ -128,6 +147,11 @@ void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
       }
       __m512 sc[NB], mv[NB];
       for (int b = 0; b < NB; ++b) {
+        if constexpr (PRE) {
+          sc[b] = _mm512_loadu_ps(sf + (b * K / 16 + u) * 16);
+          mv[b] = _mm512_loadu_ps(mf + (b * K / 32 + u) * 16);
+          continue;
+        }
         const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base[b] + 64 + 16 * j));
         const __m128i mb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base[b] + 192 + 16 * j));
         sc[b] = _mm512_mul_ps(dv[b], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb)));  // d * sc: one rounding
@@ -155,8 +179,8 @@ void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
 // Q6_K: codes q = 0..63 unsigned against the signed activations, so each unit of 16 starts at -32 * the
 // integer sum of its activations (xs16): the same integer as the tiles' sum of (q - 32) * xq.
 template <int MR, int NB, bool PRE>
-void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const uint8_t* ub, const int32_t* xs16,
-             void* y, bool bf16, long N, long n, long rows) {
+void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const uint8_t* ub, const float* sf,
+             const int32_t* xs16, void* y, bool bf16, long N, long n, long rows) {
   constexpr long GB = 3360;
   const long Kp = a.Kp, Gp = Kp / 32, nb = K / 256, U16 = Kp / 16;
   const uint8_t* X = reinterpret_cast<const uint8_t*>(a.xq);
@@ -201,22 +225,27 @@ void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
       for (int r = 0; r < MR; ++r) {
         const uint8_t* xr = X + (m0 + r) * Kp + e0;
         const __m512i x0 = bcast4(xr), x1 = bcast4(xr + 4), x2 = bcast4(xr + 8), x3 = bcast4(xr + 12);
-        for (int b = 0; b < NB; ++b) {
+        for (int b = 0; b < NB; ++b) {  // two chains a lane only for few rows (registers: 32)
+          __m512i& e = MR <= 2 ? d2[b][r] : d[b][r];
           d[b][r] = _mm512_dpbusd_epi32(d[b][r], w[b][0], x0);
-          d2[b][r] = _mm512_dpbusd_epi32(d2[b][r], w[b][1], x1);
+          e = _mm512_dpbusd_epi32(e, w[b][1], x1);
           d[b][r] = _mm512_dpbusd_epi32(d[b][r], w[b][2], x2);
-          d2[b][r] = _mm512_dpbusd_epi32(d2[b][r], w[b][3], x3);
+          e = _mm512_dpbusd_epi32(e, w[b][3], x3);
         }
       }
       __m512 sc[NB];
       for (int b = 0; b < NB; ++b) {
+        if constexpr (PRE) {
+          sc[b] = _mm512_loadu_ps(sf + (b * K / 16 + u) * 16);
+          continue;
+        }
         const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base[b] + 32 + 16 * t));
         sc[b] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(scb)), dv[b]);  // sc * d: one rounding
       }
       for (int r = 0; r < MR; ++r) {
         const __m512 sxb = _mm512_set1_ps(a.sx[(m0 + r) * Gp + u / 2]);
         for (int b = 0; b < NB; ++b) {
-          const __m512i dd = _mm512_add_epi32(d[b][r], d2[b][r]);
+          const __m512i dd = MR <= 2 ? _mm512_add_epi32(d[b][r], d2[b][r]) : d[b][r];
           acc[b][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(sc[b], sxb), acc[b][r]);
         }
       }
@@ -230,23 +259,23 @@ void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
 }
 
 template <int NB, bool PRE>
-void run(const GgufActs& a, int kind, long K, const uint8_t* g, long gstride, const uint8_t* ub, const int32_t* xs16,
-         void* y, bool bf16, long N, long n, long rows) {
+void run(const GgufActs& a, int kind, long K, const uint8_t* g, long gstride, const uint8_t* ub, const float* sf,
+         const float* mf, const int32_t* xs16, void* y, bool bf16, long N, long n, long rows) {
   for (int m0 = 0; m0 < a.M; m0 += 4) {
     const int mr = a.M - m0 >= 4 ? 4 : a.M - m0;
     if (kind == kQ4_Kx16) {
       switch (mr) {
-        case 4: q4k_dot<4, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows); break;
-        case 3: q4k_dot<3, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows); break;
-        case 2: q4k_dot<2, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows); break;
-        default: q4k_dot<1, NB, PRE>(a, K, m0, g, gstride, ub, y, bf16, N, n, rows);
+        case 4: q4k_dot<4, NB, PRE>(a, K, m0, g, gstride, ub, sf, mf, y, bf16, N, n, rows); break;
+        case 3: q4k_dot<3, NB, PRE>(a, K, m0, g, gstride, ub, sf, mf, y, bf16, N, n, rows); break;
+        case 2: q4k_dot<2, NB, PRE>(a, K, m0, g, gstride, ub, sf, mf, y, bf16, N, n, rows); break;
+        default: q4k_dot<1, NB, PRE>(a, K, m0, g, gstride, ub, sf, mf, y, bf16, N, n, rows);
       }
     } else {
       switch (mr) {
-        case 4: q6k_dot<4, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows); break;
-        case 3: q6k_dot<3, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows); break;
-        case 2: q6k_dot<2, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows); break;
-        default: q6k_dot<1, NB, PRE>(a, K, m0, g, gstride, ub, xs16, y, bf16, N, n, rows);
+        case 4: q6k_dot<4, NB, PRE>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows); break;
+        case 3: q6k_dot<3, NB, PRE>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows); break;
+        case 2: q6k_dot<2, NB, PRE>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows); break;
+        default: q6k_dot<1, NB, PRE>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows);
       }
     }
   }
@@ -273,19 +302,25 @@ void gguf_packed_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, 
   // More than one block of 4 activation rows: the tile's codes unpacked once (same integers, same sums)
   const bool pre = a.M > 4;
   thread_local std::vector<uint8_t> ub_v;
-  if (pre) ub_v.resize(2 * K * 16);
+  thread_local std::vector<float> sf_v, mf_v;
+  if (pre) {
+    ub_v.resize(2 * K * 16);
+    sf_v.resize(2 * K);
+    mf_v.resize(K);
+  }
   for (long n = n0; n < n1; n += 2 * kGgufGroup) {
     const long rows = std::min<long>(2 * kGgufGroup, n1 - n);
     const uint8_t* g = w + (n - row0) / kGgufGroup * gstride;
     const int ng = rows > kGgufGroup ? 2 : 1;
-    if (pre) unpack_codes(kind, g, gstride, K, ng, ub_v.data());
+    if (pre) unpack_codes(kind, g, gstride, K, ng, ub_v.data(), sf_v.data(), mf_v.data());
     const uint8_t* ub = ub_v.data();
+    const float *sf = sf_v.data(), *mf = mf_v.data();
     if (ng == 2) {
-      if (pre) run<2, true>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
-      else run<2, false>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
+      if (pre) run<2, true>(a, kind, K, g, gstride, ub, sf, mf, xs16, y, out_bf16, N, n, rows);
+      else run<2, false>(a, kind, K, g, gstride, ub, sf, mf, xs16, y, out_bf16, N, n, rows);
     } else {
-      if (pre) run<1, true>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
-      else run<1, false>(a, kind, K, g, gstride, ub, xs16, y, out_bf16, N, n, rows);
+      if (pre) run<1, true>(a, kind, K, g, gstride, ub, sf, mf, xs16, y, out_bf16, N, n, rows);
+      else run<1, false>(a, kind, K, g, gstride, ub, sf, mf, xs16, y, out_bf16, N, n, rows);
     }
   }
 }
