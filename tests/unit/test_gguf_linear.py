@@ -197,3 +197,144 @@ def test_head_argmax_on_blocks_as_stored(kind):
             assert torch.equal(got, logits[:, :valid].max(dim=-1).indices)
     with pytest.raises(RuntimeError, match="GGUF blocks do not match"):
         torch.ops.kvledger_cpu.head_argmax(x, w[:-1], empty, None, -kid, n, n)
+
+
+# --- the load-time repack (csrc/gguf_blocks.h, gguf_repack.cpp; kernels/quant.GgufWeight.repack) ---------
+
+REPACK_KINDS = ["Q4_K", "Q6_K"]
+
+
+def repacked(kind: str, raw: np.ndarray) -> torch.Tensor:
+    tid = int(gguf.GGMLQuantizationType[kind])
+    w = torch.from_numpy(raw).reshape(-1).contiguous()
+    return torch.ops.kvledger_cpu.gguf_repack(w, torch.tensor([[tid, raw.shape[0]]]), raw.shape[1] // KINDS[kind][1] * 256, False)
+
+
+def run_packed(kind: str, packed: torch.Tensor, n: int, x: torch.Tensor, tile_rows: int = -1) -> torch.Tensor:
+    tid = int(gguf.GGMLQuantizationType[kind]) + 100
+    return torch.ops.kvledger_cpu.gguf_linear(x, packed, tid, n, x.shape[1], None, tile_rows)
+
+
+@pytest.mark.parametrize("kind", REPACK_KINDS)
+def test_repack_keeps_the_bytes_and_undoes_exactly(kind):
+    """Same bits in another order: the inverse gives the file's bytes back (every byte pattern of codes,
+    scales and mins); the repacked size is whole groups of 16 rows of the file's (Q4_K: 148 bytes a row
+    and super-block for its 144, the 6-bit scales and mins a byte each)."""
+    rng = np.random.default_rng(2)
+    tid = int(gguf.GGMLQuantizationType[kind])
+    for n, k in ((40, 768), (23, 256), (16, 1024), (1, 512)):
+        raw = random_blocks(kind, n, k, rng)
+        packed = repacked(kind, raw)
+        per_row = 148 if kind == "Q4_K" else 210
+        assert packed.numel() == (n + 15) // 16 * 16 * (k // 256) * per_row
+        back = torch.ops.kvledger_cpu.gguf_repack(packed, torch.tensor([[tid + 100, n]]), k, True)
+        assert torch.equal(back, torch.from_numpy(raw).reshape(-1))
+    with pytest.raises(RuntimeError, match="has no repack"):
+        torch.ops.kvledger_cpu.gguf_repack(torch.zeros(18 * 8, dtype=torch.uint8), torch.tensor([[2, 1]]), 256)
+
+
+@pytest.mark.parametrize("kind", REPACK_KINDS)
+def test_repacked_kernel_equals_the_tiles_path_bit_for_bit_at_every_batch(kind):
+    """The repacked kernel computes the tiles' sums in the tiles' order (csrc/gguf_blocks.h) from 1 row
+    on: equal bit for bit to the tiles' path on the file's blocks (forced with tile_rows=1), hence
+    within that path's bound of dequantize-then-matmul; float32 and bf16; N not a multiple of 16 (a
+    padded group), K of one to several super-blocks, 1..9 activation rows."""
+    rng = np.random.default_rng(4)
+    torch.manual_seed(4)
+    tid = int(gguf.GGMLQuantizationType[kind])
+    for n, k in ((40, 768), (23, 256), (70, 512), (9, 1280)):
+        raw = random_blocks(kind, n, k, rng)
+        packed = repacked(kind, raw)
+        w = dequantized(kind, raw)
+        blocks = torch.from_numpy(raw)
+        for m in range(1, 10):
+            x = torch.randn(m, k)
+            x[:, :5] *= 20
+            for xd in (x, x.bfloat16()):
+                tiles = torch.ops.kvledger_cpu.gguf_linear(xd, blocks, tid, n, k, None, 1)
+                got = run_packed(kind, packed, n, xd)
+                assert torch.equal(got, tiles), (kind, n, k, m, xd.dtype)
+            y = run_packed(kind, packed, n, x).double()
+            ref = x.double() @ w.T
+            err = (y - ref).abs()
+            assert (err <= bound(x, w)).all(), (kind, n, k, m)
+            assert err.mean() < 0.05 * ref.abs().mean(), (kind, n, k, m)
+
+
+@pytest.mark.parametrize("kind", REPACK_KINDS)
+def test_repacked_rows_have_one_order_of_sums_whatever_the_batch(kind):
+    """Deterministic mode's contract (tile_rows=0) holds on the repacked kernel at any tile_rows: a row's
+    output is the same bits alone or in a batch of 9."""
+    rng = np.random.default_rng(6)
+    n, k = 70, 512
+    packed = repacked(kind, random_blocks(kind, n, k, rng))
+    x = torch.randn(9, k)
+    for tile_rows in (0, -1):
+        batch = run_packed(kind, packed, n, x, tile_rows)
+        alone = torch.cat([run_packed(kind, packed, n, x[i : i + 1], tile_rows) for i in range(9)])
+        assert torch.equal(batch, alone)
+
+
+def test_a_repacked_stack_of_kinds_runs_each_part_in_its_kind():
+    """A fused q/k/v of Q4_K, Q4_K and Q6_K parts (as a Q4_K_M file stores them), the middle part not a
+    multiple of 16 rows: repacked through GgufWeight, equal to the tiles' path on the file's blocks, and
+    its rows (the repack undone) the file's values."""
+    from kvledger.kernels.quant import GgufWeight
+
+    rng = np.random.default_rng(8)
+    k = 512
+    parts = (("Q4_K", 48), ("Q4_K", 21), ("Q6_K", 32))
+    raws = [random_blocks(kind, n, k, rng) for kind, n in parts]
+    stack = GgufWeight(parts, k, torch.from_numpy(np.concatenate([r.reshape(-1) for r in raws])))
+    x = torch.randn(5, k)
+    tiles = torch.ops.kvledger_cpu.gguf_linear(x, stack.w, 0, stack.out_features, k, stack.scales, 1)
+    want_rows = stack.rows()
+    assert stack.repackable()
+    stack.repack()
+    assert stack.packed and stack.bits == -112
+    assert torch.equal(stack(x), tiles)
+    assert torch.equal(stack.rows(), want_rows)
+    single = GgufWeight((("Q6_K", 40),), k, torch.from_numpy(random_blocks("Q6_K", 40, k, rng)))
+    want = single.rows()
+    single.repack()
+    index = torch.tensor([[3, 39], [17, 3]])
+    assert torch.equal(single.rows(index), want[index.reshape(-1)])
+
+
+def test_head_argmax_on_repacked_blocks():
+    """A Q6_K head repacked (a Q4_K_M file's output.weight): head_argmax over chunks of 4,096 outputs of
+    the packed groups, n not a multiple of 16, picks gguf_linear's argmax."""
+    rng = np.random.default_rng(9)
+    n, k = 9003, 256
+    packed = repacked("Q6_K", random_blocks("Q6_K", n, k, rng))
+    empty = torch.empty(0, 2, dtype=torch.int64)
+    x = torch.randn(3, k)
+    logits = run_packed("Q6_K", packed, n, x)
+    for valid in (n, 8195, 17):
+        got = torch.ops.kvledger_cpu.head_argmax(x, packed, empty, None, -114, n, valid)
+        assert torch.equal(got, logits[:, :valid].max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="GGUF blocks do not match"):
+        torch.ops.kvledger_cpu.head_argmax(x, packed[:-1], empty, None, -114, n, n)
+
+
+@pytest.mark.skipif(kernels.quant_isa() != "avx512-vnni", reason="no AVX512-VNNI: only the portable path runs")
+def test_the_portable_repacked_path_is_bit_identical(tmp_path):
+    rng = np.random.default_rng(12)
+    cases = []
+    for kind in REPACK_KINDS:
+        raw = random_blocks(kind, 40, 768, rng)
+        for m in (1, 9):
+            cases.append((int(gguf.GGMLQuantizationType[kind]) + 100, repacked(kind, raw), torch.randn(m, 768)))
+    torch.save(cases, tmp_path / "cases.pt")
+    code = (
+        "import torch; from kvledger import kernels;"
+        "assert kernels.load() and kernels.quant_isa() == 'scalar';"
+        f"cases = torch.load({str(tmp_path / 'cases.pt')!r});"
+        "f = lambda kind, w, x: torch.ops.kvledger_cpu.gguf_linear(x, w, kind, 40, x.shape[1]);"
+        f"torch.save([f(*c) for c in cases], {str(tmp_path / 'out.pt')!r})"
+    )
+    env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for (kind, w, x), y in zip(cases, torch.load(tmp_path / "out.pt")):
+        assert torch.equal(torch.ops.kvledger_cpu.gguf_linear(x, w, kind, 40, x.shape[1]), y), kind

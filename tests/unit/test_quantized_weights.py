@@ -15,6 +15,7 @@ import torch
 from kvledger import Engine, kernels
 from kvledger.kernels.quant import GgufWeight, PackedWeight, pack, pack_blocks
 from kvledger.model import LlamaModel, load_model
+from kvledger.model import linear as linear_mod
 from kvledger.model.linear import Linear
 from kvledger.model.quantized import BLOCK_KINDS, BlockStack, BlockWeight, cat_rows, dense
 from kvledger.parallel.shard import shard_weights
@@ -71,15 +72,38 @@ def test_selections_of_every_kind_are_whole_blocks_of_the_dense_weight(kind):
 
 
 @needs_kernels
-def test_a_kind_served_as_stored_keeps_the_files_bytes_and_no_dense_copy():
+def test_a_kind_served_as_stored_keeps_the_files_bytes_and_no_dense_copy(monkeypatch):
+    monkeypatch.setattr(linear_mod, "REPACK", False)  # the as-stored path (Q4_K/Q6_K repack: below)
     raw = random_blocks("Q6_K", 40, 512, np.random.default_rng(6))
     bw = BlockWeight.from_gguf("Q6_K", raw)
     lin = Linear(bw, None, "int4", dtype=torch.bfloat16)
-    assert isinstance(lin.qw, GgufWeight) and lin.w is None and lin.packed is None
+    assert isinstance(lin.qw, GgufWeight) and lin.w is None and lin.packed is None and not lin.qw.packed
     assert lin.qw.w.data_ptr() == raw.ctypes.data  # a view of the file's bytes, not a copy
     assert lin.packed_bytes() == raw.size
     x = torch.randn(3, 512, dtype=torch.bfloat16)
     assert torch.equal(lin(x), torch.ops.kvledger_cpu.gguf_linear(x, torch.from_numpy(raw), 14, 40, 512))
+    ids = torch.tensor([0, 39, 7, 7])
+    assert torch.equal(lin.qw.rows(ids), bw.dequantize()[ids])  # the tied embedding's lookups
+    lin.unpack()
+    assert torch.equal(lin.w, bw.dequantize().to(torch.bfloat16))
+
+
+@needs_kernels
+@pytest.mark.skipif(kernels.quant_isa() != "avx512-vnni", reason="the repack is only made for the VNNI kernel")
+@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K"])
+def test_a_repacked_kind_keeps_the_files_values_at_its_size(kind):
+    """Q4_K/Q6_K repacked at load (GgufWeight.repack): the file's bits in another order, whole groups of
+    16 rows (40 rows -> 48 here; Q4_K 148 bytes a row and super-block for 144); the outputs the tiles'
+    path's on the file's blocks at every batch, the rows and the dense copy the file's values."""
+    raw = random_blocks(kind, 40, 512, np.random.default_rng(6))
+    bw = BlockWeight.from_gguf(kind, raw)
+    lin = Linear(bw, None, "int4", dtype=torch.bfloat16)
+    assert isinstance(lin.qw, GgufWeight) and lin.qw.packed and lin.w is None and lin.packed is None
+    assert lin.packed_bytes() == 48 * 2 * (148 if kind == "Q4_K" else 210)
+    tid = int(gguf.GGMLQuantizationType[kind])
+    for m in (1, 3, 9):
+        x = torch.randn(m, 512, dtype=torch.bfloat16)
+        assert torch.equal(lin(x), torch.ops.kvledger_cpu.gguf_linear(x, torch.from_numpy(raw), tid, 40, 512, None, 1))
     ids = torch.tensor([0, 39, 7, 7])
     assert torch.equal(lin.qw.rows(ids), bw.dequantize()[ids])  # the tied embedding's lookups
     lin.unpack()
@@ -105,7 +129,7 @@ def test_deterministic_gguf_blocks_keep_a_rows_output_whatever_the_batch():
     """--enable-deterministic-inference: ``tile_rows=0`` (the rows' path at any batch), so a row's output
     is the same bits alone and among 9; by default 9 rows take the tiles' path (another float order)."""
     rng = np.random.default_rng(9)
-    bw = BlockWeight.from_gguf("Q4_K", random_blocks("Q4_K", 48, 512, rng))
+    bw = BlockWeight.from_gguf("Q5_0", random_blocks("Q5_0", 48, 512, rng))  # a kind not repacked
     det = Linear(bw, None, "int4", dtype=torch.bfloat16, deterministic=True)
     plain = Linear(bw, None, "int4", dtype=torch.bfloat16)
     assert isinstance(det.qw, GgufWeight) and det.qw.tile_rows == 0 and plain.qw.tile_rows == -1

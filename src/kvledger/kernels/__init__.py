@@ -29,7 +29,7 @@ from ..common.cpus import default_threads
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "gguf_scalar.cpp", "gguf_vnni.cpp", "dense.cpp", "pool.cpp", "decode_step.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "gguf_scalar.cpp", "gguf_vnni.cpp", "gguf_repack.cpp", "gguf_packed_vnni.cpp", "dense.cpp", "pool.cpp", "decode_step.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried", "threads": None}
 

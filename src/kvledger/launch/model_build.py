@@ -19,7 +19,7 @@ from ..memory import release_window
 from ..model import LlamaModel, load_model
 from ..model.chat_templates import read_chat_template
 from ..model.config import ModelConfig
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, release_file_pages
 from ..parallel.ranks import model_quantization, sharded_model
 from ..parallel.shard import check_tp
 
@@ -54,6 +54,7 @@ def build_model(
     stored = auto_stored(cfg.model.quantization, loaded.stored_quantization)
     dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
     model = sharded_model(cfg, loaded, comm_for(mc), dtype, device)
+    release_file_pages(loaded)  # the repacked layers and the kernels' copies no longer read the file's pages
     t_model = time.monotonic() - t0 - t_read
     # From here on the settings name what runs (the L3 cache keys, /get_server_info).
     cfg = cfg.replace(

@@ -18,6 +18,7 @@ from Q4_1 recovers the file's own codes: no error beyond rounding ``d`` and ``m`
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -361,20 +362,44 @@ def place_packed_weights(net: nn.Module) -> int:
     return off
 
 
+# The load-time repack of Q4_K/Q6_K layers (a switch for benchmarks and tests of the as-stored path).
+REPACK = os.environ.get("KVLEDGER_GGUF_REPACK", "1") != "0"
+
+
 def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
     """The kernel's copy of ``w``: a file's blocks of a kind ``gguf_linear`` reads other than Q4_1/Q8_0,
     and any stack of kinds, as they are (a view where they are contiguous, as the loader's are);
     Q4_1/Q8_0 blocks of the mode's width packed as they are (their own codes and scales); anything
     else quantized first."""
     if isinstance(w, BlockStack) and all(p.kind in GGUF_KERNEL_KINDS for p in w.parts):
+        parts = tuple((p.kind, p.shape[0]) for p in w.parts)
+        if _repacks(parts, w.shape[1]):  # the file's pages dropped after the build (release_file_pages)
+            stack = GgufWeight(parts, w.shape[1], torch.cat([_view(p.raw) for p in w.parts]))
+            stack.repack()
+            return stack
         flat = np.concatenate([p.raw.reshape(-1) for p in w.parts])  # one copy, as a fused tensor's
-        return GgufWeight(tuple((p.kind, p.shape[0]) for p in w.parts), w.shape[1], torch.from_numpy(flat))
+        return GgufWeight(parts, w.shape[1], torch.from_numpy(flat))
     if isinstance(w, BlockWeight) and w.kind not in PACKED_BITS and w.kind in GGUF_KERNEL_KINDS:
-        raw = np.ascontiguousarray(w.raw)
-        with warnings.catch_warnings():  # the memory map is read-only; the kernel only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            blocks = torch.from_numpy(raw)
-        return GgufWeight(((w.kind, w.shape[0]),), w.shape[1], blocks)
+        qw = GgufWeight(((w.kind, w.shape[0]),), w.shape[1], _view(w.raw))
+        if _repacks(qw.parts, w.shape[1]):
+            qw.repack()
+        return qw
     if isinstance(w, BlockWeight) and w.bits == bits:
         return pack_blocks(*w.codes(), bits=bits)
     return pack(dense(w), bits)
+
+
+def _view(raw: np.ndarray) -> torch.Tensor:
+    """The blocks as a flat uint8 tensor: a view of the file's memory map where they are contiguous."""
+    with warnings.catch_warnings():  # the memory map is read-only; the kernel only reads it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(raw).reshape(-1))
+
+
+def _repacks(parts: tuple[tuple[str, int], ...], in_features: int) -> bool:
+    """Whether a layer's blocks are repacked at load (``GgufWeight.repack``): kinds the repack
+    interleaves, and a CPU with the VNNI kernel that reads them (the portable kernel would unpack each
+    group back on every call)."""
+    probe = GgufWeight(parts, in_features, torch.empty(0, dtype=torch.uint8))
+    return probe.repackable() and kernels.quant_isa() == "avx512-vnni" and REPACK
+

@@ -21,7 +21,8 @@ import importlib.metadata
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .. import kernels
 from ..errors import ModelLoadError
 from . import model_cache
 from .config import ModelConfig
@@ -53,6 +55,8 @@ class LoadedModel:
     stored_quantization: str | None = None
     """How the checkpoint stores its linear weights, as the weight-only mode that keeps that
     precision: int4 (GGUF Q4_*), int8 (Q5/Q6/Q8), None (float). ``--quantization auto`` serves it."""
+    mapped: np.ndarray | None = field(default=None, repr=False)
+    """A GGUF file's read-only memory map (the weights' views point into it): ``release_file_pages``."""
 
 
 def default_model_path() -> str:
@@ -209,6 +213,7 @@ class _GGUFFile:
     stored_quantization: str | None
     has_tokenizer: bool
     tensors: list[tuple[str, str, np.ndarray]]  # (name, GGML type name, the reader's view of its data)
+    mapped: np.ndarray | None = None  # the file's memory map
 
 
 def _read_gguf(path: str) -> _GGUFFile:
@@ -219,7 +224,9 @@ def _read_gguf(path: str) -> _GGUFFile:
         try:
             buf = np.memmap(path, dtype=np.uint8, mode="r")
             tensors = [(t["name"], t["type"], _view(buf, t)) for t in index["tensors"]]
-            return _GGUFFile(ModelConfig(**index["config"]), index["stored"], index["has_tokenizer"], tensors)
+            return _GGUFFile(
+                ModelConfig(**index["config"]), index["stored"], index["has_tokenizer"], tensors, buf
+            )
         except (OSError, KeyError, TypeError, ValueError) as e:
             log.warning("GGUF index of %s does not fit the file (%s); parsing it", path, e)
     try:
@@ -231,6 +238,7 @@ def _read_gguf(path: str) -> _GGUFFile:
         stored_quantization([(t.name, t.tensor_type.name, len(t.shape)) for t in reader.tensors]),
         "tokenizer.ggml.tokens" in reader.fields,
         [(t.name, t.tensor_type.name, t.data) for t in reader.tensors],
+        reader.data,
     )
     tensors = [
         {"name": t.name, "type": t.tensor_type.name, "offset": int(t.data_offset), "dtype": t.data.dtype.str,
@@ -287,7 +295,22 @@ def _load_gguf(path: str, load_tokenizer: bool) -> LoadedModel:
         raise ModelLoadError(f"{path}: truncated or corrupt GGUF tensor data ({_one_line(e)})") from None
     weights = family.gguf_weights(weights, config)
     tokenizer = _gguf_tokenizer(path) if load_tokenizer and f.has_tokenizer else None
-    return LoadedModel(config, weights, tokenizer, path, f.stored_quantization)
+    return LoadedModel(config, weights, tokenizer, path, f.stored_quantization, f.mapped)
+
+
+def release_file_pages(loaded: LoadedModel) -> int:
+    """Drop the GGUF file's memory-mapped pages from this process once the model is built
+    (``madvise(MADV_DONTNEED)``, ``kvledger_cpu::release_pages``): the layers repacked at load
+    (``GgufWeight.repack``) and the blocks copied into the kernels' layouts no longer read them, and
+    what is still served from the map (an embedding table's look-ups, kinds kept as stored) faults its
+    pages back in from the page cache as it reads them, so resident memory is what is used. Only on
+    the loader's read-only ``np.memmap`` (a shared file map: no byte is lost). Returns the bytes."""
+    buf = loaded.mapped
+    if not isinstance(buf, np.memmap) or buf.mode != "r" or not kernels.load():
+        return 0
+    with warnings.catch_warnings():  # read-only memory; madvise reads no byte of it
+        warnings.simplefilter("ignore", UserWarning)
+        return int(torch.ops.kvledger_cpu.release_pages(torch.from_numpy(buf)))
 
 
 def _weight(kind: str, data: np.ndarray) -> Weight:

@@ -219,20 +219,24 @@ at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(valid > 0 && valid <= n && (gguf || n % 16 == 0), "valid outputs must be in (0, n], n a multiple of 16");
   const int64_t M = x.size(0), K = x.size(1), G = K / 32;
   GgufFormat f{};
-  TORCH_CHECK(!gguf || (gguf_format(static_cast<int>(-bits), &f) && K % f.block == 0), "GGML type ", -bits,
+  const int kind = static_cast<int>(-bits), fkind = gguf_is_packed(kind) ? kind - kGgufPacked : kind;
+  TORCH_CHECK(!gguf || (gguf_format(fkind, &f) && K % f.block == 0), "GGML type ", -bits,
               " is not read here, or ", K, " inputs are not whole blocks");
   TORCH_CHECK(gguf || (K % 32 == 0 && w.is_contiguous() && scales.is_contiguous() &&
                        w.numel() * (bits == 4 ? 2 : 1) == n * K),
               "packed weights do not match [", n, ", ", K, "]");
-  TORCH_CHECK(!gguf || (w.is_contiguous() && w.numel() == n * (K / f.block) * f.bytes), "GGUF blocks do not match [",
+  TORCH_CHECK(!gguf || (w.is_contiguous() && w.numel() == gguf_rows_bytes(kind, n, K)), "GGUF blocks do not match [",
               n, ", ", K, "]");
-  const int64_t w_row = gguf ? K / f.block * f.bytes : (bits == 4 ? K / 2 : K), s_row = G * (bits == 4 ? 2 : 1);
+  // bytes a row (a repacked kind's per row of its groups of 16: kHeadChunk is whole groups)
+  const int64_t w_row = gguf ? gguf_rows_bytes(kind, kGgufGroup, K) / kGgufGroup : (bits == 4 ? K / 2 : K),
+                s_row = G * (bits == 4 ? 2 : 1);
   const at::Tensor wf = w.view({-1}), sf = scales.view({-1});
   c10::optional<at::Tensor> zf;
   if (wsum128) zf = wsum128->view({-1});
   // outputs [c0, c0 + c) for every row: the head's own kernel on that slice of its rows
   auto logits = [&](int64_t c0, int64_t c) {
-    const at::Tensor wc = wf.narrow(0, c0 * w_row, c * w_row);
+    const int64_t cb = gguf ? gguf_rows_bytes(kind, c, K) : c * w_row;  // the last chunk's group padded
+    const at::Tensor wc = wf.narrow(0, c0 * w_row, cb);
     if (gguf) return op_gguf_linear(x, wc, -bits, c, scales);
     c10::optional<at::Tensor> z;
     if (zf) z = zf->narrow(0, c0 * G, c * G);

@@ -59,6 +59,36 @@ inline bool gguf_format(int kind, GgufFormat* f) {
   }
 }
 
+// The load-time repack (gguf_repack.cpp): kind + kGgufPacked is that kind's blocks, the same bits in
+// another order, 16 output rows interleaved per super-block so that the kernel advances 16 outputs (one
+// a SIMD lane) per 4 inputs with the nibbles unpacked in registers. Per group of 16 rows (a part's last
+// group padded with zero rows), per super-block of 256 inputs, rows j = 0..15 side by side:
+//   Q4_K (112), 2368 bytes (16 x 148: the file's 144 with the 6-bit scales and mins a byte each):
+//     [0, 32) d fp16[16] | [32, 64) dmin fp16[16] | [64, 192) sc[8 sub-blocks][16] | [192, 320) m[8][16]
+//     | [320, 2368) codes: per 8 inputs e.. 64 bytes, row j's bytes 4j..4j+3 = q[e+i] | q[e+4+i] << 4
+//   Q6_K (114), 3360 bytes (16 x 210, the file's size):
+//     [0, 32) d fp16[16] | [32, 288) sc int8[16 sub-blocks][16] | [288, 2336) the codes' low 4 bits as
+//     Q4_K's | [2336, 3360) their high 2 bits: per 16 inputs e.. 64 bytes, row j's byte 4j+i =
+//     h[e+i] | h[e+4+i] << 2 | h[e+8+i] << 4 | h[e+12+i] << 6   (q = low | h << 4, w = d*sc*(q - 32))
+// The kernel (gguf_packed_*) computes the tiles' sums (below) in the tiles' order at every batch: equal
+// bit for bit to gguf_tiles_* on the file's blocks, and one order of sums a row whatever the batch.
+constexpr int kGgufPacked = 100;
+constexpr int kQ4_Kx16 = kQ4_K + kGgufPacked, kQ6_Kx16 = kQ6_K + kGgufPacked;
+constexpr int kGgufGroup = 16;  // rows interleaved
+inline bool gguf_is_packed(int kind) { return kind == kQ4_Kx16 || kind == kQ6_Kx16; }
+inline bool gguf_repackable(int kind) { return kind == kQ4_K || kind == kQ6_K; }
+inline long gguf_group_bytes(int kind) { return kind == kQ4_Kx16 ? 2368 : 3360; }  // a group's super-block
+// Bytes of `rows` rows of `kind` with K inputs (a packed kind: whole groups of 16).
+inline long gguf_rows_bytes(int kind, long rows, long K) {
+  if (gguf_is_packed(kind)) return (rows + kGgufGroup - 1) / kGgufGroup * (K / 256) * gguf_group_bytes(kind);
+  GgufFormat f;
+  return gguf_format(kind, &f) ? rows * (K / f.block) * f.bytes : 0;
+}
+// kind -> kind + kGgufPacked of rows [0, rows) of src (src: the part's rows as stored), groups [g0, g1);
+// inverse: back (the file's bytes exactly; the padding rows dropped).
+void gguf_repack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1);
+void gguf_unpack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1);
+
 inline long gguf_padded(long K) { return (K + 63) / 64 * 64; }
 
 // One call's activations, rows of Kp = gguf_padded(K) (the padding zero).
@@ -70,6 +100,7 @@ struct GgufActs {
   const float* sx;     // [M, Kp/32] the group scales (the tiles' path reads them once a group)
   int M;
   long Kp;
+  const int32_t* xs16 = nullptr;  // [M, Kp/16] the integer sums of xq a 16 (a call with a repacked Q6_K part)
 };
 
 // Rows [n0, n1) of y [M, N] (float, or bf16 when out_bf16); w points at row row0's K/block blocks, rows
@@ -97,6 +128,12 @@ void gguf_tiles_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0,
 void gguf_tiles_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
                      long n0, long n1);
 inline int gguf_unit(int kind) { return kind == kQ6_K ? 16 : 32; }  // inputs a scale unit
+// Rows [n0, n1) of y of a packed part (w: its first group, row0: its first row; n0 - row0 a multiple of
+// 16), any M: the tiles' sums. The scalar one unpacks each group and runs gguf_tiles_scalar.
+void gguf_packed_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16,
+                        long N, long n0, long n1);
+void gguf_packed_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16,
+                      long N, long n0, long n1);
 
 // --- the portable decode of one row (the reference for the vectorized ones) -------------------------
 namespace gguf_ref {

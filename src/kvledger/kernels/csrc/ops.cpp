@@ -17,6 +17,11 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
 #include "decode_step.h"
 #include "flash.h"
 #include "gguf_blocks.h"
@@ -806,14 +811,17 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
   };
   std::vector<Part> parts;
   int64_t rows_seen = 0, bytes_seen = 0;
+  bool packed = false;  // a part repacked at load (gguf_blocks.h): every batch takes the packed kernel
   auto add = [&](int64_t kd, int64_t rows) {
     GgufFormat f;
-    TORCH_CHECK(gguf_format(static_cast<int>(kd), &f), "GGML type ", kd, " has no kernel here");
+    const int base = gguf_is_packed(static_cast<int>(kd)) ? static_cast<int>(kd) - kGgufPacked : static_cast<int>(kd);
+    TORCH_CHECK(gguf_format(base, &f), "GGML type ", kd, " has no kernel here");
     TORCH_CHECK(k % f.block == 0 && rows > 0, "in_features ", k, " is not whole blocks of ", f.block);
     const int64_t rb = k / f.block * f.bytes;
+    packed = packed || base != kd;
     parts.push_back({static_cast<int>(kd), rows_seen, rows_seen + rows, bytes_seen, rb});
     rows_seen += rows;
-    bytes_seen += rows * rb;
+    bytes_seen += gguf_rows_bytes(static_cast<int>(kd), rows, k);
   };
   if (segments && segments->numel() > 0) {
     TORCH_CHECK(segments->dim() == 2 && segments->size(1) == 2 && segments->scalar_type() == at::kLong &&
@@ -835,10 +843,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
   const QuantKernels& qk = kVnni ? vnni : scalar;
   const GgufRowsFn rows = kVnni ? &gguf_rows_vnni : &gguf_rows_scalar;
   const GgufRowsFn tiles = kVnni ? &gguf_tiles_vnni : &gguf_tiles_scalar;
+  const GgufRowsFn packs = kVnni ? &gguf_packed_vnni : &gguf_packed_scalar;
 #else
   const QuantKernels& qk = scalar;
   const GgufRowsFn rows = &gguf_rows_scalar;
   const GgufRowsFn tiles = &gguf_tiles_scalar;
+  const GgufRowsFn packs = &gguf_packed_scalar;
 #endif
   const auto xq = scratch_of<int8_t>(M * Kp);
   const auto xu = scratch_of<uint8_t>(M * Kp);
@@ -859,11 +869,23 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
       for (int64_t l = 0; l < Kp / 4; ++l) sxl[m * Kp / 4 + l] = sx[m * Gp + l / 8];
     }
   });
-  const GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), sx.get(), static_cast<int>(M), Kp};
+  GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), sx.get(), static_cast<int>(M), Kp};
+  const bool q6x = std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.kind == kQ6_Kx16; });
+  const auto xs16 = scratch_of<int32_t>(q6x ? M * Kp / 16 : 1);
+  if (q6x) {  // the repacked Q6_K kernel's unit starts (gguf_packed_vnni.cpp), once a call
+    for (int64_t i = 0; i < M * Kp / 16; ++i) {
+      int32_t t = 0;
+      for (int e = 0; e < 16; ++e) t += xq[16 * i + e];
+      xs16[i] = t;
+    }
+    acts.xs16 = xs16.get();
+  }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   void* y = out.data_ptr();
-  if (tile_rows != 0 && M >= (tile_rows < 0 ? kGgufTileRows : tile_rows)) {
-    // Tiles of kGgufTile rows within each part (a tile is one kind), over the threads.
+  if (packed || (tile_rows != 0 && M >= (tile_rows < 0 ? kGgufTileRows : tile_rows))) {
+    // Tiles of kGgufTile rows within each part (a tile is one kind), over the threads. Repacked parts
+    // take their kernel at every batch (the tiles' sums: one order a row whatever M, tile_rows aside);
+    // a stack mixes the two only where a part's kind has no repack, and that part then tiles too.
     std::vector<std::pair<size_t, int64_t>> work;  // (part, first row)
     for (size_t i = 0; i < parts.size(); ++i) {
       for (int64_t r = parts[i].r0; r < parts[i].r1; r += kGgufTile) work.emplace_back(i, r);
@@ -872,7 +894,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
       for (int64_t t = t0; t < t1; ++t) {
         const Part& p = parts[work[t].first];
         const int64_t a = work[t].second;
-        tiles(acts, p.kind, wp + p.offset, p.r0, k, y, bf16, n, a, std::min<int64_t>(a + kGgufTile, p.r1));
+        const GgufRowsFn fn = gguf_is_packed(p.kind) ? packs : tiles;
+        fn(acts, p.kind, wp + p.offset, p.r0, k, y, bf16, n, a, std::min<int64_t>(a + kGgufTile, p.r1));
       }
     });
     return out;
@@ -885,6 +908,66 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
     }
   });
   return out;
+}
+
+// The load-time repack (gguf_blocks.h) of a weight's parts (segments as gguf_linear's: kind, rows),
+// every part Q4_K or Q6_K -> kind + 100, groups of 16 rows over the threads; inverse: back to the
+// file's bytes (parts then given in their packed kinds). A new uint8 tensor; w is only read.
+at::Tensor gguf_repack(const at::Tensor& w, const at::Tensor& segments, int64_t k, bool inverse) {
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte, "w must be contiguous uint8");
+  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 2 && segments.scalar_type() == at::kLong &&
+                  segments.is_contiguous(),
+              "segments must be [parts, 2] int64 (kind, rows)");
+  TORCH_CHECK(k % 256 == 0, "in_features ", k, " is not whole super-blocks of 256");
+  struct Part {
+    int kind;
+    int64_t rows, src, dst, g0;
+  };
+  std::vector<Part> parts;
+  int64_t src = 0, dst = 0, groups = 0;
+  const int64_t* sp = segments.data_ptr<int64_t>();
+  for (int64_t i = 0; i < segments.size(0); ++i) {
+    const int kd = static_cast<int>(sp[2 * i]);
+    const int64_t rows = sp[2 * i + 1];
+    TORCH_CHECK(rows > 0 && (inverse ? gguf_is_packed(kd) : gguf_repackable(kd)), "GGML type ", kd,
+                inverse ? " is not a repacked kind" : " has no repack");
+    const int pk = inverse ? kd : kd + kGgufPacked, fk = inverse ? kd - kGgufPacked : kd;
+    parts.push_back({kd, rows, src, dst, groups});
+    src += gguf_rows_bytes(inverse ? pk : fk, rows, k);
+    dst += gguf_rows_bytes(inverse ? fk : pk, rows, k);
+    groups += (rows + kGgufGroup - 1) / kGgufGroup;
+  }
+  TORCH_CHECK(w.numel() == src, "w holds ", w.numel(), " bytes, the parts ", src);
+  auto out = at::empty({dst}, w.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  kvl::parallel_for(0, groups, 1, [&](int64_t a, int64_t b) {
+    for (const Part& p : parts) {
+      const int64_t pg = (p.rows + kGgufGroup - 1) / kGgufGroup;
+      const int64_t g0 = std::max<int64_t>(a, p.g0) - p.g0, g1 = std::min<int64_t>(b, p.g0 + pg) - p.g0;
+      if (g0 >= g1) continue;
+      if (inverse) gguf_unpack_groups(p.kind, wp + p.src, p.rows, k, op + p.dst, g0, g1);
+      else gguf_repack_groups(p.kind, wp + p.src, p.rows, k, op + p.dst, g0, g1);
+    }
+  });
+  return out;
+}
+
+// Drop w's whole pages from this process (madvise MADV_DONTNEED): for a read-only view of a file's
+// memory map whose bytes were repacked elsewhere, so that the file's pages do not stay resident beside
+// the repacked copy (a later read, if any, faults them in again from the file). Only for file-backed
+// shared maps: on private or anonymous memory it would zero the bytes. Returns the bytes released.
+int64_t release_pages(const at::Tensor& w) {
+#if defined(__linux__)
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = reinterpret_cast<uintptr_t>(w.data_ptr()), e = a + w.nbytes();
+  const uintptr_t a0 = (a + page - 1) / page * page, e0 = e / page * page;
+  if (e0 <= a0) return 0;
+  if (madvise(reinterpret_cast<void*>(a0), e0 - a0, MADV_DONTNEED) != 0) return 0;
+  return static_cast<int64_t>(e0 - a0);
+#else
+  return 0;
+#endif
 }
 
 // y = x @ w.T (+ bias) for an unquantized layer under --enable-deterministic-inference: x [M, K] and w
@@ -966,6 +1049,8 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
       "int head_stride=0, int window=0) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k, Tensor? segments=None, int tile_rows=-1) -> Tensor");
+  m.def("gguf_repack(Tensor w, Tensor segments, int k, bool inverse=False) -> Tensor");
+  m.def("release_pages(Tensor w) -> int");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(
@@ -1001,6 +1086,8 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("decode_attention", &kvl::decode_attention);
   m.impl("quant_linear", &kvl::quant_linear);
   m.impl("gguf_linear", &kvl::gguf_linear);
+  m.impl("gguf_repack", &kvl::gguf_repack);
+  m.impl("release_pages", &kvl::release_pages);
   m.impl("extend_attention_", &kvl::extend_attention);
   m.impl("flash_attention_", &kvl::flash_attention);
   m.impl("decode_layers", &kvl::decode_layers);
