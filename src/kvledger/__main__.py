@@ -1,4 +1,5 @@
-from .cli import main
-from .common.fast_exit import exit_now
+import sys
 
-exit_now(main())
+from .cli import main
+
+sys.exit(main())

@@ -133,15 +133,6 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
     ready = m.Ready(os.getpid(), core.view.info_dict(), dataclasses.asdict(core.limits), core.cfg.flat())
     push.send(m.encode(ready))
     _Loop(core, pull, push).run()
-    # Shut down (the loop ends on Shutdown, after the engine closed its sessions): what is queued for
-    # the front still goes (up to 1 s), then leave without the interpreter's teardown of torch and
-    # transformers (common/fast_exit.py), which the front's stop waited for.
-    from ..common.fast_exit import exit_now
-
-    push.close(linger=1000)
-    pull.close(linger=0)
-    ctx.term()
-    exit_now(0)
 
 
 def _call(core, msg: m.Call) -> m.Reply:
