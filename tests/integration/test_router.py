@@ -18,16 +18,19 @@ pytest.importorskip("sglang_router", reason="sglang-router is a test dependency 
 
 
 @pytest.fixture(scope="module")
-def replicas(chat_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("replicas")
-    servers = [Server(chat_model, *ENGINE_ARGS, log_path=str(logs / f"r{i}.log")) for i in range(2)]
+def replicas(chat_model, server, tmp_path_factory):
+    """Two replicas on the same model and ENGINE_ARGS: the session's server (``server``, already
+    started for the other integration tests) and one more. A second server of the module's own cost
+    one more start (~15 s of the suite on 2 cores) for a replica no different. Every test below
+    ends with both replicas' books clean; the shared one must not have restarted its engine."""
+    extra = Server(chat_model, *ENGINE_ARGS, log_path=str(tmp_path_factory.mktemp("replicas") / "r1.log"))
+    restarts = server.info()["engine_restarts"]
     try:
-        for s in servers:
-            s.wait_healthy()
-        yield servers
+        extra.wait_healthy()
+        yield [server, extra]
+        assert server.info()["engine_restarts"] == restarts, server.logs()[-2000:]
     finally:
-        for s in servers:
-            s.stop()
+        extra.stop()
 
 
 def regular(workers: list[Server], policy: str) -> list[str]:
