@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from kvledger import kernels
-from kvledger.kernels.quant import GGUF_PACKED, GGUF_REPACK_KINDS, pack
+from kvledger.kernels.gguf_weight import GGUF_PACKED, GGUF_REPACK_KINDS
+from kvledger.kernels.quant import pack
 
 KINDS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]
 

@@ -199,7 +199,7 @@ def test_head_argmax_on_blocks_as_stored(kind):
         torch.ops.kvledger_cpu.head_argmax(x, w[:-1], empty, None, -kid, n, n)
 
 
-# --- the load-time repack (csrc/gguf_blocks.h, gguf_repack.cpp; kernels/quant.GgufWeight.repack) ---------
+# --- the load-time repack (csrc/gguf_blocks.h, gguf_repack.cpp; kernels/gguf_weight.GgufWeight.repack) ---------
 
 REPACK_KINDS = ["Q4_K", "Q6_K"]
 
@@ -279,7 +279,7 @@ def test_a_repacked_stack_of_kinds_runs_each_part_in_its_kind():
     """A fused q/k/v of Q4_K, Q4_K and Q6_K parts (as a Q4_K_M file stores them), the middle part not a
     multiple of 16 rows: repacked through GgufWeight, equal to the tiles' path on the file's blocks, and
     its rows (the repack undone) the file's values."""
-    from kvledger.kernels.quant import GgufWeight
+    from kvledger.kernels.gguf_weight import GgufWeight
 
     rng = np.random.default_rng(8)
     k = 512

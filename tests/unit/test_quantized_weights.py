@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvledger import Engine, kernels
-from kvledger.kernels.quant import GgufWeight, PackedWeight, pack, pack_blocks
+from kvledger.kernels.gguf_weight import GgufWeight
+from kvledger.kernels.quant import PackedWeight, pack, pack_blocks
 from kvledger.model import LlamaModel, load_model
 from kvledger.model import linear as linear_mod
 from kvledger.model.linear import Linear

@@ -11,7 +11,8 @@ from torch import nn
 
 from ..comm import Comm
 from ..errors import ModelLoadError
-from ..kernels.quant import GgufWeight, PackedWeight
+from ..kernels.gguf_weight import GgufWeight
+from ..kernels.quant import PackedWeight
 from .attention import AttentionBackend, KVBuffer
 from .attention_context import attention_context, new_handle, sdpa_backends
 from .attention_cpu import make_backend, resolve_backend

@@ -5,7 +5,7 @@ blocks, int8 activations per block of 32, VNNI dot products) and serves every ca
 by streaming the weights (int4 reads a quarter of bf16's bytes), and from 16 rows up the integer dot
 products still beat the prepacked bf16 GEMM 1.2-1.5x on this CPU. A GGUF matrix of another kind the
 kernels read (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, or a fused stack of kinds) is served as the
-file stores it (``kernels/quant.GgufWeight``, ``gguf_linear``). Without the kernels, torch's
+file stores it (``kernels/gguf_weight.GgufWeight``, ``gguf_linear``). Without the kernels, torch's
 ``_weight_int8pack_mm`` (int8, per-output-channel scales) and ``_weight_int4pack_mm_for_cpu`` (int4
 in groups of 32, a bf16 scale and zero per group) serve calls of up to ``small_rows`` rows, where
 they are 2-4x faster than bf16; the bf16 GEMM wins from ~8 rows up, so those modes keep both copies
@@ -27,10 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..kernels.gguf_weight import GGUF_KERNEL_KINDS, GgufWeight
 from ..kernels.quant import (
-    GGUF_KERNEL_KINDS,
     GROUP,
-    GgufWeight,
     Int8Weight,
     PackedWeight,
     int8_linear,

@@ -5,7 +5,7 @@ Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL) is a ``BlockWeight``: its raw blocks along the i
 elements, or 256 for the K-quants), a view of the file's memory map until something needs more. A
 quantized ``Linear`` serves Q4_1 and Q8_0 packed into the VNNI kernel's layout (``kernels/quant.py``:
 its own codes and scales, no re-quantization) and every other kind straight from these bytes
-(``kernels/quant.GgufWeight``, ``kvledger_cpu::gguf_linear``): no float copy of the model, no
+(``kernels/gguf_weight.GgufWeight``, ``kvledger_cpu::gguf_linear``): no float copy of the model, no
 second rounding. Everything else (float32 reference, torch's kernels, CUDA) asks for
 ``dequantize()``, which computes what ``gguf.quants.dequantize`` computes, bit for bit.
 

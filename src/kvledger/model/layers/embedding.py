@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm import Comm
-from ...kernels.quant import GgufWeight, PackedWeight
+from ...kernels.gguf_weight import GgufWeight
+from ...kernels.quant import PackedWeight
 from ..linear import Linear
 
 

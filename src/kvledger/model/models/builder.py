@@ -12,7 +12,7 @@ import torch
 
 from ...comm import Comm
 from ...errors import ModelLoadError
-from ...kernels.quant import GGUF_KERNEL_KINDS, GgufWeight
+from ...kernels.gguf_weight import GGUF_KERNEL_KINDS, GgufWeight
 from ..config import ModelConfig
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
 from ..linear import Linear
