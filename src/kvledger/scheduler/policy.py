@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass, field
 
 from ..common import FinishReason
+from .overlap import ends_pending
 from .queue_order import QueueOrder, may_preempt
 from .request import Req, ReqState
 
@@ -51,7 +52,7 @@ class BatchPolicy:
 
     def _live(self, r: Req) -> bool:
         """Not ending: no cause marked, and (overlap) no token in flight that surely ends it."""
-        return r.to_finish is None and not (self.s.overlap and self.s.ends_pending(r))
+        return r.to_finish is None and not (self.s.overlap and ends_pending(r, self.s.context_length))
 
     @staticmethod
     def _seniority(r: Req) -> tuple[int, int]:
@@ -82,7 +83,7 @@ class BatchPolicy:
         big: it waits."""
         # (overlap) A launched step's result may end requests: in a synchronous step their pages
         # would be back already, so nothing is too big before it is in.
-        return bool(self.s.waiting_for_kv or self.s.sending or self.s.steps_in_flight)
+        return bool(self.s.waiting_for_kv or self.s.sending or len(self.s.in_flight))
 
     def mark_too_big(self, req: Req) -> None:
         """A request that cannot fit even alone (what is left after sessions' busy KV) ends cleanly."""
