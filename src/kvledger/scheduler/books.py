@@ -14,7 +14,7 @@ import itertools
 import time
 from collections.abc import Iterable
 
-from ..memory import Holding
+from ..memory import Holding, request_holding
 from ..memory.sparse_kv import SparseKV
 
 
@@ -28,7 +28,7 @@ class SchedulerBooks:
         s = self.s
         yield from s.kv_manager.sessions.holdings()
         for r in itertools.chain(s.running, s.waiting_for_kv, s.sending.values(), s.releasing):
-            yield s.kv_manager.holding(r)
+            yield request_holding(r)
             if r.sparse is not None:
                 yield from SparseKV.holdings(r)
 
