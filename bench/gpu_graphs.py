@@ -39,7 +39,7 @@ def engine_opts(args, graphs: bool, check: bool = False) -> dict:
     if args.device.startswith("cuda"):
         opts["disable_cuda_graph"] = not graphs
     else:
-        from kvledger.engine.graph_runner import EagerCapture
+        from kvledger.engine.graph_capture import EagerCapture
 
         opts["attention_backend"] = "torch"
         if graphs:

@@ -58,7 +58,7 @@ def run_one(loaded, mode: str, streams: int, new: int, dtype: str) -> dict:
 
     overlap = mode != "off"
     if mode == "thread":  # the forward on its thread as with overlap, but every step waits for the last
-        Scheduler.needs_sync = property(lambda self: bool(self._flights))
+        Scheduler.needs_sync = property(lambda self: bool(self.in_flight.flights))
 
     eng = Engine(loaded_model=loaded, dtype=dtype, page_size=16, max_total_tokens=streams * 128 + 512,
                  max_running_requests=max(streams, 8), disable_overlap_schedule=not overlap)  # fmt: skip

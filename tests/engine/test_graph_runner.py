@@ -20,7 +20,8 @@ from kvledger.cli import add_engine_args, engine_config
 from kvledger.common.sampling import SamplingParams, SamplingRow
 from kvledger.config import EngineConfig
 from kvledger.engine import graph_runner as gr
-from kvledger.engine.graph_runner import EagerCapture, GraphCaptureError, capture_sizes, graph_max_bs
+from kvledger.engine.graph_capture import EagerCapture, GraphCaptureError
+from kvledger.engine.graph_runner import capture_sizes, graph_max_bs
 from kvledger.errors import ValidationError
 from kvledger.launch.validate import check_settings
 from kvledger.scheduler.output import ScheduledReq, SchedulerOutput

@@ -269,7 +269,7 @@ def test_overlap_and_ngram_drafts_near_the_window_edge(make):
 
     def checked_slide():
         slide()
-        for f in sched._flights.values():
+        for f in sched.in_flight.flights.values():
             for r, start in zip(f.reqs, f.starts):
                 if r.slot is not None:
                     assert r.num_tree_pages + r.num_out_pages <= max(

@@ -238,17 +238,17 @@ def test_min_new_tokens_with_nothing_to_hold_back_builds_no_mask(chat_loaded, mo
     """ignore_eos and no stop_token_ids: min_new_tokens has no token to mask, so no bitmask goes to
     the sampler (an all-ones mask for every row of every step was what slowed benchmark clients that
     send min_tokens with ignore_eos, as kvledger bench does); with the EOS to hold back, masks go."""
-    from kvledger.scheduler.scheduler import Scheduler
+    from kvledger.scheduler import rows as batch_rows
 
     seen: list[bool] = []
-    real = Scheduler._min_tokens_mask
+    real = batch_rows.min_tokens_mask
 
-    def spy(self, req, rows, mask):
-        out = real(self, req, rows, mask)
+    def spy(req, rows, mask, stop, vocab_size):
+        out = real(req, rows, mask, stop, vocab_size)
         seen.append(out is not None)
         return out
 
-    monkeypatch.setattr(Scheduler, "_min_tokens_mask", spy)
+    monkeypatch.setattr(batch_rows, "min_tokens_mask", spy)
     eng = engine(chat_loaded)
     sp = {"max_new_tokens": 6, "temperature": 0, "min_new_tokens": 6}
     eng.generate(input_ids=[9, 10, 11], sampling_params={**sp, "ignore_eos": True})

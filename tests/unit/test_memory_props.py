@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvledger.common import SamplingParams
 from kvledger.errors import MemoryLedgerError
-from kvledger.memory import Holding, KVManager, PagePool
+from kvledger.memory import Holding, KVManager, PagePool, request_holding
 from kvledger.scheduler import Req
 
 TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=40)  # tiny alphabet: many shared prefixes
@@ -36,7 +36,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def holdings(self):
         for r in self.reqs:
-            yield self.kv.holding(r)
+            yield request_holding(r)
         for i, (_, pages) in enumerate(self.readers):
             yield Holding(owner=f"reader {i}", kind="request", own_pages=(), borrowed_pages=pages)
 
@@ -173,7 +173,7 @@ def _manager(strict: bool) -> tuple[KVManager, list[Req]]:
         num_slots=4,
         enable_prefix_cache=True,
         strict=strict,
-        holdings=lambda: (KVManager.holding(r) for r in reqs),
+        holdings=lambda: (request_holding(r) for r in reqs),
     )
     kv.pages = DroppingPool(16, 4)
     kv.ledger.pages = kv.pages

@@ -15,7 +15,7 @@ import pytest
 
 from kvledger.common import SamplingParams
 from kvledger.errors import MemoryLedgerError, OwnershipError
-from kvledger.memory import KVManager, Session
+from kvledger.memory import KVManager, Session, request_holding
 from kvledger.scheduler import Req
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ KEPT = "# type narrowing only"  # the comment an assert that is kept carries
 def _manager(strict: bool = True) -> tuple[KVManager, list[Req]]:
     reqs: list[Req] = []
     kv = KVManager(
-        16, 4, num_slots=4, enable_prefix_cache=True, strict=strict, holdings=lambda: (KVManager.holding(r) for r in reqs)
+        16, 4, num_slots=4, enable_prefix_cache=True, strict=strict, holdings=lambda: (request_holding(r) for r in reqs)
     )
     return kv, reqs
 

@@ -4,9 +4,10 @@ the radix cache, every page in the ledger's books.
 Modules: ``host_pool.py`` (L2 page ids, and each rank's L2 data with the L1<->L2 copies),
 ``storage.py`` (L3 files, chained page keys, salt), ``io.py`` (a rank's file I/O thread),
 ``tree.py`` (the radix tree over the tiers: matching past L1, demotion and eviction), ``tiers.py``
-(the policy, rank 0: backups, prefetches, sessions), ``ops.py`` (what the policy tells every rank
-to move), ``mover.py`` (one rank's data movement), ``connector.py`` (load-back on the KV connector
-seam; its worker side runs on every rank), ``books.py`` (the L2 books).
+(the policy, rank 0: backups, sessions), ``prefetch.py`` (L3 prefetches for queued requests),
+``ops.py`` (what the policy tells every rank to move), ``mover.py`` (one rank's data movement),
+``connector.py`` (load-back on the KV connector seam; its worker side runs on every rank),
+``books.py`` (the L2 books).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class TierBooks:
     def conservation_problems(self, holdings: Iterable[Holding]) -> list[str]:
         t = self.tiers
         free, cached = t.host.num_free, t.tree.host_pages
-        prefetching = sum(len(op.host_pages) for op in t.prefetch_ops())
+        prefetching = sum(len(op.host_pages) for op in t.prefetcher.ops())
         session = self._session_pages(holdings)
         if free + cached + prefetching + session == t.host.num_pages:
             return []
@@ -65,7 +65,7 @@ class TierBooks:
             report.problems.append(
                 f"L2 counter says the tree holds {t.tree.host_pages} pages, it holds {walked}"
             )
-        for op in t.prefetch_ops():
+        for op in t.prefetcher.ops():
             for p in op.host_pages:
                 owners[p].append(op.owner)
         for h in holdings:

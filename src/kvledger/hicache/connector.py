@@ -95,7 +95,7 @@ class HiCacheConnector(HiCacheWorker):
 
     # -- scheduler side -------------------------------------------------------------------------------
     def request_queued(self, req) -> None:
-        self.tiers.start_prefetch(req)
+        self.tiers.prefetcher.start(req)
 
     def _pin(self, pages: list[int], by: int) -> None:
         for p in pages:
@@ -109,7 +109,7 @@ class HiCacheConnector(HiCacheWorker):
         self._drop_match(req.rid)
         if req.session is not None:
             return 0, False  # a session turn reads its session's own KV
-        if self.tiers.prefetch_pending(req):
+        if self.tiers.prefetcher.pending(req):
             return None, False
         t = self.tiers
         tokens = cache_key(req.fill_ids, req.params.cache_salt, t.page_size, req.lora_key)[: req.reuse_limit]
@@ -152,7 +152,7 @@ class HiCacheConnector(HiCacheWorker):
 
     def request_finished(self, req) -> bool:
         self._drop_match(req.rid)
-        self.tiers.cancel_prefetch(req.rid)
+        self.tiers.prefetcher.cancel(req.rid)
         return False
 
     @property

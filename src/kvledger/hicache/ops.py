@@ -1,7 +1,7 @@
 """What the tiers' policy (rank 0) tells every rank to move: plain data, shipped to the other
 tensor-parallel ranks in the step's connector metadata and applied there in the order it was decided.
 
-Rank 0 applies each op the moment its policy decides it (``Tiers._do``); the other ranks apply the
+Rank 0 applies each op the moment its policy decides it (``Tiers.do``); the other ranks apply the
 same ops at the start of the next step they run, before its page-table writes and its forward. That
 is early enough: between the decision and that step no forward runs on any rank, so each rank's L1
 still holds what rank 0's held (L1 changes only in forwards and through these ops, in order).

@@ -1,7 +1,7 @@
 """The tiers' policy on the scheduler's side (rank 0, with the books): L2 allocation (evicting L2
 nodes for room), backups (L1 -> L2 under the write policy, then L2 -> L3), L3 prefetches for queued
-requests, load-backs for admitted ones, and idle sessions' demotion. Every page movement between
-tiers is decided here; the books (``books.py``) check the result.
+requests (``prefetch.py``), load-backs for admitted ones, and idle sessions' demotion. Every page
+movement between tiers is decided here or in ``prefetch.py``; the books (``books.py``) check the result.
 
 The data moves on every rank (``mover.py``): each decision is an op (``ops.py``) that rank 0's mover
 applies at once (the L1 <-> L2 copies are memcpys on the engine's thread; file I/O goes to its I/O
@@ -16,13 +16,13 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-from ..memory.cache_key import cache_key
 from ..memory.pools import KVBuffer
 from .host_pool import HostPool
 from .mover import TierMover
-from .ops import Cancel, Read, Restore, Save, Store, TierOp, TierReport
+from .ops import Restore, Save, Store, TierOp, TierReport
+from .prefetch import Prefetcher
 from .tree import HiRadixCache
 
 log = logging.getLogger(__name__)
@@ -48,27 +48,6 @@ class TierStats:
     session_drops: int = 0  # demoted sessions whose KV could not come back (recomputed)
 
 
-@dataclass(eq=False)
-class Prefetch:
-    """An L3 read for a queued request: the prompt's pages ``[start_page, ...)`` (``tokens`` is the
-    prompt prefix they complete) into ``host_pages``, owned by the prefetch until every rank has
-    reported; ``good``: the pages every rank read, from the first."""
-
-    id: int
-    rid: str
-    tokens: list[int]
-    start_page: int
-    host_pages: list[int]
-    deadline: float
-    cancelled: bool = False  # the request ended: stop reading (the pages are freed when it reports)
-    good: int = 0
-    reports: list[int] = field(default_factory=list)  # pages read, one entry per rank reported
-
-    @property
-    def owner(self) -> str:
-        return f"prefetch for req {self.rid}" + (" [cancelled]" if self.cancelled else " [loading from L3]")
-
-
 class Tiers:
     def __init__(
         self,
@@ -90,17 +69,14 @@ class Tiers:
         self.backup_threshold = {"write_through": 1, "write_through_selective": 2}.get(write_policy, 1 << 30)
         self.storage = mover.storage  # rank 0's files: what exists (``batch_exists``), figures
         self.load_back_threshold = load_back_threshold
-        self.prefetch_threshold = prefetch_threshold
-        self.prefetch_timeout_s = prefetch_timeout_s
         self.stats = TierStats()
         self.tree = None  # HiRadixCache, set by KVManager
         self.kv_manager = None
-        self.prefetches: dict[str, Prefetch] = {}  # rid -> the prefetch its request waits for
-        self.reads: dict[int, Prefetch] = {}  # op id -> every prefetch in flight (waited for or not)
+        self.prefetcher = Prefetcher(self, prefetch_threshold, prefetch_timeout_s)  # L3 reads for queued requests
         self.stores: dict[int, list[int]] = {}  # op id -> the L2 pages of a store in flight
         self._store_reports: dict[int, int] = {}  # op id -> ranks that have reported the store
         self.outbox: list[TierOp] = []  # ops for the other ranks, until the next step ships them
-        self._ids = itertools.count(1)
+        self.op_ids = itertools.count(1)  # file ops' ids (stores and prefetches' reads)
 
     @property
     def hasher(self):
@@ -118,7 +94,7 @@ class Tiers:
         the memory layer knows the tree's contract, not the tiers' subclass of it)."""
         return HiRadixCache(page_size, free_pages, self)
 
-    def _do(self, op: TierOp) -> None:
+    def do(self, op: TierOp) -> None:
         """Apply ``op`` here now, and on every other rank at its next step."""
         self.mover.apply(op)
         if self.tp_size > 1:
@@ -146,90 +122,17 @@ class Tiers:
         if host is None:
             self.stats.backup_no_room += 1
             return False
-        self._do(Save(list(node.pages), host))
+        self.do(Save(list(node.pages), host))
         self.tree.attach_host(node, host)
         self.stats.backed_up_pages += len(host)
         if self.storage is not None:
-            op = Store(next(self._ids), self.tree.path_tokens(node), list(host))
+            op = Store(next(self.op_ids), self.tree.path_tokens(node), list(host))
             for p in host:
                 self.host.storing[p] = 1
             self.stores[op.id] = op.host_pages
             self.stats.stores += 1
-            self._do(op)
+            self.do(op)
         return True
-
-    # -- L3 prefetch (a request was queued) ----------------------------------------------------------
-    def start_prefetch(self, req) -> None:
-        """Read the files of the prompt's pages that no tier holds, while the request waits in the
-        queue: they go to L2 pages owned by the prefetch, and into the tree when every rank has read
-        them. Which pages exist is asked of rank 0's files; a rank that lacks one reads fewer."""
-        if self.storage is None or req.session is not None:
-            return
-        ps = self.page_size
-        tokens = cache_key(req.fill_ids, req.params.cache_salt, ps, req.lora_key)[: req.reuse_limit]
-        npages = len(tokens) // ps
-        have = self.tree.covered(tokens) // ps
-        if (npages - have) * ps < self.prefetch_threshold:
-            return
-        keys = self.hasher.chain(tokens, npages)
-        k = self.storage.batch_exists(keys[have:])
-        if k * ps < self.prefetch_threshold:
-            return
-        host = self.host_alloc(k, f"prefetch for req {req.rid}")
-        if host is None:
-            self.stats.prefetch_no_room += 1
-            return
-        op = Prefetch(
-            next(self._ids),
-            req.rid,
-            tokens[: (have + k) * ps],
-            have,
-            host,
-            time.monotonic() + self.prefetch_timeout_s,
-        )
-        self.prefetches[req.rid] = self.reads[op.id] = op
-        self.stats.prefetches += 1
-        self._do(Read(op.id, op.tokens, op.start_page, list(host)))
-
-    def prefetch_pending(self, req) -> bool:
-        """Whether ``req`` should wait for its prefetch (in flight and within its deadline)."""
-        op = self.prefetches.get(req.rid)
-        if op is None:
-            return False
-        if time.monotonic() < op.deadline:
-            return True
-        # Late: the request goes on without it; the read still lands in the tree for later requests.
-        del self.prefetches[req.rid]
-        self.stats.prefetches_late += 1
-        return False
-
-    def cancel_prefetch(self, rid: str) -> None:
-        op = self.prefetches.pop(rid, None)
-        if op is not None:
-            op.cancelled = True
-            self.stats.prefetches_cancelled += 1
-            self._do(Cancel(op.id))
-
-    def _prefetch_done(self, op: Prefetch) -> None:
-        del self.reads[op.id]
-        if self.prefetches.get(op.rid) is op:
-            del self.prefetches[op.rid]
-        ps = self.page_size
-        op.good = min(op.reports)  # all ranks or none, page by page
-        self.stats.prefetch_pages_short += max(op.reports) - op.good
-        good = op.host_pages[: op.good]
-        unused = op.host_pages[op.good :]
-        if good:
-            # Read pages are good KV whether or not their request is still here: into the tree.
-            end = (op.start_page + op.good) * ps
-            back = self.tree.insert_host(op.tokens[:end], good, op.start_page * ps)
-            self.stats.l3_hit_tokens += (len(good) - len(back)) * ps
-            unused = back + unused
-        self.host_free(unused, op.owner)
-
-    def prefetch_ops(self) -> list[Prefetch]:
-        """Every prefetch in flight (the books: their L2 pages are theirs)."""
-        return list(self.reads.values())
 
     # -- completions -----------------------------------------------------------------------------------
     def report(self, reports: list[TierReport]) -> None:
@@ -243,11 +146,11 @@ class Tiers:
                         del self._store_reports[op_id]
                         for p in self.stores.pop(op_id):
                             self.host.storing[p] = 0
-                elif op_id in self.reads:
-                    op = self.reads[op_id]
+                elif op_id in self.prefetcher.reads:
+                    op = self.prefetcher.reads[op_id]
                     op.reports.append(good)
                     if len(op.reports) == self.tp_size:
-                        self._prefetch_done(op)
+                        self.prefetcher.done(op)
                 else:
                     log.error("hicache: a rank reported file op %d, which is not in flight", op_id)
 
@@ -259,7 +162,7 @@ class Tiers:
 
     @property
     def file_ops_in_flight(self) -> bool:
-        return bool(self.reads or self.stores)
+        return bool(self.prefetcher.reads or self.stores)
 
     @property
     def pending(self) -> bool:
@@ -283,7 +186,7 @@ class Tiers:
         host = self.host_alloc(len(s.pages), s.owner)
         if host is None:
             return False
-        self._do(Save(list(s.pages), host))
+        self.do(Save(list(s.pages), host))
         self.kv_manager.free(s.pages, s.owner)
         s.pages, s.host = [], host
         self.stats.session_demotions += 1
@@ -294,7 +197,7 @@ class Tiers:
         is dropped and recomputed from its tokens)."""
         pages = self.kv_manager._alloc_pages(len(s.host), s.owner)
         if pages is not None:
-            self._do(Restore(list(s.host), pages))
+            self.do(Restore(list(s.host), pages))
             self.stats.session_promotions += 1
         else:
             self.stats.session_drops += 1
@@ -314,7 +217,7 @@ class Tiers:
             "l2_cached": self.tree.host_pages * ps,
             "l2_loading": pinned * ps,
             "l2_storing": storing * ps,
-            "l2_prefetching": sum(len(op.host_pages) for op in self.prefetch_ops()) * ps,
+            "l2_prefetching": sum(len(op.host_pages) for op in self.prefetcher.ops()) * ps,
             "l2_session": session_host_pages * ps,
             "storage_backend": "file" if self.storage is not None else None,
             **asdict(self.stats),

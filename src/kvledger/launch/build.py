@@ -33,7 +33,8 @@ from ..constrained import GrammarBackend
 from ..disagg import make_connector
 from ..engine.core import EngineCore
 from ..engine.executor import Executor, InProcessExecutor
-from ..engine.graph_runner import DecodeGraphRunner, GraphCapture, graph_max_bs, make_graph_runner
+from ..engine.graph_capture import GraphCapture
+from ..engine.graph_runner import DecodeGraphRunner, graph_max_bs, make_graph_runner
 from ..engine.introspect import EngineInfo
 from ..engine.malloc import keep_heap_memory, trim_heap
 from ..engine.page_table import PageTable

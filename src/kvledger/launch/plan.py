@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
-from ..engine.graph_runner import GraphCapture, graphs_planned
+from ..engine.graph_capture import GraphCapture
+from ..engine.graph_runner import graphs_planned
 from ..engine.introspect import EngineInfo
 from ..engine.resources import default_kv_tokens
 from ..memory import KVBuffer

@@ -2,10 +2,11 @@
 memory operations on behalf of requests and sessions (``KVManager``)."""
 
 from .audit import AuditReport, Holding
-from .kv_manager import KVManager, PageWrite
+from .kv_manager import KVManager
 from .ledger import Ledger
 from .pools import KVBuffer, PagePool, ReqSlotPool
 from .radix import RadixCache, TreeNode
+from .req_pages import PageWrite, request_holding
 from .session_kv import Session, SessionKV
 from .window import OUT_OF_WINDOW, WindowKV, release_window
 
@@ -25,4 +26,5 @@ __all__ = [
     "TreeNode",
     "WindowKV",
     "release_window",
+    "request_holding",
 ]

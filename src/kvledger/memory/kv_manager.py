@@ -1,14 +1,6 @@
 """Memory operations on behalf of requests: the only code that changes a request's slot and pages.
 
-Who owns a running request's pages (``req.pages``)::
-
-    [0, num_tree_pages)                borrowed: the radix tree's (locked) or the turn's session's
-    [num_tree_pages, + num_out_pages)  out of window (sliding-window models, ``memory/window.py``):
-                                       given back; entries ``OUT_OF_WINDOW``
-    [.., ceil(kv_len/ps))              PRIVATE: computed KV not yet cached (the partial last page too)
-    [ceil(kv_len/ps), len(pages))      PRIVATE: over-allocation (lookahead for the next tokens or
-                                       drafts, KV arriving from a connector); given back by
-                                       ``truncate`` or trimmed by ``release``
+Who owns each region of a running request's pages (``req.pages``): the table in ``req_pages.py``.
 
 ``release`` is the one way a request's memory goes back: every finish (stop, length, abort, error),
 every retraction and an admission that cannot complete call it. It never stops in the middle: each
@@ -22,7 +14,6 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from ..errors import MemoryLedgerError, OwnershipError
 from .audit import Holding
@@ -30,20 +21,12 @@ from .cache_key import cache_key
 from .ledger import Ledger
 from .pools import PagePool, ReqSlotPool
 from .radix import RadixCache
+from .req_pages import PageWrite, forget_pages
 from .session_kv import SessionKV
 from .sparse_kv import SparseBooks, SparseKV
 from .window import WindowKV
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PageWrite:
-    """Row ``slot`` of the page table gets ``pages`` from page index ``start_page`` on."""
-
-    slot: int
-    start_page: int
-    pages: list[int]
 
 
 class KVManager:
@@ -143,21 +126,6 @@ class KVManager:
         if req.sparse is not None and req.sparse.active:
             return 0  # its KV goes to its reserved host pages (and its hot write page)
         return max(0, -(-(req.kv_len + n) // self.page_size) - len(req.pages))
-
-    @staticmethod
-    def holding(req) -> Holding:
-        label = req.state.ledger_label
-        return Holding(
-            owner=f"req {req.rid}" + (f" [{label}]" if label else ""),
-            kind="request",
-            own_pages=req.pages[req.num_tree_pages + req.num_out_pages :],
-            borrowed_pages=req.pages[: req.num_tree_pages],
-            slot=req.slot,
-            borrowed_from=None if req.session is None else req.session.owner,
-            out_of_window=req.num_out_pages,
-            entries=len(req.pages),
-            kv_len=req.kv_len,
-        )
 
     def slide_window(self, req, first_query: int) -> int:
         """Sliding-window models: give back ``req``'s pages that a query at ``first_query`` and later
@@ -301,11 +269,7 @@ class KVManager:
         tokens (the prompt, copied to its host pages) cached as a finished prompt's would be; it keeps
         its slot, its host pages and its hot pages."""
         self._return_pages(req, req.kv_trusted, kv_len, f"req {req.rid}")
-        req.pages = []
-        req.num_tree_pages = 0
-        req.prefix_node = None
-        req.num_out_pages = 0
-        req.window_node = None
+        forget_pages(req)
 
     def reset(self, req, owner: str) -> None:
         """Forget a request's memory fields once its pages are accounted for; frees its slot (a double
@@ -315,9 +279,5 @@ class KVManager:
                 f"{owner}: its slot", self.report_double_free, [req.slot], owner, "request", "slot"
             )
         req.slot = None
-        req.pages = []
-        req.num_tree_pages = 0
-        req.prefix_node = None
-        req.num_out_pages = 0
-        req.window_node = None
+        forget_pages(req)
         req.kv_len = 0

@@ -12,7 +12,8 @@ The waiting queue is ordered first (``queue_order.py``). With priority schedulin
 important first, the victim of a retraction is the least important (then the newest), and a waiting
 request that does not fit (no slot, or not enough pages) *preempts*: running requests whose priority
 is lower by more than the threshold are retracted for it, least important first, when together they
-would make room (SGLang's rule); retraction keeps their output, so it ends as it would have.
+would make room (SGLang's rule, ``preemption.py``); retraction keeps their output, so it ends as it
+would have. A decode's drafts (speculative decoding) are chosen in ``drafts.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from dataclasses import dataclass, field
 
 from ..common import FinishReason
 from ..model.linear import amx_available
-from .queue_order import QueueOrder, may_preempt
+from .drafts import choose_drafts
+from .overlap import ends_pending
+from .preemption import preempt_for
+from .queue_order import QueueOrder
 from .request import Req, ReqState
 
 log = logging.getLogger(__name__)
@@ -52,7 +56,7 @@ class BatchPolicy:
 
     def _live(self, r: Req) -> bool:
         """Not ending: no cause marked, and (overlap) no token in flight that surely ends it."""
-        return r.to_finish is None and not (self.s.overlap and self.s.ends_pending(r))
+        return r.to_finish is None and not (self.s.overlap and ends_pending(r, self.s.context_length))
 
     @staticmethod
     def _seniority(r: Req) -> tuple[int, int]:
@@ -83,7 +87,7 @@ class BatchPolicy:
         big: it waits."""
         # (overlap) A launched step's result may end requests: in a synchronous step their pages
         # would be back already, so nothing is too big before it is in.
-        return bool(self.s.waiting_for_kv or self.s.sending or self.s.steps_in_flight)
+        return bool(self.s.waiting_for_kv or self.s.sending or len(self.s.in_flight))
 
     def mark_too_big(self, req: Req) -> None:
         """A request that cannot fit even alone (what is left after sessions' busy KV) ends cleanly."""
@@ -98,24 +102,6 @@ class BatchPolicy:
         )
 
     # -- decodes ------------------------------------------------------------------------------------
-    def _drafts(self, req: Req, budget: int) -> list[int]:
-        proposer = self.s.proposer
-        if proposer is None or budget <= 0 or req.params.scoring:
-            return []  # (a request that draws no token, scoring or pooling, has nothing to verify)
-        if req.sparse is not None:
-            return []  # HiSparse attends one new token sparsely; a verify would need sparse extends
-        limit = max(min(self.s.context_length - req.seq_len - 1, budget), 0)  # never past the context
-        if not getattr(proposer, "writes_kv", False):
-            return _before_grammar_end(req, proposer.propose(req)[:limit])
-        # A draft model writes its K/V for the drafts' positions: their pages come first.
-        kvm = self.s.kv_manager
-        want = proposer.num_drafts(req, limit)
-        if not want or not kvm.allocate(req, 1, num_lookahead_tokens=want):
-            return []
-        drafts = _before_grammar_end(req, proposer.propose(req, want))
-        kvm.truncate(req, req.seq_len + len(drafts))  # the lookahead it did not use goes back
-        return drafts
-
     def schedule_decodes(self, decodes: list[Req]) -> list[Chunk]:
         s = self.s
         scheduled: list[Chunk] = []
@@ -126,7 +112,7 @@ class BatchPolicy:
                 continue  # retracted below as a victim for an older request
             if req.sparse is not None and s.kv_manager.sparse.ready(req):
                 s.kv_manager.sparse.begin(req)  # its first decode: sparse from here on
-            drafts = self._drafts(req, budget)
+            drafts = choose_drafts(req, budget, s.proposer, s.kv_manager, s.context_length)
             budget -= len(drafts)
             while not s.kv_manager.allocate(req, 1, num_lookahead_tokens=len(drafts)):
                 if drafts:
@@ -212,10 +198,10 @@ class BatchPolicy:
             if not self._adapter_fits(req):
                 self.deferred.add(req.rid)  # its adapter waits for one of the running ones to end
                 continue
-            if self._slots_full() and not self.preempt_for(req, budget, reserve_pages, slot=True):
+            if self._slots_full() and not preempt_for(self, req, budget, reserve_pages, slot=True):
                 return out
             chunk = self._admit(req, budget, reserve_pages)
-            if chunk is None and req.rid not in self.deferred and self.preempt_for(req, budget, reserve_pages):
+            if chunk is None and req.rid not in self.deferred and preempt_for(self, req, budget, reserve_pages):
                 chunk = self._admit(req, budget, reserve_pages)
             if chunk is None:
                 if req.rid in self.deferred:
@@ -240,48 +226,6 @@ class BatchPolicy:
     def _slots_full(self) -> bool:
         s = self.s
         return len(s.running) + len(s.waiting_for_kv) >= s.cfg.scheduler.max_running_requests
-
-    # -- preemption by priority ---------------------------------------------------------------------
-    def preempt_for(self, req: Req, budget: int, reserve_pages: int, slot: bool = False) -> bool:
-        """Make room for waiting ``req`` (a slot, or the pages of its next chunk) by retracting running
-        requests it may preempt, least important then newest first; only when together they would
-        make that room (else none is touched). True: something was retracted (admission is retried)."""
-        if not self.priorities:
-            return False
-        s = self.s
-        threshold = s.cfg.scheduler.priority_scheduling_preemption_threshold
-        victims = sorted(
-            (r for r in s.running if r.to_finish is None and may_preempt(req, r, threshold)),
-            key=self._seniority,
-            reverse=True,
-        )
-        if not victims or not s.connector.may_admit(req):
-            return False  # (a request its connector holds back would only take the room and wait)
-        if slot:
-            chosen = victims[:1]  # one slot is all a request needs
-        else:
-            # The pages its first chunk needs past what is cached, and what the victims' own pages
-            # give back (their borrowed prefix may stay locked by others: not counted).
-            kvm, ps = s.kv_manager, s.kv_manager.page_size
-            matched = self.order.tree.peek(kvm.cache_key(req)[: req.reuse_limit])[0] if req.session is None else 0
-            need = -(-(matched + min(budget, req.seq_len - matched)) // ps) - matched // ps
-            short = need + reserve_pages - kvm.available_pages()
-            chosen = []
-            for v in victims:
-                if short <= 0:
-                    break
-                chosen.append(v)
-                short -= len(v.pages) - v.num_tree_pages - v.num_out_pages
-            if short > 0:
-                return False  # SGLang's rule too: preempt only when it makes the room
-        for v in chosen:
-            log.info(
-                "request %s (priority %s) preempts %s (priority %s)", req.rid, req.params.priority, v.rid,
-                v.params.priority,
-            )
-            self.retract(v)
-            self.total_preemptions += 1
-        return True
 
     # -- the batch ----------------------------------------------------------------------------------
     def _schedule_once(self) -> list[Chunk]:
@@ -332,12 +276,3 @@ class BatchPolicy:
             # request still cannot be admitted: it never will be.
             self.mark_too_big(s.waiting[0])
         return batch
-
-
-def _before_grammar_end(req: Req, drafts: list[int]) -> list[int]:
-    """Drafts cut before one that would end the request's grammar: a draft accepted there would let
-    the step keep the target's next draw after the end (under ignore_eos nothing else stops it),
-    which the grammar then refuses (fuzz seed 1779861933)."""
-    if req.grammar is None or not drafts:
-        return drafts
-    return drafts[: req.grammar.drafts_before_end(drafts)]

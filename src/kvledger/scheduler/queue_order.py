@@ -13,7 +13,7 @@ With ``--enable-priority-scheduling`` requests are grouped by priority (most imp
 policy orders each group; without it the policy alone decides (and fcfs leaves the queue as it is).
 SGLang's convention: a larger ``priority`` is more important unless ``--schedule-low-priority-values-
 first``; a request without one is the least important. ``priority_rank`` turns both into one number,
-smaller = more important, which the preemption rule (``policy.py``) compares too.
+smaller = more important, which the preemption rule (``preemption.py``) compares too.
 """
 
 from __future__ import annotations

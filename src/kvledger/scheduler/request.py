@@ -12,7 +12,7 @@ from ..common.pooling import PoolingParams
 
 
 class ReqState(enum.Enum):
-    """Where a request is, and so what it may hold (see ``memory/kv_manager.py`` for the pages)."""
+    """Where a request is, and so what it may hold (see ``memory/req_pages.py`` for the pages)."""
 
     WAITING = "waiting"  # in the queue; holds no memory
     WAITING_FOR_KV = "waiting for kv"  # admitted; slot and pages held while a connector fills them
