@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -33,6 +34,14 @@ START_BACKOFF_S = (1.0, 2.0)
 # takes the server out before the watchdog kills the step. Without a watchdog, after STALL_S_NO_WATCHDOG.
 STALL_FRACTION = 0.5
 STALL_S_NO_WATCHDOG = 30.0
+# An engine that died of SIGTERM or SIGINT was most likely stopped together with its server: a signal
+# to the whole process group (a supervisor stopping ``kvledger serve --dp-size 2``, Ctrl-C) reaches
+# the engine and its front at once, and the engine may die before the front's drain begins. Such a
+# death is not restarted while the server stops (``expect_stop``, ``close``); the front waits this
+# long for its stop to begin, then restarts the engine (someone stopped the engine alone). A crash
+# (SIGKILL by the OOM killer, SIGSEGV, a nonzero exit) restarts at once, as it always did.
+SIGNAL_DEATH_WAIT_S = 2.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class EngineClient(EngineChannel):
@@ -64,6 +73,7 @@ class EngineClient(EngineChannel):
         self._tasks: list[asyncio.Task] = []
         self._ready_event = asyncio.Event()
         self._closing = False
+        self._stopping = False  # the server's drain began (``expect_stop``)
         self.restarts = 0
         self.start_failures = 0  # engines in a row that died before they were ready
         self._gen_ready = False  # the current engine has been ready (sent Ready)
@@ -164,12 +174,14 @@ class EngineClient(EngineChannel):
                     self.on_stall()
                 self.proc.kill()
                 self.proc.join(timeout=5)
-            if self.proc is not None and not self.proc.is_alive() and not self._closing:
-                await self._on_engine_death(self.proc.exitcode)
+            dead = self.proc is not None and not self.proc.is_alive() and not self._closing
+            if dead and not await self._on_engine_death(self.proc.exitcode):
+                return  # stopped with the server, or given up: no engine left to watch
 
-    async def _on_engine_death(self, code: int | None) -> None:
+    async def _on_engine_death(self, code: int | None) -> bool:
         """Fail what was in flight; start a new engine, at once if this one had been ready, after a
-        pause if it died starting, or give up after ``START_ATTEMPTS`` such deaths in a row."""
+        pause if it died starting, or give up after ``START_ATTEMPTS`` such deaths in a row. Not when
+        it was stopped by a signal with the server (``SIGNAL_DEATH_WAIT_S``). Whether one started."""
         self.ready = False
         self._ready_event.clear()
         starting = not self._gen_ready
@@ -184,12 +196,15 @@ class EngineClient(EngineChannel):
         self._fail_all("the engine process died; retry the request")
         if self.on_death:
             self.on_death()
+        if code is not None and -code in STOP_SIGNALS and await self._stopping_within(SIGNAL_DEATH_WAIT_S):
+            log.info("the engine was stopped by %s with this server: not restarted", signal.Signals(-code).name)
+            return False
         if self.start_failures >= START_ATTEMPTS:
             self._give_up(
                 f"the engine process died {self.start_failures} times in a row before it was ready "
                 f"(last exit code {code}); the log above says why"
             )
-            return
+            return False
         self._close_sockets()
         if self.start_failures:
             pause = START_BACKOFF_S[min(self.start_failures, len(START_BACKOFF_S)) - 1]
@@ -200,6 +215,20 @@ class EngineClient(EngineChannel):
         self.restarts += 1
         self.last_msg = time.monotonic()
         self._spawn()
+        return True
+
+    def expect_stop(self) -> None:
+        """The server is stopping (its drain began): an engine that dies of SIGTERM or SIGINT from now
+        on is not restarted (``SIGNAL_DEATH_WAIT_S``)."""
+        self._stopping = True
+
+    async def _stopping_within(self, wait_s: float) -> bool:
+        """Whether the server's stop has begun, or begins within ``wait_s`` (``close`` also cancels the
+        monitor waiting here, which ends its wait as well)."""
+        end = time.monotonic() + wait_s
+        while not (self._stopping or self._closing) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return self._stopping or self._closing
 
     async def close(self) -> None:
         """Stop the engine: a ready one is asked to shut down (its sessions close), one that is still
