@@ -1,13 +1,15 @@
-"""The offline ``Engine`` API (SGLang's shape): the engine core run in-process."""
+"""The offline ``Engine`` API (SGLang's shape): the engine core run in-process. Here: requests in
+(``generate``, ``encode``, ``score``, ``add_request``), the steps that drive them, their results and
+streams, and shutdown; each request's outputs gather in a ``Track`` (``offline_track.py``); the admin
+verbs (pause, weights, LoRA, cache, sessions, views) are ``EngineAdmin``'s (``offline_admin.py``)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
-from ..common import FinishReason, RequestOutput, meta_info, parse_prompts
+from ..common import RequestOutput, parse_prompts
 from ..common.disagg import DisaggParams
 from ..common.outputs import PromptLogprobs
 from ..common.pooling import PoolingParams, label_scores, score_prompts
@@ -15,52 +17,14 @@ from ..compat import refusal_error
 from ..config import EngineConfig
 from ..engine.control import SHUTDOWN_DRAIN_S
 from ..engine.detok import TextState
-from ..errors import ConflictError, KVLedgerError, NotFoundError, ValidationError, error_for_status
+from ..errors import ConflictError, NotFoundError, ValidationError, error_for_status
 from ..scheduler import Req
 from .build import start_engine
+from .offline_admin import EngineAdmin
+from .offline_track import Track
 
 
-@dataclass
-class _Track:
-    req: Req
-    text: TextState
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    top_logprobs: list = field(default_factory=list)
-    finish: FinishReason | None = None
-    cached_tokens: int = 0
-    spec_verify_ct: int = 0
-    version: int = 0
-    prompt: PromptLogprobs | None = None
-    embedding: list[float] | None = None
-    label_logprobs: list[float] | None = None
-
-    def result(self) -> dict:
-        p = self.req.params
-        if self.req.pooling is not None:  # SGLang's encode() answer: the embedding and meta_info
-            meta = meta_info(self.req.rid, len(self.req.input_ids), [], self.cached_tokens, self.finish)
-            if self.req.pooling.embed is not None:
-                return {"embedding": self.embedding, "meta_info": meta}
-            return {"label_logprobs": self.label_logprobs, "meta_info": meta}
-        meta = meta_info(
-            self.req.rid,
-            len(self.req.input_ids),
-            self.output_ids,
-            self.cached_tokens,
-            self.finish,
-            self.logprobs if p.wants_logprobs else None,
-            self.top_logprobs if p.top_logprobs else None,
-            self.spec_verify_ct,
-            self.prompt,
-        )
-        return {
-            "text": self.text.update(self.output_ids, self.finish),
-            "output_ids": list(self.output_ids),
-            "meta_info": meta,
-        }
-
-
-class Engine:
+class Engine(EngineAdmin):
     """In-process engine::
 
     eng = kvledger.Engine(model=None, page_size=16, max_total_tokens=8192)
@@ -75,7 +39,7 @@ class Engine:
         cfg = EngineConfig.from_flat(model=model, dtype=dtype, **kwargs)
         self.core = start_engine(cfg, loaded=loaded, connector=connector, graph_capture=capture)
         self._lock = threading.RLock()
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, Track] = {}
 
     @property
     def tokenizer(self):
@@ -113,7 +77,7 @@ class Engine:
             for r in reqs:
                 self.core.submit(r, session_params)
                 p = r.params
-                self._tracks[r.rid] = _Track(
+                self._tracks[r.rid] = Track(
                     r,
                     TextState(self.core.tokenizer, p.skip_special_tokens, p.stop, not p.no_stop_trim),
                     prompt=PromptLogprobs(r.input_ids, p.logprob_start_len, p.top_logprobs)
@@ -298,83 +262,6 @@ class Engine:
             self._step()
             if self.core.scheduler.paused is not None:
                 return
-
-    # -- pause and weight updates (SGLang's shapes) -------------------------------------------------------
-    def pause_generation(self, mode: str = "abort") -> None:
-        """Stop generating: ``abort`` ends every request (at the next step), ``retract`` requeues the
-        running ones (recomputed, with the same output, after ``continue_generation``), ``in_place``
-        keeps them where they are. Requests added meanwhile wait."""
-        with self._lock:
-            self.core.control.pause_generation(mode)
-
-    def continue_generation(self) -> None:
-        with self._lock:
-            self.core.control.continue_generation()
-
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
-        """New weights from ``model_path`` (same architecture and shapes) without a restart; the prefix
-        cache is flushed and sessions' KV dropped. As SGLang, when generation is not paused the
-        requests in flight finish first. Returns ``(success, message, num_paused_requests)``."""
-        with self._lock:
-            if self.core.scheduler.paused is None:
-                self.run_until_idle()
-            try:
-                n = self.core.control.update_weights_from_disk(model_path, load_format)["num_paused_requests"]
-            except KVLedgerError as e:
-                return False, e.message, 0
-        return True, f"Succeeded to update model weights from {model_path}.", n
-
-    # -- LoRA adapters (SGLang's /load_lora_adapter, /unload_lora_adapter) ----------------------------------
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
-        """Serve the peft adapter at ``lora_path`` as ``lora_name`` (``sampling["lora_path"]`` selects it)."""
-        with self._lock:
-            return self.core.control.load_lora_adapter(lora_name, lora_path)
-
-    def unload_lora_adapter(self, lora_name: str) -> None:
-        """Stop serving ``lora_name``; refused (409) while requests of it are queued or running."""
-        with self._lock:
-            self.core.control.unload_lora_adapter(lora_name)
-
-    def flush_cache(self) -> bool:
-        with self._lock:
-            return self.core.control.flush_cache()
-
-    def memory(self) -> dict:
-        with self._lock:
-            return self.core.view.memory()
-
-    def audit(self):
-        with self._lock:
-            return self.core.view.audit()
-
-    def page_map(self) -> dict:
-        """Every page's owner as runs, with the figures of the same instant (``/memory/pages``)."""
-        with self._lock:
-            return self.core.view.page_map()
-
-    def open_session(
-        self, session_id: str | None = None, streaming: bool = True, timeout: float | None = None
-    ) -> str:
-        """Open a streaming session (its turns keep their KV for the next turn); returns its id."""
-        if streaming is not True:
-            raise ValidationError("only streaming sessions are supported", param="streaming")
-        with self._lock:
-            return self.core.control.open_session(session_id, timeout)
-
-    def close_session(self, session_id: str) -> None:
-        """Close a session; if a turn is running its memory is released when that turn finishes."""
-        with self._lock:
-            self.core.control.close_session(session_id)
-
-    def restore_sessions(self, records: list[dict]) -> int:
-        """Re-open sessions from ``{id, timeout, tokens}`` records (no KV: their next turns recompute)."""
-        with self._lock:
-            return self.core.control.restore_sessions(records)
-
-    def sessions(self) -> list[dict]:
-        with self._lock:
-            return self.core.sessions.describe()
-
     def shutdown(self, drain_timeout_s: float = SHUTDOWN_DRAIN_S) -> None:
         """Abort what runs, drain (bounded: see ``EngineControl.shutdown``), close."""
         with self._lock:

@@ -1,30 +1,26 @@
-"""The front's handle on the engine process: start, talk over ZMQ, notice death, restart."""
+"""The front's handle on the engine process: start it, notice its death, restart it, stop it; the
+watchdog. The messages over its sockets are ``EngineChannel``'s (``engine_channel.py``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-import msgspec
 import zmq
-import zmq.asyncio
 
-from ..common import FinishReason, RequestOutput, SamplingParams
 from ..common import messages as m
-from ..common.disagg import DisaggParams
-from ..common.pooling import PoolingParams
 from ..config import EngineConfig
-from ..errors import ConflictError, ModelLoadError, ServiceUnavailable, error_for_status
+from ..errors import ModelLoadError, ServiceUnavailable
 from ..launch.process import engine_main, ipc_paths
+from .engine_channel import EngineChannel
 
 log = logging.getLogger("kvledger.server")
 
@@ -38,9 +34,17 @@ START_BACKOFF_S = (1.0, 2.0)
 # takes the server out before the watchdog kills the step. Without a watchdog, after STALL_S_NO_WATCHDOG.
 STALL_FRACTION = 0.5
 STALL_S_NO_WATCHDOG = 30.0
+# An engine that died of SIGTERM or SIGINT was most likely stopped together with its server: a signal
+# to the whole process group (a supervisor stopping ``kvledger serve --dp-size 2``, Ctrl-C) reaches
+# the engine and its front at once, and the engine may die before the front's drain begins. Such a
+# death is not restarted while the server stops (``expect_stop``, ``close``); the front waits this
+# long for its stop to begin, then restarts the engine (someone stopped the engine alone). A crash
+# (SIGKILL by the OOM killer, SIGSEGV, a nonzero exit) restarts at once, as it always did.
+SIGNAL_DEATH_WAIT_S = 2.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class EngineClient:
+class EngineClient(EngineChannel):
     """Owns the engine process. Each request gets an asyncio.Queue of ``RequestOutput``s from the
     engine; a final one has ``finished`` set. If the engine dies, every open queue gets a 503 final
     and a new engine starts; if it cannot be started (it reports why, or dies ``START_ATTEMPTS``
@@ -53,37 +57,28 @@ class EngineClient:
         ready_timeout_s: float = 600.0,
         watchdog_timeout_s: float | None = 60.0,
     ):
+        super().__init__()
         self.cfg = cfg
         self.watchdog_timeout_s = watchdog_timeout_s
-        self.last_msg = time.monotonic()
         self.on_stall: Callable[[], None] | None = None
         self.log_level = log_level
         self.ready_timeout_s = ready_timeout_s
         self.ipc_dir = tempfile.mkdtemp(prefix="kvledger-")
         os.chmod(self.ipc_dir, 0o700)  # private: only this user may talk to the engine
-        self.ctx = zmq.asyncio.Context()
         self.generation = 0
         self.proc: multiprocessing.process.BaseProcess | None = None
-        self.push: zmq.asyncio.Socket | None = None
-        self.pull: zmq.asyncio.Socket | None = None
-        self.ready = False
         self.info: dict = {}
         self.limits: dict = {}
         self.engine_config: dict = {}
-        self.stats: dict = {}
-        self.streams: dict[str, asyncio.Queue] = {}
-        self._replies: dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
-        self._blocking_calls = 0  # control calls in flight during which the engine does not step
         self._tasks: list[asyncio.Task] = []
         self._ready_event = asyncio.Event()
         self._closing = False
+        self._stopping = False  # the server's drain began (``expect_stop``)
         self.restarts = 0
         self.start_failures = 0  # engines in a row that died before they were ready
         self._gen_ready = False  # the current engine has been ready (sent Ready)
         self._closed = False
         self.fatal: str | None = None
-        self.on_stats: Callable[[dict], None] | None = None
         self.on_death: Callable[[], None] | None = None
         # Called once when the engine cannot be (re)started: the server stops (exit non-zero).
         self.on_fatal: Callable[[str], None] | None = None
@@ -126,59 +121,14 @@ class EngineClient:
         log.info("engine process %d started (generation %d)", self.proc.pid, self.generation)
         self._tasks.append(asyncio.create_task(self._recv(self.pull)))
 
-    async def _recv(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            try:
-                frame = await sock.recv()
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
-            self.last_msg = time.monotonic()
-            try:
-                msg = m.decode_from_engine(frame)
-            except msgspec.ValidationError as e:
-                log.error("dropped a malformed message from the engine: %s", e)
-                continue
-            self._on_message(msg)
-            # Let the streams consume this step's output before the next frame is taken: each step
-            # becomes its own SSE event instead of several steps coalescing into one.
-            await asyncio.sleep(0)
-
-    def _on_message(self, msg) -> None:
-        if isinstance(msg, m.Outputs):
-            for item in msg.items:
-                q = self.streams.get(item.rid)
-                if q is not None:
-                    q.put_nowait(item)
-                    if item.finished:
-                        self.streams.pop(item.rid, None)
-            if msg.stats is not None:
-                self.stats = msg.stats
-                if self.on_stats:
-                    self.on_stats(self.stats)
-        elif isinstance(msg, m.Reply):
-            fut = self._replies.pop(msg.id, None)
-            if fut is not None and not fut.done():
-                if msg.error is not None:
-                    e = msg.error
-                    fut.set_exception(
-                        error_for_status(
-                            int(e.get("status", 500)),
-                            e.get("message") or "engine error",
-                            e.get("code"),
-                            e.get("param"),
-                        )
-                    )
-                else:
-                    fut.set_result(msg.result)
-        elif isinstance(msg, m.Ready):
-            self._gen_ready, self.start_failures = True, 0
-            self.info, self.limits, self.engine_config = msg.info, msg.limits, msg.config
-            if self.generation > 1 and self.on_restart is not None:
-                self._tasks.append(asyncio.create_task(self._restarted(msg.pid)))
-            else:
-                self._set_ready(msg.pid)
-        elif isinstance(msg, m.Fatal):  # it cannot load: restarting would only loop
-            self._give_up(msg.message)
+    def _on_ready(self, msg: m.Ready) -> None:
+        """This generation's engine loaded: a restarted one takes requests once ``on_restart`` ran."""
+        self._gen_ready, self.start_failures = True, 0
+        self.info, self.limits, self.engine_config = msg.info, msg.limits, msg.config
+        if self.generation > 1 and self.on_restart is not None:
+            self._tasks.append(asyncio.create_task(self._restarted(msg.pid)))
+        else:
+            self._set_ready(msg.pid)
 
     def _give_up(self, reason: str) -> None:
         """The engine cannot be started: say why once, wake ``wait_ready``, tell the server."""
@@ -224,12 +174,14 @@ class EngineClient:
                     self.on_stall()
                 self.proc.kill()
                 self.proc.join(timeout=5)
-            if self.proc is not None and not self.proc.is_alive() and not self._closing:
-                await self._on_engine_death(self.proc.exitcode)
+            dead = self.proc is not None and not self.proc.is_alive() and not self._closing
+            if dead and not await self._on_engine_death(self.proc.exitcode):
+                return  # stopped with the server, or given up: no engine left to watch
 
-    async def _on_engine_death(self, code: int | None) -> None:
+    async def _on_engine_death(self, code: int | None) -> bool:
         """Fail what was in flight; start a new engine, at once if this one had been ready, after a
-        pause if it died starting, or give up after ``START_ATTEMPTS`` such deaths in a row."""
+        pause if it died starting, or give up after ``START_ATTEMPTS`` such deaths in a row. Not when
+        it was stopped by a signal with the server (``SIGNAL_DEATH_WAIT_S``). Whether one started."""
         self.ready = False
         self._ready_event.clear()
         starting = not self._gen_ready
@@ -244,15 +196,16 @@ class EngineClient:
         self._fail_all("the engine process died; retry the request")
         if self.on_death:
             self.on_death()
+        if code is not None and -code in STOP_SIGNALS and await self._stopping_within(SIGNAL_DEATH_WAIT_S):
+            log.info("the engine was stopped by %s with this server: not restarted", signal.Signals(-code).name)
+            return False
         if self.start_failures >= START_ATTEMPTS:
             self._give_up(
                 f"the engine process died {self.start_failures} times in a row before it was ready "
                 f"(last exit code {code}); the log above says why"
             )
-            return
-        for s in (self.push, self.pull):
-            if s is not None:
-                s.close(linger=0)
+            return False
+        self._close_sockets()
         if self.start_failures:
             pause = START_BACKOFF_S[min(self.start_failures, len(START_BACKOFF_S)) - 1]
             log.warning(
@@ -262,17 +215,20 @@ class EngineClient:
         self.restarts += 1
         self.last_msg = time.monotonic()
         self._spawn()
+        return True
 
-    def _fail_all(self, message: str) -> None:
-        streams, self.streams = self.streams, {}
-        for rid, q in streams.items():
-            q.put_nowait(
-                RequestOutput.final(rid, FinishReason("abort", message, status=503, code="engine_died"))
-            )
-        for fut in self._replies.values():
-            if not fut.done():
-                fut.set_exception(ServiceUnavailable(message))
-        self._replies.clear()
+    def expect_stop(self) -> None:
+        """The server is stopping (its drain began): an engine that dies of SIGTERM or SIGINT from now
+        on is not restarted (``SIGNAL_DEATH_WAIT_S``)."""
+        self._stopping = True
+
+    async def _stopping_within(self, wait_s: float) -> bool:
+        """Whether the server's stop has begun, or begins within ``wait_s`` (``close`` also cancels the
+        monitor waiting here, which ends its wait as well)."""
+        end = time.monotonic() + wait_s
+        while not (self._stopping or self._closing) and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        return self._stopping or self._closing
 
     async def close(self) -> None:
         """Stop the engine: a ready one is asked to shut down (its sessions close), one that is still
@@ -293,64 +249,9 @@ class EngineClient:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join(timeout=3)
-        for s in (self.push, self.pull):
-            if s is not None:
-                s.close(linger=0)
+        self._close_sockets()
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
-
-    # -- requests ----------------------------------------------------------------------------------------
-    def _check_ready(self) -> None:
-        if not self.ready:
-            raise ServiceUnavailable(
-                "the engine is not ready (starting or restarting); retry shortly", code="engine_not_ready"
-            )
-
-    async def submit(
-        self,
-        rid: str,
-        input_ids: list[int],
-        params: SamplingParams,
-        session_params: dict | None = None,
-        disagg: DisaggParams | None = None,
-        pooling: PoolingParams | None = None,
-    ) -> asyncio.Queue:
-        """Send a request; its outputs arrive on the returned queue. The front's one duplicate-rid
-        check (streams are keyed by rid); the engine checks again, as the authority."""
-        self._check_ready()
-        if rid in self.streams:
-            raise ConflictError(
-                f"a request with id {rid!r} is already running", param="rid", code="duplicate_rid"
-            )
-        q: asyncio.Queue = asyncio.Queue()
-        self.streams[rid] = q
-        await self.push.send(m.encode(m.AddRequest(rid, input_ids, params, session_params, disagg, pooling)))
-        return q
-
-    async def abort(self, rid: str, message: str = "aborted by the client") -> None:
-        if self.ready and self.push is not None:
-            await self.push.send(m.encode(m.AbortRequest(rid, message)))
-
-    async def call(self, op: str, wait_s: float = 30.0, *, blocking: bool = False, **args) -> Any:
-        """A control operation. ``blocking``: the engine does not step while it runs it (a weight
-        load), so the watchdog waits for its reply instead of reading the silence as a stall."""
-        self._check_ready()
-        if not blocking:
-            return await self.call_unchecked(op, wait_s, **args)
-        self._blocking_calls += 1
-        try:
-            return await self.call_unchecked(op, wait_s, **args)
-        finally:
-            self._blocking_calls -= 1
-            self.last_msg = time.monotonic()
-
-    async def call_unchecked(self, op: str, wait_s: float = 30.0, **args) -> Any:
-        """``call`` before the engine is marked ready (``on_restart`` uses it)."""
-        i = next(self._ids)
-        fut = asyncio.get_running_loop().create_future()
-        self._replies[i] = fut
-        await self.push.send(m.encode(m.Call(i, op, args)))
-        return await asyncio.wait_for(fut, wait_s)
 
     def alive(self) -> bool:
         return self.ready and self.proc is not None and self.proc.is_alive()

@@ -90,6 +90,8 @@ class EngineLifecycle:
         srv = self.srv
         srv.draining = True
         srv.stop_requested.set()
+        if srv.client is not None:  # an engine stopped by the same signal is not restarted
+            srv.client.expect_stop()
         await srv.gate.shut_down()  # requests held by a pause get a 503
         client = srv.client
         if client is None:
