@@ -10,9 +10,9 @@ grammar's. The gate follows only kept tokens, like the matcher, so drafts are si
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+
+from .matcher import GrammarState
 
 
 def reasoning_end_ids(tokenizer, marker: str) -> list[int]:
@@ -29,9 +29,8 @@ def reasoning_end_ids(tokenizer, marker: str) -> list[int]:
 class ReasoningGate:
     """One request's grammar behind its reasoning: inactive until ``end_ids`` appear in the output."""
 
-    def __init__(self, inner: Any, end_ids: list[int]):
-        """``inner``: the request's ``GrammarState`` (``matcher.py``; ``grammar.py``, which imports this
-        module, wraps it: the gate names its interface, not its module)."""
+    def __init__(self, inner: GrammarState, end_ids: list[int]):
+        """``inner``: the request's grammar matcher, which the gate holds back until ``end_ids``."""
         self.inner = inner
         self.end_ids = list(end_ids)
         self.thinking = True

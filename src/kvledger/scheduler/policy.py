@@ -59,7 +59,7 @@ class BatchPolicy:
         return r.to_finish is None and not (self.s.overlap and ends_pending(r, self.s.context_length))
 
     @staticmethod
-    def _seniority(r: Req) -> tuple[int, int]:
+    def seniority(r: Req) -> tuple[int, int]:
         """Decodes and prefill chunks run in ascending order (the most important, then the oldest);
         retraction takes the max (the least important, then the newest). Without priority
         scheduling every rank is 0: admission order alone, as before priorities."""
@@ -107,7 +107,7 @@ class BatchPolicy:
         scheduled: list[Chunk] = []
         # Drafts share the step's token budget: verifying never makes a step bigger than a prefill one.
         budget = s.cfg.scheduler.chunked_prefill_size - len(decodes)
-        for req in sorted(decodes, key=self._seniority):
+        for req in sorted(decodes, key=self.seniority):
             if req.state is not ReqState.RUNNING:
                 continue  # retracted below as a victim for an older request
             if req.sparse is not None and s.kv_manager.sparse.ready(req):
@@ -123,7 +123,7 @@ class BatchPolicy:
                     if not self.pages_coming_back():
                         self.mark_too_big(req)
                     break
-                victim = max(victims, key=self._seniority)
+                victim = max(victims, key=self.seniority)
                 scheduled = [c for c in scheduled if c.req is not victim]
                 self.retract(victim)
             else:
@@ -183,7 +183,7 @@ class BatchPolicy:
     def schedule_prefills(self, budget: int, reserve_pages: int) -> list[Chunk]:
         s = self.s
         out: list[Chunk] = []
-        for req in sorted(s.running, key=self._seniority):
+        for req in sorted(s.running, key=self.seniority):
             if budget <= 0:
                 return out
             if req.kv_len < req.seq_len - 1 and req.to_finish is None:
@@ -262,7 +262,7 @@ class BatchPolicy:
                 if not self.pages_coming_back():
                     self.mark_too_big(live[0])
                 break
-            self.retract(max(live, key=self._seniority))
+            self.retract(max(live, key=self.seniority))
             batch = self._schedule_once()
         if (
             not batch

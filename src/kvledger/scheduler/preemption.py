@@ -25,7 +25,7 @@ def preempt_for(policy, req: Req, budget: int, reserve_pages: int, slot: bool = 
     threshold = s.cfg.scheduler.priority_scheduling_preemption_threshold
     victims = sorted(
         (r for r in s.running if r.to_finish is None and may_preempt(req, r, threshold)),
-        key=policy._seniority,
+        key=policy.seniority,
         reverse=True,
     )
     if not victims or not s.connector.may_admit(req):
