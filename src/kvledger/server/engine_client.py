@@ -187,18 +187,24 @@ class EngineClient(EngineChannel):
         starting = not self._gen_ready
         if starting:
             self.start_failures += 1
-        log.error(
-            "engine process died%s (exit code %s); failing %d in-flight requests",
-            " while starting" if starting else "",
-            code,
-            len(self.streams),
-        )
+        inflight = len(self.streams)
         self._fail_all("the engine process died; retry the request")
         if self.on_death:
             self.on_death()
         if code is not None and -code in STOP_SIGNALS and await self._stopping_within(SIGNAL_DEATH_WAIT_S):
-            log.info("the engine was stopped by %s with this server: not restarted", signal.Signals(-code).name)
+            # An orderly stop (a supervisor signalling the whole group): said once, not as an error.
+            log.info(
+                "the engine was stopped by %s with this server (%d in-flight requests failed): not restarted",
+                signal.Signals(-code).name,
+                inflight,
+            )
             return False
+        log.error(
+            "engine process died%s (exit code %s); failed %d in-flight requests",
+            " while starting" if starting else "",
+            code,
+            inflight,
+        )
         if self.start_failures >= START_ATTEMPTS:
             self._give_up(
                 f"the engine process died {self.start_failures} times in a row before it was ready "
