@@ -365,3 +365,27 @@ def test_extend_attention_rejects_ranges_outside_the_tables():
     with pytest.raises(RuntimeError, match="outside q"):
         ops.extend_attention_(out, q, k, v, table, one, torch.tensor([3]), one * 0, torch.tensor([5]), 0.25)
     assert torch.equal(out, torch.zeros(5, 4 * d))
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_start():
+    """torch serializes extension builds with a ``lock`` file in the build directory; a process killed
+    while it held it (a first start stopped during the build) left it behind, and the next start
+    waited on it forever. The loader now holds a flock of its own and clears such a leftover."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    stale = os.path.join(_get_build_directory("kvledger_cpu_ops", verbose=False), "lock")
+    open(stale, "w").close()  # what a build killed mid-way leaves
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", "import kvledger.kernels as k; print(k.load(), k.status())"],
+            capture_output=True,
+            text=True,
+            timeout=120,  # without the fix: waits on the file until this kills it
+        )
+    finally:
+        left = os.path.exists(stale)
+        if left:
+            os.unlink(stale)
+    assert r.stdout.split()[:2] == ["True", "loaded"], r.stdout + r.stderr
+    assert not left
+    assert "left by a build or load that was killed" in r.stderr

@@ -16,6 +16,8 @@ process may run on (``os.sched_getaffinity``), not the machine's.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -64,6 +66,45 @@ def set_governor(on: bool) -> None:
         torch.ops.kvledger_cpu.set_governor(on)
 
 
+def _build() -> None:
+    """torch's build-and-load of the extension (``torch.utils.cpp_extension.load``)."""
+    from torch.utils.cpp_extension import load as build
+
+    build(
+        name="kvledger_cpu_ops",
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        # fp-contract off: the kernels round where torch's eager ops round (no fused a*b+c
+        # that the reference does not do), so fp32 results differ only in reduction order.
+        extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],  # at::parallel_for is OpenMP in a header: serial without it
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+@contextlib.contextmanager
+def _build_guard(name: str):
+    """Hold an OS file lock on the extension's build directory while torch builds or loads it, and
+    clear torch's own ``lock`` file if one is left there. torch serializes builds with a file it
+    creates and deletes (``FileBaton``): a process killed while it held it (a first start stopped with
+    Ctrl-C during the minute-long build) leaves the file behind, and every later start waits on it
+    forever, silently. Every kvledger process that builds or loads holds this flock first, and the
+    OS drops a flock with its process, so a ``lock`` file found while holding it is such a leftover."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    d = Path(_get_build_directory(name, verbose=False))
+    with open(d / "kvledger.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = d / "lock"
+            if stale.exists():
+                log.warning("CPU kernels: removing %s, left by a build or load that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def load() -> bool:
     """Build (first time) and load the extension; True when ``torch.ops.kvledger_cpu`` is usable."""
     with _lock:
@@ -76,18 +117,8 @@ def load() -> bool:
             return False
         t0 = time.monotonic()
         try:
-            from torch.utils.cpp_extension import load as build
-
-            build(
-                name="kvledger_cpu_ops",
-                sources=[str(_CSRC / s) for s in _SOURCES],
-                # fp-contract off: the kernels round where torch's eager ops round (no fused a*b+c
-                # that the reference does not do), so fp32 results differ only in reduction order.
-                extra_cflags=["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],  # at::parallel_for is OpenMP in a header: serial without it
-                is_python_module=False,
-                verbose=False,
-            )
+            with _build_guard("kvledger_cpu_ops"):
+                _build()
         except Exception as e:  # no compiler, no ninja, a failed build: serve on without the kernels
             _state["reason"] = (
                 f"build failed: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
