@@ -13,33 +13,10 @@
 
 #include "gguf_blocks.h"
 #include "kernels.h"
+#include "simd512.h"
 
 namespace kvl {
 namespace {
-
-inline __m512i bcast4(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-inline __m512 fp16x16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-inline void store_lanes(void* y, bool bf16, long i, __m512 v, __mmask16 k) {
-  if (!bf16) {
-    _mm512_mask_storeu_ps(static_cast<float*>(y) + i, k, v);
-    return;
-  }
-  // round to nearest even, NaN kept NaN: f_to_bf16's bits
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
 
 // Activation rows [m0, m0 + MR) x NB groups of 16 rows (g: the first group's bytes, gstride a group's).
 // The codes of up to two groups unpacked to one byte each, once a call where several blocks of 4
@@ -56,7 +33,7 @@ void unpack_codes(int kind, const uint8_t* g, long gstride, long K, int nb_group
     for (long s = 0; s < nb; ++s) {
       if (kind == kQ4_Kx16) {
         const uint8_t* base = g + b * gstride + s * 2368;
-        const __m512 dv = fp16x16(base), dminv = fp16x16(base + 32);
+        const __m512 dv = half16(base), dminv = half16(base + 32);
         for (int j = 0; j < 8; ++j) {
           const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 64 + 16 * j));
           const __m128i mb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 192 + 16 * j));
@@ -73,7 +50,7 @@ void unpack_codes(int kind, const uint8_t* g, long gstride, long K, int nb_group
         }
       } else {
         const uint8_t* base = g + b * gstride + s * 3360;
-        const __m512 dv = fp16x16(base);
+        const __m512 dv = half16(base);
         for (int t = 0; t < 16; ++t) {
           const __m128i scb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 32 + 16 * t));
           _mm512_storeu_ps(sf + (b * K / 16 + 16 * s + t) * 16,
@@ -112,8 +89,8 @@ void q4k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
     __m512 dv[NB], dminv[NB];
     for (int b = 0; b < NB; ++b) {
       base[b] = g + b * gstride + s * GB;
-      dv[b] = fp16x16(base[b]);
-      dminv[b] = fp16x16(base[b] + 32);
+      dv[b] = half16(base[b]);
+      dminv[b] = half16(base[b] + 32);
     }
     for (int j = 0; j < 8; ++j) {
       const long e0 = 256 * s + 32 * j, u = 8 * s + j;  // unit = group of 32: u
@@ -193,7 +170,7 @@ void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
     __m512 dv[NB];
     for (int b = 0; b < NB; ++b) {
       base[b] = g + b * gstride + s * GB;
-      dv[b] = fp16x16(base[b]);
+      dv[b] = half16(base[b]);
     }
     for (int t = 0; t < 16; ++t) {
       const long e0 = 256 * s + 16 * t, u = 16 * s + t;

@@ -11,6 +11,7 @@
 
 #include "gguf_blocks.h"
 #include "kernels.h"
+#include "simd512.h"
 
 namespace kvl {
 namespace {
@@ -231,12 +232,6 @@ void dot_all(const GgufActs& a, const uint8_t* codes, const float* wl, const flo
 
 // --- the tiles' path (gguf_blocks.h): 16 weight rows a block in the packed kernel's layout -------------
 
-inline __m512i bcast4(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // 16 registers of 16 dwords, rows to columns: r[i] lane j -> r[j] lane i (unpacks within 128-bit lanes,
 // then a 4 x 4 transpose of the 128-bit lanes).
 inline void transpose16(__m512i r[16]) {
@@ -322,20 +317,6 @@ void decode_block(int kind, const GgufFormat& f, const uint8_t* w, long K, long 
     float* mins = t.mins.data() + b * Kp / 2;
     for (long g = 0; g < K / 32; ++g) _mm512_storeu_ps(mins + 16 * g, _mm512_i32gather_ps(mn_idx, t.mn.data() + g, 4));
   }
-}
-
-inline void store_lanes(void* y, bool bf16, long i, __m512 v, __mmask16 k) {
-  if (!bf16) {
-    _mm512_mask_storeu_ps(static_cast<float*>(y) + i, k, v);
-    return;
-  }
-  // round to nearest even, NaN kept NaN: f_to_bf16's bits
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 
 // Activation rows [m0, m0 + MR) x NB blocks of 16 weight rows (outputs n ..): MR * NB int32 and float

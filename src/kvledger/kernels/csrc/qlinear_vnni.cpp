@@ -16,16 +16,6 @@
 namespace kvl {
 namespace {
 
-inline __m512i bcast4(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-inline __m512 half16(const uint16_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 inline void store16(void* y, bool bf16, long i, __m512 v) {
   if (!bf16) {
     _mm512_storeu_ps(static_cast<float*>(y) + i, v);

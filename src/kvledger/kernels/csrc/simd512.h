@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "kernels.h"
 
 namespace kvl {
@@ -98,6 +100,25 @@ template <typename T> inline float quantize_u8(const T* x, long n, uint8_t* q) {
 
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
+
+// One 4-byte run broadcast to every int32 lane (the activations' operand of vpdpbusd: lane l is output
+// row l, so one broadcast feeds 16 rows' dot products).
+inline __m512i bcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// 16 fp16 values (16 rows' side-by-side scales) widened to float.
+inline __m512 half16(const void* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p))); }
+
+// The lanes of k of one output register, at element i of y: float, or bf16 rounded as to_bf16.
+inline void store_lanes(void* y, bool bf16, long i, __m512 v, __mmask16 k) {
+  if (bf16)
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y) + i, k, to_bf16(v));
+  else
+    _mm512_mask_storeu_ps(static_cast<float*>(y) + i, k, v);
+}
 
 // exp on 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the Taylor polynomial of degree 7
 // (relative error < 2e-7, about one float ulp); inputs clamped to exp's finite range.
