@@ -150,6 +150,22 @@ def test_rejects_blocks_that_do_not_match():
         torch.ops.kvledger_cpu.gguf_linear(x, torch.from_numpy(raw), 16, 4, 256)  # IQ2_XXS
 
 
+def scalar_outputs(tmp_path, cases: list, call: str) -> list:
+    """``call`` (a lambda's source over a case's fields) on every case in a fresh process whose kernels
+    run the portable (scalar) ISA: what a CPU without AVX512-VNNI computes."""
+    torch.save(cases, tmp_path / "cases.pt")
+    code = (
+        "import torch, gguf; from kvledger import kernels;"
+        "assert kernels.load() and kernels.quant_isa() == 'scalar';"
+        f"cases = torch.load({str(tmp_path / 'cases.pt')!r}); f = {call};"
+        f"torch.save([f(*c) for c in cases], {str(tmp_path / 'out.pt')!r})"
+    )
+    env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(tmp_path / "out.pt")
+
+
 @pytest.mark.skipif(kernels.quant_isa() != "avx512-vnni", reason="no AVX512-VNNI: only the portable path runs")
 def test_the_portable_path_is_bit_identical(tmp_path):
     rng = np.random.default_rng(11)
@@ -162,19 +178,11 @@ def test_the_portable_path_is_bit_identical(tmp_path):
                 cases.append((kind, torch.from_numpy(raw), torch.randn(m, k)))
     kind, w, x = cases[-1]
     cases.append((kind, w, torch.randn(3, x.shape[1]).bfloat16()))
-    torch.save(cases, tmp_path / "cases.pt")
-    code = (
-        "import torch, gguf; from kvledger import kernels;"
-        "assert kernels.load() and kernels.quant_isa() == 'scalar';"
-        f"cases = torch.load({str(tmp_path / 'cases.pt')!r});"
-        "f = lambda kind, w, x: torch.ops.kvledger_cpu.gguf_linear("
-        "x, w, int(gguf.GGMLQuantizationType[kind]), w.shape[0], x.shape[1]);"
-        f"torch.save([f(*c) for c in cases], {str(tmp_path / 'out.pt')!r})"
+    call = (
+        "lambda kind, w, x: torch.ops.kvledger_cpu.gguf_linear("
+        "x, w, int(gguf.GGMLQuantizationType[kind]), w.shape[0], x.shape[1])"
     )
-    env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for (kind, w, x), y in zip(cases, torch.load(tmp_path / "out.pt")):
+    for (kind, w, x), y in zip(cases, scalar_outputs(tmp_path, cases, call)):
         assert torch.equal(run(kind, w.numpy(), x), y), kind
 
 
@@ -325,16 +333,6 @@ def test_the_portable_repacked_path_is_bit_identical(tmp_path):
         raw = random_blocks(kind, 40, 768, rng)
         for m in (1, 9):
             cases.append((int(gguf.GGMLQuantizationType[kind]) + 100, repacked(kind, raw), torch.randn(m, 768)))
-    torch.save(cases, tmp_path / "cases.pt")
-    code = (
-        "import torch; from kvledger import kernels;"
-        "assert kernels.load() and kernels.quant_isa() == 'scalar';"
-        f"cases = torch.load({str(tmp_path / 'cases.pt')!r});"
-        "f = lambda kind, w, x: torch.ops.kvledger_cpu.gguf_linear(x, w, kind, 40, x.shape[1]);"
-        f"torch.save([f(*c) for c in cases], {str(tmp_path / 'out.pt')!r})"
-    )
-    env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for (kind, w, x), y in zip(cases, torch.load(tmp_path / "out.pt")):
+    call = "lambda kind, w, x: torch.ops.kvledger_cpu.gguf_linear(x, w, kind, 40, x.shape[1])"
+    for (kind, w, x), y in zip(cases, scalar_outputs(tmp_path, cases, call)):
         assert torch.equal(torch.ops.kvledger_cpu.gguf_linear(x, w, kind, 40, x.shape[1]), y), kind
