@@ -9,19 +9,34 @@ import os
 # of torch here; a value the operator set wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .config import EngineConfig, ServerConfig
-from .engine import EngineCore
-from .errors import KVLedgerError, ModelLoadError, ValidationError
-from .launch import Engine
 from .version import __version__
 
-__all__ = [
-    "Engine",
-    "EngineConfig",
-    "EngineCore",
-    "KVLedgerError",
-    "ModelLoadError",
-    "ServerConfig",
-    "ValidationError",
-    "__version__",
-]
+# The package's names load their modules on first use (PEP 562): ``kvledger serve``'s HTTP front
+# imports ``kvledger.server`` and needs neither torch nor the engine (``import kvledger`` alone cost
+# ~1.9 s of torch and the engine's modules, on the front's path to spawning the engine process).
+_EXPORTS = {
+    "Engine": ".launch",
+    "EngineConfig": ".config",
+    "EngineCore": ".engine",
+    "KVLedgerError": ".errors",
+    "ModelLoadError": ".errors",
+    "ServerConfig": ".config",
+    "ValidationError": ".errors",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

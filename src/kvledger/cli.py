@@ -102,17 +102,35 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from .server.run import serve
-
-    engine = engine_config(args)
     if args.dp_size > 1:
-        return _serve_dp(args, engine)
-    if engine.parallel.node_rank > 0:  # another machine of a multi-node group: its TP ranks, no HTTP
+        return _serve_dp(args, engine_config(args))
+    names = EngineConfig.section_of()
+    values = EngineConfig.from_flat(**{k: v for k, v in vars(args).items() if k in names})
+    if values.parallel.node_rank > 0:  # another machine of a multi-node group: its TP ranks, no HTTP
         from .parallel.node import run_node
 
-        return run_node(engine)
-    names = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine"}
-    return serve(ServerConfig(**{k: v for k, v in vars(args).items() if k in names}, engine=engine))
+        return run_node(engine_config(args))
+    fields = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine"}
+    server = {k: v for k, v in vars(args).items() if k in fields}
+    values.check()  # the values alone (a bad one: exit 2, nothing started)
+    ServerConfig(**server, engine=values).check()
+    # The engine process first: it imports torch and loads the model while this process checks what
+    # needs torch and the disk, imports the HTTP stack and loads the tokenizer (server/early_engine.py).
+    from .server.early_engine import EarlyEngine, StartInterrupted
+
+    early = EarlyEngine.start(values, args.log_level)
+    try:
+        engine = engine_config(args)  # a refused setting: the engine is stopped, exit 2
+        from .server.run import serve
+
+        return serve(ServerConfig(**server, engine=engine), early)
+    except StartInterrupted:
+        logging.getLogger("kvledger.server").warning("start-up interrupted by a signal: stopping the engine")
+        early.stop()
+        return 0
+    except BaseException:
+        early.stop()
+        raise
 
 
 def _serve_dp(args: argparse.Namespace, engine: EngineConfig) -> int:

@@ -19,6 +19,12 @@ from .pooling import PoolingParams
 from .sampling import SamplingParams
 
 
+def ipc_paths(ipc_dir: str, generation: int) -> tuple[str, str]:
+    """The two sockets (to the engine, from it) of one engine generation in the front's private
+    directory: a restarted engine never receives messages meant for a dead one."""
+    return (f"ipc://{ipc_dir}/to_engine_{generation}", f"ipc://{ipc_dir}/from_engine_{generation}")
+
+
 class AddRequest(msgspec.Struct, tag="add"):
     rid: str
     input_ids: list[int]

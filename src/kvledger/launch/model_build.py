@@ -4,9 +4,13 @@ the settings name what runs."""
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,7 +23,7 @@ from ..memory import release_window
 from ..model import LlamaModel, load_model
 from ..model.chat_templates import read_chat_template
 from ..model.config import ModelConfig
-from ..model.loader import LoadedModel, release_file_pages
+from ..model.loader import LoadedModel, default_model_path, load_tokenizer, release_file_pages
 from ..parallel.ranks import model_quantization, sharded_model
 from ..parallel.shard import check_tp
 
@@ -46,7 +50,11 @@ def build_model(
     naming what runs (device, quantization, attention backend) and the model."""
     if cfg.model.chat_template:  # a bad template stops the start before the model is read
         read_chat_template(cfg.model.chat_template)
-    loaded = loaded or load_model(cfg.model.model)
+    tokenizer = None
+    if loaded is None:
+        path = cfg.model.model or default_model_path()
+        tokenizer = _Background(functools.partial(load_tokenizer, path, read_file=False))
+        loaded = load_model(cfg.model.model, load_tokenizer=False)
     t_read = time.monotonic() - t0
     mc = loaded.config
     weight_shapes = checkpoint_shapes(loaded)  # what a weight update must match
@@ -55,6 +63,8 @@ def build_model(
     dtype = resolve_dtype(cfg.model.dtype, device, cfg.model.explicit_quantization, stored)
     model = sharded_model(cfg, loaded, comm_for(mc), dtype, device)
     release_file_pages(loaded)  # the repacked layers and the kernels' copies no longer read the file's pages
+    if tokenizer is not None:  # (a GGUF's not yet in the cache: converted now, its index read above)
+        loaded.tokenizer = tokenizer.result() or (None if os.path.isdir(path) else load_tokenizer(path))
     t_model = time.monotonic() - t0 - t_read
     # From here on the settings name what runs (the L3 cache keys, /get_server_info).
     cfg = cfg.replace(
@@ -64,3 +74,28 @@ def build_model(
     check_model(cfg, device, ["sliding_window"] if release_window(mc.layer_windows()) else [])
     check_model(cfg, device, ["routed_experts"] if mc.num_experts else [], detail=mc.arch)
     return cfg, BuiltModel(loaded, model, dtype, weight_shapes, t_read, t_model)
+
+
+class _Background:
+    """``fn(*args)`` on a daemon thread; ``result()`` waits for it and returns or raises what it did.
+    The tokenizer loads beside the model's read and build (transformers' import and the tokenizer's
+    load, ~1 s of a warm start, mostly overlap the weights' packing, which runs outside the GIL).
+    Daemon: an engine whose model fails to load exits without waiting for it."""
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn, args), name="load-tokenizer", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value

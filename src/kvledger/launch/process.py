@@ -26,10 +26,6 @@ log = logging.getLogger("kvledger.engine")
 STATS_INTERVAL_S = 0.5
 
 
-def ipc_paths(ipc_dir: str, generation: int) -> tuple[str, str]:
-    return (f"ipc://{ipc_dir}/to_engine_{generation}", f"ipc://{ipc_dir}/from_engine_{generation}")
-
-
 class _Loop:
     """Receive, step, send. One instance per engine process."""
 
@@ -118,12 +114,15 @@ def engine_main(cfg_dict: dict, ipc_dir: str, generation: int, log_level: str = 
     die_with_parent()  # a front killed outright (SIGKILL) must not leave its engine behind
     if os.getppid() == 1:  # it died before the line above
         return
-    to_engine, from_engine = ipc_paths(ipc_dir, generation)
+    to_engine, from_engine = m.ipc_paths(ipc_dir, generation)
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
-    pull.connect(to_engine)
     push = ctx.socket(zmq.PUSH)
-    push.connect(from_engine)
+    for sock, path in ((pull, to_engine), (push, from_engine)):
+        # An engine started before its front's event loop (``server/early_engine.py``) connects
+        # before the front binds: retried every 20 ms (ZMQ's default: 100), what it sends queued.
+        sock.setsockopt(zmq.RECONNECT_IVL, 20)
+        sock.connect(path)
     try:
         core = start_engine(EngineConfig.from_flat(**cfg_dict))
     except KVLedgerError as e:

@@ -12,6 +12,7 @@ import ctypes
 import math
 import mmap
 import sys
+import threading
 
 import torch
 
@@ -37,11 +38,16 @@ class KVBuffer:
             # 4 KB pages: a huge page there is compacted and zeroed inside the step that first
             # writes it, 0.3-1 GB/s on these VMs (32 streams offline, ten waves of 128 + 128 tokens:
             # 977 -> 710-818 tok/s from the third wave on, where 4 KB pages keep 845-940).
+            # The mapping runs on a thread of its own (madvise releases the GIL): zeroing a huge page
+            # per plane (352 MiB for the 1.2B Q4_K_M's 22 layers x 4 heads x K/V) took 0.5-1 s of
+            # a warm start, which now goes on while the engine builds the rest and answers Ready.
+            # A request that comes first faults its own pages, as it would without the prefault.
             rows = min(num_tokens, max(1, _HUGE // (head_dim * torch.empty((), dtype=dtype).element_size())))
             for t in (self.k, self.v):
                 for plane in t.flatten(0, 1):
                     advise_huge_range(plane.data_ptr(), rows * head_dim * t.element_size())
-            prefault([self.k, self.v], rows)
+            self.mapping = threading.Thread(target=prefault, args=([self.k, self.v], rows), name="kv-map", daemon=True)
+            self.mapping.start()
         else:
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)

@@ -336,15 +336,17 @@ def stored_quantization(tensors: list[tuple[str, str, int]]) -> str | None:
     return "int4" if top in _GGUF_INT4 else "int8" if top in _GGUF_INT8 else None
 
 
-def load_tokenizer(path: str) -> Any | None:
-    """Only the tokenizer (the HTTP front needs no weights). None when the model has none."""
+def load_tokenizer(path: str, *, read_file: bool = True) -> Any | None:
+    """Only the tokenizer (the HTTP front needs no weights). None when the model has none, and with
+    ``read_file=False`` also when a GGUF's is not in the cache (nothing of the file is parsed: the
+    engine's model load parses it once, then the tokenizer is converted)."""
     if os.path.isdir(path):
         names = ("tokenizer.json", "tokenizer.model", "vocab.json")
         return _hf_tokenizer(path) if any(os.path.isfile(os.path.join(path, n)) for n in names) else None
     if not os.path.isfile(path):
         raise ModelLoadError(f"model not found: {path}")
     tok = model_cache.load_tokenizer_entry(path, _hf_tokenizer)  # no need to read the file at all
-    if tok is not None:
+    if tok is not None or not read_file:
         return tok
     return _gguf_tokenizer(path) if _read_gguf(path).has_tokenizer else None
 

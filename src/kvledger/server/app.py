@@ -19,6 +19,7 @@ from ..config import ServerConfig
 from ..version import __version__
 from . import handlers
 from .auth import AuthMiddleware, KeyRing
+from .early_engine import EarlyEngine
 from .lifecycle import EngineLifecycle
 from .metrics import Metrics
 from .middleware import BodyLimitMiddleware, CSRFMiddleware, parse_origins
@@ -29,9 +30,10 @@ from .state import ServerState
 log = logging.getLogger("kvledger.server")
 
 
-def create_app(cfg: ServerConfig) -> FastAPI:
-    """The app, or a ValidationError (nothing started) for settings it refuses: keys, origins, a
-    journal directory that is not this user's."""
+def create_app(cfg: ServerConfig, early: EarlyEngine | None = None) -> FastAPI:
+    """The app, or a ValidationError (nothing served) for settings it refuses: keys, origins, a
+    journal directory that is not this user's. ``early``: the engine process ``kvledger serve``
+    started already, which the app's start adopts."""
     cfg.check()
     origins = parse_origins(cfg.allowed_origins)
     journal = SessionJournal(cfg.session_journal) if cfg.session_journal else None
@@ -40,7 +42,7 @@ def create_app(cfg: ServerConfig) -> FastAPI:
     srv = ServerState(cfg, Metrics(), keys=keys)
     if cfg.admin_open and cfg.api_key:
         log.warning("--admin-open: every user key may use the admin paths (pause, flush, weights, LoRA)")
-    life = EngineLifecycle(cfg, srv, journal)
+    life = EngineLifecycle(cfg, srv, journal, early)
     app = FastAPI(title="kvledger", version=__version__)
     _install_middleware(app, cfg, srv, origins)
     handlers.install(app)

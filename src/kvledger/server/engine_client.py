@@ -7,10 +7,8 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
@@ -19,7 +17,7 @@ import zmq
 from ..common import messages as m
 from ..config import EngineConfig
 from ..errors import ModelLoadError, ServiceUnavailable
-from ..launch.process import engine_main, ipc_paths
+from .early_engine import EarlyEngine, private_ipc_dir, spawn_engine
 from .engine_channel import EngineChannel
 
 log = logging.getLogger("kvledger.server")
@@ -56,15 +54,17 @@ class EngineClient(EngineChannel):
         log_level: str = "info",
         ready_timeout_s: float = 600.0,
         watchdog_timeout_s: float | None = 60.0,
+        early: EarlyEngine | None = None,
     ):
+        """``early``: an engine process already started (``kvledger serve``), adopted as generation 1."""
         super().__init__()
         self.cfg = cfg
         self.watchdog_timeout_s = watchdog_timeout_s
         self.on_stall: Callable[[], None] | None = None
         self.log_level = log_level
         self.ready_timeout_s = ready_timeout_s
-        self.ipc_dir = tempfile.mkdtemp(prefix="kvledger-")
-        os.chmod(self.ipc_dir, 0o700)  # private: only this user may talk to the engine
+        self._early = early
+        self.ipc_dir = early.ipc_dir if early is not None else private_ipc_dir()  # only this user's
         self.generation = 0
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.info: dict = {}
@@ -102,22 +102,17 @@ class EngineClient(EngineChannel):
     def _spawn(self) -> None:
         self.generation += 1
         self._gen_ready = False
-        to_engine, from_engine = ipc_paths(self.ipc_dir, self.generation)
+        to_engine, from_engine = m.ipc_paths(self.ipc_dir, self.generation)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.bind(to_engine)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.pull.bind(from_engine)
-        mp = multiprocessing.get_context("spawn")
-        cfg = self.cfg.flat()
-        self.proc = mp.Process(
-            target=engine_main,
-            args=(cfg, self.ipc_dir, self.generation, self.log_level),
-            daemon=True,
-            name=f"kvledger-engine-{self.generation}",
-        )
-        self.proc.start()
+        if self._early is not None:  # generation 1, started before the front's imports
+            self.proc, self._early = self._early.proc, None
+        else:
+            self.proc = spawn_engine(self.cfg, self.ipc_dir, self.generation, self.log_level)
         log.info("engine process %d started (generation %d)", self.proc.pid, self.generation)
         self._tasks.append(asyncio.create_task(self._recv(self.pull)))
 

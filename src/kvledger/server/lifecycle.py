@@ -20,6 +20,7 @@ from ..model.chat_templates import install_chat_template
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
 from .admission import InFlight
 from .control import Control
+from .early_engine import EarlyEngine
 from .engine_client import EngineClient
 from .generation import GenerationService
 from .openai_api import OpenAIServing
@@ -52,16 +53,22 @@ class EngineLifecycle:
     """Starts, stops and drains the engine behind one server's state (``srv``): the services the
     handlers use are set on ``srv`` by ``start``, ``srv.client`` last."""
 
-    def __init__(self, cfg: ServerConfig, srv: ServerState, journal: SessionJournal | None) -> None:
+    def __init__(
+        self, cfg: ServerConfig, srv: ServerState, journal: SessionJournal | None, early: EarlyEngine | None = None
+    ) -> None:
         self.cfg = cfg
         self.srv = srv
         self.journal = journal
+        self.early = early  # an engine process ``kvledger serve`` started already (its generation 1)
 
     async def start(self) -> bool:
         """Start the engine and the services; False (the engine already stopped) when it cannot
         start (``srv.exit_code`` 1, the reason logged once) or a signal came first."""
         cfg, srv = self.cfg, self.srv
-        client = EngineClient(cfg.engine, log_level=cfg.log_level, watchdog_timeout_s=cfg.watchdog_timeout_s)
+        client = EngineClient(
+            cfg.engine, log_level=cfg.log_level, watchdog_timeout_s=cfg.watchdog_timeout_s, early=self.early
+        )
+        self.early = None  # the client's now
         client.on_stats = srv.metrics.update_engine
         client.on_stall = srv.metrics.watchdog_stalls.inc
         client.on_death = srv.metrics.engine_died

@@ -8,6 +8,7 @@ import uvicorn
 
 from ..config import ServerConfig
 from .app import create_app
+from .early_engine import EarlyEngine
 
 
 class GracefulServer(uvicorn.Server):
@@ -53,9 +54,15 @@ class GracefulServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(cfg: ServerConfig) -> int:
-    """Serve until a signal (exit status 0) or an engine that cannot be started (1)."""
-    app = create_app(cfg)
+def serve(cfg: ServerConfig, early: EarlyEngine | None = None) -> int:
+    """Serve until a signal (exit status 0) or an engine that cannot be started (1). ``early``: the
+    engine process already started (``early_engine.py``): stopped if the app cannot be made."""
+    try:
+        app = create_app(cfg, early)
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
     config = uvicorn.Config(
         app,
         host=cfg.host,
@@ -65,5 +72,7 @@ def serve(cfg: ServerConfig) -> int:
         timeout_graceful_shutdown=int(cfg.grace_period_s) + 10,
     )
     server = GracefulServer(config, app)
+    if early is not None:
+        early.disarm()  # the signals are uvicorn's from here (GracefulServer.handle_exit)
     server.run()
     return server.kv_state.exit_code or 0
