@@ -20,7 +20,8 @@ SRC = ROOT / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),  # the exceptions every layer raises, in the OpenAI error shape; the version
     ("config",),  # plain settings types
-    ("common", "compat", "connector"),  # types both processes share; the feature table; the connector contract
+    # types both processes share; the feature table; the connector contract; images in (multimodal/)
+    ("common", "compat", "connector", "multimodal"),
     ("memory", "kernels", "constrained", "comm"),  # the ledger and pools; C++ kernels; grammars; collectives
     ("hicache", "model"),  # the cache tiers over the pools; the forward
     ("scheduler", "spec"),  # requests, batches, the one release path; draft proposers
