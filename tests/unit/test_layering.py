@@ -20,9 +20,9 @@ SRC = ROOT / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),  # the exceptions every layer raises, in the OpenAI error shape; the version
     ("config",),  # plain settings types
-    # types both processes share; the feature table; the connector contract; images in (multimodal/)
-    ("common", "compat", "connector", "multimodal"),
-    ("memory", "kernels", "constrained", "comm"),  # the ledger and pools; C++ kernels; grammars; collectives
+    ("common", "compat", "connector"),  # types both processes share; the feature table; the connector contract
+    # the ledger and pools; C++ kernels; grammars; collectives; images in (multimodal/)
+    ("memory", "kernels", "constrained", "comm", "multimodal"),
     ("hicache", "model"),  # the cache tiers over the pools; the forward
     ("scheduler", "spec"),  # requests, batches, the one release path; draft proposers
     ("engine",),  # the step: schedule -> run -> update

@@ -19,6 +19,17 @@ from .pooling import PoolingParams
 from .sampling import SamplingParams
 
 
+class WireImage(msgspec.Struct):
+    """One image of a request as it crosses to the engine (``multimodal/inputs.py``): its run of
+    placeholder tokens, content digest, and float32 pixel values (raw bytes and shape)."""
+
+    offset: int
+    length: int
+    digest: bytes
+    pixels: bytes
+    shape: list[int]
+
+
 class AddRequest(msgspec.Struct, tag="add"):
     rid: str
     input_ids: list[int]
@@ -26,6 +37,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     session_params: dict[str, Any] | None = None
     disagg: DisaggParams | None = None  # PD: the request's bootstrap room
     pooling: PoolingParams | None = None  # an embedding or score request (no decode)
+    images: list[WireImage] | None = None  # its images, whose placeholder runs input_ids holds
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -164,8 +164,7 @@ class EngineCore:
         if mm is not None:
             if self.runner.images is None:
                 raise ValidationError("this model takes no images (a text-only model)", param="image_data")
-            if pooling is not None:
-                raise ValidationError("images with embeddings or scores are not supported", param="image_data")
+            check_request(self.cfg, "images", ["pooling"] if pooling is not None else [])
         if pooling is not None:
             validate_pooling(pooling, self.limits.vocab_size)
         if isinstance(sampling, SamplingParams):
@@ -221,6 +220,8 @@ class EngineCore:
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:
+                if req.mm is not None:
+                    check_request(self.cfg, "images", ["sessions"])
                 if req.params.lora_path is not None:
                     check_request(self.cfg, "adapter", ["sessions"])
                 check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..common.messages import WireImage
+from ..errors import ValidationError
+
 
 @dataclass(frozen=True, eq=False)
 class ImageItem:
@@ -46,3 +49,27 @@ class MultiModalInputs:
     @property
     def num_image_tokens(self) -> int:
         return sum(im.length for im in self.images)
+
+
+def to_wire(mm: MultiModalInputs) -> list[WireImage]:
+    """The images as they cross to the engine process (an image with extra processor outputs does
+    not: no family served so far has any)."""
+    out = []
+    for im in mm.images:
+        if im.extra:
+            raise ValueError("images with extra processor outputs do not cross the process boundary yet")
+        px = np.ascontiguousarray(im.pixel_values, dtype=np.float32)
+        out.append(WireImage(im.offset, im.length, im.digest, px.tobytes(), list(px.shape)))
+    return out
+
+
+def from_wire(images: list[WireImage]) -> MultiModalInputs:
+    """The engine's side of ``to_wire`` (a malformed image: a 400)."""
+    try:
+        items = [
+            ImageItem(w.offset, w.length, w.digest, np.frombuffer(w.pixels, dtype=np.float32).reshape(w.shape))
+            for w in images
+        ]
+        return MultiModalInputs(tuple(items))
+    except ValueError as e:
+        raise ValidationError(f"malformed images ({e})", param="image_data") from None

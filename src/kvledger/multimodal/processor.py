@@ -37,6 +37,23 @@ class ImageProcessing:
         token = getattr(proc, "image_token", None) or proc.tokenizer.convert_ids_to_tokens(image_token_id)
         return cls(proc, token, image_token_id)
 
+    @classmethod
+    def for_model(cls, path: str) -> ImageProcessing | None:
+        """The processor of the vision-language model in directory ``path``; None for another model
+        (a text-only one, a GGUF file)."""
+        import json
+
+        from .encoder import is_vision_config
+
+        cfg = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg):
+            return None
+        with open(cfg) as f:
+            raw = json.load(f)
+        if not is_vision_config(raw):
+            return None
+        return cls.load(path, int(raw.get("image_token_id", raw.get("image_token_index"))))
+
     def image(self, img, param: str) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
         """One decoded image through the processor: its pixel values (float32), its token count, and
         the processor's other per-image outputs (a grid for Qwen2-VL)."""
