@@ -175,3 +175,27 @@ def test_text_only_server_refuses_image_parts(srv):
         c.chat.completions.create(model="default", messages=message(["hi ", data_url(tiny_image(1))]), max_tokens=2)
     assert "takes no images" in e.value.body["message"]
     assert e.value.body["param"] == "messages[0].content[1]"
+
+
+def test_generate_image_data(llava, vlm_server, client):
+    """SGLang's /generate: ``image_data`` (a data: URL, or bare base64) for the text's placeholders."""
+    import httpx
+
+    a, b = tiny_image(8), tiny_image(9)
+    _, proc, _ = llava
+    text = "<|user|>one <image> two <image></s><|assistant|>"
+    inputs = proc(text=text, images=[a, b], return_tensors="pt")
+    with torch.no_grad():
+        out = llava[2].generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+                                eos_token_id=None)  # fmt: skip
+    want = out[0, inputs["input_ids"].shape[1] :].tolist()
+    bare = data_url(b).split(",", 1)[1]
+    body = {"text": text, "image_data": [data_url(a), bare],
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    r = httpx.post(vlm_server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == want
+    assert r.json()["meta_info"]["prompt_tokens"] == inputs["input_ids"].shape[1]
+    body["image_data"] = [data_url(a)]  # two placeholders, one image
+    r = httpx.post(vlm_server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400 and "placeholders" in r.json()["error"]["message"]
