@@ -76,8 +76,9 @@ def content_text(
     """A message's content parts as its text, image parts as the placeholder (decoded into ``out``)."""
     texts = []
     for j, part in enumerate(content):
-        where = f"{param}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        # A part converted from the Responses API carries its own name there (responses_input.py).
+        where = part.get("_part") if kind == "image_url" and isinstance(part.get("_part"), str) else f"{param}[{j}]"
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind == "image_url":

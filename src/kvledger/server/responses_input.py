@@ -42,7 +42,8 @@ def _chat_part(part: Any, param: str) -> dict:
         url = part.get("image_url")
         if not isinstance(url, str) or not url:
             raise ValidationError("input_image needs an image_url (file_id is not supported)", param=param)
-        return {"type": "image_url", "image_url": {"url": url}}
+        # (``_part``: the Responses name of the part, which a 400 about it gives: image_parts.py)
+        return {"type": "image_url", "image_url": {"url": url}, "_part": param}
     if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
         return {"type": "text", "text": part["text"]}
     raise ValidationError(f"{param} must be a text or input_image part", param=param)
