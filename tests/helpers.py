@@ -290,3 +290,58 @@ def load_bench_script(name: str) -> ModuleType:
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def build_tiny_llava(path: str, seed: int = 3, image_size: int = 42, patch: int = 7) -> str:
+    """A tiny random LLaVA (CLIP vision tower, projector, Llama decoder) with a byte-level tokenizer
+    holding an ``<image>`` token and LLaVA's processor (CLIP's PIL image processor): an image is
+    ``(image_size / patch)**2`` placeholder tokens (36 by default)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_vocab))}
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<image>"]
+    for s in specials:
+        vocab[s] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   chat_template=TINY_CHAT_TEMPLATE)  # fmt: skip
+    fast.image_token = "<image>"
+    text = transformers.LlamaConfig(
+        **{**TINY_CONFIG, "vocab_size": len(vocab), "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"]}
+    )
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=image_size, patch_size=patch, projection_dim=32,
+    )  # fmt: skip
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=vocab["<image>"])
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(2.5)
+    model.save_pretrained(path)
+    image_proc = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
+    )
+    proc = transformers.LlavaProcessor(
+        image_processor=image_proc, tokenizer=fast, patch_size=patch, vision_feature_select_strategy="default",
+        image_token="<image>", num_additional_image_tokens=1, chat_template=TINY_CHAT_TEMPLATE,
+    )  # fmt: skip
+    proc.save_pretrained(path)
+    return path
+
+
+def tiny_image(seed: int, size: tuple[int, int] = (50, 40)):
+    """A random RGB ``PIL.Image`` (``size``: width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))

@@ -125,6 +125,9 @@ FEATURES: tuple[Feature, ...] = (
             request_level=True, fuzzed=False),
     Feature("several_prompts", "several prompts in one request", "a list of prompts", "session_params",
             lambda c, d: False, request_level=True, fuzzed=False),
+    # A request with images (a vision-language model: multimodal/).
+    Feature("images", "image inputs", "image_url / input_image parts, image_data", "image_data",
+            lambda c, d: False, request_level=True, fuzzed=False),
     Feature("weight_update", "weight updates", "/update_weights_from_disk", "",
             lambda c, d: False, request_level=True, fuzzed=False, code="unsupported_configuration"),
 )  # fmt: skip
@@ -268,6 +271,20 @@ OTHER_REFUSALS: dict[frozenset[str], Refusal] = {
         NOT_YET, "a turn's prompt begins with the KV the session holds, which is not computed again"
     ),
     frozenset({"sessions", "several_prompts"}): Refusal(NO_MEANING, "a session takes one turn at a time"),
+    frozenset({"images", "sessions"}): Refusal(
+        NOT_YET, "a session commits a turn's KV by its tokens, which do not say which image an image's tokens were"
+    ),
+    frozenset({"images", "pooling"}): Refusal(NOT_YET, "embeddings and scores of images are not served"),
+    frozenset({"images", "draft"}): Refusal(
+        NOT_YET, "the draft model would read the image's placeholder tokens without the image's embeddings"
+    ),
+    frozenset({"images", "pd"}): Refusal(
+        NOT_YET, "the images would have to reach the prefill server with the router's request, and the KV "
+        "sent is keyed by tokens alone"
+    ),
+    frozenset({"images", "tp"}): Refusal(
+        NOT_YET, "the vision encoder runs on rank 0 and the other ranks' steps carry no image embeddings"
+    ),
     frozenset({"weight_update", "tp"}): Refusal(
         NOT_YET, "every rank would have to load its shard in step; restart the server on the new weights"
     ),

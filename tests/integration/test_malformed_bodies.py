@@ -14,6 +14,7 @@ VALID: dict[str, dict] = {
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1, "temperature": 0, "stop": ["x"],
                                                     "timeout": 30},
                   "return_logprob": False, "top_logprobs_num": 0, "stream": False, "rid": None, "priority": None,
+                  "image_data": None,
                   "lora_path": None},
     "/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 1, "temperature": 0, "n": 1,
                         "logprobs": None, "stop": None, "echo": False, "seed": 1, "top_p": 1.0,
@@ -56,6 +57,9 @@ BODYLESS_POSTS = {"/flush_cache", "/dashboard/login"}  # read no body: anything 
 BAD_VALUES = [
     None, "x", "", 1.5, -1, 0, 2**70, -(2**70), 1e308, True, [], [None], {}, {"a": [{"b": None}]},
     [{"type": "text", "text": 5}], [{"type": "image_url", "image_url": {"url": "x"}}], [[1, -2], ["x"]],
+    # images (a text-only server refuses them; a vision one decodes with limits): corrupt, a local file, loopback
+    [{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}],
+    [{"type": "input_image", "image_url": "file:///etc/passwd"}], ["http://127.0.0.1:1/x.png"],
     {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}, {"include_usage": "yes"},
 ]  # fmt: skip
 BAD_RAW = [

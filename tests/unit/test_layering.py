@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "version"),  # the exceptions every layer raises, in the OpenAI error shape; the version
     ("config",),  # plain settings types
     ("common", "compat", "connector"),  # types both processes share; the feature table; the connector contract
-    ("memory", "kernels", "constrained", "comm"),  # the ledger and pools; C++ kernels; grammars; collectives
+    # the ledger and pools; C++ kernels; grammars; collectives; images in (multimodal/)
+    ("memory", "kernels", "constrained", "comm", "multimodal"),
     ("hicache", "model"),  # the cache tiers over the pools; the forward
     ("scheduler", "spec"),  # requests, batches, the one release path; draft proposers
     ("engine",),  # the step: schedule -> run -> update

@@ -25,6 +25,17 @@ def ipc_paths(ipc_dir: str, generation: int) -> tuple[str, str]:
     return (f"ipc://{ipc_dir}/to_engine_{generation}", f"ipc://{ipc_dir}/from_engine_{generation}")
 
 
+class WireImage(msgspec.Struct):
+    """One image of a request as it crosses to the engine (``multimodal/inputs.py``): its run of
+    placeholder tokens, content digest, and float32 pixel values (raw bytes and shape)."""
+
+    offset: int
+    length: int
+    digest: bytes
+    pixels: bytes
+    shape: list[int]
+
+
 class AddRequest(msgspec.Struct, tag="add"):
     rid: str
     input_ids: list[int]
@@ -32,6 +43,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     session_params: dict[str, Any] | None = None
     disagg: DisaggParams | None = None  # PD: the request's bootstrap room
     pooling: PoolingParams | None = None  # an embedding or score request (no decode)
+    images: list[WireImage] | None = None  # its images, whose placeholder runs input_ids holds
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -42,6 +42,11 @@ class ServerConfig:
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body, in bytes (413 past it)")
     body_timeout_s: float = setting(30.0, "seconds a request body may take to arrive whole (408 past it: a stalled client holds nothing)", flags=("--body-timeout",))
     max_n: int = setting(16, "largest n (choices per request)")
+    # Images (a vision-language model; server/image_parts.py, multimodal/media.py).
+    allowed_local_media_path: str | None = setting(None, "image parts may name local files under this directory (file:// or a path; refused otherwise)", metavar="DIR")
+    max_images_per_prompt: int = setting(8, "images one request may carry (400 past it)")
+    max_image_bytes: int = setting(20 * 1024 * 1024, "largest encoded image, in bytes (400 past it)")
+    max_image_pixels: int = setting(4096 * 4096, "largest image in pixels (width x height, read from its header before decoding: 400 past it)")
     # What one body and one caller may ask of the engine (server/admission.py).
     max_prompts_per_request: int = setting(2048, "prompts (inputs, items, documents) one body may carry (400 past it; OpenAI's embeddings limit)")
     max_choices_per_request: int = setting(1024, "engine requests one body may fan out to, prompts x n (400 past it)")

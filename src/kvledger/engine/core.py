@@ -16,6 +16,7 @@ from ..common.pooling import PoolingParams, validate_pooling
 from ..compat import check_request
 from ..constrained import grammar_spec
 from ..errors import KVLedgerError, NotFoundError, ValidationError
+from ..multimodal import MultiModalInputs
 from ..scheduler import ModelRunnerOutput, Req, SchedulerOutput
 from .control import EngineControl
 from .introspect import EngineView
@@ -60,7 +61,7 @@ class EngineCore:
         self.sessions.expire()
         sched = self.scheduler.schedule()
         self.last_step_ran = bool(sched.reqs)  # False: nothing to compute (waiting on a connector)
-        pending = sched.reqs or sched.page_writes or sched.hisparse or self.scheduler.has_pending_kv
+        pending = sched.reqs or sched.page_writes or sched.hisparse or sched.image_drops or self.scheduler.has_pending_kv
         result = self._execute(sched) if pending else None
         return self.scheduler.update(sched, result)
 
@@ -75,7 +76,7 @@ class EngineCore:
         self.last_step_ran = bool(sched.reqs)
         if not sched.reqs:
             outs += self.wait_in_flight()
-            pending = sched.page_writes or s.has_pending_kv
+            pending = sched.page_writes or sched.image_drops or s.has_pending_kv
             return outs + s.update(sched, self._execute(sched) if pending else None)
         launched = (sched, self._forward.submit(sched))
         overlapped = self._in_flight is not None
@@ -150,6 +151,7 @@ class EngineCore:
         sampling: SamplingParams | dict | None,
         rid: str | None = None,
         pooling: PoolingParams | None = None,
+        mm: MultiModalInputs | None = None,
     ) -> Req:
         """Check and build a request. ``sampling`` typed came from the front, validated there: the
         engine, the authority, checks it against its own limits (``check_typed_request``); a dict
@@ -157,7 +159,12 @@ class EngineCore:
         prompt and answers with an embedding or label logprobs (``common/pooling.py``): a scoring
         request, whatever ``sampling`` says but its cache salt, timeout and priority. A grammar
         starts compiling here, off the engine's thread (``req.grammar_job``): the scheduler keeps the
-        request aside until it is compiled, and the offline API waits for it (``wait_grammar``)."""
+        request aside until it is compiled, and the offline API waits for it (``wait_grammar``).
+        ``mm``: its images (``multimodal/``), whose placeholder runs ``input_ids`` already holds."""
+        if mm is not None:
+            if self.runner.images is None:
+                raise ValidationError("this model takes no images (a text-only model)", param="image_data")
+            check_request(self.cfg, "images", ["pooling"] if pooling is not None else [])
         if pooling is not None:
             validate_pooling(pooling, self.limits.vocab_size)
         if isinstance(sampling, SamplingParams):
@@ -175,7 +182,9 @@ class EngineCore:
         rid = rid if rid is not None else uuid.uuid4().hex
         if not isinstance(rid, str) or not rid or len(rid) > 256:
             raise ValidationError("rid must be a non-empty string of at most 256 characters", param="rid")
-        req = Req(rid=rid, input_ids=ids, params=params, pooling=pooling)
+        if mm is not None and mm.images[-1].end > len(ids):
+            raise ValidationError("an image's tokens run past the prompt", param="image_data")
+        req = Req(rid=rid, input_ids=ids, params=params, pooling=pooling, mm=mm)
         if params.lora_path is not None:
             req.lora_key = self.lora_adapter(params.lora_path).fingerprint
         spec = grammar_spec(params)
@@ -211,6 +220,8 @@ class EngineCore:
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:
+                if req.mm is not None:
+                    check_request(self.cfg, "images", ["sessions"])
                 if req.params.lora_path is not None:
                     check_request(self.cfg, "adapter", ["sessions"])
                 check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature

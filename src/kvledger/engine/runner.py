@@ -16,6 +16,8 @@ from ..memory import KVBuffer
 from ..model import DeviceSampler, ForwardBatch, LlamaModel, Sampler
 from ..model import lora as lora_mod
 from ..model.sampler import GREEDY_EPS
+from ..multimodal.embeds import ImageEmbeds
+from ..multimodal.encoder import VisionEncoder
 from ..scheduler.output import ModelRunnerOutput, ScheduledReq, SchedulerOutput
 from .page_table import PageTable
 
@@ -33,12 +35,14 @@ class ModelRunner:
         sampling: str = "host",
         sparse=None,
         graphs: Callable[[], DecodeGraphRunner] | None = None,
+        encoder: VisionEncoder | None = None,
     ):
         """``sampling``: ``host`` (a CPU copy of the sampled rows' logits, ``model/sampler.py``) or
         ``device`` (batched on the logits' device, one copy of the ids back, ``model/sampler_device.py``).
         ``sparse``: HiSparse's ``SparseWorker`` (``model/hisparse.py``), with --enable-hisparse.
         ``graphs``: captures the decode steps' CUDA graphs (``engine/graph_runner.make_graph_runner``),
-        called here once the model's attention knows the pool's KV dtype, which the capture writes."""
+        called here once the model's attention knows the pool's KV dtype, which the capture writes.
+        ``encoder``: a vision-language model's vision tower and projector (``multimodal/``)."""
         self.model = model
         self.kv_buffer = kv_buffer
         model.attn.kv_dtype = kv_buffer.k.dtype  # what the backend writes and reads (float8: --kv-cache-dtype)
@@ -47,6 +51,7 @@ class ModelRunner:
         det = getattr(model, "deterministic", False)  # unseeded rows seeded under deterministic inference
         self.sampler = DeviceSampler(seed, det) if self.on_device else Sampler(seed, det)
         self.sparse = sparse
+        self.images = ImageEmbeds(encoder) if encoder is not None else None  # embeddings between chunks
         # engine/graph_runner.py DecodeGraphRunner: decode steps replay CUDA graphs (None: all eager).
         self.graphs: DecodeGraphRunner | None = graphs() if graphs is not None else None
         # On a CPU, fewer torch threads while another process holds one of this process's cores
@@ -64,9 +69,11 @@ class ModelRunner:
         logit_index: list[int] = []
         pool_index: list[int] = []
         rows, prefix, ext, seq = [], [], [], []
+        starts: list[int] = []
         t = 0
         for r in sched.reqs:
             a, n = r.start, r.num_tokens
+            starts.append(t)
             ids.extend(r.token_ids)
             positions.append(torch.arange(a, a + n))
             out_loc.append(table[r.slot, a : a + n])
@@ -84,7 +91,14 @@ class ModelRunner:
                 pool_index.extend(range(t - n + r.pool_from, t - r.num_draft))
             if r.sampling is not None:
                 logit_index.extend(range(t - 1 - r.num_draft, t))
+        splice = None
+        if self.images is not None:
+            splice = self.images.splice(sched.reqs, starts)
+        elif any(r.images for r in sched.reqs):
+            raise RuntimeError("a step feeds image tokens to a model without a vision encoder")
         return ForwardBatch(
+            mm_index=None if splice is None else splice.index,
+            mm_rows=None if splice is None else splice.rows,
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.cat(positions),
             out_loc=torch.cat(out_loc),
@@ -107,6 +121,8 @@ class ModelRunner:
         """One step; a tensor-parallel worker rank runs the forward only (``sample=False``): rank 0
         samples from the same gathered logits."""
         self.page_table.apply(sched.page_writes)
+        if self.images is not None and sched.image_drops:
+            self.images.drop(sched.image_drops)
         if sched.hisparse is not None:
             self.sparse.apply(sched.hisparse, self.kv_buffer)  # copies to host before the forward
         if not sched.reqs:  # only page-table changes (pages for KV a connector is loading)
@@ -120,7 +136,7 @@ class ModelRunner:
         # forward, seconds of compilation each time a core comes or goes).
         if self.threads is not None and getattr(self.model, "compiled", None) is None:
             self.threads.tick()
-        if self.graphs is not None:
+        if self.graphs is not None and not any(r.images for r in sched.reqs):
             logits = self.graphs.try_run(sched, connector)  # None: this step runs eager (counted)
             if logits is not None:
                 return self._sample(sched, logits) if sample else None

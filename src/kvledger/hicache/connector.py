@@ -112,7 +112,7 @@ class HiCacheConnector(HiCacheWorker):
         if self.tiers.prefetcher.pending(req):
             return None, False
         t = self.tiers
-        tokens = cache_key(req.fill_ids, req.params.cache_salt, t.page_size, req.lora_key)[: req.reuse_limit]
+        tokens = cache_key(req.fill_ids, req.params.cache_salt, t.page_size, req.lora_key, req.mm and req.mm.images)[: req.reuse_limit]
         host, _ = t.tree.match_host(req.prefix_node, tokens, num_computed_tokens)
         n = len(host) * t.page_size
         if n < max(t.load_back_threshold, 1):

@@ -55,7 +55,7 @@ class Prefetcher:
         if t.storage is None or req.session is not None:
             return
         ps = t.page_size
-        tokens = cache_key(req.fill_ids, req.params.cache_salt, ps, req.lora_key)[: req.reuse_limit]
+        tokens = cache_key(req.fill_ids, req.params.cache_salt, ps, req.lora_key, req.mm and req.mm.images)[: req.reuse_limit]
         npages = len(tokens) // ps
         have = t.tree.covered(tokens) // ps
         if (npages - have) * ps < self.threshold:

@@ -46,6 +46,7 @@ from ..model import LlamaModel
 from ..model.chat_templates import install_chat_template, template_stop_ids
 from ..model.loader import LoadedModel
 from ..model.lora import LoraSet
+from ..multimodal.encoder import VisionEncoder
 from ..parallel.ranks import (
     pd_with_tiers,
     sampling_backend,
@@ -182,7 +183,12 @@ def _build(
     if cfg.kernels.enable_torch_compile:
         model.enable_compile()  # (before the graphs' capture: it may replace the embedding's table)
     graphs = _graphs(cfg, plan, model, kv_buffer, table, kv_manager, graph_capture)
-    runner = ModelRunner(model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device), sparse, graphs)
+    encoder = None
+    if loaded.vision is not None:  # a vision-language model: its encoder runs beside the forward
+        encoder = VisionEncoder(loaded.vision, dtype, torch.device(device), mc.hidden_size)
+    runner = ModelRunner(
+        model, kv_buffer, table, cfg.scheduler.seed, sampling_backend(cfg, device), sparse, graphs, encoder
+    )
     limits = limits_of(cfg, mc, context)
     # The PD transport (None without PD); it reaches the scheduler only through its thread-safe abort.
     disagg = None

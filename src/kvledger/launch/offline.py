@@ -18,6 +18,9 @@ from ..config import EngineConfig
 from ..engine.control import SHUTDOWN_DRAIN_S
 from ..engine.detok import TextState
 from ..errors import ConflictError, NotFoundError, ValidationError, error_for_status
+from ..multimodal import MultiModalInputs
+from ..multimodal.media import MediaLimits, load_image
+from ..multimodal.processor import ImageProcessing
 from ..scheduler import Req
 from .build import start_engine
 from .offline_admin import EngineAdmin
@@ -38,6 +41,15 @@ class Engine(EngineAdmin):
         capture = kwargs.pop("graph_capture", None)
         cfg = EngineConfig.from_flat(model=model, dtype=dtype, **kwargs)
         self.core = start_engine(cfg, loaded=loaded, connector=connector, graph_capture=capture)
+        images = self.core.runner.images
+        # A vision-language model's processor (the family's own, saved beside it); the offline
+        # caller is trusted with local files (the server allows a directory: --allowed-local-media-path).
+        self.image_processing = (
+            ImageProcessing.load(loaded.path if loaded is not None else cfg.model.model, images.encoder.image_token_id)
+            if images
+            else None
+        )
+        self.media_limits = MediaLimits(allowed_local_media_path="/")
         self._lock = threading.RLock()
         self._tracks: dict[str, Track] = {}
 
@@ -46,8 +58,36 @@ class Engine(EngineAdmin):
         return self.core.tokenizer
 
     # -- requests ---------------------------------------------------------------------------------------
-    def _prepare(self, prompt, sampling_params, input_ids, rid, pooling=None) -> tuple[list[Req], bool]:
+    def _images(self, image_data, ids_list: list[list[int]], single: bool) -> list[MultiModalInputs | None]:
+        """SGLang's ``image_data``: for one prompt an image or a list of them, for a batch one entry
+        (an image, a list, or None) per prompt. Each prompt's images fill its placeholder tokens in order."""
+        n = len(ids_list)
+        if image_data is None:
+            return [None] * n
+        if self.image_processing is None:
+            raise ValidationError("this model takes no images (a text-only model)", param="image_data")
+        per = [image_data] if single else image_data
+        if not isinstance(per, list) or len(per) != n:
+            raise ValidationError(f"image_data must have one entry per prompt ({n})", param="image_data")
+        out: list[MultiModalInputs | None] = []
+        for k, (ids, imgs) in enumerate(zip(ids_list, per)):
+            imgs = [] if imgs is None else imgs if isinstance(imgs, list) else [imgs]
+            params = [f"image_data[{j}]" if single else f"image_data[{k}][{j}]" for j in range(len(imgs))]
+            if not imgs:
+                out.append(None)
+                continue
+            decoded = [load_image(im, p, self.media_limits) for im, p in zip(imgs, params)]
+            expanded, mm = self.image_processing.expand(ids, decoded, params)
+            ids[:] = expanded
+            out.append(mm)
+        return out
+
+    def _prepare(
+        self, prompt, sampling_params, input_ids, rid, pooling=None, image_data=None
+    ) -> tuple[list[Req], bool]:
         ids_list, single = parse_prompts(prompt, input_ids, self.core.tokenizer, text_param="prompt")
+        ids_list = [list(ids) for ids in ids_list]
+        mms = self._images(image_data, ids_list, single)
         n = len(ids_list)
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(sps) != n:
@@ -60,8 +100,8 @@ class Engine(EngineAdmin):
         # driven by other callers, go on meanwhile), so a grammar's 400 is raised here too.
         reqs: list[Req] = []
         try:
-            for ids, sp, r in zip(ids_list, sps, rids):
-                reqs.append(self.core.make_request(ids, sp, r, pooling))
+            for ids, sp, r, mm in zip(ids_list, sps, rids, mms):
+                reqs.append(self.core.make_request(ids, sp, r, pooling, mm))
             if len({r.rid for r in reqs}) != len(reqs):
                 raise ValidationError("duplicate rid in one call", param="rid")
             for r in reqs:
@@ -120,13 +160,15 @@ class Engine(EngineAdmin):
         stream: bool = False,
         rid: str | list[str] | None = None,
         session_params: dict | None = None,
+        image_data=None,
     ):
         """Generate for one prompt (returns one result) or a list (returns a list, in order).
+        ``image_data`` (SGLang's): images for the prompts' placeholder tokens (``_images``).
 
         Each result is ``{"text", "output_ids", "meta_info"}`` as in ``/generate``. With ``stream``
         (single prompt only) an iterator of such results, each holding everything so far.
         """
-        reqs, single = self._prepare(prompt, sampling_params, input_ids, rid)
+        reqs, single = self._prepare(prompt, sampling_params, input_ids, rid, image_data=image_data)
         if session_params is not None and not single:
             raise refusal_error("sessions", "several_prompts", param="session_params")
         if self.core.scheduler.paused is not None:
@@ -224,11 +266,13 @@ class Engine(EngineAdmin):
         session_params: dict | None = None,
         disagg: DisaggParams | None = None,
         pooling: PoolingParams | None = None,
+        image_data=None,
     ) -> str:
         """Queue one request without waiting (drive it with ``step``); returns its rid. ``disagg``:
         its bootstrap room on a PD engine (``disagg/``); ``pooling``: an embedding or score request
-        (its result is ``encode``'s, or ``{"label_logprobs", "meta_info"}``)."""
-        reqs, _ = self._prepare(None, sampling_params, input_ids, rid, pooling)
+        (its result is ``encode``'s, or ``{"label_logprobs", "meta_info"}``); ``image_data``: as
+        ``generate``'s for one prompt."""
+        reqs, _ = self._prepare(None, sampling_params, input_ids, rid, pooling, image_data)
         reqs[0].disagg = disagg
         self._submit(reqs, session_params)
         return reqs[0].rid

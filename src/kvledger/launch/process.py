@@ -18,6 +18,7 @@ import msgspec
 from ..common import messages as m
 from ..config import EngineConfig
 from ..errors import KVLedgerError, ValidationError
+from ..multimodal.inputs import from_wire
 from ..testing import faults
 from .build import start_engine
 
@@ -45,7 +46,8 @@ class _Loop:
                 self.on_add(msg.rid)
             req = None
             try:
-                req = core.make_request(msg.input_ids, msg.sampling, msg.rid, msg.pooling)
+                mm = from_wire(msg.images) if msg.images else None
+                req = core.make_request(msg.input_ids, msg.sampling, msg.rid, msg.pooling, mm)
                 req.disagg = msg.disagg
                 core.submit(req, msg.session_params)
             except KVLedgerError as e:

@@ -144,7 +144,7 @@ class KVManager:
 
     def cache_key(self, req) -> list[int]:
         """``req``'s tokens as the prefix cache keys them (salted by its ``cache_salt`` and LoRA adapter)."""
-        return cache_key(req.fill_ids, req.params.cache_salt, self.page_size, req.lora_key)
+        return cache_key(req.fill_ids, req.params.cache_salt, self.page_size, req.lora_key, _images(req))
 
     def admit(self, req) -> bool:
         """Give ``req`` a request slot and its cached prefix (locked). False: no slot free."""
@@ -281,3 +281,9 @@ class KVManager:
         req.slot = None
         forget_pages(req)
         req.kv_len = 0
+
+
+def _images(req) -> tuple | None:
+    """A request's images (``multimodal.ImageItem``s), which key their tokens in the prefix cache."""
+    mm = getattr(req, "mm", None)
+    return mm.images if mm is not None else None

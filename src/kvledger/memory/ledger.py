@@ -94,6 +94,8 @@ class Ledger:
         self.tiers = tiers
         self.sparse = sparse
         self.window = None  # memory/window.py WindowKV: a sliding-window model's releases
+        # scheduler/images.py ImageBooks: image embeddings held between chunks (audited, figures)
+        self.images = None
 
     # -- figures ----------------------------------------------------------------------------------
     def page_counts(self) -> dict[str, int]:
@@ -124,6 +126,7 @@ class Ledger:
             **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
             **({"hisparse": self.sparse.figures(list(self.holdings()))} if self.sparse is not None else {}),
             **({"window": self.window.figures(list(self.holdings()))} if self.window is not None else {}),
+            **({"image_embed_tokens": self.images.held_tokens} if self.images is not None and self.images.used else {}),
             "leak_check": {
                 "ok": self.violations == 0,
                 "checks": self.checks,
@@ -218,6 +221,8 @@ class Ledger:
             self.tiers.audit(report, holdings)
         if self.sparse is not None:
             self.sparse.audit(report, holdings)
+        if self.images is not None:
+            self.images.audit(report, holdings)
         if count:
             self.checks += 1
             self._settle_quarantine(held_pages, held_slots)

@@ -36,12 +36,16 @@ class ForwardBatch:
     attn_meta: Any = field(default=None)  # filled by the attention backend's prepare()
     # The LoRA adapter of each row (``lora.LoraBatch``: rows grouped per adapter); None: all base model.
     lora: Any = None
+    # Images (``multimodal/``): the flat positions of image tokens in this forward, and the encoded
+    # embeddings that replace theirs ([len(mm_index), hidden]); None: a text-only forward.
+    mm_index: torch.Tensor | None = None
+    mm_rows: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The host-built index tensors moved to the model's device (``req_to_token`` lives there)."""
         if device.type == "cpu":
             return self
-        for name in ("input_ids", "positions", "out_loc", "logit_index", "pool_index"):
+        for name in ("input_ids", "positions", "out_loc", "logit_index", "pool_index", "mm_index", "mm_rows"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device, non_blocking=True))

@@ -19,6 +19,7 @@ from .attention_cpu import make_backend, resolve_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import MoE
+from .layers.embedding import spliced
 from .linear import Linear, place_packed_weights, use_amx
 from .models.builder import Builder
 from .models.registry import family_for, supported
@@ -181,6 +182,7 @@ class CausalLM:
             and batch.num_tokens > 1
             and batch.logit_index.shape[0] > 1
             and not greedy
+            and batch.mm_index is None  # image embeddings are spliced in eager forwards
         )
         net = self.compiled if use else self.net
         self.compiled_forwards += use
@@ -190,6 +192,7 @@ class CausalLM:
             and pool is None
             and connector is None
             and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
+            and batch.mm_index is None  # (a one-token prefill chunk of an image's tokens)
             and DECODE_IN_ONE_CALL
             and getattr(meta, "only_decodes", False)
         ):
@@ -209,6 +212,7 @@ class CausalLM:
         with (
             attention_context(self.handle, self.attn, kv_buffer, batch, connector),
             sdpa_backends(self.device),
+            spliced(batch.mm_index, batch.mm_rows),
         ):
             if pool is None:
                 if greedy:

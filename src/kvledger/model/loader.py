@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from .. import kernels
 from ..errors import ModelLoadError
+from ..multimodal.encoder import VisionCheckpoint, is_vision_config, split_checkpoint
 from . import model_cache
 from .config import ModelConfig
 from .gguf_map import GGUFMeta, Keys, tensor_names
@@ -57,6 +58,9 @@ class LoadedModel:
     precision: int4 (GGUF Q4_*), int8 (Q5/Q6/Q8), None (float). ``--quantization auto`` serves it."""
     mapped: np.ndarray | None = field(default=None, repr=False)
     """A GGUF file's read-only memory map (the weights' views point into it): ``release_file_pages``."""
+    vision: VisionCheckpoint | None = field(default=None, repr=False)
+    """A vision-language checkpoint's vision tower and projector (``multimodal/encoder.py``); the
+    fields above are its language model's."""
 
 
 def default_model_path() -> str:
@@ -107,7 +111,8 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{cfg_path}: unreadable config ({e})") from None
-    config = ModelConfig.from_hf_dict(raw, name=os.path.basename(os.path.normpath(path)))
+    name = os.path.basename(os.path.normpath(path))
+    config = None if is_vision_config(raw) else ModelConfig.from_hf_dict(raw, name=name)
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
@@ -121,6 +126,13 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
                     weights[name] = f.get_tensor(name).float()
     except Exception as e:  # safetensors raises its own error types for truncated headers/data
         raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({_one_line(e)})") from None
+    vision = None
+    if config is None:  # a vision-language model: its language model is served by a text family
+        try:
+            text, weights, vision = split_checkpoint(raw, weights)
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{cfg_path}: vision-language checkpoint not served ({_one_line(e)})") from None
+        config = ModelConfig.from_hf_dict(text, name=name)
     # The family's own names (fused tensors split, another spelling of its experts ...) as its class takes them.
     weights = family_for(config.arch).hf_weights(weights, config)
     tokenizer = None
@@ -128,7 +140,7 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
         os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")
     ):
         tokenizer = _hf_tokenizer(path)
-    return LoadedModel(config, weights, tokenizer, path)
+    return LoadedModel(config, weights, tokenizer, path, vision=vision)
 
 
 def _gguf_tokenizer(path: str) -> Any:

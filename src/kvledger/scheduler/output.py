@@ -15,6 +15,21 @@ from ..memory import PageWrite
 
 
 @dataclass(slots=True)
+class ImageFeed:
+    """An image's share of a chunk (``multimodal/``): its embeddings' rows ``[first, first + count)``
+    replace the chunk's tokens ``[at, at + count)``. ``item`` is set when the runner holds no
+    embeddings under ``key`` and must encode the image; ``last``: the chunk holds the image's last
+    token, after which the runner drops them."""
+
+    key: str
+    at: int
+    first: int
+    count: int
+    item: Any = None  # multimodal.ImageItem
+    last: bool = False
+
+
+@dataclass(slots=True)
 class ScheduledReq:
     """One request's share of a step: ``token_ids`` fed at positions ``start..``; the last
     ``num_draft`` of them are speculative drafts past the sequence's end. With ``sampling`` set the
@@ -42,6 +57,7 @@ class ScheduledReq:
     # sampled token for the next step, whose ``token_ids`` (and penalty history) may name it by a
     # placeholder ``-1 - future`` (-1: the row is not overlapped).
     future: int = -1
+    images: list[ImageFeed] | None = None  # the images whose tokens this chunk feeds
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +71,9 @@ class SchedulerOutput:
     connector_meta: Any = None  # from KVConnector.build_connector_meta, for its worker side
     hisparse: Any = None  # memory/sparse_kv.py SparseStep: HiSparse's copies and sparse rows (or None)
     step: int = 0  # the scheduler's number for this step (overlap: which launched step a result is)
+    # Image embeddings the runner holds that no later chunk will read (their requests ended or were
+    # retracted): dropped before this step runs (``scheduler/images.py``).
+    image_drops: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +88,7 @@ class SchedulerOutput:
             # request's own rerun would reset its state and lose the token its forward backed up.
             sparse = type(sparse)(sparse.ends, [b for b in sparse.begins if b.slot == r.slot],
                                   [s for s in sparse.rows if s == r.slot])  # fmt: skip
-        return SchedulerOutput([r], self.page_writes, self.connector_meta, sparse, self.step)
+        return SchedulerOutput([r], self.page_writes, self.connector_meta, sparse, self.step, self.image_drops)
 
 
 @dataclass

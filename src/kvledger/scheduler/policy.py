@@ -73,6 +73,7 @@ class BatchPolicy:
         # Normal requests leave their computed KV in the tree (cheap recompute); a session turn only
         # frees its own pages: its session must not change before the turn completes.
         s.kv_manager.release(req, commit=req.session is None, final=False)
+        s.images.release(req)  # its image embeddings are encoded again when it is readmitted
         s.running.remove(req)
         req.state = ReqState.WAITING
         req.num_retractions += 1

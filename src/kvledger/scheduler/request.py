@@ -9,6 +9,7 @@ from ..common import FinishReason, SamplingParams
 from ..common.disagg import DisaggParams
 from ..common.outputs import TopLogprobs
 from ..common.pooling import PoolingParams
+from ..multimodal import MultiModalInputs
 
 
 class ReqState(enum.Enum):
@@ -101,6 +102,7 @@ class Req:
     deadline: float | None = None
     timeout_s: float = 0.0  # the limit that set the deadline (named in the message)
     # --- a request without decode (common/pooling.py): an embedding or label logprobs ---
+    mm: MultiModalInputs | None = None  # its images: runs of placeholder tokens (multimodal/)
     pooling: PoolingParams | None = None
     pooled: object | None = None  # numpy float64: the last position's hidden state, or the mean's sum
     pooled_count: int = 0  # positions [0, pooled_count) are in ``pooled`` (mean pooling)

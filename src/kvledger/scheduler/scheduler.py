@@ -32,6 +32,7 @@ from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
 from ..memory import Holding, KVManager
 from .books import SchedulerBooks
+from .images import ImageBooks
 from .intake import TIMEOUT_CODE, Intake, drop_grammar
 from .output import ModelRunnerOutput, SchedulerOutput
 from .overlap import InFlight, strip_placeholders
@@ -83,7 +84,9 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}  # every request the engine knows, queued or live
         self._outputs: list[RequestOutput] = []
         # Components with per-request state register here; ``_finish`` calls each on every ending.
-        self.release_hooks: list[ReleaseHook] = [self.connector.request_finished, drop_grammar]
+        self.images = ImageBooks()  # image embeddings the runner holds between a request's chunks
+        kv_manager.ledger.images = self.images  # (audited with the pages: every holder a live request)
+        self.release_hooks: list[ReleaseHook] = [self.connector.request_finished, drop_grammar, self.images.release]
         self.last_stats = StepStats()
         self.spec_totals = SpecState()  # every verify step of every request
         self.results = ResultApplier(self.stop, kv_manager, self.spec_totals)  # a step's rows applied
@@ -153,7 +156,13 @@ class Scheduler:
     def idle(self) -> bool:
         # (HiSparse's ends still queued for the worker: one more step drops the slots' state.)
         sparse = self.kv_manager.sparse
-        return not self.has_requests and not self.connector.has_pending and not (sparse and sparse.has_pending)
+        # (Image embeddings of ended requests still held by the runner: one more step drops them.)
+        return (
+            not self.has_requests
+            and not self.connector.has_pending
+            and not (sparse and sparse.has_pending)
+            and not self.images.has_drops
+        )
 
     @property
     def has_pending_kv(self) -> bool:
@@ -225,6 +234,9 @@ class Scheduler:
             [scheduled_row(c, self.stop, self.vocab_size, self.overlap) for c in chunks],
             self.kv_manager.take_page_writes(),
         )
+        for c, row in zip(chunks, out.reqs):
+            row.images = self.images.feeds(c.req, row.start, row.start + row.num_tokens)
+        out.image_drops = self.images.take_drops()
         if self.kv_manager.sparse is not None:
             rows = [c.req.slot for c in chunks if c.req.sparse is not None and c.req.sparse.active]
             out.hisparse = self.kv_manager.sparse.take_step(rows)

@@ -132,6 +132,7 @@ class EngineChannel(abc.ABC):
         session_params: dict | None = None,
         disagg: DisaggParams | None = None,
         pooling: PoolingParams | None = None,
+        images: list[m.WireImage] | None = None,
     ) -> asyncio.Queue:
         """Send a request; its outputs arrive on the returned queue. The front's one duplicate-rid
         check (streams are keyed by rid); the engine checks again, as the authority."""
@@ -142,7 +143,7 @@ class EngineChannel(abc.ABC):
             )
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
-        await self.push.send(m.encode(m.AddRequest(rid, input_ids, params, session_params, disagg, pooling)))
+        await self.push.send(m.encode(m.AddRequest(rid, input_ids, params, session_params, disagg, pooling, images)))
         return q
 
     async def abort(self, rid: str, message: str = "aborted by the client") -> None:

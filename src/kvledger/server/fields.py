@@ -112,7 +112,7 @@ SCORE_REFUSED: Refused = {**_POOLING_REFUSED, "text_1": _NONE, "text_2": _NONE, 
 RERANK_REFUSED: Refused = {**_POOLING_REFUSED, "instruct": _NONE, "instruction": _NONE}
 
 GENERATE_REFUSED: Refused = {
-    "input_embeds": _NONE, "image_data": _EMPTY, "video_data": _EMPTY, "audio_data": _EMPTY,
+    "input_embeds": _NONE, "video_data": _EMPTY, "audio_data": _EMPTY,
     "use_audio_in_video": _OFF, "token_ids_logprob": _EMPTY, "return_hidden_states": _OFF,
     "return_routed_experts": _OFF, "return_indexer_topk": _OFF, "routed_experts_start_len": (None, 0),
     "modalities": _EMPTY, "lora_id": _NONE, "custom_logit_processor": _NONE,

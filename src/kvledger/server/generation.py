@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..common import FinishReason, RequestOutput, SamplingParams, meta_info
 from ..common.disagg import DisaggParams
+from ..common.messages import WireImage
 from ..common.outputs import PromptLogprobs, TopLogprobs
 from ..common.pooling import PoolingParams
 from ..engine.detok import TextState
@@ -125,19 +126,23 @@ class GenerationService:
         owner: str | None = None,
         disagg: DisaggParams | None = None,
         pooling: PoolingParams | None = None,
+        images: list[WireImage] | None = None,
     ) -> AsyncIterator[GenState]:
         """Yield the request's state after each batch of new tokens; the last one is finished.
         ``owner`` is the owner tag of who may abort it besides the admin (default: the caller's);
         ``disagg`` its bootstrap room in PD mode; ``pooling`` makes it an embedding or score request
-        (its answer on the final state). A session turn must be the caller's session, with its salt
+        (its answer on the final state); ``images`` are its images (their placeholder runs are in
+        ``input_ids``). A session turn must be the caller's session, with its salt
         (404 otherwise, before anything is submitted). The caller's requests in flight are counted
         while it runs (429 past --max-requests-per-key)."""
         who = current_principal().owner
         with self.inflight.hold(who):
-            async for st in self._stream(input_ids, params, rid, session_params, owner or who, disagg, pooling):
+            async for st in self._stream(input_ids, params, rid, session_params, owner or who, disagg, pooling, images):
                 yield st
 
-    async def _stream(self, input_ids, params, rid, session_params, owner, disagg, pooling) -> AsyncIterator[GenState]:
+    async def _stream(
+        self, input_ids, params, rid, session_params, owner, disagg, pooling, images=None
+    ) -> AsyncIterator[GenState]:
         rid = rid or uuid.uuid4().hex
         owner = owner or current_principal().owner
         if session_params is not None and self.holds_sessions and isinstance(session_params, dict):
@@ -151,7 +156,7 @@ class GenerationService:
         t0 = time.monotonic()
         last = None
         await self.gate.wait_open()  # holds nothing while it waits (a client may leave meanwhile)
-        q = await self.client.submit(rid, input_ids, params, session_params, disagg, pooling)
+        q = await self.client.submit(rid, input_ids, params, session_params, disagg, pooling, images)
         self.owners[rid] = owner
         try:
             while st.finish is None:
@@ -202,12 +207,13 @@ class GenerationService:
         owner=None,
         disagg=None,
         pooling=None,
+        images=None,
     ) -> GenState:
         """Run to completion. ``disconnected`` is polled; if it turns true the request is aborted."""
 
         async def run() -> GenState:
             last = None
-            async for state in self.stream(input_ids, params, rid, session_params, owner, disagg, pooling):
+            async for state in self.stream(input_ids, params, rid, session_params, owner, disagg, pooling, images):
                 last = state
             return last
 

@@ -18,6 +18,8 @@ from ..config import ServerConfig
 from ..errors import KVLedgerError
 from ..model.chat_templates import install_chat_template
 from ..model.loader import DEFAULT_MODEL_NAME, default_model_path, load_tokenizer
+from ..multimodal.media import MediaLimits
+from ..multimodal.processor import ImageProcessing
 from .admission import InFlight
 from .control import Control
 from .early_engine import EarlyEngine
@@ -174,6 +176,9 @@ class EngineLifecycle:
             make_parser(cfg.tool_call_parser),
             cfg.engine.model.reasoning_parser,
             srv.admission,
+            ImageProcessing.for_model(path) if os.path.isdir(path) else None,
+            MediaLimits(cfg.max_image_bytes, cfg.max_image_pixels, cfg.allowed_local_media_path),
+            cfg.max_images_per_prompt,
         )
         srv.openai.adapters = lambda: {a["name"] for a in (srv.client.info.get("loras") or [])}
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))

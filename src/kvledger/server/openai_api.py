@@ -13,15 +13,20 @@ from typing import Any
 
 from ..common import SamplingParams, parse_prompts, validate_request
 from ..common.disagg import parse_disagg
+from ..common.messages import WireImage
 from ..common.prompts import split_openai_prompt
 from ..common.reasoning import REASONING_FORMATS
 from ..common.sampling import GRAMMAR_KINDS
 from ..errors import NotFoundError, ValidationError
 from ..model.chat_templates import no_template_message
+from ..multimodal.inputs import to_wire
+from ..multimodal.media import MediaLimits
+from ..multimodal.processor import ImageProcessing
 from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
 from .generation import GenerationService
+from .image_parts import ChatImages, content_text
 from .openai_format import Chunks, chat_message, finish_reason, logprobs, matched_stop, usage
-from .openai_params import COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_dict, template_options, text_parts
+from .openai_params import COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_dict, template_options
 from .openai_stream import StreamWriter, first_events, pump
 from .protocol import ChatRequest, CompletionRequest, _OpenAICommon
 from .reasoning import ReasoningParser
@@ -38,6 +43,7 @@ class ChatJob:
     params: SamplingParams
     tools: ToolParser | None  # None without tools
     reasoning: ReasoningParser | None  # None without a reasoning parser, or with separate_reasoning false
+    images: list[WireImage] | None = None  # its images (their placeholder runs are in ``ids``)
 
 
 class OpenAIServing:
@@ -52,8 +58,16 @@ class OpenAIServing:
         tool_parser: ToolParser | None = None,
         reasoning_parser: str | None = None,
         admission: AdmissionLimits | None = None,
+        images: ImageProcessing | None = None,
+        media: MediaLimits | None = None,
+        max_images: int = 8,
     ):
+        """``images``: a vision-language model's processor (None: a text-only model, which refuses
+        image parts); ``media`` the limits image parts are read within, ``max_images`` per request."""
         self.gen = gen
+        self.images = images
+        self.media = media or MediaLimits()
+        self.max_images = max_images
         self.admission = admission or AdmissionLimits()
         self.tool_parser = tool_parser or make_parser("hermes")
         self.reasoning_format = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
@@ -126,17 +140,23 @@ class OpenAIServing:
         return await self._run(base, jobs, body, disconnected, chat=False)
 
     # -- chat ----------------------------------------------------------------------------------------------
-    def chat_input(self, body: ChatRequest, tools: list[dict] | None = None) -> list[int]:
+    def chat_input(
+        self, body: ChatRequest, tools: list[dict] | None = None, images: ChatImages | None = None
+    ) -> list[int]:
+        """The chat template's prompt ids; image parts (decoded into ``images``) as placeholders."""
+        images = images if images is not None else ChatImages()
         if not body.messages:
             raise ValidationError("messages must not be empty", param="messages", code="empty_prompt")
         add_generation_prompt, kwargs = template_options(body)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError(no_template_message(), param="messages")
         msgs = []
-        for m in body.messages:
+        for i, m in enumerate(body.messages):
             content = m.content
             if isinstance(content, list):
-                content = "".join(text_parts(content))
+                content = content_text(
+                    content, f"messages[{i}].content", self.images, self.media, self.max_images, images
+                )
             msg: dict[str, Any] = {"role": m.role, "content": content or ""}
             for k in ("tool_calls", "tool_call_id", "name", "reasoning_content", "reasoning"):
                 if getattr(m, k) is not None:
@@ -184,15 +204,20 @@ class OpenAIServing:
             if body.separate_reasoning:
                 reasoning = ReasoningParser(self.reasoning_format, thinking, body.stream_reasoning)
         # Without max_tokens a chat answer may use all the context leaves (OpenAI, SGLang, vLLM).
+        images = ChatImages()
+        ids = self.chat_input(body, tools=tools, images=images)
+        mm = None
+        if images.images:  # each placeholder repeated for its image, before the length is checked
+            ids, mm = self.images.expand(ids, images.images, images.params)
         ids, params = validate_request(
-            self.chat_input(body, tools=tools),
+            ids,
             sp,
             self.limits,
             default_max_new_tokens=None,
             max_param=max_param,
             prompt_name="messages",
         )
-        return ChatJob(ids, params, self.tool_parser if tools else None, reasoning)
+        return ChatJob(ids, params, self.tool_parser if tools else None, reasoning, to_wire(mm) if mm else None)
 
     async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
         check_fanout(self.admission, 1, body.n, "messages")
@@ -200,7 +225,7 @@ class OpenAIServing:
         base = body.rid or body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return await self._run(
             base, [(job.ids, job.params)] * body.n, body, disconnected, chat=True, tools=job.tools,
-            reasoning=job.reasoning,
+            reasoning=job.reasoning, images=job.images,
         )  # fmt: skip
 
     # -- shared --------------------------------------------------------------------------------------------
@@ -216,8 +241,10 @@ class OpenAIServing:
         chat: bool,
         tools: ToolParser | None = None,
         reasoning: ReasoningParser | None = None,
+        images: list[WireImage] | None = None,
     ):
-        """Run a request's choices (``jobs``, one per choice) and answer: one whole answer, or a stream."""
+        """Run a request's choices (``jobs``, one per choice) and answer: one whole answer, or a stream.
+        ``images``: the prompt's (every choice has the same prompt)."""
         # PD: the router's bootstrap room(s), one per choice; validated before anything runs.
         rooms = parse_disagg(body.model_extra, len(jobs))
         model = self.answer_model(body.model)
@@ -225,7 +252,10 @@ class OpenAIServing:
         rids = [f"{base}-{i}" for i in range(len(jobs))]
         if not body.stream:
             states = await self.gen.collect_all(
-                [self.gen.collect(ids, p, rid, disagg=room) for (ids, p), rid, room in zip(jobs, rids, rooms)],
+                [
+                    self.gen.collect(ids, p, rid, disagg=room, images=images)
+                    for (ids, p), rid, room in zip(jobs, rids, rooms)
+                ],
                 disconnected,
             )
             for st in states:
@@ -242,7 +272,7 @@ class OpenAIServing:
             }
         opts = body.stream_options
         self.gen.check_room(len(jobs))  # all the choices, or none (429)
-        queue, tasks = pump(self.gen, jobs, rids, rooms)
+        queue, tasks = pump(self.gen, jobs, rids, rooms, images)
         early = await first_events(queue, tasks, len(jobs))
         echo = not chat and body.echo
         echo_texts = [self._echo_text(j, ids, body) for j, (ids, _) in enumerate(jobs)] if echo else None

@@ -15,14 +15,14 @@ from .reasoning import ReasoningParser
 from .tools import ToolCall, ToolParser
 
 
-def pump(gen: GenerationService, jobs, rids, rooms) -> tuple[asyncio.Queue, list[asyncio.Task]]:
+def pump(gen: GenerationService, jobs, rids, rooms, images=None) -> tuple[asyncio.Queue, list[asyncio.Task]]:
     """One task per choice, putting ``(choice, state, error)`` on one queue; a final
-    ``StopAsyncIteration`` marks each choice's end."""
+    ``StopAsyncIteration`` marks each choice's end. ``images``: every choice's (one prompt's)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def one(i: int, ids, params, rid, room):
         try:
-            async for st in gen.stream(ids, params, rid, disagg=room):
+            async for st in gen.stream(ids, params, rid, disagg=room, images=images):
                 await queue.put((i, st, None))
         except Exception as e:
             await queue.put((i, None, e))

@@ -60,6 +60,9 @@ class GenerateRequest(_Salted):
     session_params: dict[str, Any] | None = None
     priority: int | None = None  # SGLang's: used under --enable-priority-scheduling, ignored otherwise
     require_reasoning: bool = False  # SGLang: the output begins with reasoning; a grammar starts after it
+    # SGLang's: images for the prompt's placeholder tokens (one prompt: an image or a list; a batch:
+    # one entry per prompt), each a data: URL, base64 or an allowed local file (server/image_parts.py)
+    image_data: Any = None
     # SGLang: the LoRA adapter (by name) of the prompt, or one per prompt of a batch (None: the base model)
     lora_path: str | list[str | None] | None = None
 

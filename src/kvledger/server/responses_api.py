@@ -127,14 +127,14 @@ class ResponsesServing:
         rid = new_id("resp")
         created = now()
         if not body.stream:
-            st = await self.chat.gen.collect(ids, job.params, rid, disconnected=disconnected)
+            st = await self.chat.gen.collect(ids, job.params, rid, disconnected=disconnected, images=job.images)
             err = st.error()
             if err is not None:
                 raise err
             out = OutputBuilder()
             out.update(**_parts(job, st), final=True, status=ITEM_STATUS[STATUS.get(st.finish.type, "completed")])
             return self._finish(body, rid, created, conversation, ids, st, out)
-        states = self.chat.gen.stream(ids, job.params, rid)
+        states = self.chat.gen.stream(ids, job.params, rid, images=job.images)
         try:
             first = await anext(states)  # a request the engine refuses is answered with its status
         except BaseException:

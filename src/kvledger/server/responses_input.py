@@ -13,13 +13,17 @@ INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-def _text(content: Any, param: str) -> str:
+def _text(content: Any, param: str, images: bool = False) -> str | list[dict]:
     """A message's or tool output's content: a string or text parts (``input_text``/``output_text``);
-    another kind of part (an image, a file) is refused rather than dropped."""
+    with ``images`` (a message's) also ``input_image`` parts, which make it chat content parts
+    (``image_url``, read by ``image_parts.py``); another kind of part (a file) is refused rather
+    than dropped."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ValidationError(f"{param} must be a string or a list of text parts", param=param)
+    if images and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return [_chat_part(p, f"{param}.{j}") for j, p in enumerate(content)]
     out = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
@@ -29,6 +33,20 @@ def _text(content: Any, param: str) -> str:
             )
         out.append(part["text"])
     return "".join(out)
+
+
+def _chat_part(part: Any, param: str) -> dict:
+    """A Responses content part as a chat one: ``input_image`` (its ``image_url`` a URL string) as
+    ``image_url``, text as text."""
+    if isinstance(part, dict) and part.get("type") == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise ValidationError("input_image needs an image_url (file_id is not supported)", param=param)
+        # (``_part``: the Responses name of the part, which a 400 about it gives: image_parts.py)
+        return {"type": "image_url", "image_url": {"url": url}, "_part": param}
+    if isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    raise ValidationError(f"{param} must be a text or input_image part", param=param)
 
 
 def _str_field(item: dict, key: str, param: str) -> str:
@@ -61,7 +79,7 @@ def input_messages(inp: str | list[dict[str, Any]], reasoning: bool = False) -> 
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise ValidationError(f"{p}.role must be one of {', '.join(INPUT_ROLES)}", param=f"{p}.role")
-            msgs.append({"role": role, "content": _text(item.get("content"), f"{p}.content")})
+            msgs.append({"role": role, "content": _text(item.get("content"), f"{p}.content", images=role == "user")})
         elif kind == "function_call":
             args = item.get("arguments")
             if not isinstance(args, str):

@@ -3,6 +3,10 @@ and the LM head (a ``Linear``; logits gathered across ranks, optionally soft-cap
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +15,21 @@ from ...comm import Comm
 from ...kernels.gguf_weight import GgufWeight
 from ...kernels.quant import PackedWeight
 from ..linear import Linear
+
+_splice = threading.local()
+
+
+@contextmanager
+def spliced(index: torch.Tensor | None, rows: torch.Tensor | None) -> Iterator[None]:
+    """Inside this block the embedding's output rows ``index`` (flat token positions) are ``rows``
+    (an image's encoded embeddings in place of its placeholder tokens', ``multimodal/``); per thread,
+    as the forward runs on one."""
+    prev = getattr(_splice, "value", None)
+    _splice.value = None if index is None else (index, rows)
+    try:
+        yield
+    finally:
+        _splice.value = prev
 
 
 class VocabEmbedding(nn.Module):
@@ -55,6 +74,9 @@ class VocabEmbedding(nn.Module):
         if self.scale is not None:
             # transformers multiplies by the scale held in the model dtype
             h = h * torch.tensor(self.scale, dtype=h.dtype)
+        splice = getattr(_splice, "value", None)
+        if splice is not None:  # after the scale: the vision features replace the scaled embeddings
+            h = h.index_copy(0, splice[0], splice[1].to(h.dtype))
         return h
 
 

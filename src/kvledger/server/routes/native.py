@@ -11,8 +11,10 @@ from ...common import parse_prompts, validate_request
 from ...common.disagg import parse_disagg
 from ...compat import refusal_error
 from ...errors import ValidationError
+from ...multimodal.inputs import to_wire
 from ..admission import check_fanout, check_prompt_tokens, prompt_count
 from ..handlers import parse_body
+from ..image_parts import decode_images, native_images
 from ..openai_format import sse
 from ..protocol import GenerateRequest
 from ..state import state
@@ -50,6 +52,13 @@ async def generate(request: Request):
         if body.logprob_start_len != -1:
             sp["logprob_start_len"] = body.logprob_start_len
     loras = _loras(body.lora_path, len(ids_list), sp)
+    images: list = [None] * len(ids_list)
+    oa = srv.openai
+    for k, pairs in enumerate(native_images(body.image_data, len(ids_list), single)):
+        if pairs:  # each placeholder repeated for its image, before the length is checked
+            got = decode_images(pairs, oa.images, oa.media, oa.max_images)
+            ids_list[k], mm = oa.images.expand(list(ids_list[k]), got.images, got.params)
+            images[k] = to_wire(mm)
     jobs = [validate_request(ids, {**sp, **lo}, srv.limits) for ids, lo in zip(ids_list, loras)]
     rooms = parse_disagg(body.model_extra, len(jobs))  # PD: the router's bootstrap room(s)
     text_fn = srv.openai.token_text if body.return_text_in_logprobs else None
@@ -58,7 +67,10 @@ async def generate(request: Request):
             raise ValidationError("stream takes a single prompt", param="stream")
         base = body.rid or uuid.uuid4().hex
         states = await srv.gen.collect_all(
-            [srv.gen.collect(ids, p, f"{base}-{i}", disagg=room) for i, ((ids, p), room) in enumerate(zip(jobs, rooms))],
+            [
+                srv.gen.collect(ids, p, f"{base}-{i}", disagg=room, images=images[i])
+                for i, ((ids, p), room) in enumerate(zip(jobs, rooms))
+            ],
             request.is_disconnected,
             fail_fast=False,  # SGLang's batch: each prompt answers for itself, a failed one with its abort
         )
@@ -66,13 +78,13 @@ async def generate(request: Request):
     (ids, params), rid = jobs[0], body.rid or uuid.uuid4().hex
     if not body.stream:
         st = await srv.gen.collect(
-            ids, params, rid, request.is_disconnected, body.session_params, disagg=rooms[0]
+            ids, params, rid, request.is_disconnected, body.session_params, disagg=rooms[0], images=images[0]
         )
         err = st.error()
         if err is not None:  # an unstreamed answer that failed is an error, partial output or not
             raise err
         return st.native(body.return_logprob, text_fn)
-    agen = srv.gen.stream(ids, params, rid, body.session_params, disagg=rooms[0])
+    agen = srv.gen.stream(ids, params, rid, body.session_params, disagg=rooms[0], images=images[0])
     first = await agen.__anext__()  # errors before any output become a proper status code
     err = first.error()
     if err is not None and not first.output_ids:

@@ -1,0 +1,75 @@
+"""A request's images as the engine sees them: each image's run of placeholder tokens in the prompt
+(``offset``, ``length``), its pixel values (float32, the family processor's), and a hash of its
+content, which keys the run's pages in the prefix cache (``memory/cache_key.py``: the placeholder
+tokens all have the same id, so two different images would otherwise share KV)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..common.messages import WireImage
+from ..errors import ValidationError
+
+
+@dataclass(frozen=True, eq=False)
+class ImageItem:
+    """One image: placeholder tokens ``[offset, offset + length)`` of the prompt."""
+
+    offset: int
+    length: int
+    digest: bytes  # blake2b of the decoded pixels and the processor's output shape (``processor.py``)
+    pixel_values: np.ndarray  # float32, as the family's processor gave it for this image alone
+    # The processor's other per-image outputs the encoder needs (Qwen2-VL's grid), by name.
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True, eq=False)
+class MultiModalInputs:
+    """The images of one prompt, in prompt order, their runs disjoint."""
+
+    images: tuple[ImageItem, ...]
+
+    def __post_init__(self) -> None:
+        end = 0
+        for im in self.images:
+            if im.offset < end or im.length <= 0:
+                raise ValueError("image token runs must be ordered, disjoint and non-empty")
+            end = im.end
+
+    def overlapping(self, start: int, stop: int) -> list[tuple[int, ImageItem]]:
+        """The images (with their index) whose run meets prompt positions ``[start, stop)``."""
+        return [(i, im) for i, im in enumerate(self.images) if im.offset < stop and im.end > start]
+
+    @property
+    def num_image_tokens(self) -> int:
+        return sum(im.length for im in self.images)
+
+
+def to_wire(mm: MultiModalInputs) -> list[WireImage]:
+    """The images as they cross to the engine process (an image with extra processor outputs does
+    not: no family served so far has any)."""
+    out = []
+    for im in mm.images:
+        if im.extra:
+            raise ValueError("images with extra processor outputs do not cross the process boundary yet")
+        px = np.ascontiguousarray(im.pixel_values, dtype=np.float32)
+        out.append(WireImage(im.offset, im.length, im.digest, px.tobytes(), list(px.shape)))
+    return out
+
+
+def from_wire(images: list[WireImage]) -> MultiModalInputs:
+    """The engine's side of ``to_wire`` (a malformed image: a 400)."""
+    try:
+        items = [
+            ImageItem(w.offset, w.length, w.digest, np.frombuffer(w.pixels, dtype=np.float32).reshape(w.shape))
+            for w in images
+        ]
+        return MultiModalInputs(tuple(items))
+    except ValueError as e:
+        raise ValidationError(f"malformed images ({e})", param="image_data") from None

@@ -1,0 +1,175 @@
+"""Images in (``multimodal/``), at the engine: a tiny random LLaVA (CLIP tower, projector, Llama
+decoder) token-exact against transformers in float32, with one and two images, chunked prefill
+splitting an image, batched beside text requests; the prefix cache keyed by image content; the
+image embeddings' books (held between chunks, released on finish, abort and retraction); bad images
+a 400 before anything is held. Strict engines, audited clean at teardown."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from kvledger.errors import ValidationError
+from tests.helpers import assert_idle_clean, build_tiny_llava, tiny_image
+
+G = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+ONE = "<|user|>look <image> and say</s><|assistant|>"
+TWO = "<|user|>first <image> then <image> compare</s><|assistant|>"
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    import transformers
+
+    path = build_tiny_llava(str(tmp_path_factory.mktemp("llava")))
+    proc = transformers.AutoProcessor.from_pretrained(path)
+    ref = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return path, proc, ref
+
+
+@pytest.fixture
+def make_vlm(llava):
+    from kvledger import Engine
+
+    engines = []
+
+    def make(**kw):
+        opts = dict(dtype="float32", page_size=4, max_total_tokens=4096, strict_memory=True)
+        opts.update(kw)
+        eng = Engine(model=llava[0], **opts)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        assert_images_clean(eng)
+
+
+def assert_images_clean(eng) -> None:
+    assert_idle_clean(eng)
+    assert not eng.core.scheduler.images.held
+    assert not eng.core.runner.images.held  # every image's embeddings dropped
+    assert eng.memory().get("image_embed_tokens", 0) == 0
+
+
+@torch.no_grad()
+def reference(llava, text: str, images: list, n: int = 8) -> tuple[list[int], list[int]]:
+    """transformers' prompt (placeholders expanded by its processor) and greedy continuation."""
+    _, proc, ref = llava
+    inputs = proc(text=text, images=images, return_tensors="pt")
+    out = ref.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt) :].tolist()
+
+
+def ids(llava, text: str) -> list[int]:
+    return llava[1].tokenizer(text)["input_ids"]
+
+
+@pytest.mark.parametrize("chunk", [None, 16, 5])
+def test_one_image_token_exact(llava, make_vlm, chunk):
+    img = tiny_image(1)
+    prompt, want = reference(llava, ONE, [img])
+    eng = make_vlm(**({"chunked_prefill_size": chunk} if chunk else {}))
+    out = eng.generate(input_ids=ids(llava, ONE), sampling_params=G, image_data=img)
+    assert out["output_ids"] == want
+    assert out["meta_info"]["prompt_tokens"] == len(prompt)  # the image's 36 tokens counted
+
+
+def test_two_images_token_exact_and_batched_beside_text(llava, make_vlm):
+    a, b = tiny_image(1), tiny_image(2, (30, 60))
+    _, want_two = reference(llava, TWO, [a, b])
+    _, want_one = reference(llava, ONE, [b])
+    eng = make_vlm(chunked_prefill_size=32)
+    text = list(range(3, 60))
+    want_text = make_vlm().generate(input_ids=text, sampling_params=G)["output_ids"]
+    outs = eng.generate(
+        input_ids=[ids(llava, TWO), text, ids(llava, ONE)], sampling_params=G, image_data=[[a, b], None, b]
+    )
+    assert [o["output_ids"] for o in outs] == [want_two, want_text, want_one]
+    assert eng.core.runner.images.encoded == 3
+
+
+def test_same_image_reuses_its_kv_and_another_image_never_does(llava, make_vlm):
+    a, b = tiny_image(1), tiny_image(2)
+    _, want_a = reference(llava, ONE, [a])
+    _, want_b = reference(llava, ONE, [b])
+    eng = make_vlm()
+    p = ids(llava, ONE)
+    first = eng.generate(input_ids=p, sampling_params=G, image_data=a)
+    assert first["meta_info"]["cached_tokens"] == 0
+    again = eng.generate(input_ids=p, sampling_params=G, image_data=a)
+    assert again["output_ids"] == want_a
+    n = again["meta_info"]["prompt_tokens"]
+    assert again["meta_info"]["cached_tokens"] == (n - 1) // 4 * 4  # all but the last token, page-aligned
+    other = eng.generate(input_ids=p, sampling_params=G, image_data=b)
+    assert other["output_ids"] == want_b  # not a's KV: the image's pages are keyed by its content
+    assert other["meta_info"]["cached_tokens"] < p.index(llava[1].tokenizer.convert_tokens_to_ids("<image>")) + 4
+    # The same picture in another encoding decodes to the same pixels: the same key.
+    buf = io.BytesIO()
+    a.save(buf, format="PNG")
+    png = eng.generate(input_ids=p, sampling_params=G, image_data=buf.getvalue())
+    assert png["meta_info"]["cached_tokens"] == again["meta_info"]["cached_tokens"]
+    salted = eng.generate(input_ids=p, sampling_params={**G, "cache_salt": "t1"}, image_data=a)
+    assert salted["meta_info"]["cached_tokens"] == 0 and salted["output_ids"] == want_a
+
+
+def test_embeddings_held_between_chunks_are_released_on_abort_and_retraction(llava, make_vlm):
+    eng = make_vlm(chunked_prefill_size=8)
+    img = tiny_image(4)
+    rid = eng.add_request(ids(llava, ONE), G, image_data=img)
+    for _ in range(2):
+        eng.step()  # the image's first tokens prefilled: its embeddings wait for the rest
+    assert len(eng.core.runner.images.held) == 1
+    assert eng.memory()["image_embed_tokens"] == 36
+    eng.abort(rid)
+    eng.run_until_idle()
+    assert_images_clean(eng)
+    # Retraction: the embeddings go, the request is encoded again when readmitted; same answer.
+    _, want = reference(llava, ONE, [img])
+    rid = eng.add_request(ids(llava, ONE), G, image_data=img)
+    for _ in range(2):
+        eng.step()
+    req = eng.core.scheduler.reqs[rid]
+    eng.core.scheduler.policy.retract(req)
+    assert not eng.core.scheduler.images.held
+    eng.run_until_idle()
+    assert eng.result(rid)["output_ids"] == want
+
+
+def test_bad_images_are_400s_naming_the_part_before_anything_is_held(llava, make_vlm, tmp_path):
+    from PIL import Image
+
+    eng = make_vlm()
+    before = eng.memory()
+    good = io.BytesIO()
+    tiny_image(1).save(good, format="PNG")
+    bomb = io.BytesIO()
+    Image.new("1", (6000, 6000)).save(bomb, format="PNG")  # 36 Mpx in a few KB
+    tiff = io.BytesIO()
+    tiny_image(1).save(tiff, format="TIFF")
+    cases = {
+        "corrupt": b"\x89PNG\r\n\x1a\n" + b"garbage" * 20,
+        "truncated": good.getvalue()[: len(good.getvalue()) // 2],
+        "bomb": bomb.getvalue(),
+        "unsupported": tiff.getvalue(),
+        "not base64": "data:image/png;base64,@@@@",
+        "remote": "http://127.0.0.1:1/x.png",
+    }
+    p = ids(llava, TWO)
+    for name, bad in cases.items():
+        with pytest.raises(ValidationError) as e:
+            eng.generate(input_ids=p, sampling_params=G, image_data=[tiny_image(1), bad])
+        assert e.value.param == "image_data[1]", name
+    with pytest.raises(ValidationError, match="2 image placeholders for 1 images"):
+        eng.generate(input_ids=p, sampling_params=G, image_data=[tiny_image(1)])
+    assert eng.memory()["kv_free"] == before["kv_free"] and not eng.core.scheduler.reqs
+
+
+def test_a_text_only_model_refuses_images(make_engine):
+    eng = make_engine(page_size=4)
+    with pytest.raises(ValidationError, match="takes no images") as e:
+        eng.generate(input_ids=[3, 4, 5], sampling_params=G, image_data=tiny_image(1))
+    assert e.value.param == "image_data"
