@@ -22,7 +22,9 @@ from tests.helpers import hf_greedy, step_until
 
 SP = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 ALL_PAGES = dict(enable_hisparse=True, hisparse_min_context=0, hisparse_top_k_pages=60, hisparse_hot_pages=64)
-SMALL = dict(enable_hisparse=True, hisparse_min_context=0, hisparse_top_k_pages=2, hisparse_hot_pages=6)
+# (the tiny model has 2 layers: no dense layers, or every layer would read every page)
+SMALL = dict(enable_hisparse=True, hisparse_min_context=0, hisparse_top_k_pages=2, hisparse_hot_pages=6,
+             hisparse_dense_layers=0)  # fmt: skip
 
 
 def prompts(n: int, lens=(150, 300, 90, 513), seed: int = 0) -> list[list[int]]:
@@ -48,13 +50,17 @@ def test_every_page_selected_is_dense_attention(make_engine, tiny_llama_hf, back
 
 def test_sparse_rows_read_fewer_pages_and_both_backends_agree(make_engine):
     """A small budget reads 5 of 33 pages: output differs from dense (the random model's attention is
-    flat), but both backends compute the same selection and the same tokens."""
+    flat), but both backends compute the same selection and the same tokens: the torch reference
+    through hot-page copies, the cpu backend reading the host pages in place (the C++ kernel)."""
     ps = prompts(4)
-    torch_out = outputs(make_engine(attention_backend="torch", **SMALL), ps)
+    ref = make_engine(attention_backend="torch", **SMALL)
+    torch_out = outputs(ref, ps)
+    w = ref.core.runner.sparse
+    assert w.misses > 0 and w.hits > 0 and w.in_place_forwards == 0
     eng = make_engine(attention_backend="cpu", **SMALL)
     assert outputs(eng, ps) == torch_out
     w = eng.core.runner.sparse
-    assert w.misses > 0 and w.hits > 0
+    assert w.in_place_forwards > 0 and w.misses == 0  # no copy into hot pages at all
 
 
 def test_the_books_name_host_and_hot_pages_while_decoding(make_engine):
@@ -198,8 +204,20 @@ def test_ngram_drafts_for_dense_rows_never_sparse_ones(make_engine):
 
 
 def test_settings_are_checked(make_engine):
+    from kvledger.config import HiSparseSettings
+
     with pytest.raises(ValidationError, match="must hold the pages a step reads"):
         make_engine(enable_hisparse=True, hisparse_top_k_pages=8, hisparse_hot_pages=8)
+    with pytest.raises(ValidationError, match="at least one page"):
+        make_engine(enable_hisparse=True, hisparse_budget_tokens=8)  # pages of 16
+    with pytest.raises(ValidationError, match="the budget's 64 pages"):
+        make_engine(enable_hisparse=True, hisparse_budget_tokens=1024, hisparse_hot_pages=32)
+    for bad in ("hisparse_budget_tokens", "hisparse_dense_layers"):
+        with pytest.raises(ValidationError, match=f"{bad} must be >= 0"):
+            make_engine(enable_hisparse=True, **{bad: -1})
+    assert HiSparseSettings(hisparse_budget_tokens=1024).top_k_pages(16) == 64  # whole pages of the budget
+    assert HiSparseSettings(hisparse_budget_tokens=1000, hisparse_top_k_pages=5).top_k_pages(16) == 62
+    assert HiSparseSettings(hisparse_top_k_pages=5).top_k_pages(16) == 5
     with pytest.raises(ValidationError, match="selects whole pages"):
         make_engine(enable_hisparse=True, page_size=1)
     with pytest.raises(ValidationError, match="HiSparse"):
@@ -210,12 +228,14 @@ def test_quest_picks_the_page_whose_keys_answer_the_query():
     """One page holds a key aligned with the query: its bound is the largest, so it is selected."""
     from types import SimpleNamespace
 
+    from kvledger.config import HiSparseSettings
     from kvledger.memory.sparse_kv import SparseBegin, SparseStep
     from kvledger.model.hisparse import SparseWorker
 
     torch.manual_seed(0)
     layers, kvh, d, ps, n_pages = 1, 2, 8, 4, 12
-    cfg = SimpleNamespace(hisparse_sink_pages=1, hisparse_recent_pages=2, hisparse_top_k_pages=1, hisparse_hot_pages=5)
+    cfg = HiSparseSettings(enable_hisparse=True, hisparse_sink_pages=1, hisparse_recent_pages=2,
+                           hisparse_top_k_pages=1, hisparse_hot_pages=5, hisparse_dense_layers=0)  # fmt: skip
     w = SparseWorker(cfg, 32, layers, kvh, d, ps, torch.float32)
     kv = SimpleNamespace(k=torch.randn(layers, kvh, 64 * ps, d) * 0.1, v=torch.randn(layers, kvh, 64 * ps, d))
     q = torch.randn(1, 2 * kvh, d)
@@ -224,8 +244,9 @@ def test_quest_picks_the_page_whose_keys_answer_the_query():
         kv.k[0, h, page * ps + 1] = q[0, 2 * h] * 5
     kv_len = n_pages * ps - 1
     w.apply(SparseStep(begins=[SparseBegin(0, list(range(n_pages)), list(range(20)), [40, 41, 42, 43, 44], kv_len)]), kv)
-    pages, counts = w.select(0, q, torch.zeros(1, kvh, d), torch.zeros(1, kvh, d), [0], [kv_len + 1], kv)
+    pages, counts, in_host = w.select(0, q, torch.zeros(1, kvh, d), torch.zeros(1, kvh, d), [0], [kv_len + 1], kv)
     st = w.slots[0]
+    assert not in_host
     for h, page in needle.items():
         chosen = [int(st.slot_page[0, h, j]) for j in range(1, 5)]
         assert page in chosen, (h, chosen)
@@ -302,3 +323,39 @@ def test_a_failed_first_sparse_step_is_rerun_request_by_request(make_engine):
     core.executor = FailOnce()
     assert outputs(eng, ps) == dense
     assert failed == [3]
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1])
+def test_one_call_decode_with_sparse_rows_equals_the_layer_loop(make_engine, monkeypatch, dense_layers):
+    """bf16 + int4 on the cpu backend: a batch of decodes with HiSparse rows among them (2 of 4 prompts
+    over the threshold) runs every layer in one C++ call, the sparse rows' pages chosen and read in
+    place in the host pool; the same tokens and logprobs bit for bit as the Python layer loop (the
+    same kernels per layer). ``dense_layers=1``: layer 0 reads every host page, layer 1 selects."""
+    from kvledger import kernels
+    from kvledger.model import causal_lm
+
+    if not kernels.load():
+        pytest.skip("the C++ kernels do not load here")
+    sp = {**SP, "logprobs": True}
+    runs = {}
+    for one_call in (False, True):
+        monkeypatch.setattr(causal_lm, "DECODE_IN_ONE_CALL", one_call)
+        eng = make_engine(dtype="bfloat16", quantization="int4", attention_backend="cpu",
+                          **{**SMALL, "hisparse_min_context": 200, "hisparse_dense_layers": dense_layers})  # fmt: skip
+        res = eng.generate(input_ids=prompts(4), sampling_params=sp)
+        runs[one_call] = [(r["output_ids"], r["meta_info"]["output_token_logprobs"]) for r in res]
+        assert eng.memory()["hisparse"]["requests_begun"] == 2  # the 300- and 513-token prompts
+        assert eng.core.runner.sparse.in_place_forwards > 0
+        assert (eng.core.model.one_call_forwards > 0) == one_call
+    assert runs[True] == runs[False]
+
+
+def test_dense_layers_read_every_page_on_both_backends(make_engine):
+    """``hisparse_dense_layers=1`` on the 2-layer model: layer 0 attends over every host page (the torch
+    reference gathers them from the host pool, the cpu kernel reads them in place), layer 1 selects;
+    both backends give the same tokens, and differ from all layers sparse."""
+    ps = prompts(4)
+    cfg = {**SMALL, "hisparse_dense_layers": 1}
+    ref = outputs(make_engine(attention_backend="torch", **cfg), ps)
+    assert outputs(make_engine(attention_backend="cpu", **cfg), ps) == ref
+    assert outputs(make_engine(attention_backend="cpu", **SMALL), ps) != ref

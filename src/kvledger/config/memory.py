@@ -111,6 +111,15 @@ class HiSparseSettings:
     hisparse_hot_pages: int = setting(32, "KV-pool pages per sparse request (at least sink + recent + top-k)")
     """KV-pool pages per sparse request: one takes the page being written, the rest cache selected
     pages (LRU per layer and KV head). At least sink + recent + top-k."""
+    hisparse_budget_tokens: int = setting(0, (
+        "tokens each sparse layer and KV head reads besides the sink and recent pages, as pages "
+        "(budget // page size; 0: --hisparse-top-k-pages decides)"
+    ))
+    """A budget in tokens instead of pages: ``hisparse_budget_tokens // page_size`` top-k pages
+    (``top_k_pages``). The sink pages, the recent ones and the page being written are read besides."""
+    hisparse_dense_layers: int = setting(2, "the first layers attend densely (every page, read in place)")
+    """The first layers read every page (Quest: their attention is not sparse); on the CPU from the host
+    pool in place, like the sparse layers' selected pages."""
     hisparse_min_context: int = setting(2048, "prompts shorter than this attend densely")
     hisparse_sink_pages: int = setting(1, "the first pages every step reads")
     hisparse_recent_pages: int = setting(2, "the last pages every step reads (the one being written included)")
@@ -120,7 +129,10 @@ class HiSparseSettings:
         if not self.enable_hisparse:
             return
         _positive(self, "hisparse_top_k_pages", "hisparse_hot_pages", "hisparse_recent_pages")
-        _positive(self, "hisparse_min_context", "hisparse_sink_pages", allow_zero=True)
+        _positive(self, "hisparse_min_context", "hisparse_sink_pages", "hisparse_budget_tokens",
+                  "hisparse_dense_layers", allow_zero=True)  # fmt: skip
+        if self.hisparse_budget_tokens:
+            return  # the hot pages against the budget's pages: check_hisparse_budget (knows the page size)
         if not self.hisparse_host_ratio > 0:
             raise ValidationError("hisparse_host_ratio must be > 0", param="hisparse_host_ratio")
         need = self.hisparse_sink_pages + self.hisparse_recent_pages + self.hisparse_top_k_pages
@@ -129,5 +141,31 @@ class HiSparseSettings:
                 f"hisparse_hot_pages ({self.hisparse_hot_pages}) must hold the pages a step reads: sink "
                 f"{self.hisparse_sink_pages} + recent {self.hisparse_recent_pages} + top-k "
                 f"{self.hisparse_top_k_pages} = {need}",
+                param="hisparse_hot_pages",
+            )
+
+    def top_k_pages(self, page_size: int) -> int:
+        """The pages each sparse layer and KV head selects: the budget's whole pages where a budget in
+        tokens is set, else ``hisparse_top_k_pages``."""
+        if self.hisparse_budget_tokens:
+            return self.hisparse_budget_tokens // page_size
+        return self.hisparse_top_k_pages
+
+    def check_budget(self, page_size: int) -> None:
+        """The budget in tokens against the page size: at least one page, and hot pages for it."""
+        if not self.enable_hisparse or not self.hisparse_budget_tokens:
+            return
+        if self.hisparse_budget_tokens < page_size:
+            raise ValidationError(
+                f"hisparse_budget_tokens ({self.hisparse_budget_tokens}) must be at least one page "
+                f"({page_size} tokens)",
+                param="hisparse_budget_tokens",
+            )
+        need = self.hisparse_sink_pages + self.hisparse_recent_pages + self.top_k_pages(page_size)
+        if self.hisparse_hot_pages < need:
+            raise ValidationError(
+                f"hisparse_hot_pages ({self.hisparse_hot_pages}) must hold the pages a step reads: sink "
+                f"{self.hisparse_sink_pages} + recent {self.hisparse_recent_pages} + the budget's "
+                f"{self.top_k_pages(page_size)} pages = {need}",
                 param="hisparse_hot_pages",
             )

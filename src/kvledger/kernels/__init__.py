@@ -31,7 +31,7 @@ from ..common.cpus import default_threads
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "gguf_scalar.cpp", "gguf_vnni.cpp", "gguf_repack.cpp", "gguf_packed_vnni.cpp", "dense.cpp", "pool.cpp", "decode_step.cpp")
+_SOURCES = ("ops.cpp", "scalar.cpp", "avx512.cpp", "flash_bf16.cpp", "flash_amx.cpp", "qlinear_scalar.cpp", "qlinear_vnni.cpp", "qlinear_amx.cpp", "gguf_scalar.cpp", "gguf_vnni.cpp", "gguf_repack.cpp", "gguf_packed_vnni.cpp", "dense.cpp", "pool.cpp", "decode_step.cpp", "hisparse.cpp")
 _lock = threading.Lock()
 _state: dict[str, object] = {"tried": False, "ok": False, "reason": "not tried", "threads": None}
 
@@ -188,6 +188,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "decode_attention")
     def _(q, k_cache, v_cache, req_to_token, rows, lens, scale, k_new=None, v_new=None, out_loc=None, head_stride=0,
           window=0):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+    @torch.library.register_fake(lib + "hisparse_select")
+    def _(q, k_new, v_new, host_k, host_v, summary, layer, host_table, lens, sink, recent, top_k):
+        return q.new_empty(q.shape[0], 0, dtype=torch.int64), q.new_empty(q.shape[0], dtype=torch.int64)
+
+    @torch.library.register_fake(lib + "hisparse_attention")
+    def _(q, k_new, v_new, host_k, host_v, summary, layer, host_table, lens, sink, recent, top_k, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
     @torch.library.register_fake(lib + "decode_layers")

@@ -26,6 +26,7 @@ def check_settings(cfg: EngineConfig) -> str:
     """Every check that needs no model; returns the device the engine runs on. A refused setting is
     a ``ValidationError`` naming it (the CLI's one line and exit 2; a 400 nowhere: this is start)."""
     cfg.check()  # the values alone, section by section
+    cfg.hisparse.check_budget(cfg.cache.page_size)  # a budget in tokens is whole pages
     h = cfg.hicache
     if h.enable_hierarchical_cache and h.hicache_storage_backend == "file":
         check_storage_dir(h.hicache_storage_dir, salt_kept=not h.hicache_salt)  # the one that touches the disk

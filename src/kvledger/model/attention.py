@@ -170,9 +170,13 @@ class TorchAttention:
     def sparse_decode(self, layer: int, q, k, v, kv_buffer, batch, out: torch.Tensor, sparse: tuple) -> None:
         """HiSparse rows (their new K/V already stored): the worker chooses and fills their pages, then
         attention reads those pages only; into ``out``'s rows (any shape with those rows first)."""
-        tok, rows, lens = sparse
-        pages, counts = batch.sparse_worker.select(layer, q[tok], k[tok], v[tok], rows, lens, kv_buffer)
-        o = self.attend_pages(q[tok], kv_buffer.k[layer], kv_buffer.v[layer], pages, counts, batch.page_size)
+        tok, rows, lens = sparse[:3]
+        worker = batch.sparse_worker
+        pages, counts, in_host = worker.select(layer, q[tok], k[tok], v[tok], rows, lens, kv_buffer)
+        if in_host:  # a dense layer: every page, from the host pool
+            o = worker.attend_host_torch(q[tok], layer, pages, counts, self.scale)
+        else:
+            o = self.attend_pages(q[tok], kv_buffer.k[layer], kv_buffer.v[layer], pages, counts, batch.page_size)
         out[tok] = o.view(out[tok].shape)
 
     def attend_pages(self, q, k_cache, v_cache, pages: torch.Tensor, counts: list[int], page_size: int):

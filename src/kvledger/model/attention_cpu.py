@@ -90,7 +90,9 @@ class _CpuMeta:
     flash: tuple[torch.Tensor, ...] | None  # the same columns, extends for the bf16 flash kernel
     long_ext: list  # long extends, for SDPA: BatchSplit.sdpa_ext
     only_decodes: bool
-    sparse: tuple | None = None  # HiSparse decodes (attention_batch.sparse_meta)
+    sparse: tuple | None = None  # HiSparse decodes (attention_batch.sparse_meta; + host pages, lengths)
+    # Decodes only with HiSparse rows among them: (rows, lengths, sparse args) of the one-call decode
+    one_call_sparse: tuple | None = None
     special: list[bool] | None = None  # the layers that take TorchAttention.attend_spans
     spans: list | None = None
 
@@ -181,6 +183,21 @@ class CpuAttention(TorchAttention):
             not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) == batch.num_tokens,
             sparse_meta(sp),
         )
+        worker = batch.sparse_worker
+        if batch.attn_meta.sparse is not None and worker is not None and worker.in_place_ok(self.dtype):
+            # The host pages read in place (csrc/hisparse.cpp): each row's host page ids, once a forward.
+            tok, rows, lens = batch.attn_meta.sparse
+            host_table, sp_lens = worker.host_table(rows), torch.tensor(lens, dtype=i64)
+            worker.in_place_forwards += 1
+            batch.attn_meta.sparse = (tok, rows, lens, host_table, sp_lens)
+            n = batch.num_tokens
+            if not sp.kernel_ext[0] and not sp.sdpa_ext and len(sp.dec_tok) + len(tok) == n == len(batch.req_rows):
+                # Decodes only, some HiSparse: the one-call decode takes them all (its rows in batch order).
+                batch.attn_meta.one_call_sparse = (
+                    torch.tensor(batch.req_rows, dtype=i64), torch.tensor(batch.seq_lens, dtype=i64),
+                    (worker.host_k, worker.host_v, worker.summary, tok.to(i64), host_table, sp_lens,
+                     worker.one_call_params()),
+                )  # fmt: skip
         batch.attn_meta.special = special = self.special_layers(batch)
         if special is not None:
             batch.attn_meta.spans = request_spans(batch)
@@ -212,6 +229,16 @@ class CpuAttention(TorchAttention):
         if meta.sparse is not None:
             self.sparse_decode(layer, q, k, v, kv_buffer, batch, out, meta.sparse)
         return out
+
+    def sparse_decode(self, layer: int, q, k, v, kv_buffer, batch, out: torch.Tensor, sparse: tuple) -> None:
+        """HiSparse rows on the CPU: one kernel call a layer for all of them (selection and attention
+        over the host pages in place: ``SparseWorker.attend_in_place``); the torch reference where the
+        host pool is not of the model's dtype."""
+        if len(sparse) < 5:
+            return super().sparse_decode(layer, q, k, v, kv_buffer, batch, out, sparse)
+        tok, _, _, host_table, lens = sparse
+        o = batch.sparse_worker.attend_in_place(layer, q[tok], k[tok], v[tok], host_table, lens, self.scale)
+        out[tok] = o.view(out[tok].shape)
 
     def attend_pages(self, q, k_cache, v_cache, pages, counts, page_size):
         """The decode kernel over a per-KV-head table of the selected pages (read in place)."""

@@ -194,7 +194,7 @@ class CausalLM:
             and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
             and batch.mm_index is None  # (a one-token prefill chunk of an image's tokens)
             and DECODE_IN_ONE_CALL
-            and getattr(meta, "only_decodes", False)
+            and (getattr(meta, "only_decodes", False) or getattr(meta, "one_call_sparse", None) is not None)
         ):
             plan = self.net.decode_plan
             # A plan exists only without soft-capping or sinks: a batch with special layers has them
@@ -205,9 +205,12 @@ class CausalLM:
                 and (meta.special is None or plan.windows)
             ):
                 self.one_call_forwards += 1
+                rows, lens, sparse = meta.dec_rows, meta.dec_lens, ()
+                if not meta.only_decodes:  # HiSparse rows among the decodes: every row, in batch order
+                    rows, lens, sparse = meta.one_call_sparse
                 return self.net.decode_step(
                     plan, batch.input_ids, batch.positions, batch.logit_index, kv_buffer, batch.req_to_token,
-                    meta.dec_rows, meta.dec_lens, batch.out_loc, self.attn.scale, greedy,
+                    rows, lens, batch.out_loc, self.attn.scale, greedy, sparse,
                 )  # fmt: skip
         with (
             attention_context(self.handle, self.attn, kv_buffer, batch, connector),

@@ -37,7 +37,6 @@ _NEVER = np.iinfo(np.int64).max  # the stamp of a slot that must not be evicted 
 class _SlotState:
     host: torch.Tensor  # int64 [reserved pages]: host page of each sequence page
     hot: list[int]  # KV-pool pages: hot[0] the write page
-    summary: torch.Tensor  # float32 [layers, kv_heads, reserved pages, 2 * head_dim]: min | max of keys
     where: np.ndarray  # int32 [layers, kv_heads, reserved pages]: hot slot holding the page, or -1
     slot_page: np.ndarray  # int32 [layers, kv_heads, hot]: the page in each hot slot, or -1
     stamp: np.ndarray  # int64 [layers, kv_heads, hot]: last step each hot slot was read (-1: never)
@@ -56,11 +55,16 @@ class SparseWorker:
         # Zero pages from the OS as they are first touched: a host pool of gigabytes costs nothing idle.
         self.host_k = zeroed_host_tensor(shape, dtype)
         self.host_v = zeroed_host_tensor(shape, dtype)
+        # Each host page's key summary per layer and KV head (element-wise min, max: Quest), kept with the
+        # pool rather than the slot, so one kernel call reads every row's through its host page ids.
+        self.summary = zeroed_host_tensor((num_host_pages, num_layers, kv_heads, 2, head_dim), torch.float32)
         self.layers, self.kv_heads, self.head_dim, self.page_size = num_layers, kv_heads, head_dim, page_size
         self.sink, self.recent = cfg.hisparse_sink_pages, cfg.hisparse_recent_pages
-        self.top_k, self.num_hot = cfg.hisparse_top_k_pages, cfg.hisparse_hot_pages
+        self.top_k, self.num_hot = cfg.top_k_pages(page_size), cfg.hisparse_hot_pages
+        self.dense_layers = cfg.hisparse_dense_layers  # the first layers read every page
         self.slots: dict[int, _SlotState] = {}
         self.hits = self.misses = 0  # hot-slot lookups of selected pages (not the write page)
+        self.in_place_forwards = 0  # forwards whose sparse rows read the host pool in place (the C++ kernel)
 
     # -- a step's ops ----------------------------------------------------------------------------------
     def apply(self, step, kv_buffer) -> None:
@@ -91,7 +95,6 @@ class SparseWorker:
         st = _SlotState(
             torch.tensor(b.host_pages, dtype=torch.int64),
             list(b.hot_pages),
-            torch.zeros(self.layers, kvh, reserved, 2 * d, dtype=torch.float32),
             np.full((self.layers, kvh, reserved), -1, dtype=np.int32),
             np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int32),
             np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int64),
@@ -110,7 +113,7 @@ class SparseWorker:
                 lo, hi = kf.amin(2), kf.amax(2)  # [KVH, n, D]
                 last = kf[:, n - 1, :valid]
                 lo[:, n - 1], hi[:, n - 1] = last.amin(1), last.amax(1)
-                st.summary[layer, :, :n] = torch.cat([lo, hi], -1)
+                self.summary[host, layer] = torch.stack([lo, hi], 2).transpose(0, 1)  # [n, KVH, 2, D]
             if valid < ps:
                 w = st.hot[0] * ps
                 last_host = int(st.host[n - 1])
@@ -121,12 +124,15 @@ class SparseWorker:
 
     # -- one layer of a forward ------------------------------------------------------------------------
     def select(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-               slots: list[int], lens: list[int], kv_buffer) -> tuple[torch.Tensor, list[int]]:  # fmt: skip
-        """For rows ``slots`` (sequence lengths ``lens``, the new token included, whose K/V
-        ``k_new``/``v_new`` ``[R, KVH, D]`` are in their write page): back up, choose pages, fill hot
-        slots. Returns the KV-pool pages each row's KV heads read, int64 ``[R, KVH, P]`` (rows with fewer
-        pages padded with their write page), and each row's token count over them."""
+               slots: list[int], lens: list[int], kv_buffer) -> tuple[torch.Tensor, list[int], bool]:  # fmt: skip
+        """The reference path (the torch backend; a device's KV pool): for rows ``slots`` (sequence
+        lengths ``lens``, the new token included, whose K/V ``k_new``/``v_new`` ``[R, KVH, D]`` are in
+        their write page): back up, choose pages, fill hot slots. Returns the pages each row's KV heads
+        read, int64 ``[R, KVH, P]`` (rows with fewer pages padded with their last), each row's token
+        count over them, and whether they are host pages (a dense layer: every page, read from the host
+        pool) rather than KV-pool pages."""
         ps, d, kvh = self.page_size, self.head_dim, self.kv_heads
+        dense = layer < self.dense_layers
         group = q.shape[1] // kvh
         pages_out: list[np.ndarray] = []
         counts: list[int] = []
@@ -138,13 +144,18 @@ class SparseWorker:
             self.host_k[hp, layer, :, off] = k_new[r]
             self.host_v[hp, layer, :, off] = v_new[r]
             kf = k_new[r].float()
-            s = st.summary[layer, :, cur]
+            s = self.summary[hp, layer]  # [KVH, 2, D]
             if off == 0:
-                s[:, :d], s[:, d:] = kf, kf
+                s[:, 0], s[:, 1] = kf, kf
             else:
-                torch.minimum(s[:, :d], kf, out=s[:, :d])
-                torch.maximum(s[:, d:], kf, out=s[:, d:])
+                torch.minimum(s[:, 0], kf, out=s[:, 0])
+                torch.maximum(s[:, 1], kf, out=s[:, 1])
             n_pages = cur + 1
+            if dense:
+                table = np.broadcast_to(st.host[:n_pages].numpy(), (kvh, n_pages))
+                pages_out.append(table)
+                counts.append(cur * ps + off + 1)
+                continue
             if n_pages <= self.sink + self.recent + self.top_k:
                 chosen = np.broadcast_to(np.arange(cur, dtype=np.int64), (kvh, cur))
             else:
@@ -161,24 +172,11 @@ class SparseWorker:
         for r, t in enumerate(pages_out):
             out[r, :, : t.shape[1]] = t
             out[r, :, t.shape[1] :] = t[:, -1:]  # (padding past the row's count is never read)
-        return torch.from_numpy(out), counts
+        return torch.from_numpy(out), counts, dense
 
     def _top_pages(self, st: _SlotState, layer: int, q: torch.Tensor, n_pages: int) -> np.ndarray:
-        """Per KV head the pages before the current one to read, ascending: sinks, the ``top_k`` middle
-        pages by Quest's bound, the recent ones. ``q``: ``[KVH, group, D]``."""
-        qf = q.float()
-        # max(q*lo, q*hi) = min(q, 0)*lo + max(q, 0)*hi: each query head's bound in one product; a
-        # page's score for its KV head is the largest of its query heads' (a page one head needs is
-        # read: a sum would let the others' indifference drown it).
-        qq = torch.cat([qf.clamp(max=0), qf.clamp(min=0)], -1).transpose(1, 2)  # [KVH, 2D, group]
-        lo, hi = self.sink, n_pages - self.recent
-        scores = torch.bmm(st.summary[layer, :, lo:hi], qq).amax(-1)  # [KVH, mid]
-        top = scores.topk(self.top_k, dim=-1).indices.numpy() + lo
-        top.sort(axis=1)
-        kvh = q.shape[0]
-        sinks = np.broadcast_to(np.arange(lo, dtype=np.int64), (kvh, lo))
-        recent = np.broadcast_to(np.arange(hi, n_pages - 1, dtype=np.int64), (kvh, n_pages - 1 - hi))
-        return np.concatenate([sinks, top, recent], axis=1)
+        """Per KV head the pages before the current one to read, ascending (``quest_pages``)."""
+        return quest_pages(self.summary, st.host, layer, q, n_pages, self.sink, self.recent, self.top_k)
 
     def _place(self, st: _SlotState, layer: int, h: int, pages: np.ndarray, kv_buffer) -> np.ndarray:
         """The KV-pool page holding each of ``pages`` for (layer, KV head h): hits where they are,
@@ -210,6 +208,37 @@ class SparseWorker:
         st.stamp[layer, h, js] = st.tick
         return st.hot_ids[js]
 
+    # -- on the CPU: the host pages read in place, one kernel call a layer -------------------------------
+    def host_table(self, slots: list[int]) -> torch.Tensor:
+        """int64 ``[R, reserved pages]``: each row's host page ids (a forward's, made once for its layers)."""
+        hosts = [self.slots[s].host for s in slots]
+        width = max(len(h) for h in hosts)
+        out = torch.zeros(len(hosts), width, dtype=torch.int64)
+        for r, h in enumerate(hosts):
+            out[r, : len(h)] = h
+        return out
+
+    def attend_in_place(self, layer: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                        host_table: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """The C++ kernel (csrc/hisparse.cpp) for every sparse row of layer ``layer``: back up the new
+        K/V into its host page and fold it into the page's summary, choose each KV head's pages (all
+        of them in a dense layer), and attend over them where they lie in the host pool. ``[R, H * D]``."""
+        top_k = -1 if layer < self.dense_layers else self.top_k
+        return torch.ops.kvledger_cpu.hisparse_attention(
+            q, k_new, v_new, self.host_k, self.host_v, self.summary, layer, host_table, lens,
+            self.sink, self.recent, top_k, scale,
+        )  # fmt: skip
+
+    def one_call_params(self) -> list[int]:
+        """``decode_layers``' ``sp_params``: sink, recent, top-k pages, dense layers."""
+        return [self.sink, self.recent, self.top_k, self.dense_layers]
+
+    def in_place_ok(self, dtype: torch.dtype) -> bool:
+        """The kernel reads the host pool in place: a CPU pool of the model's ``dtype`` (float32/bfloat16;
+        a float8 KV pool's host copy takes the reference path)."""
+        return self.host_k.device.type == "cpu" and self.host_k.dtype == dtype and dtype in (
+            torch.float32, torch.bfloat16)
+
     # -- attention over the selected pages -----------------------------------------------------------
     @staticmethod
     def token_table(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -219,25 +248,41 @@ class SparseWorker:
         offs = torch.arange(page_size, dtype=torch.int64)
         return (pages.unsqueeze(-1) * page_size + offs).view(r, kvh * p * page_size)
 
+    def attend_host_torch(self, q: torch.Tensor, layer: int, pages: torch.Tensor, counts: list[int],
+                          scale: float) -> torch.Tensor:  # fmt: skip
+        """The torch reference over host ``pages`` ``[R, KVH, P]`` of ``layer`` (a dense layer's)."""
+        r, kvh, p = pages.shape
+        ps, d = self.page_size, self.head_dim
+        kd = torch.stack([self.host_k[pages[:, h].flatten(), layer, h] for h in range(kvh)]).to(q.device)
+        vd = torch.stack([self.host_v[pages[:, h].flatten(), layer, h] for h in range(kvh)]).to(q.device)
+        return SparseWorker._attend(q, kd.view(kvh, r, p * ps, d), vd.view(kvh, r, p * ps, d), counts, scale)
+
     @staticmethod
     def attend_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                      counts: list[int], page_size: int, scale: float) -> torch.Tensor:  # fmt: skip
         """The torch reference over the selected pages: the same gather of whole pages and the same
         math as ``TorchAttention``'s dense decode (so all pages selected gives its sums)."""
         r, kvh, p = pages.shape
-        heads, d = q.shape[1], q.shape[2]
-        group = heads // kvh
+        d = q.shape[2]
         ps = page_size
         kd = torch.stack([k_cache[h].view(-1, ps * d).index_select(0, pages[:, h].flatten()) for h in range(kvh)])
         vd = torch.stack([v_cache[h].view(-1, ps * d).index_select(0, pages[:, h].flatten()) for h in range(kvh)])
-        kd, vd = kd.view(kvh, r, p * ps, d), vd.view(kvh, r, p * ps, d)
+        return SparseWorker._attend(q, kd.view(kvh, r, p * ps, d), vd.view(kvh, r, p * ps, d), counts, scale)
+
+    @staticmethod
+    def _attend(q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, counts: list[int], scale: float) -> torch.Tensor:
+        """``q`` ``[R, H, D]`` over gathered ``kd``/``vd`` ``[KVH, R, P * page_size, D]``, the first
+        ``counts[r]`` tokens of row r."""
+        kvh, r, n_all, d = kd.shape
+        heads = q.shape[1]
+        group = heads // kvh
         if r == 1:
             n = counts[0]
             qd = q.view(1, kvh, group, d)
             o = F.scaled_dot_product_attention(qd, kd[:, :, :n].transpose(0, 1), vd[:, :, :n].transpose(0, 1), scale=scale)
             return o.reshape(1, heads * d)
         lens = torch.tensor(counts)
-        valid = torch.arange(p * ps).unsqueeze(0) < lens.unsqueeze(1)
+        valid = torch.arange(n_all).unsqueeze(0) < lens.unsqueeze(1)
         mask = torch.zeros(valid.shape, dtype=torch.float32).masked_fill_(~valid, float("-inf"))[None, :, None, :]
         qd = q.view(r, kvh, group, d).transpose(0, 1)
         scores = torch.matmul(qd, kd.transpose(-1, -2)).float() * scale + mask
@@ -246,3 +291,28 @@ class SparseWorker:
 
     def live_slots(self) -> set[int]:
         return set(self.slots)
+
+
+def quest_pages(summary: torch.Tensor, host: torch.Tensor, layer: int, q: torch.Tensor, n_pages: int, sink: int,
+                recent: int, top_k: int) -> np.ndarray:  # fmt: skip
+    """The torch reference of the page choice (csrc/hisparse.cpp's, which tests compare with it): per KV
+    head the pages before the current one to read, ascending: the ``sink`` first, the ``top_k`` middle
+    pages by Quest's bound, the ``recent - 1`` before the current one. ``summary``: the pool's
+    ``[host pages, layers, KVH, 2, D]``; ``host``: the row's host page of each sequence page; ``q``:
+    ``[KVH, group, D]``. A sequence of no more than sink + recent + top_k pages reads every one."""
+    kvh = q.shape[0]
+    if n_pages <= sink + recent + top_k:
+        return np.broadcast_to(np.arange(n_pages - 1, dtype=np.int64), (kvh, n_pages - 1))
+    qf = q.float()
+    # max(q*lo, q*hi) = min(q, 0)*lo + max(q, 0)*hi: each query head's bound in one product; a
+    # page's score for its KV head is the largest of its query heads' (a page one head needs is
+    # read: a sum would let the others' indifference drown it).
+    qq = torch.cat([qf.clamp(max=0), qf.clamp(min=0)], -1).transpose(1, 2)  # [KVH, 2D, group]
+    lo, hi = sink, n_pages - recent
+    summ = summary[host[lo:hi], layer].transpose(0, 1).reshape(kvh, hi - lo, -1)  # [KVH, mid, 2D]
+    scores = torch.bmm(summ, qq).amax(-1)  # [KVH, mid]
+    top = scores.topk(top_k, dim=-1).indices.numpy() + lo
+    top.sort(axis=1)
+    sinks = np.broadcast_to(np.arange(lo, dtype=np.int64), (kvh, lo))
+    recents = np.broadcast_to(np.arange(hi, n_pages - 1, dtype=np.int64), (kvh, n_pages - 1 - hi))
+    return np.concatenate([sinks, top, recents], axis=1)

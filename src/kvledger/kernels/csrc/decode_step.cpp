@@ -107,7 +107,11 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    at::Tensor& k_all, at::Tensor& v_all, const at::Tensor& positions, at::TensorList cos,
                    at::TensorList sin, const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
                    const at::Tensor& out_loc, int64_t heads, double scale, double eps, int64_t amx_rows,
-                   at::TensorList w8, at::TensorList w8_scale, at::TensorList w8_off, int64_t int8_rows) {
+                   at::TensorList w8, at::TensorList w8_scale, at::TensorList w8_off, int64_t int8_rows,
+                   const c10::optional<at::Tensor>& sp_host_k, const c10::optional<at::Tensor>& sp_host_v,
+                   const c10::optional<at::Tensor>& sp_summary, const c10::optional<at::Tensor>& sp_idx,
+                   const c10::optional<at::Tensor>& sp_host_table, const c10::optional<at::Tensor>& sp_lens,
+                   at::IntArrayRef sp_params) {
   const int64_t layers = static_cast<int64_t>(desc.size()) / LayerDesc::kFields;
   TORCH_CHECK(layers > 0 && static_cast<int64_t>(desc.size()) == layers * LayerDesc::kFields,
               "desc: ", LayerDesc::kFields, " values a layer");
@@ -169,6 +173,46 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
     h.add_(delta);
     return h;
   };
+  // HiSparse rows (sp_idx: their batch rows; sp_params: sink, recent, top_k, dense layers): each layer's
+  // attention reads their pages in place in the host pool (hisparse.cpp); the other rows as always.
+  const bool sparse = sp_idx.has_value();
+  at::Tensor dn_idx, dn_rows, dn_lens, dn_loc;
+  bool all_sparse = false;
+  if (sparse) {
+    TORCH_CHECK(sp_host_k && sp_host_v && sp_summary && sp_host_table && sp_lens && sp_params.size() == 4,
+                "HiSparse rows need the host pool, its summaries, their host pages, lengths and 4 parameters");
+    TORCH_CHECK(sp_idx->scalar_type() == at::kLong && sp_idx->dim() == 1 && sp_idx->numel() <= B,
+                "sp_idx must be int64 [sparse rows]");
+    all_sparse = sp_idx->numel() == B;
+    if (!all_sparse) {
+      auto keep = at::ones({B}, at::kBool);
+      keep.index_fill_(0, *sp_idx, false);
+      dn_idx = keep.nonzero().view({-1});
+      dn_rows = rows.index_select(0, dn_idx);
+      dn_lens = lens.index_select(0, dn_idx);
+      dn_loc = out_loc.index_select(0, dn_idx);
+    }
+  }
+  auto attend = [&](int64_t l, const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new, at::Tensor& kc,
+                    at::Tensor& vc, int64_t window) -> at::Tensor {
+    if (!sparse) return op_decode_attention(q, kc, vc, table, rows, lens, scale, k_new, v_new, out_loc, window);
+    at::Tensor& hk = const_cast<at::Tensor&>(*sp_host_k);
+    at::Tensor& hv = const_cast<at::Tensor&>(*sp_host_v);
+    at::Tensor& sm = const_cast<at::Tensor&>(*sp_summary);
+    const int64_t top_k = l < sp_params[3] ? -1 : sp_params[2];
+    auto sp_out = [&](const at::Tensor& qs, const at::Tensor& ks, const at::Tensor& vs) {
+      return hisparse_attention(qs.contiguous(), ks, vs, hk, hv, sm, l, *sp_host_table, *sp_lens, sp_params[0],
+                                sp_params[1], top_k, scale);
+    };
+    if (all_sparse) return sp_out(q, k_new, v_new);
+    at::Tensor o = at::empty({B, q.size(1) * q.size(2)}, q.options());
+    o.index_copy_(0, *sp_idx, sp_out(q.index_select(0, *sp_idx), k_new.index_select(0, *sp_idx),
+                                      v_new.index_select(0, *sp_idx)));
+    o.index_copy_(0, dn_idx, op_decode_attention(q.index_select(0, dn_idx), kc, vc, table, dn_rows, dn_lens, scale,
+                                                 k_new.index_select(0, dn_idx), v_new.index_select(0, dn_idx),
+                                                 dn_loc, window));
+    return o;
+  };
   at::Tensor x = L[0].pre_norms ? norm_of(h, norm_w(0, kInNorm), L[0].norm, eps) : h;
   for (int64_t l = 0; l < layers; ++l) {
     const LayerDesc& d = L[l];
@@ -188,7 +232,7 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
     at::Tensor k_new = qkv.narrow(1, qs, kvs).view({B, kvh, hd});
     at::Tensor v_new = qkv.narrow(1, qs + kvs, kvs).view({B, kvh, hd});
     at::Tensor kc = k_all.select(0, l), vc = v_all.select(0, l);
-    at::Tensor o = op_decode_attention(q, kc, vc, table, rows, lens, scale, k_new, v_new, out_loc, d.window);
+    at::Tensor o = attend(l, q, k_new, v_new, kc, vc, d.window);
     at::Tensor a = proj(o, 4 * l + 1);
     if (d.post_norms) a = norm_of(a, norm_w(l, kPostAttnNorm), d.norm, eps);
     x = add_next(a, d, l, kPreFfnNorm);

@@ -51,6 +51,10 @@ void op_rope(at::Tensor& x, const at::Tensor& pos, const at::Tensor& cos, const 
 at::Tensor op_decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& table,
                                const at::Tensor& rows, const at::Tensor& lens, double scale, const at::Tensor& k_new,
                                const at::Tensor& v_new, const at::Tensor& out_loc, int64_t window);
+// Each KV head reads its own run of a table row (h's tokens from h * head_stride): HiSparse (hisparse.cpp).
+at::Tensor op_decode_attention_heads(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
+                                     double scale, int64_t head_stride);
 at::Tensor op_quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                            const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t amx_rows);
 // A GGUF file's blocks of GGML type `kind` read as stored; `segments` (may be empty) lists the parts'
@@ -67,7 +71,18 @@ void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    at::Tensor& k_all, at::Tensor& v_all, const at::Tensor& positions, at::TensorList cos,
                    at::TensorList sin, const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
                    const at::Tensor& out_loc, int64_t heads, double scale, double eps, int64_t amx_rows,
-                   at::TensorList w8, at::TensorList w8_scale, at::TensorList w8_off, int64_t int8_rows);
+                   at::TensorList w8, at::TensorList w8_scale, at::TensorList w8_off, int64_t int8_rows,
+                   const c10::optional<at::Tensor>& sp_host_k, const c10::optional<at::Tensor>& sp_host_v,
+                   const c10::optional<at::Tensor>& sp_summary, const c10::optional<at::Tensor>& sp_idx,
+                   const c10::optional<at::Tensor>& sp_host_table, const c10::optional<at::Tensor>& sp_lens,
+                   at::IntArrayRef sp_params);
+
+// kvledger_cpu::hisparse_attention (hisparse.cpp): every HiSparse row of one layer, its pages chosen and
+// read in place in the host pool; top_k < 0: every page (a dense layer).
+at::Tensor hisparse_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                              at::Tensor& host_k, at::Tensor& host_v, at::Tensor& summary, int64_t layer,
+                              const at::Tensor& host_table, const at::Tensor& lens, int64_t sink, int64_t recent,
+                              int64_t top_k, double scale);
 
 // kvledger_cpu::head_argmax (decode_step.cpp): a packed LM head's greedy token per row, in chunks.
 at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,

@@ -1022,6 +1022,12 @@ at::Tensor op_decode_attention(const at::Tensor& q, at::Tensor& k_cache, at::Ten
                                const at::Tensor& v_new, const at::Tensor& out_loc, int64_t window) {
   return decode_attention(q, k_cache, v_cache, table, rows, lens, scale, k_new, v_new, out_loc, 0, window);
 }
+at::Tensor op_decode_attention_heads(const at::Tensor& q, at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& table, const at::Tensor& rows, const at::Tensor& lens,
+                                     double scale, int64_t head_stride) {
+  return decode_attention(q, k_cache, v_cache, table, rows, lens, scale, c10::nullopt, c10::nullopt, c10::nullopt,
+                          head_stride, 0);
+}
 at::Tensor op_quant_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                            const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t amx_rows) {
   return quant_linear(x, w, scales, wsum128, bits, n, amx_rows);
@@ -1063,7 +1069,9 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "decode_layers(Tensor(a!) h, Tensor[] w, Tensor[] scales, Tensor?[] wsum, int[] bits, int[] n, "
       "Tensor[] dense, Tensor?[] norms, int[] desc, Tensor(b!) k_all, Tensor(c!) v_all, Tensor positions, "
       "Tensor[] cos, Tensor[] sin, Tensor req_to_token, Tensor rows, Tensor lens, Tensor out_loc, int heads, "
-      "float scale, float eps, int amx_rows, Tensor[] w8, Tensor[] w8_scale, Tensor[] w8_off, int int8_rows) -> ()");
+      "float scale, float eps, int amx_rows, Tensor[] w8, Tensor[] w8_scale, Tensor[] w8_off, int int8_rows, "
+      "Tensor(d!)? sp_host_k=None, Tensor(e!)? sp_host_v=None, Tensor(f!)? sp_summary=None, Tensor? sp_idx=None, "
+      "Tensor? sp_host_table=None, Tensor? sp_lens=None, int[] sp_params=[]) -> ()");
   m.def("head_argmax(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int valid) -> Tensor");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);

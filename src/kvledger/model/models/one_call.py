@@ -172,14 +172,17 @@ class OneCallDecode:
         out_loc,
         scale,
         greedy: bool = False,
+        sparse: tuple = (),
     ) -> torch.Tensor:
         """The forward of a batch of decodes with every layer in one kernel call (the embedding, its
         scale included, before it; the final norm and the head after). ``greedy``: the rows' greedy
-        tokens from the head in C++ (``LMHead.greedy``), not their logits."""
+        tokens from the head in C++ (``LMHead.greedy``), not their logits. ``sparse``: HiSparse rows'
+        arguments (``CpuAttention``'s ``one_call_sparse``: host pool, summaries, rows, host pages,
+        lengths, parameters); their attention reads the host pool in place."""
         h = self.embed(input_ids).contiguous()
         torch.ops.kvledger_cpu.decode_layers(
             h, *plan.args, kv_buffer.k, kv_buffer.v, positions, *plan.tables, table, rows, lens, out_loc,
-            self.cfg.num_heads, scale, self.cfg.rms_norm_eps, plan.amx_rows, *plan.int8, plan.int8_rows,
+            self.cfg.num_heads, scale, self.cfg.rms_norm_eps, plan.amx_rows, *plan.int8, plan.int8_rows, *sparse,
         )  # fmt: skip
         x = self.norm(h[logit_index])
         return self.lm_head.greedy(x) if greedy else self.lm_head(x)
