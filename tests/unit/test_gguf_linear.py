@@ -209,13 +209,14 @@ def test_head_argmax_on_blocks_as_stored(kind):
 
 # --- the load-time repack (csrc/gguf_blocks.h, gguf_repack.cpp; kernels/gguf_weight.GgufWeight.repack) ---------
 
-REPACK_KINDS = ["Q4_K", "Q6_K"]
+REPACK_KINDS = ["Q4_K", "Q6_K", "Q8_0", "Q5_0"]
 
 
 def repacked(kind: str, raw: np.ndarray) -> torch.Tensor:
     tid = int(gguf.GGMLQuantizationType[kind])
     w = torch.from_numpy(raw).reshape(-1).contiguous()
-    return torch.ops.kvledger_cpu.gguf_repack(w, torch.tensor([[tid, raw.shape[0]]]), raw.shape[1] // KINDS[kind][1] * 256, False)
+    k = raw.shape[1] // KINDS[kind][1] * KINDS[kind][0]
+    return torch.ops.kvledger_cpu.gguf_repack(w, torch.tensor([[tid, raw.shape[0]]]), k, False)
 
 
 def run_packed(kind: str, packed: torch.Tensor, n: int, x: torch.Tensor, tile_rows: int = -1) -> torch.Tensor:
@@ -227,14 +228,16 @@ def run_packed(kind: str, packed: torch.Tensor, n: int, x: torch.Tensor, tile_ro
 def test_repack_keeps_the_bytes_and_undoes_exactly(kind):
     """Same bits in another order: the inverse gives the file's bytes back (every byte pattern of codes,
     scales and mins); the repacked size is whole groups of 16 rows of the file's (Q4_K: 148 bytes a row
-    and super-block for its 144, the 6-bit scales and mins a byte each)."""
+    and super-block for its 144, the 6-bit scales and mins a byte each; the others exactly the file's);
+    K of one to several blocks, an odd number of 32-blocks among them for Q8_0 / Q5_0."""
     rng = np.random.default_rng(2)
     tid = int(gguf.GGMLQuantizationType[kind])
-    for n, k in ((40, 768), (23, 256), (16, 1024), (1, 512)):
+    block, nbytes = KINDS[kind][:2]
+    for n, k in ((40, 768), (23, 256), (16, 1024), (1, 512)) + (((17, 96), (5, 32)) if block == 32 else ()):
         raw = random_blocks(kind, n, k, rng)
         packed = repacked(kind, raw)
-        per_row = 148 if kind == "Q4_K" else 210
-        assert packed.numel() == (n + 15) // 16 * 16 * (k // 256) * per_row
+        per_block = 148 if kind == "Q4_K" else nbytes
+        assert packed.numel() == (n + 15) // 16 * 16 * (k // block) * per_block
         back = torch.ops.kvledger_cpu.gguf_repack(packed, torch.tensor([[tid + 100, n]]), k, True)
         assert torch.equal(back, torch.from_numpy(raw).reshape(-1))
     with pytest.raises(RuntimeError, match="has no repack"):
@@ -250,7 +253,8 @@ def test_repacked_kernel_equals_the_tiles_path_bit_for_bit_at_every_batch(kind):
     rng = np.random.default_rng(4)
     torch.manual_seed(4)
     tid = int(gguf.GGMLQuantizationType[kind])
-    for n, k in ((40, 768), (23, 256), (70, 512), (9, 1280)):
+    extra = ((33, 96), (17, 640)) if KINDS[kind][0] == 32 else ()  # K of 3 and 20 blocks of 32
+    for n, k in ((40, 768), (23, 256), (70, 512), (9, 1280), *extra):
         raw = random_blocks(kind, n, k, rng)
         packed = repacked(kind, raw)
         w = dequantized(kind, raw)
@@ -302,27 +306,42 @@ def test_a_repacked_stack_of_kinds_runs_each_part_in_its_kind():
     assert stack.packed and stack.bits == -112
     assert torch.equal(stack(x), tiles)
     assert torch.equal(stack.rows(), want_rows)
-    single = GgufWeight((("Q6_K", 40),), k, torch.from_numpy(random_blocks("Q6_K", 40, k, rng)))
-    want = single.rows()
-    single.repack()
-    index = torch.tensor([[3, 39], [17, 3]])
-    assert torch.equal(single.rows(index), want[index.reshape(-1)])
+    # Q5_0 q/k beside a Q8_0 v (a Q4_K_M file's Gemma attention), K of 20 blocks of 32
+    parts32 = (("Q5_0", 40), ("Q5_0", 7), ("Q8_0", 20))
+    raws = [random_blocks(kind, n, 640, rng) for kind, n in parts32]
+    stack32 = GgufWeight(parts32, 640, torch.from_numpy(np.concatenate([r.reshape(-1) for r in raws])))
+    x = torch.randn(9, 640)
+    tiles = torch.ops.kvledger_cpu.gguf_linear(x, stack32.w, 0, stack32.out_features, 640, stack32.scales, 1)
+    want_rows = stack32.rows()
+    stack32.repack()
+    assert torch.equal(stack32(x), tiles)
+    assert torch.equal(stack32.rows(), want_rows)
+    for kind in ("Q6_K", "Q8_0", "Q5_0"):  # an embedding's look-ups unpack only the groups they need
+        single = GgufWeight(((kind, 40),), k, torch.from_numpy(random_blocks(kind, 40, k, rng)))
+        want = single.rows()
+        single.repack()
+        index = torch.tensor([[3, 39], [17, 3]])
+        assert torch.equal(single.rows(index), want[index.reshape(-1)])
 
 
-def test_head_argmax_on_repacked_blocks():
-    """A Q6_K head repacked (a Q4_K_M file's output.weight): head_argmax over chunks of 4,096 outputs of
-    the packed groups, n not a multiple of 16, picks gguf_linear's argmax."""
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_head_argmax_on_repacked_blocks(kind):
+    """A head repacked (a Q4_K_M file's Q6_K output.weight, or Gemma's tied Q8_0 token table):
+    head_argmax over chunks of 4,096 outputs of the packed groups, n not a multiple of 16, picks
+    gguf_linear's argmax, at 1 and 3 rows."""
     rng = np.random.default_rng(9)
     n, k = 9003, 256
-    packed = repacked("Q6_K", random_blocks("Q6_K", n, k, rng))
+    packed = repacked(kind, random_blocks(kind, n, k, rng))
+    pid = -(int(gguf.GGMLQuantizationType[kind]) + 100)
     empty = torch.empty(0, 2, dtype=torch.int64)
-    x = torch.randn(3, k)
-    logits = run_packed("Q6_K", packed, n, x)
-    for valid in (n, 8195, 17):
-        got = torch.ops.kvledger_cpu.head_argmax(x, packed, empty, None, -114, n, valid)
-        assert torch.equal(got, logits[:, :valid].max(dim=-1).indices)
+    for m in (1, 3):
+        x = torch.randn(m, k)
+        logits = run_packed(kind, packed, n, x)
+        for valid in (n, 8195, 17):
+            got = torch.ops.kvledger_cpu.head_argmax(x, packed, empty, None, pid, n, valid)
+            assert torch.equal(got, logits[:, :valid].max(dim=-1).indices)
     with pytest.raises(RuntimeError, match="GGUF blocks do not match"):
-        torch.ops.kvledger_cpu.head_argmax(x, packed[:-1], empty, None, -114, n, n)
+        torch.ops.kvledger_cpu.head_argmax(x, packed[:-1], empty, None, pid, n, n)
 
 
 @pytest.mark.skipif(kernels.quant_isa() != "avx512-vnni", reason="no AVX512-VNNI: only the portable path runs")

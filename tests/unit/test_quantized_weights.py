@@ -120,8 +120,13 @@ def test_a_fused_projection_of_mixed_kinds_runs_each_part_in_its_own_kind():
     assert isinstance(fused.qw, GgufWeight) and [k for k, _ in fused.qw.parts] == ["Q5_0", "Q5_0", "Q8_0", "Q6_K"]
     for m in (1, 5, 9):  # 9: gguf_linear's tiles' path (a tile never spans two parts)
         x = torch.randn(m, 256)
-        alone = torch.cat([GgufWeight(((p.kind, p.shape[0]),), 256, torch.from_numpy(p.raw))(x) for p in parts], 1)
-        assert torch.equal(fused.qw(x), alone)
+        alone = []
+        for p in parts:  # each part alone, repacked where the stack's part is (the same sums either way)
+            single = GgufWeight(((p.kind, p.shape[0]),), 256, torch.from_numpy(p.raw))
+            if fused.qw.packed:
+                single.repack()
+            alone.append(single(x))
+        assert torch.equal(fused.qw(x), torch.cat(alone, 1))
     assert torch.equal(fused.qw.rows(), torch.cat([p.dequantize() for p in parts]))
 
 
@@ -130,7 +135,7 @@ def test_deterministic_gguf_blocks_keep_a_rows_output_whatever_the_batch():
     """--enable-deterministic-inference: ``tile_rows=0`` (the rows' path at any batch), so a row's output
     is the same bits alone and among 9; by default 9 rows take the tiles' path (another float order)."""
     rng = np.random.default_rng(9)
-    bw = BlockWeight.from_gguf("Q5_0", random_blocks("Q5_0", 48, 512, rng))  # a kind not repacked
+    bw = BlockWeight.from_gguf("Q5_1", random_blocks("Q5_1", 48, 512, rng))  # a kind not repacked
     det = Linear(bw, None, "int4", dtype=torch.bfloat16, deterministic=True)
     plain = Linear(bw, None, "int4", dtype=torch.bfloat16)
     assert isinstance(det.qw, GgufWeight) and det.qw.tile_rows == 0 and plain.qw.tile_rows == -1
@@ -258,7 +263,10 @@ def test_the_default_model_keeps_its_files_blocks_within_1_3x_the_file():
     model = LlamaModel(loaded.config, dict(loaded.weights), dtype=torch.bfloat16, quantization="int4")
     assert model.weight_bytes() <= 1.3 * file_bytes, (model.weight_bytes(), file_bytes)
     net = model.net
-    assert isinstance(net.embed.weight, PackedWeight) and net.embed.weight is net.lm_head.linear.qw  # one copy, tied
+    # one copy, tied: the Q8_0 blocks repacked where the CPU has the repack's kernel, else the int8 copy
+    repacked = kernels.quant_isa() == "avx512-vnni" and linear_mod.REPACK
+    assert isinstance(net.embed.weight, GgufWeight if repacked else PackedWeight)
+    assert net.embed.weight is net.lm_head.linear.qw
     assert torch.equal(net.embed(ids), ref_embed)  # the file's values, as a dense table would give
     lins = [m for m in net.modules() if isinstance(m, Linear)]
     assert all(m.qw is not None and m.w is None and m.packed is None for m in lins)

@@ -14,7 +14,7 @@ import torch
 GGUF_KERNEL_KINDS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL")
 # Kinds the load-time repack interleaves (csrc/gguf_blocks.h): the GGML id + GGUF_PACKED is the kernel's
 # kind for the repacked bytes.
-GGUF_REPACK_KINDS = ("Q4_K", "Q6_K")
+GGUF_REPACK_KINDS = ("Q4_K", "Q6_K", "Q8_0", "Q5_0")
 GGUF_PACKED = 100
 
 
@@ -61,18 +61,23 @@ class GgufWeight:
         return -self._id(self.parts[0][0])
 
     def repackable(self) -> bool:
-        """Whether ``repack`` applies: every part of a kind it interleaves, whole super-blocks along K."""
+        """Whether ``repack`` applies: every part of a kind it interleaves, whole blocks along K (the
+        K-quants' super-blocks of 256, Q8_0/Q5_0's blocks of 32)."""
         return (
             not self.packed
-            and self.in_features % 256 == 0
             and all(kind in GGUF_REPACK_KINDS for kind, _ in self.parts)
+            and all(
+                self.in_features % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0] == 0
+                for kind, _ in self.parts
+            )
         )
 
     def repack(self) -> None:
         """Interleave ``w`` in place of the file's order (``kvledger_cpu::gguf_repack``, over the
         threads): the one-row kernel then advances 16 outputs a SIMD lane each, its nibbles unpacked in
-        registers, instead of decoding each row to int8 codes first; the bytes stay the file's (Q6_K
-        exactly, Q4_K +2.8%: its 6-bit scales a byte each; parts padded to whole groups of 16 rows).
+        registers, instead of decoding each row to int8 codes first; the bytes stay the file's (Q6_K,
+        Q8_0 and Q5_0 exactly, Q4_K +2.8%: its 6-bit scales a byte each; parts padded to whole groups
+        of 16 rows).
         ``w`` is only read: the file's pages it viewed are dropped once the model is built
         (``loader.release_file_pages``)."""
         if not self.repackable():

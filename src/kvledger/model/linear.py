@@ -361,15 +361,16 @@ def place_packed_weights(net: nn.Module) -> int:
     return off
 
 
-# The load-time repack of Q4_K/Q6_K layers (a switch for benchmarks and tests of the as-stored path).
+# The load-time repack of Q4_K/Q6_K/Q8_0/Q5_0 layers (a switch for benchmarks and tests of the as-stored path).
 REPACK = os.environ.get("KVLEDGER_GGUF_REPACK", "1") != "0"
 
 
 def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
-    """The kernel's copy of ``w``: a file's blocks of a kind ``gguf_linear`` reads other than Q4_1/Q8_0,
-    and any stack of kinds, as they are (a view where they are contiguous, as the loader's are);
-    Q4_1/Q8_0 blocks of the mode's width packed as they are (their own codes and scales); anything
-    else quantized first."""
+    """The kernel's copy of ``w``: a file's blocks of a kind the load-time repack interleaves (Q4_K,
+    Q6_K, Q8_0, Q5_0 on a VNNI CPU) repacked; of another kind ``gguf_linear`` reads other than
+    Q4_1/Q8_0, and any stack of kinds, as they are (a view where they are contiguous, as the loader's
+    are); Q4_1/Q8_0 blocks of the mode's width packed as they are (their own codes and scales);
+    anything else quantized first."""
     if isinstance(w, BlockStack) and all(p.kind in GGUF_KERNEL_KINDS for p in w.parts):
         parts = tuple((p.kind, p.shape[0]) for p in w.parts)
         if _repacks(parts, w.shape[1]):  # the file's pages dropped after the build (release_file_pages)
@@ -378,11 +379,13 @@ def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
             return stack
         flat = np.concatenate([p.raw.reshape(-1) for p in w.parts])  # one copy, as a fused tensor's
         return GgufWeight(parts, w.shape[1], torch.from_numpy(flat))
-    if isinstance(w, BlockWeight) and w.kind not in PACKED_BITS and w.kind in GGUF_KERNEL_KINDS:
+    if isinstance(w, BlockWeight) and w.kind in GGUF_KERNEL_KINDS:
         qw = GgufWeight(((w.kind, w.shape[0]),), w.shape[1], _view(w.raw))
-        if _repacks(qw.parts, w.shape[1]):
+        if _repacks(qw.parts, w.shape[1]):  # Q8_0 too: the file's size, where the int8 copy is 1.18x
             qw.repack()
-        return qw
+            return qw
+        if w.kind not in PACKED_BITS:
+            return qw
     if isinstance(w, BlockWeight) and w.bits == bits:
         return pack_blocks(*w.codes(), bits=bits)
     return pack(dense(w), bits)

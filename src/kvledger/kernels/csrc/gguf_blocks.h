@@ -60,9 +60,9 @@ inline bool gguf_format(int kind, GgufFormat* f) {
 }
 
 // The load-time repack (gguf_repack.cpp): kind + kGgufPacked is that kind's blocks, the same bits in
-// another order, 16 output rows interleaved per super-block so that the kernel advances 16 outputs (one
-// a SIMD lane) per 4 inputs with the nibbles unpacked in registers. Per group of 16 rows (a part's last
-// group padded with zero rows), per super-block of 256 inputs, rows j = 0..15 side by side:
+// another order, 16 output rows interleaved per block so that the kernel advances 16 outputs (one a SIMD
+// lane) per 4 inputs with the nibbles unpacked in registers. Per group of 16 rows (a part's last group
+// padded with zero rows), rows j = 0..15 side by side; the K-quants per super-block of 256 inputs:
 //   Q4_K (112), 2368 bytes (16 x 148: the file's 144 with the 6-bit scales and mins a byte each):
 //     [0, 32) d fp16[16] | [32, 64) dmin fp16[16] | [64, 192) sc[8 sub-blocks][16] | [192, 320) m[8][16]
 //     | [320, 2368) codes: per 8 inputs e.. 64 bytes, row j's bytes 4j..4j+3 = q[e+i] | q[e+4+i] << 4
@@ -70,17 +70,40 @@ inline bool gguf_format(int kind, GgufFormat* f) {
 //     [0, 32) d fp16[16] | [32, 288) sc int8[16 sub-blocks][16] | [288, 2336) the codes' low 4 bits as
 //     Q4_K's | [2336, 3360) their high 2 bits: per 16 inputs e.. 64 bytes, row j's byte 4j+i =
 //     h[e+i] | h[e+4+i] << 2 | h[e+8+i] << 4 | h[e+12+i] << 6   (q = low | h << 4, w = d*sc*(q - 32))
+// and the 32-element kinds (K / 32 = nb blocks) as two planes a group: first every block's scales, d
+// fp16[nb][16] (so that the codes' 64-byte loads stay aligned), then the codes block after block:
+//   Q8_0 (108), 16 x 34 bytes a block (the file's size): codes 512 bytes a block, per 4 inputs e.. 64
+//     bytes, row j's byte 4j+i = q[e+i] ^ 0x80 (q + 128: unsigned against the signed activations, each
+//     block's dot started at -128 * the activations' integer sum)
+//   Q5_0 (106), 16 x 22 bytes a block (the file's size): codes 320 bytes a block, [0, 256) the low 4
+//     bits as Q4_K's (per 8 inputs 64 bytes), [256, 320) the fifth bits: row j's byte 4j+i bit c =
+//     h[4c+i] (the 4-input step c's bit: q = low | h << 4 unsigned, w = d * (q - 16), the dot started
+//     at -16 * the activations' integer sum)
 // The kernel (gguf_packed_*) computes the tiles' sums (below) in the tiles' order at every batch: equal
 // bit for bit to gguf_tiles_* on the file's blocks, and one order of sums a row whatever the batch.
 constexpr int kGgufPacked = 100;
 constexpr int kQ4_Kx16 = kQ4_K + kGgufPacked, kQ6_Kx16 = kQ6_K + kGgufPacked;
+constexpr int kQ8_0x16 = kQ8_0 + kGgufPacked, kQ5_0x16 = kQ5_0 + kGgufPacked;
 constexpr int kGgufGroup = 16;  // rows interleaved
-inline bool gguf_is_packed(int kind) { return kind == kQ4_Kx16 || kind == kQ6_Kx16; }
-inline bool gguf_repackable(int kind) { return kind == kQ4_K || kind == kQ6_K; }
-inline long gguf_group_bytes(int kind) { return kind == kQ4_Kx16 ? 2368 : 3360; }  // a group's super-block
+inline bool gguf_is_packed(int kind) {
+  return kind == kQ4_Kx16 || kind == kQ6_Kx16 || kind == kQ8_0x16 || kind == kQ5_0x16;
+}
+inline bool gguf_repackable(int kind) { return kind == kQ4_K || kind == kQ6_K || kind == kQ8_0 || kind == kQ5_0; }
+// Inputs a packed kind's block, and a group's bytes a block (16 rows).
+inline long gguf_packed_block(int kind) { return kind == kQ8_0x16 || kind == kQ5_0x16 ? 32 : 256; }
+inline long gguf_group_bytes(int kind) {
+  switch (kind) {
+    case kQ4_Kx16: return 2368;
+    case kQ6_Kx16: return 3360;
+    case kQ8_0x16: return 544;
+    default: return 352;  // Q5_0
+  }
+}
 // Bytes of `rows` rows of `kind` with K inputs (a packed kind: whole groups of 16).
 inline long gguf_rows_bytes(int kind, long rows, long K) {
-  if (gguf_is_packed(kind)) return (rows + kGgufGroup - 1) / kGgufGroup * (K / 256) * gguf_group_bytes(kind);
+  if (gguf_is_packed(kind)) {
+    return (rows + kGgufGroup - 1) / kGgufGroup * (K / gguf_packed_block(kind)) * gguf_group_bytes(kind);
+  }
   GgufFormat f;
   return gguf_format(kind, &f) ? rows * (K / f.block) * f.bytes : 0;
 }
@@ -100,7 +123,7 @@ struct GgufActs {
   const float* sx;     // [M, Kp/32] the group scales (the tiles' path reads them once a group)
   int M;
   long Kp;
-  const int32_t* xs16 = nullptr;  // [M, Kp/16] the integer sums of xq a 16 (a call with a repacked Q6_K part)
+  const int32_t* xs16 = nullptr;  // [M, Kp/16] the integer sums of xq a 16 (a call with a repacked signed part)
 };
 
 // Rows [n0, n1) of y [M, N] (float, or bf16 when out_bf16); w points at row row0's K/block blocks, rows

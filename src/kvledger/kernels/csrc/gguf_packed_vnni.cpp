@@ -1,4 +1,4 @@
-// The kernel on the repacked Q4_K / Q6_K layouts (gguf_blocks.h) with AVX512-VNNI (compiled for that ISA
+// The kernel on the repacked Q4_K / Q6_K / Q8_0 / Q5_0 layouts (gguf_blocks.h) with AVX512-VNNI (compiled for that ISA
 // whatever the build flags, called only where the CPU reports it: ops.cpp). One output row a lane: per 8
 // inputs one 64-byte load of 16 rows' codes, the nibbles split in registers (and, shift: nothing written
 // back to memory), and per activation row two vpdpbusd with the row's broadcast 4-byte activations (Q6_K:
@@ -235,6 +235,103 @@ void q6k_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, 
   }
 }
 
+// Q8_0 / Q5_0 (gguf_blocks.h: the scale plane, then the codes block after block): per block of 32 inputs
+// (the unit) the codes unsigned (Q8_0: q + 128, Q5_0: q) against the signed activations, the dot started
+// at -bias * the activations' integer sum (bias 128 / 16): the tiles' integer; then acc = fma(float(D),
+// d * sx, acc), the tiles' order. Q5_0's fifth bits: byte i of a lane holds bit c for the 4-input step c,
+// moved to bit 4 and or-ed into the step's nibbles. PRE (Q5_0 from 5 rows): the codes unpacked once a
+// call into ub ([NB][K / 4][64]) and the block scales as floats into sf ([NB][K / 32][16]).
+template <bool Q5>
+inline __m512i q32_codes(const uint8_t* cb, int c) {
+  if constexpr (!Q5) {
+    return _mm512_loadu_si512(cb + 64 * c);
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(15), m10 = _mm512_set1_epi8(0x10);
+    const __m512i l = _mm512_loadu_si512(cb + 64 * (c / 2));
+    const __m512i nib = (c & 1) ? _mm512_and_si512(_mm512_srli_epi16(l, 4), m4) : _mm512_and_si512(l, m4);
+    const __m512i h = _mm512_srli_epi16(_mm512_loadu_si512(cb + 256), c);  // bit c of each byte to bit 0
+    return _mm512_or_si512(nib, _mm512_and_si512(_mm512_slli_epi16(h, 4), m10));
+  }
+}
+
+void unpack_q50(const uint8_t* g, long gstride, long K, int nb_groups, uint8_t* ub, float* sf) {
+  const long nb = K / 32;
+  for (int b = 0; b < nb_groups; ++b) {
+    const uint8_t* gp = g + b * gstride;
+    for (long s = 0; s < nb; ++s) {
+      _mm512_storeu_ps(sf + (b * nb + s) * 16, half16(gp + 32 * s));
+      const uint8_t* cb = gp + 32 * nb + 320 * s;
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) _mm512_storeu_si512(ub + b * K * 16 + (32 * s + 4 * c) * 16, q32_codes<true>(cb, c));
+    }
+  }
+}
+
+template <int MR, int NB, bool PRE, bool Q5>
+void q32_dot(const GgufActs& a, long K, int m0, const uint8_t* g, long gstride, const uint8_t* ub, const float* sf,
+             const int32_t* xs16, void* y, bool bf16, long N, long n, long rows) {
+  constexpr long CB = Q5 ? 320 : 512;
+  constexpr int bias = Q5 ? 16 : 128;
+  const long Kp = a.Kp, Gp = Kp / 32, nb = K / 32, U16 = Kp / 16;
+  const int8_t* X = a.xq;
+  __m512 acc[NB][MR];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < MR; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (long s = 0; s < nb; ++s) {
+    __m512i d[NB][MR], d2[NB][MR];
+    for (int r = 0; r < MR; ++r) {
+      const int32_t* xs = xs16 + (m0 + r) * U16 + 2 * s;
+      const __m512i init = _mm512_set1_epi32(-bias * (xs[0] + xs[1]));
+      for (int b = 0; b < NB; ++b) {
+        d[b][r] = init;
+        d2[b][r] = _mm512_setzero_si512();
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      __m512i w[NB];
+      for (int b = 0; b < NB; ++b) {
+        if constexpr (PRE) w[b] = _mm512_loadu_si512(ub + b * K * 16 + (32 * s + 4 * c) * 16);
+        else w[b] = q32_codes<Q5>(g + b * gstride + 32 * nb + CB * s, c);
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m512i x = bcast4(X + (m0 + r) * Kp + 32 * s + 4 * c);
+        for (int b = 0; b < NB; ++b) {  // two chains a lane where few rows leave the latency exposed
+          if (MR <= 2 && (c & 1)) d2[b][r] = _mm512_dpbusd_epi32(d2[b][r], w[b], x);
+          else d[b][r] = _mm512_dpbusd_epi32(d[b][r], w[b], x);
+        }
+      }
+    }
+    __m512 sc[NB];
+    for (int b = 0; b < NB; ++b) sc[b] = PRE ? _mm512_loadu_ps(sf + (b * nb + s) * 16) : half16(g + b * gstride + 32 * s);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 sxb = _mm512_set1_ps(a.sx[(m0 + r) * Gp + s]);
+      for (int b = 0; b < NB; ++b) {
+        const __m512i dd = MR <= 2 ? _mm512_add_epi32(d[b][r], d2[b][r]) : d[b][r];
+        acc[b][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dd), _mm512_mul_ps(sc[b], sxb), acc[b][r]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const long valid = std::min<long>(16, rows - 16 * b);
+    const __mmask16 k = valid >= 16 ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < MR; ++r) store_lanes(y, bf16, (m0 + r) * N + n + 16 * b, acc[b][r], k);
+  }
+}
+
+template <int NB, bool PRE, bool Q5>
+void run32(const GgufActs& a, long K, const uint8_t* g, long gstride, const uint8_t* ub, const float* sf,
+           const int32_t* xs16, void* y, bool bf16, long N, long n, long rows) {
+  for (int m0 = 0; m0 < a.M; m0 += 4) {
+    switch (a.M - m0 >= 4 ? 4 : a.M - m0) {
+      case 4: q32_dot<4, NB, PRE, Q5>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows); break;
+      case 3: q32_dot<3, NB, PRE, Q5>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows); break;
+      case 2: q32_dot<2, NB, PRE, Q5>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows); break;
+      default: q32_dot<1, NB, PRE, Q5>(a, K, m0, g, gstride, ub, sf, xs16, y, bf16, N, n, rows);
+    }
+  }
+}
+
 template <int NB, bool PRE>
 void run(const GgufActs& a, int kind, long K, const uint8_t* g, long gstride, const uint8_t* ub, const float* sf,
          const float* mf, const int32_t* xs16, void* y, bool bf16, long N, long n, long rows) {
@@ -263,9 +360,10 @@ void run(const GgufActs& a, int kind, long K, const uint8_t* g, long gstride, co
 void gguf_packed_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16, long N,
                       long n0, long n1) {
   if (!gguf_is_packed(kind)) return;
-  const long gstride = K / 256 * gguf_group_bytes(kind), Kp = a.Kp, U16 = Kp / 16;
+  const long gstride = gguf_rows_bytes(kind, kGgufGroup, K), Kp = a.Kp, U16 = Kp / 16;
+  const bool small = gguf_packed_block(kind) == 32;
   thread_local std::vector<int32_t> xs16_v;
-  if (kind == kQ6_Kx16 && a.xs16 == nullptr) {  // the activations' integer sums a unit of 16 (gguf_linear's)
+  if (kind != kQ4_Kx16 && a.xs16 == nullptr) {  // the activations' integer sums a unit of 16 (gguf_linear's)
     xs16_v.resize(static_cast<size_t>(a.M) * U16);
     for (int m = 0; m < a.M; ++m) {
       const int8_t* xq = a.xq + m * Kp;
@@ -276,8 +374,9 @@ void gguf_packed_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, 
     }
   }
   const int32_t* xs16 = a.xs16 ? a.xs16 : xs16_v.data();
-  // More than one block of 4 activation rows: the tile's codes unpacked once (same integers, same sums)
-  const bool pre = a.M > 4;
+  // More than one block of 4 activation rows: the tile's codes unpacked once (same integers, same sums);
+  // Q8_0's codes are bytes already
+  const bool pre = a.M > 4 && kind != kQ8_0x16;
   thread_local std::vector<uint8_t> ub_v;
   thread_local std::vector<float> sf_v, mf_v;
   if (pre) {
@@ -289,9 +388,23 @@ void gguf_packed_vnni(const GgufActs& a, int kind, const uint8_t* w, long row0, 
     const long rows = std::min<long>(2 * kGgufGroup, n1 - n);
     const uint8_t* g = w + (n - row0) / kGgufGroup * gstride;
     const int ng = rows > kGgufGroup ? 2 : 1;
-    if (pre) unpack_codes(kind, g, gstride, K, ng, ub_v.data(), sf_v.data(), mf_v.data());
     const uint8_t* ub = ub_v.data();
     const float *sf = sf_v.data(), *mf = mf_v.data();
+    if (small) {
+      if (pre) unpack_q50(g, gstride, K, ng, ub_v.data(), sf_v.data());
+      if (kind == kQ8_0x16) {
+        if (ng == 2) run32<2, false, false>(a, K, g, gstride, ub, sf, xs16, y, out_bf16, N, n, rows);
+        else run32<1, false, false>(a, K, g, gstride, ub, sf, xs16, y, out_bf16, N, n, rows);
+      } else if (pre) {
+        if (ng == 2) run32<2, true, true>(a, K, g, gstride, ub, sf, xs16, y, out_bf16, N, n, rows);
+        else run32<1, true, true>(a, K, g, gstride, ub, sf, xs16, y, out_bf16, N, n, rows);
+      } else {
+        if (ng == 2) run32<2, false, true>(a, K, g, gstride, ub, sf, xs16, y, out_bf16, N, n, rows);
+        else run32<1, false, true>(a, K, g, gstride, ub, sf, xs16, y, out_bf16, N, n, rows);
+      }
+      continue;
+    }
+    if (pre) unpack_codes(kind, g, gstride, K, ng, ub_v.data(), sf_v.data(), mf_v.data());
     if (ng == 2) {
       if (pre) run<2, true>(a, kind, K, g, gstride, ub, sf, mf, xs16, y, out_bf16, N, n, rows);
       else run<2, false>(a, kind, K, g, gstride, ub, sf, mf, xs16, y, out_bf16, N, n, rows);

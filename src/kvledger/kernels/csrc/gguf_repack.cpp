@@ -1,4 +1,4 @@
-// The load-time repack of Q4_K / Q6_K blocks into 16 interleaved rows (gguf_blocks.h: the layouts),
+// The load-time repack of Q4_K / Q6_K / Q8_0 / Q5_0 blocks into 16 interleaved rows (gguf_blocks.h: the layouts),
 // its inverse (the file's bytes exactly: the embedding's row look-ups, the float copies, the tests), and
 // the portable kernel on the packed layout (each group unpacked to the file's blocks, then the tiles'
 // scalar sums: equal bit for bit to gguf_tiles_scalar on those blocks, as the VNNI kernel is).
@@ -127,35 +127,108 @@ void q6k_out(const uint8_t* o, int j, uint8_t* blk) {
   std::memcpy(blk + 208, o + 2 * j, 2);
 }
 
+// --- Q8_0 / Q5_0: one row's block b -> lane j of a group (sc: the group's scale plane, cb: block b's codes)
+void q80_in(const uint8_t* blk, int j, uint8_t* sc, uint8_t* cb) {
+  std::memcpy(sc + 2 * j, blk, 2);
+  for (int c = 0; c < 8; ++c) store4(cb + 64 * c + 4 * j, load4(blk + 2 + 4 * c) ^ 0x80808080u);
+}
+
+void q80_out(const uint8_t* sc, const uint8_t* cb, int j, uint8_t* blk) {
+  std::memcpy(blk, sc + 2 * j, 2);
+  for (int c = 0; c < 8; ++c) store4(blk + 2 + 4 * c, load4(cb + 64 * c + 4 * j) ^ 0x80808080u);
+}
+
+void q50_in(const uint8_t* blk, int j, uint8_t* sc, uint8_t* cb) {
+  std::memcpy(sc + 2 * j, blk, 2);
+  const uint32_t qh = load4(blk + 2);
+  const uint8_t* qs = blk + 6;
+  alignas(8) uint8_t lo[32];  // element e's low 4 bits: qs[e] & 15 for e < 16, qs[e - 16] >> 4 after
+  for (int e = 0; e < 16; ++e) {
+    lo[e] = qs[e] & 15;
+    lo[e + 16] = qs[e] >> 4;
+  }
+  for (int c = 0; c < 4; ++c) store4(cb + 64 * c + 4 * j, pack_nib(load8(lo + 8 * c)));
+  for (int i = 0; i < 4; ++i) {
+    uint8_t h = 0;
+    for (int c = 0; c < 8; ++c) h |= static_cast<uint8_t>(((qh >> (4 * c + i)) & 1) << c);
+    cb[256 + 4 * j + i] = h;
+  }
+}
+
+void q50_out(const uint8_t* sc, const uint8_t* cb, int j, uint8_t* blk) {
+  std::memcpy(blk, sc + 2 * j, 2);
+  alignas(8) uint8_t lo[32];
+  for (int c = 0; c < 4; ++c) store8(lo + 8 * c, unpack_nib(load4(cb + 64 * c + 4 * j)));
+  uint32_t qh = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t h = cb[256 + 4 * j + i];
+    for (int c = 0; c < 8; ++c) qh |= static_cast<uint32_t>((h >> c) & 1) << (4 * c + i);
+  }
+  store4(blk + 2, qh);
+  for (int e = 0; e < 16; ++e) blk[6 + e] = static_cast<uint8_t>(lo[e] | (lo[e + 16] << 4));
+}
+
+// The file's bytes of a block of `kind` (not packed) and its packed group's.
+long file_block_bytes(int kind) {
+  switch (kind) {
+    case kQ4_K: return 144;
+    case kQ6_K: return 210;
+    case kQ8_0: return 34;
+    default: return 22;  // Q5_0
+  }
+}
+
 }  // namespace
 
 void gguf_repack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1) {
   const int pk = kind + kGgufPacked;
-  const long nb = K / 256, fb = kind == kQ4_K ? 144 : 210, gb = gguf_group_bytes(pk), row_bytes = nb * fb;
+  const long nb = K / gguf_packed_block(pk), fb = file_block_bytes(kind), gb = gguf_group_bytes(pk),
+             row_bytes = nb * fb;
+  const bool small = gguf_packed_block(pk) == 32;  // the scale plane, then the codes (gguf_blocks.h)
+  const long cbytes = kind == kQ8_0 ? 512 : 320;
   for (long g = g0; g < g1; ++g) {
     uint8_t* og = dst + g * nb * gb;
     const int valid = static_cast<int>(std::min<long>(kGgufGroup, rows - g * kGgufGroup));
-    if (valid < kGgufGroup) std::memset(og, 0, nb * gb);  // padding rows: zero scales, zero outputs
+    if (valid < kGgufGroup) {  // padding rows: zero scales, zero outputs (Q8_0's zero code is 0x80)
+      std::memset(og, 0, nb * gb);
+      if (kind == kQ8_0) std::memset(og + 32 * nb, 0x80, 512 * nb);
+    }
     for (long b = 0; b < nb; ++b) {
       for (int j = 0; j < valid; ++j) {
         const uint8_t* blk = src + (g * kGgufGroup + j) * row_bytes + b * fb;
-        if (kind == kQ4_K) q4k_in(blk, j, og + b * gb);
-        else q6k_in(blk, j, og + b * gb);
+        if (small) {
+          if (kind == kQ8_0) q80_in(blk, j, og + 32 * b, og + 32 * nb + cbytes * b);
+          else q50_in(blk, j, og + 32 * b, og + 32 * nb + cbytes * b);
+        } else if (kind == kQ4_K) {
+          q4k_in(blk, j, og + b * gb);
+        } else {
+          q6k_in(blk, j, og + b * gb);
+        }
       }
     }
   }
 }
 
 void gguf_unpack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1) {
-  const long nb = K / 256, fb = kind == kQ4_Kx16 ? 144 : 210, gb = gguf_group_bytes(kind), row_bytes = nb * fb;
+  const int base = kind - kGgufPacked;
+  const long nb = K / gguf_packed_block(kind), fb = file_block_bytes(base), gb = gguf_group_bytes(kind),
+             row_bytes = nb * fb;
+  const bool small = gguf_packed_block(kind) == 32;
+  const long cbytes = base == kQ8_0 ? 512 : 320;
   for (long g = g0; g < g1; ++g) {
     const uint8_t* og = src + g * nb * gb;
     const int valid = static_cast<int>(std::min<long>(kGgufGroup, rows - g * kGgufGroup));
     for (long b = 0; b < nb; ++b) {
       for (int j = 0; j < valid; ++j) {
         uint8_t* blk = dst + (g * kGgufGroup + j) * row_bytes + b * fb;
-        if (kind == kQ4_Kx16) q4k_out(og + b * gb, j, blk);
-        else q6k_out(og + b * gb, j, blk);
+        if (small) {
+          if (base == kQ8_0) q80_out(og + 32 * b, og + 32 * nb + cbytes * b, j, blk);
+          else q50_out(og + 32 * b, og + 32 * nb + cbytes * b, j, blk);
+        } else if (kind == kQ4_Kx16) {
+          q4k_out(og + b * gb, j, blk);
+        } else {
+          q6k_out(og + b * gb, j, blk);
+        }
       }
     }
   }
@@ -164,7 +237,7 @@ void gguf_unpack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t
 void gguf_packed_scalar(const GgufActs& a, int kind, const uint8_t* w, long row0, long K, void* y, bool out_bf16,
                         long N, long n0, long n1) {
   const int base = kind - kGgufPacked;
-  const long gbytes = K / 256 * gguf_group_bytes(kind), row_bytes = K / 256 * (base == kQ4_K ? 144 : 210);
+  const long gbytes = gguf_rows_bytes(kind, kGgufGroup, K), row_bytes = gguf_rows_bytes(base, 1, K);
   thread_local std::vector<uint8_t> blocks;
   blocks.resize(kGgufGroup * row_bytes);
   for (long n = n0; n < n1; n += kGgufGroup) {

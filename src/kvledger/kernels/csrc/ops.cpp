@@ -870,9 +870,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
     }
   });
   GgufActs acts{xq.get(), xu.get(), sxl.get(), xsum.get(), sx.get(), static_cast<int>(M), Kp};
-  const bool q6x = std::any_of(parts.begin(), parts.end(), [](const Part& p) { return p.kind == kQ6_Kx16; });
+  const bool q6x = std::any_of(parts.begin(), parts.end(), [](const Part& p) {
+    return p.kind == kQ6_Kx16 || p.kind == kQ8_0x16 || p.kind == kQ5_0x16;
+  });
   const auto xs16 = scratch_of<int32_t>(q6x ? M * Kp / 16 : 1);
-  if (q6x) {  // the repacked Q6_K kernel's unit starts (gguf_packed_vnni.cpp), once a call
+  if (q6x) {  // the repacked signed kinds' unit starts (gguf_packed_vnni.cpp), once a call
     for (int64_t i = 0; i < M * Kp / 16; ++i) {
       int32_t t = 0;
       for (int e = 0; e < 16; ++e) t += xq[16 * i + e];
@@ -911,14 +913,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
 }
 
 // The load-time repack (gguf_blocks.h) of a weight's parts (segments as gguf_linear's: kind, rows),
-// every part Q4_K or Q6_K -> kind + 100, groups of 16 rows over the threads; inverse: back to the
+// every part Q4_K, Q6_K, Q8_0 or Q5_0 -> kind + 100, groups of 16 rows over the threads; inverse: back to the
 // file's bytes (parts then given in their packed kinds). A new uint8 tensor; w is only read.
 at::Tensor gguf_repack(const at::Tensor& w, const at::Tensor& segments, int64_t k, bool inverse) {
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte, "w must be contiguous uint8");
   TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 2 && segments.scalar_type() == at::kLong &&
                   segments.is_contiguous(),
               "segments must be [parts, 2] int64 (kind, rows)");
-  TORCH_CHECK(k % 256 == 0, "in_features ", k, " is not whole super-blocks of 256");
   struct Part {
     int kind;
     int64_t rows, src, dst, g0;
@@ -932,6 +933,8 @@ at::Tensor gguf_repack(const at::Tensor& w, const at::Tensor& segments, int64_t 
     TORCH_CHECK(rows > 0 && (inverse ? gguf_is_packed(kd) : gguf_repackable(kd)), "GGML type ", kd,
                 inverse ? " is not a repacked kind" : " has no repack");
     const int pk = inverse ? kd : kd + kGgufPacked, fk = inverse ? kd - kGgufPacked : kd;
+    TORCH_CHECK(k > 0 && k % gguf_packed_block(pk) == 0, "in_features ", k, " is not whole blocks of ",
+                gguf_packed_block(pk));
     parts.push_back({kd, rows, src, dst, groups});
     src += gguf_rows_bytes(inverse ? pk : fk, rows, k);
     dst += gguf_rows_bytes(inverse ? fk : pk, rows, k);

@@ -33,7 +33,7 @@ def spliced(index: torch.Tensor | None, rows: torch.Tensor | None) -> Iterator[N
 
 
 class VocabEmbedding(nn.Module):
-    """A dense table, or a tied LM head's packed int8 blocks (looked up row by row: no second copy
+    """A dense table, or a tied LM head's packed int8 or GGUF blocks (looked up row by row: no second copy
     of the largest matrix). Under TP this rank holds rows ``[vocab_start, + vocab_rows)``; the
     partial lookups are all-reduced. ``scale``: multiply the result (Gemma: sqrt(hidden))."""
 
