@@ -102,7 +102,8 @@ class StepCosts:
         if fit is None or allowed is None:
             return cap
         w, c = fit
-        return max(min(int((allowed - w) / c), cap), min(MIN_PREFILL_TOKENS, cap))
+        # (+1e-9: a budget that fits exactly is not lost to the division's rounding)
+        return max(min(int((allowed - w) / c + 1e-9), cap), min(MIN_PREFILL_TOKENS, cap))
 
     def prefill_budget(self, decode_rows: int, batch_rows: int, ratio: float, cap: int) -> int:
         """Unmixed: prompt tokens of a prompt-only step followed by a decode step of ``decode_rows``,
