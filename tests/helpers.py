@@ -10,6 +10,8 @@ from types import ModuleType
 
 import torch
 
+from kvledger.scheduler.pacing import StepCosts
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -345,3 +347,15 @@ def tiny_image(seed: int, size: tuple[int, int] = (50, 40)):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+class FixedCosts(StepCosts):
+    """Step costs as given, not measured (``--mixed-step-ratio``'s budgets then do not depend on the
+    machine's timings): each of ``decode``, ``prefill``, ``mixed`` a fit ``(w, c)`` in seconds."""
+
+    def __init__(self, decode, prefill, mixed):
+        super().__init__()
+        self.decode.fit, self.prefill.fit, self.mixed.fit = decode, prefill, mixed
+
+    def observe(self, decode_rows, prefill_rows, seconds):
+        pass

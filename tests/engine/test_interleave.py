@@ -1,5 +1,6 @@
 """``--interleave-prefill-tokens``: while requests decode, a prefill step brings at most that many
-prompt tokens and a decode step follows it; 0 keeps prefill first. Outputs never depend on it (fp32)."""
+prompt tokens and a decode step follows it; 0 keeps prefill first. ``--mixed-step-ratio``: that budget
+paced by the measured step costs (``scheduler/pacing.py``). Outputs never depend on either (fp32)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from kvledger.config import (
     CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX,
     SchedulerSettings,
 )
+from kvledger.config.base import CPU_MIXED_STEP_RATIO
 from kvledger.model.linear import amx_available
+from tests.helpers import FixedCosts
 
 G = {"temperature": 0.0, "ignore_eos": True}
 PROMPTS = [[3 + i] * 10 + list(range(20 + i, 40 + i)) for i in range(6)]  # 30 tokens each
@@ -47,7 +50,8 @@ def _burst(eng) -> tuple[list[list[int]], list[tuple[int, int]]]:
 
 @pytest.mark.parametrize("mixed", [False, True])
 def test_prefill_steps_alternate_with_decodes_and_outputs_do_not_change(make_engine, mixed):
-    kw = dict(chunked_prefill_size=256, enable_mixed_chunk=mixed)
+    # (No pacing: the fixed budget alone; pacing's own tests below.)
+    kw = dict(chunked_prefill_size=256, enable_mixed_chunk=mixed, mixed_step_ratio=0)
     first_out, first_steps = _burst(make_engine(interleave_prefill_tokens=0, **kw))
     out, steps = _burst(make_engine(interleave_prefill_tokens=64, **kw))
     assert out == first_out
@@ -84,3 +88,35 @@ def test_default_and_validation(tiny_loaded, monkeypatch):
     assert SchedulerSettings(interleave_prefill_tokens=0).interleave_tokens("cpu", True) == 0
     with pytest.raises(ValidationError, match="interleave_prefill_tokens must be >= 0"):
         Engine(loaded_model=tiny_loaded, interleave_prefill_tokens=-1)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_paced_steps_keep_the_decodes_within_the_ratio_and_outputs_do_not_change(make_engine, mixed):
+    """Pacing: a decode step costs 10 ms whatever its rows, a prompt token 1 ms (prompt steps 2 ms
+    more, mixed forwards 10 ms more). Ratio 3: unmixed, a prompt step may cost 30 - 10 = 20 ms, 18
+    tokens, and a decode step follows each; mixed, a forward 30 ms, 20 rows, decodes included."""
+    kw = dict(chunked_prefill_size=256, enable_mixed_chunk=mixed, interleave_prefill_tokens=64)
+    first_out, _ = _burst(make_engine(interleave_prefill_tokens=0, chunked_prefill_size=256, enable_mixed_chunk=mixed))
+    eng = make_engine(mixed_step_ratio=3, **kw)
+    eng.core.scheduler.policy.costs = FixedCosts((0.010, 0.0), (0.002, 0.001), (0.010, 0.001))
+    out, steps = _burst(eng)
+    assert out == first_out
+    assert sum(pf for _, pf in steps) == 150
+    paced = [(dec, pf) for dec, pf in steps if dec and pf]  # prompt tokens while requests decode
+    if mixed:
+        assert paced and max(dec + pf for dec, pf in paced) == 20, steps
+    else:
+        assert not paced
+        kinds = "".join("p" if pf else "d" for _, pf in steps)
+        assert "pp" not in kinds, kinds
+        assert max(pf for _, pf in steps) == 18 and kinds.count("p") >= 150 // 18, steps
+
+
+def test_pacing_default_and_validation(tiny_loaded):
+    s = SchedulerSettings()
+    assert s.step_ratio("cpu") == CPU_MIXED_STEP_RATIO and s.step_ratio("cuda:0") == 0
+    assert SchedulerSettings(mixed_step_ratio=0).step_ratio("cpu") == 0
+    assert SchedulerSettings(mixed_step_ratio=4).step_ratio("cuda") == 4
+    for bad in (1, 0.5, -2, float("inf")):
+        with pytest.raises(ValidationError, match="mixed_step_ratio must be 0"):
+            Engine(loaded_model=tiny_loaded, mixed_step_ratio=bad)

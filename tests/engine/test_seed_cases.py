@@ -79,7 +79,8 @@ def test_finish_in_first_mixed_prefill_chunk(start_combo, make_engine, row):
     """Seed 000: max_new_tokens=1 with mixed chunks finishes in the forward of its only prefill chunk
     (beside three decodes: with speculation, their drafts), and frees its slot at once; under each
     combination the table allows with mixed chunks (speculation, TP, the hierarchy)."""
-    eng = start_combo(row, chunked_prefill_size=64).engines[0]
+    # (No pacing: the mixed forward's size must not depend on this machine's step timings.)
+    eng = start_combo(row, chunked_prefill_size=64, mixed_step_ratio=0).engines[0]
     runners = [eng.add_request([5 + i] * 20, {**GREEDY, "max_new_tokens": 30}) for i in range(3)]
     _step_until(eng, lambda: all(len(_live(eng, r).output_ids) >= 2 for r in runners))
     one = eng.add_request(list(range(3, 43)), {**GREEDY, "max_new_tokens": 1})

@@ -10,7 +10,7 @@ import pytest
 
 from kvledger import Engine, ValidationError
 from kvledger.errors import NotFoundError, OverloadedError
-from tests.helpers import assert_idle_clean
+from tests.helpers import FixedCosts, assert_idle_clean
 
 ABORT_STATES = ["none"] * 6 + ["waiting", "mid_prefill", "first_token", "mid_decode", "after_finish"]
 
@@ -29,8 +29,8 @@ def _state_reached(req, state: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("seed,mixed", [(0, True), (1, False)])
-def test_scheduler_fuzz(tiny_loaded, seed, mixed):
+@pytest.mark.parametrize("seed,mixed,paced", [(0, True, False), (1, False, False), (2, False, True)])
+def test_scheduler_fuzz(tiny_loaded, seed, mixed, paced):
     rng = random.Random(seed)
     eng = Engine(
         loaded_model=tiny_loaded,
@@ -41,8 +41,14 @@ def test_scheduler_fuzz(tiny_loaded, seed, mixed):
         max_running_requests=8,
         max_queued_requests=64,
         enable_mixed_chunk=mixed,
+        # Pacing by fixed costs (the steps must not depend on this machine's timings): decode steps
+        # 10 ms, a prompt token 1 ms, so prompt steps of 13 tokens while requests decode; unpaced, the
+        # fixed budget.
+        mixed_step_ratio=2.5 if paced else 0,
         strict_memory=True,
     )
+    if paced:
+        eng.core.scheduler.policy.costs = FixedCosts((0.010, 0.0), (0.002, 0.001), (0.010, 0.001))
     ref = Engine(
         loaded_model=tiny_loaded,
         dtype="float32",

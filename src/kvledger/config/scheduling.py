@@ -10,6 +10,7 @@ from ..errors import ValidationError
 from .base import (
     CPU_INTERLEAVE_PREFILL_TOKENS,
     CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX,
+    CPU_MIXED_STEP_RATIO,
     CPU_OVERLAP_DEFAULT,
     SCHEDULE_POLICIES,
     SPECULATIVE_ALGORITHMS,
@@ -51,6 +52,20 @@ class SchedulerSettings:
     with AMX tiles (512), ``..._NO_AMX`` without (128): a prefill step of ~0.1-0.15 s on either, 0 on CUDA. With mixed chunks it caps a mixed step's prefill part. Measured on the CPU, 32
     streams of 128+128 tokens: TTFT p50 halved (0.56-0.60 s -> 0.31-0.34 s) for 3-8% fewer tokens
     per second (bench/RESULTS.md)."""
+    mixed_step_ratio: float | None = setting(None, (
+        "while requests decode, prompt chunks join their decode step with as many tokens as keep the "
+        "step's measured cost within this many of their decode steps (at most "
+        "--interleave-prefill-tokens); 0: off (default: "
+        f"{CPU_MIXED_STEP_RATIO} on the CPU, 0 on CUDA)"
+    ))
+    """Pacing (``scheduler/pacing.py``): while requests decode and interleaving is on
+    (``interleave_prefill_tokens`` > 0), a step is mixed (the decodes and a prompt chunk in one
+    forward, mixed chunks or not) and its prompt tokens are as many as keep its predicted cost within
+    this many decode steps of the batch being formed (running and waiting requests, up to
+    ``max_running_requests``), from the step costs the engine measures; at most
+    ``interleave_prefill_tokens``. Bounds the running streams' inter-token latency p99 to about this
+    many times their p50 (issue 54's target: 3). None: ``CPU_MIXED_STEP_RATIO`` on the CPU, 0 on CUDA.
+    0: the budget is ``interleave_prefill_tokens`` alone, as before. Otherwise more than 1."""
     enable_mixed_chunk: bool = setting(False, (
         "prefill chunks and decodes in one forward: first tokens sooner under bursts, running streams "
         "wait for the chunk"
@@ -124,6 +139,13 @@ class SchedulerSettings:
             return CPU_INTERLEAVE_PREFILL_TOKENS if amx else CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX
         return self.interleave_prefill_tokens
 
+    def step_ratio(self, device: str) -> float:
+        """``mixed_step_ratio`` on ``device`` (0: no pacing); unset, 0 on CUDA and
+        ``CPU_MIXED_STEP_RATIO`` on the CPU."""
+        if self.mixed_step_ratio is None:
+            return 0.0 if device.startswith("cuda") else CPU_MIXED_STEP_RATIO
+        return float(self.mixed_step_ratio)
+
     @property
     def cache_aware_policy(self) -> bool:
         """The waiting queue is ordered by what the prefix cache holds (lpm, dfs-weight)."""
@@ -136,6 +158,9 @@ class SchedulerSettings:
         _positive(self, "chunked_prefill_size", "max_running_requests", "max_queued_requests", "session_timeout_s")
         _positive(self, "max_queued_prefill_tokens", "request_timeout_s")
         _positive(self, "interleave_prefill_tokens", allow_zero=True)
+        r = self.mixed_step_ratio
+        if r is not None and not (r == 0 or (math.isfinite(r) and r > 1)):
+            raise ValidationError("mixed_step_ratio must be 0 (off) or a number above 1", param="mixed_step_ratio")
         if self.request_timeout_s is not None and not math.isfinite(self.request_timeout_s):
             raise ValidationError("request_timeout_s must be a finite number of seconds", param="request_timeout_s")
         _positive(self, "max_sessions", "max_stop_strings", "max_stop_string_len", "max_top_logprobs", allow_zero=True)

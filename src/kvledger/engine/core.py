@@ -6,6 +6,7 @@ or in the engine process of the server, driven by calling ``step``. Its control 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import msgspec
@@ -110,7 +111,12 @@ class EngineCore:
         nothing, and rewriting the same KV locations is harmless); only the requests that fail alone
         are reported failed, and end with a 500 through the release path."""
         try:
-            return self.executor.execute_model(sched)
+            t0 = time.perf_counter()
+            out = self.executor.execute_model(sched)
+            # The forward's cost, for pacing prompt chunks beside decodes (scheduler/pacing.py).
+            dec = sum(r.num_tokens for r in sched.reqs if r.sampling is not None and r.num_tokens - r.num_draft == 1)
+            self.scheduler.policy.costs.observe(dec, sched.num_tokens - dec, time.perf_counter() - t0)
+            return out
         except TPGroupBroken:
             raise  # the ranks are out of step: the engine process ends and the front restarts it
         except Exception:

@@ -6,7 +6,9 @@ then prefill chunks of admitted requests and of newly admitted ones within ``chu
 Mixed mode puts both in one forward; unmixed, a prefill batch runs when there is prefill work that
 fits, else a decode batch. With interleaving (``--interleave-prefill-tokens``, on by default on the
 CPU), a step brings at most that many prompt tokens while requests decode, and unmixed a decode batch
-follows each such prefill batch. A progress guarantee retracts or ends requests that could never run.
+follows each such prefill batch. With pacing (``--mixed-step-ratio``, on by default on the CPU) that
+budget is what keeps the running streams' next token within R of their decode steps, by the costs
+the engine measures (``pacing.py``). A progress guarantee retracts or ends requests that could never run.
 
 The waiting queue is ordered first (``queue_order.py``). With priority scheduling, decodes run most
 important first, the victim of a retraction is the least important (then the newest), and a waiting
@@ -26,6 +28,7 @@ from ..common import FinishReason
 from ..model.linear import amx_available
 from .drafts import choose_drafts
 from .overlap import ends_pending
+from .pacing import StepCosts
 from .preemption import preempt_for
 from .queue_order import QueueOrder
 from .request import Req, ReqState
@@ -53,6 +56,10 @@ class BatchPolicy:
         # --interleave-prefill-tokens (0: prefill first), and whether the last batch was a prefill's.
         self.interleave = sched.cfg.scheduler.interleave_tokens(sched.cfg.model.device, amx_available())
         self.prefilled_last = False
+        # --mixed-step-ratio (0: off): steps while requests decode are mixed and paced by the measured
+        # step costs, which the engine reports as it times each forward (``costs.observe``).
+        self.step_ratio = sched.cfg.scheduler.step_ratio(sched.cfg.model.device) if self.interleave else 0.0
+        self.costs = StepCosts()
 
     def _live(self, r: Req) -> bool:
         """Not ending: no cause marked, and (overlap) no token in flight that surely ends it."""
@@ -235,9 +242,17 @@ class BatchPolicy:
         budget = s.cfg.scheduler.chunked_prefill_size
         if decodes and self.interleave:
             budget = min(budget, self.interleave)
+        # Pacing (--mixed-step-ratio): the prompt tokens that keep the running streams' next token
+        # within the ratio of their decode step, by the measured costs (pacing.py).
+        paced = bool(decodes and self.step_ratio)
+        forming = min(len(s.running) + len(s.waiting), s.cfg.scheduler.max_running_requests)
         if s.cfg.scheduler.enable_mixed_chunk:
             batch = self.schedule_decodes(decodes) if decodes else []
-            batch += self.schedule_prefills(max(budget - len(batch), 1), len(s.running))
+            budget = max(budget - len(batch), 1)
+            if paced:
+                rows = sum(1 + len(c.drafts) for c in batch)
+                budget = self.costs.mixed_budget(rows, forming, self.step_ratio, budget)
+            batch += self.schedule_prefills(budget, len(s.running))
             return [c for c in batch if c.req.state is not ReqState.WAITING]  # preempted meanwhile
         if decodes and self.interleave and self.prefilled_last:
             # Interleaving: the running streams advance between two prefill steps.
@@ -245,6 +260,8 @@ class BatchPolicy:
             if batch:
                 self.prefilled_last = False
                 return batch
+        if paced:
+            budget = self.costs.prefill_budget(len(decodes), forming, self.step_ratio, budget)
         batch = self.schedule_prefills(budget, len(decodes))
         batch = [c for c in batch if c.req.state is not ReqState.WAITING]  # preempted meanwhile
         self.prefilled_last = bool(batch)
