@@ -279,7 +279,7 @@ def mixed_layer_batch(page_size: int, reqs=MIXED_LAYER_REQS):
     table.apply(writes)
     sched = SchedulerOutput([ScheduledReq(str(s), s, pre, [5] * n) for s, pre, n in reqs])
     runner = ModelRunner.__new__(ModelRunner)
-    runner.page_table, runner.sparse = table, None
+    runner.page_table, runner.sparse, runner.images = table, None, None
     return runner.build(sched), nxt * page_size
 
 
