@@ -109,13 +109,16 @@ class Step(msgspec.Struct, tag="step"):
     connector_meta: ConnectorMetaFrame | None
     hisparse: SparseStep | None
     step: int
+    image_drops: list[str]  # (images are refused with TP today: compat.py; carried so the frame stays whole)
 
     @classmethod
     def of(cls, sched: SchedulerOutput) -> Step:
-        return cls(sched.reqs, sched.page_writes, wrap_meta(sched.connector_meta), sched.hisparse, sched.step)
+        meta = wrap_meta(sched.connector_meta)
+        return cls(sched.reqs, sched.page_writes, meta, sched.hisparse, sched.step, sched.image_drops)
 
     def scheduler_output(self) -> SchedulerOutput:
-        return SchedulerOutput(self.reqs, self.page_writes, unwrap_meta(self.connector_meta), self.hisparse, self.step)
+        meta = unwrap_meta(self.connector_meta)
+        return SchedulerOutput(self.reqs, self.page_writes, meta, self.hisparse, self.step, self.image_drops)
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query"):
