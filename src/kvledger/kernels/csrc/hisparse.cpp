@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <cstdlib>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -157,19 +156,7 @@ void choose(const Shape& s, const T* qr, const float* sm, int64_t layer, const i
     }
   }
   std::vector<std::pair<float, int64_t>> sc(static_cast<size_t>(hi - lo));
-  // A page's summary for this layer and head is 2 * D floats, one page's from the next a whole
-  // [layers, kv heads] block apart (tens of KiB): the hardware prefetchers do not follow that stride,
-  // so each page's summary is fetched kAhead pages before it is scored (the scoring is otherwise a
-  // DRAM miss per page).
-  static const int64_t kAhead = getenv("HS_AHEAD") ? atoi(getenv("HS_AHEAD")) : 8;  // TEMP
-  const int64_t bytes = 2 * D * static_cast<int64_t>(sizeof(float));
-  auto fetch = [&](int64_t p) {
-    const char* at = reinterpret_cast<const char*>(sm + ((pages[p] * s.layers + layer) * s.KVH + h) * 2 * D);
-    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(at + b);
-  };
-  for (int64_t p = lo; p < std::min(hi, lo + kAhead); ++p) fetch(p);
   for (int64_t p = lo; p < hi; ++p) {
-    if (p + kAhead < hi) fetch(p + kAhead);
     const float* mn = sm + ((pages[p] * s.layers + layer) * s.KVH + h) * 2 * D;
     const float* mx = mn + D;
     const float best = quest_bound(qn.data(), qp.data(), mn, mx, G, D);
