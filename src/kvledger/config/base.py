@@ -40,10 +40,12 @@ CPU_INTERLEAVE_PREFILL_TOKENS_NO_AMX = 128
 half the AMX box's): 32 streams of 128+128 tokens, vLLM's client, two runs each side by side on 2 Zen 4
 cores: TTFT p50 0.24-0.37 s and 504-506 tok/s at 128 against 0.60-0.71 s and 509-563 at 512 (256:
 0.37-0.43 s, 491-497 tok/s; bench/RESULTS.md)."""
-CPU_MIXED_STEP_RATIO = 2.5
-"""--mixed-step-ratio on the CPU when not given: while requests decode, a step with prompt tokens costs
-at most 2.5 of their decode steps (issue 54's target is ITL p99 <= 3x p50; bench/RESULTS.md, "Prefill
-paced by measured step costs")."""
+CPU_MIXED_STEP_RATIO = 0.0
+"""--mixed-step-ratio on the CPU when not given: off. Paced at 2.5 (a step with prompt tokens costing at
+most 2.5 of the running requests' decode steps), Gemma 3 270M at 8 streams lost ~30% of its throughput
+(mean 89 vs 125 tok/s, five and six runs alternating) and its TTFT p99 grew 1.6-2.6 s -> 4.1-6.4 s, for
+an ITL p99 ~25% lower (bench/RESULTS.md, "2026-12-07 20:13-20:19 UTC"); the 1.2B's runs (itl54) cut
+its p99/p50 from 8 to 2-3.3. Opt in with --mixed-step-ratio 2.5 where inter-token latency matters more."""
 
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp8": "fp8_e4m3"}
 

@@ -55,8 +55,8 @@ class SchedulerSettings:
     mixed_step_ratio: float | None = setting(None, (
         "while requests decode, prompt chunks join their decode step with as many tokens as keep the "
         "step's measured cost within this many of their decode steps (at most "
-        "--interleave-prefill-tokens); 0: off (default: "
-        f"{CPU_MIXED_STEP_RATIO} on the CPU, 0 on CUDA)"
+        "--interleave-prefill-tokens); 0: off, the default (2.5 cut ITL p99 on the CPU at a cost in "
+        "throughput and TTFT: bench/RESULTS.md)"
     ))
     """Pacing (``scheduler/pacing.py``): while requests decode and interleaving is on
     (``interleave_prefill_tokens`` > 0), a step is mixed (the decodes and a prompt chunk in one
@@ -64,7 +64,7 @@ class SchedulerSettings:
     this many decode steps of the batch being formed (running and waiting requests, up to
     ``max_running_requests``), from the step costs the engine measures; at most
     ``interleave_prefill_tokens``. Bounds the running streams' inter-token latency p99 to about this
-    many times their p50 (issue 54's target: 3). None: ``CPU_MIXED_STEP_RATIO`` on the CPU, 0 on CUDA.
+    many times their p50 (issue 54's target: 3). None: ``CPU_MIXED_STEP_RATIO`` (off) on the CPU, 0 on CUDA.
     0: the budget is ``interleave_prefill_tokens`` alone, as before. Otherwise more than 1."""
     enable_mixed_chunk: bool = setting(False, (
         "prefill chunks and decodes in one forward: first tokens sooner under bursts, running streams "
