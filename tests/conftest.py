@@ -149,3 +149,18 @@ def smollm2_hf():
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """A tiny random LLaVA (``helpers.build_tiny_llava``): its path, its processor and transformers'
+    float32 model of it (the reference of the vision tests)."""
+    import torch
+    import transformers
+
+    from tests.helpers import build_tiny_llava
+
+    path = build_tiny_llava(str(tmp_path_factory.mktemp("llava")))
+    proc = transformers.AutoProcessor.from_pretrained(path)
+    ref = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return path, proc, ref

@@ -130,11 +130,9 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def build_tiny_chat_model(
-    path: str, seed: int = 5, template: str | None = TINY_CHAT_TEMPLATE, extra_specials: tuple[str, ...] = ()
-) -> str:
-    """A tiny random Llama with a real byte-level tokenizer and a chat template (vocab 260, plus
-    ``extra_specials``); ``template=None``: a model that carries no template (``--chat-template``'s case)."""
+def byte_level_tokenizer(template: str | None, extra_specials: tuple[str, ...] = ()):
+    """A fast byte-level tokenizer (the 256 bytes, then ``<s>``, ``</s>``, ``<|user|>``, ``<|assistant|>``
+    and ``extra_specials``) with ``template``; returns it and its vocab."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -147,12 +145,16 @@ def build_tiny_chat_model(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        chat_template=template,
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=template)
+    return fast, vocab
+
+
+def build_tiny_chat_model(
+    path: str, seed: int = 5, template: str | None = TINY_CHAT_TEMPLATE, extra_specials: tuple[str, ...] = ()
+) -> str:
+    """A tiny random Llama with a real byte-level tokenizer and a chat template (vocab 260, plus
+    ``extra_specials``); ``template=None``: a model that carries no template (``--chat-template``'s case)."""
+    fast, vocab = byte_level_tokenizer(template, extra_specials)
     build_tiny_model(
         path, "llama", seed=seed, vocab_size=len(vocab), bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"]
     )
@@ -299,20 +301,8 @@ def build_tiny_llava(path: str, seed: int = 3, image_size: int = 42, patch: int 
     holding an ``<image>`` token and LLaVA's processor (CLIP's PIL image processor): an image is
     ``(image_size / patch)**2`` placeholder tokens (36 by default)."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(byte_vocab))}
-    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<image>"]
-    for s in specials:
-        vocab[s] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                   chat_template=TINY_CHAT_TEMPLATE)  # fmt: skip
+    fast, vocab = byte_level_tokenizer(TINY_CHAT_TEMPLATE, ("<image>",))
     fast.image_token = "<image>"
     text = transformers.LlamaConfig(
         **{**TINY_CONFIG, "vocab_size": len(vocab), "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"]}

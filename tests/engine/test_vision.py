@@ -12,21 +12,11 @@ import pytest
 import torch
 
 from kvledger.errors import ValidationError
-from tests.helpers import assert_idle_clean, build_tiny_llava, tiny_image
+from tests.helpers import assert_idle_clean, tiny_image
 
 G = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 ONE = "<|user|>look <image> and say</s><|assistant|>"
 TWO = "<|user|>first <image> then <image> compare</s><|assistant|>"
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    import transformers
-
-    path = build_tiny_llava(str(tmp_path_factory.mktemp("llava")))
-    proc = transformers.AutoProcessor.from_pretrained(path)
-    ref = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return path, proc, ref
 
 
 @pytest.fixture

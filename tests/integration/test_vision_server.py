@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from tests.helpers import build_tiny_llava, tiny_image
+from tests.helpers import tiny_image
 from tests.integration.conftest import started_server
 
 
@@ -21,16 +21,6 @@ def data_url(img, fmt: str = "PNG") -> str:
     buf = io.BytesIO()
     img.save(buf, format=fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    import transformers
-
-    path = build_tiny_llava(str(tmp_path_factory.mktemp("llava")))
-    proc = transformers.AutoProcessor.from_pretrained(path)
-    ref = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return path, proc, ref
 
 
 @pytest.fixture(scope="module")

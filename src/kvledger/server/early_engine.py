@@ -85,14 +85,19 @@ class EarlyEngine:
         """A start-up that ends before the client adopted the process: terminate it, remove its
         directory."""
         self.disarm()
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=3)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(timeout=3)
+        end_process(self.proc)
         with contextlib.suppress(OSError):
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def end_process(proc: BaseProcess, timeout: float = 3.0) -> None:
+    """SIGTERM ``proc`` if alive, then SIGKILL if it outlives ``timeout`` seconds; joined either way."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout=timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(timeout=timeout)
 
 
 def _interrupt(signum, frame) -> None:

@@ -17,7 +17,7 @@ import zmq
 from ..common import messages as m
 from ..config import EngineConfig
 from ..errors import ModelLoadError, ServiceUnavailable
-from .early_engine import EarlyEngine, private_ipc_dir, spawn_engine
+from .early_engine import EarlyEngine, end_process, private_ipc_dir, spawn_engine
 from .engine_channel import EngineChannel
 
 log = logging.getLogger("kvledger.server")
@@ -244,12 +244,7 @@ class EngineClient(EngineChannel):
                 with contextlib.suppress(Exception):
                     await self.push.send(m.encode(m.Shutdown()))
                 self.proc.join(timeout=3)
-            if self.proc.is_alive():
-                self.proc.terminate()
-                self.proc.join(timeout=3)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(timeout=3)
+            end_process(self.proc)
         self._close_sockets()
         self.ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
