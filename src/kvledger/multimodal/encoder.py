@@ -10,6 +10,7 @@ tensors under the names the text families take, the vision side's kept for this 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -67,7 +68,9 @@ class LlavaVision(VisionFamily):
 
     def encode(self, item: ImageItem) -> torch.Tensor:
         p = self.projector.linear_1.weight
-        pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
+        with warnings.catch_warnings():  # the message's bytes are read-only; the tower only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
         states = self.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states[self.layer]
         if self.strategy == "default":
             states = states[:, 1:]
