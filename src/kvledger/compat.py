@@ -271,9 +271,6 @@ OTHER_REFUSALS: dict[frozenset[str], Refusal] = {
         NOT_YET, "a turn's prompt begins with the KV the session holds, which is not computed again"
     ),
     frozenset({"sessions", "several_prompts"}): Refusal(NO_MEANING, "a session takes one turn at a time"),
-    frozenset({"images", "sessions"}): Refusal(
-        NOT_YET, "a session commits a turn's KV by its tokens, which do not say which image an image's tokens were"
-    ),
     frozenset({"images", "pooling"}): Refusal(NOT_YET, "embeddings and scores of images are not served"),
     frozenset({"images", "draft"}): Refusal(
         NOT_YET, "the draft model would read the image's placeholder tokens without the image's embeddings"

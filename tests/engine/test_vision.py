@@ -163,3 +163,56 @@ def test_a_text_only_model_refuses_images(make_engine):
     with pytest.raises(ValidationError, match="takes no images") as e:
         eng.generate(input_ids=[3, 4, 5], sampling_params=G, image_data=tiny_image(1))
     assert e.value.param == "image_data"
+
+
+TURN2 = "<|user|>now <image> again</s><|assistant|>"
+TURN3 = "<|user|>and so?</s><|assistant|>"
+
+
+@torch.no_grad()
+def reference_ids(llava, prompt: list[int], images: list, n: int = 8) -> list[int]:
+    """transformers' greedy continuation of an expanded prompt (ids) whose image runs are ``images``."""
+    _, proc, ref = llava
+    pixels = torch.cat([proc.image_processor(im, return_tensors="pt")["pixel_values"] for im in images])
+    x = torch.tensor([prompt])
+    out = ref.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=pixels, max_new_tokens=n,
+                       min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_images_in_a_session_across_turns_and_a_recomputed_history(llava, make_vlm, chunk):
+    """A session's turns with images equal transformers on the whole conversation; the history's images
+    are the session's, so a turn after its KV was dropped (recomputed from the tokens) encodes them
+    again and answers the same; a rewind into an image's tokens is a 400; closing gives them back."""
+    a, b = tiny_image(1), tiny_image(2, (30, 60))
+    eng = make_vlm(**({"chunked_prefill_size": chunk} if chunk else {}))
+    sid = eng.open_session()
+    p1, want1 = reference(llava, ONE, [a])
+    t1 = eng.generate(input_ids=ids(llava, ONE), sampling_params=G, image_data=a, session_params={"id": sid})
+    assert t1["output_ids"] == want1
+    p2 = llava[1](text=TURN2, images=[b], return_tensors="pt")["input_ids"][0].tolist()
+    history = p1 + want1 + p2
+    want2 = reference_ids(llava, history, [a, b])
+    t2 = eng.generate(input_ids=ids(llava, TURN2), sampling_params=G, image_data=b, session_params={"id": sid})
+    assert t2["output_ids"] == want2
+    assert t2["meta_info"]["cached_tokens"] >= len(p1)  # the first turn's KV, image included, read back
+    assert eng.memory()["session_image_bytes"] > 0
+    # The session's KV dropped (as for room): the next turn recomputes the history, both images in it.
+    assert eng.core.kv_manager.sessions.drop_all_kv() > 0
+    history += want2 + ids(llava, TURN3)
+    want3 = reference_ids(llava, history, [a, b])
+    t3 = eng.generate(input_ids=ids(llava, TURN3), sampling_params=G, session_params={"id": sid})
+    assert t3["output_ids"] == want3
+    assert t3["meta_info"]["cached_tokens"] < len(p1)  # recomputed, not read
+    # A rewind to before the second turn keeps the first image only; into an image, refused.
+    start = p1.index(llava[1].tokenizer.convert_tokens_to_ids("<image>"))
+    with pytest.raises(ValidationError, match="inside an image") as e:
+        eng.generate(input_ids=[5], sampling_params=G, session_params={"id": sid, "offset": start + 3})
+    assert e.value.param == "session_params.offset"
+    back = len(p1) + len(want1)
+    t4 = eng.generate(input_ids=ids(llava, TURN3), sampling_params=G, session_params={"id": sid, "offset": back})
+    assert t4["output_ids"] == reference_ids(llava, p1 + want1 + ids(llava, TURN3), [a])
+    assert eng.core.sessions.describe()[0]["images"] == 1
+    eng.close_session(sid)
+    assert eng.memory()["session_image_bytes"] == 0

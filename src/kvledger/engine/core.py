@@ -226,8 +226,6 @@ class EngineCore:
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:
-                if req.mm is not None:
-                    check_request(self.cfg, "images", ["sessions"])
                 if req.params.lora_path is not None:
                     check_request(self.cfg, "adapter", ["sessions"])
                 check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature
