@@ -272,9 +272,6 @@ OTHER_REFUSALS: dict[frozenset[str], Refusal] = {
     ),
     frozenset({"sessions", "several_prompts"}): Refusal(NO_MEANING, "a session takes one turn at a time"),
     frozenset({"images", "pooling"}): Refusal(NOT_YET, "embeddings and scores of images are not served"),
-    frozenset({"images", "draft"}): Refusal(
-        NOT_YET, "the draft model would read the image's placeholder tokens without the image's embeddings"
-    ),
     frozenset({"images", "pd"}): Refusal(
         NOT_YET, "the images would have to reach the prefill server with the router's request, and the KV "
         "sent is keyed by tokens alone"
