@@ -272,10 +272,6 @@ OTHER_REFUSALS: dict[frozenset[str], Refusal] = {
     ),
     frozenset({"sessions", "several_prompts"}): Refusal(NO_MEANING, "a session takes one turn at a time"),
     frozenset({"images", "pooling"}): Refusal(NOT_YET, "embeddings and scores of images are not served"),
-    frozenset({"images", "pd"}): Refusal(
-        NOT_YET, "the images would have to reach the prefill server with the router's request, and the KV "
-        "sent is keyed by tokens alone"
-    ),
     frozenset({"images", "tp"}): Refusal(
         NOT_YET, "the vision encoder runs on rank 0 and the other ranks' steps carry no image embeddings"
     ),

@@ -234,3 +234,54 @@ def test_speculative_drafts_with_images_are_token_exact(llava, make_vlm, algorit
     outs = eng.generate(input_ids=[p, p], sampling_params={**G, "max_new_tokens": 12}, image_data=[a, b])
     assert [o["output_ids"] for o in outs] == [want_a, want_b]
     assert all(o["meta_info"]["spec_verify_ct"] > 0 for o in outs)  # drafts were made and verified
+
+
+def test_images_through_pd_equal_one_engine_and_another_image_is_refused(llava, make_vlm):
+    """PD with images: both sides get the request's images (the router sends the same body to both);
+    prefill encodes them and computes the prompt's KV, decode takes it and answers as one engine does;
+    decode's own prefix cache, keyed by the image's content, shortens the second transfer of the same
+    image and not one of another. The claim's checksum covers the images' digests, so a decode request
+    whose image differs from prefill's (the same placeholder tokens) is refused, never handed the other
+    picture's KV. A session turn with images through PD is a 400. Both sides' books clean."""
+    from kvledger.common.disagg import DisaggParams
+    from tests.engine.test_disagg import drive, stats, until_idle
+    from tests.server_harness import free_port
+
+    port = free_port()
+    pre = make_vlm(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                   disaggregation_bind_host="127.0.0.1", page_size=16)  # fmt: skip
+    dec = make_vlm(disaggregation_mode="decode", disaggregation_bootstrap_port=port, page_size=4)
+    a, b = tiny_image(1), tiny_image(2)
+    p = ids(llava, ONE)
+    sp = {**G, "max_new_tokens": 6}
+    try:
+        outs = []
+        for k, img in enumerate((a, a, b)):
+            room = DisaggParams("127.0.0.1", port, 10 + k)
+            pre.add_request(p, sp, rid=f"p{k}", disagg=room, image_data=img)
+            dec.add_request(p, sp, rid=f"d{k}", disagg=room, image_data=img)
+            outs.append(drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"])
+        assert outs[0]["output_ids"] == reference(llava, ONE, [a], n=6)[1]
+        assert outs[1]["output_ids"] == outs[0]["output_ids"]
+        assert outs[2]["output_ids"] == reference(llava, ONE, [b], n=6)[1]
+        n = outs[0]["meta_info"]["prompt_tokens"]
+        assert outs[1]["meta_info"]["cached_tokens"] == (n - 1) // 4 * 4  # decode's cache: the same image
+        assert outs[2]["meta_info"]["cached_tokens"] < p.index(llava[1].tokenizer.convert_tokens_to_ids("<image>")) + 4
+        assert stats(dec)["transfers_ok"] == 3
+        # The same placeholder tokens with another picture on decode: refused as a different prompt.
+        room = DisaggParams("127.0.0.1", port, 20)
+        pre.add_request(p, sp, rid="px", disagg=room, image_data=a)
+        dec.add_request(p, sp, rid="dx", disagg=room, image_data=tiny_image(3))
+        res = drive([pre, dec], {id(pre): ["px"], id(dec): ["dx"]})
+        fr = res["dx"]["meta_info"]["finish_reason"]
+        assert fr["type"] == "abort" and "prompt differs" in fr["message"], fr
+        sid = dec.open_session()
+        with pytest.raises(ValidationError, match="not served through PD") as e:
+            dec.add_request(p, sp, disagg=DisaggParams("127.0.0.1", port, 21), image_data=a, session_params={"id": sid})
+        assert e.value.param == "session_params"
+        dec.close_session(sid)
+    finally:
+        for eng in (pre, dec):
+            eng.core.disagg_connector.timeout_s = 0.1
+            until_idle(eng)
+            eng.core.disagg_connector.close()
