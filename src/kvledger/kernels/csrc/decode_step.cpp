@@ -16,6 +16,7 @@
 
 #include "gguf_blocks.h"
 #include "kernels.h"
+#include "pool.h"
 
 namespace kvl {
 namespace {
@@ -59,14 +60,22 @@ void check_norm(const at::Tensor& w, int64_t kind, int64_t dim, const at::Tensor
               " norm: Gemma's weights (1 + w) are float32, RMS norms' of the model's dtype");
 }
 
+// Rows a chunk of the pool's work in the norms below (each row alone: the same bits on any thread).
+constexpr int64_t kNormGrain = 32;
+
 // A new [rows, dim] tensor: the norm of x's rows.
 at::Tensor norm_of(const at::Tensor& x, const at::Tensor& w, int64_t kind, double eps) {
   if (kind == kNormRms) return op_rms_norm(x, w, eps);
   auto out = at::empty_like(x);
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    norm_rows<T>(reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), reinterpret_cast<T*>(out.data_ptr()),
-                 out.stride(0), w, kind, static_cast<int>(x.size(1)), static_cast<float>(eps), x.size(0));
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    const long xs = x.stride(0), os = out.stride(0);
+    kvl::parallel_for(0, x.size(0), kNormGrain, [&](int64_t r0, int64_t r1) {
+      norm_rows<T>(xp + r0 * xs, xs, op + r0 * os, os, w, kind, static_cast<int>(x.size(1)), static_cast<float>(eps),
+                   r1 - r0);
+    });
   });
   return out;
 }
@@ -84,10 +93,12 @@ void head_norm_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const a
   by_dtype(qkv, [&](auto tag) {
     using T = decltype(tag);
     T* base = reinterpret_cast<T*>(qkv.data_ptr()) + col;
-    for (int64_t b = 0; b < qkv.size(0); ++b) {
-      T* row = base + b * qkv.stride(0);
-      norm_rows<T>(row, hd, row, hd, w, kind, static_cast<int>(hd), static_cast<float>(eps), heads);
-    }
+    kvl::parallel_for(0, qkv.size(0), kNormGrain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        T* row = base + b * qkv.stride(0);
+        norm_rows<T>(row, hd, row, hd, w, kind, static_cast<int>(hd), static_cast<float>(eps), heads);
+      }
+    });
   });
 }
 
@@ -100,6 +111,33 @@ at::Tensor gated(const at::Tensor& gu, int64_t act) {
 }
 
 }  // namespace
+
+// The step's norms and gated activation as ops of their own, for the families' eager prefill (Gemma's
+// float32 (1 + w) norms: the same functions, so a prompt's rows take the decode step's bits).
+at::Tensor kind_norm(const at::Tensor& x, const at::Tensor& w, int64_t kind, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with unit stride");
+  check_norm(w, kind, x.size(1), x, "the");
+  return norm_of(x, w, kind, eps);
+}
+
+at::Tensor add_kind_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, int64_t kind, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && delta.sizes() == h.sizes(), "h must be [rows, dim] contiguous, delta its shape");
+  check_norm(w, kind, h.size(1), h, "the");
+  return add_norm(h, delta, w, kind, eps);
+}
+
+void kind_head_norm_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const at::Tensor& w, int64_t kind,
+                     double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && col >= 0 && col + heads * hd <= qkv.size(1),
+              "qkv must be [rows, features] with unit stride, the heads inside its rows");
+  check_norm(w, kind, hd, qkv, "the head");
+  head_norm_(qkv, col, heads, hd, w, kind, eps);
+}
+
+at::Tensor gated_act(const at::Tensor& gu, int64_t act) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be [rows, 2 * dim]");
+  return gated(gu, act);
+}
 
 void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    const c10::List<std::optional<at::Tensor>>& wsum, at::IntArrayRef bits, at::IntArrayRef n,
