@@ -222,6 +222,10 @@ def _register_fakes() -> None:
     def _(qkv, col, heads, hd, w, kind, eps):
         return None
 
+    @torch.library.register_fake(lib + "store_kv_")
+    def _(k_cache, v_cache, k, v, out_loc):
+        return None
+
     @torch.library.register_fake(lib + "gated_act")
     def _(gu, act):
         return gu.new_empty(gu.shape[0], gu.shape[1] // 2)

@@ -91,6 +91,10 @@ at::Tensor add_kind_norm(at::Tensor& h, const at::Tensor& delta, const at::Tenso
 void kind_head_norm_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const at::Tensor& w, int64_t kind,
                      double eps);
 at::Tensor gated_act(const at::Tensor& gu, int64_t act);
+// kvledger_cpu::store_kv_: new tokens' K/V [tokens, kv_heads, head_dim] into the pool at out_loc (the
+// pool's dtype; a copy over the pool's threads, in place of an ATen index write).
+void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& out_loc);
 
 // kvledger_cpu::head_argmax (decode_step.cpp): a packed LM head's greedy token per row, in chunks.
 at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,

@@ -1087,6 +1087,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def("add_kind_norm(Tensor(a!) h, Tensor delta, Tensor w, int kind, float eps) -> Tensor");
   m.def("kind_head_norm_(Tensor(a!) qkv, int col, int heads, int hd, Tensor w, int kind, float eps) -> ()");
   m.def("gated_act(Tensor gu, int act) -> Tensor");
+  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor out_loc) -> ()");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);
   m.def("set_flash_amx", &kvl::set_flash_amx);
@@ -1118,6 +1119,7 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("add_kind_norm", &kvl::add_kind_norm);
   m.impl("kind_head_norm_", &kvl::kind_head_norm_);
   m.impl("gated_act", &kvl::gated_act);
+  m.impl("store_kv_", &kvl::store_kv_);
   m.impl("quantize_rows", &kvl::quantize_rows);
   m.impl("scale_rows", &kvl::scale_rows);
   m.impl("int8_linear", &kvl::int8_linear);
