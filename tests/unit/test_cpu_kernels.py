@@ -250,6 +250,76 @@ def test_extend_attention_is_causal_over_prefix_and_new_tokens(dtype, ps, heads,
     _check_causal(ops.extend_attention_, exts, dtype, ps, heads, kvh, 64, tol, seed=9, decodes=3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kvh"), [(4, 1), (9, 3)])
+def test_extend_attention_with_a_window_reads_each_querys_last_keys(dtype, heads, kvh):
+    """``window`` W: query i of an extend sees its last W keys only (a sliding layer), each row the
+    float reference's over those keys and bit for bit the decode kernel's with the same window (one
+    order of sums whichever kernel reads a row); keys before every query's window are never read
+    (their table entries point outside the pool here)."""
+    ps, d, w = 16, 64, 24
+    exts = [(0, 0, 70), (1, 40, 9), (2, 5, 3)]  # (slot row, prefix, new): cut, cut from the start, uncut
+    lens = [p + n for _, p, n in exts]
+    pages = sum(-(-n // ps) for n in lens) + 2
+    k, v = _pool(kvh, pages, ps, d, dtype, 31)
+    table = _table(lens, ps, pages, 32)
+    for row, pre, _ in exts:  # a page given back out of window: its entries unreadable
+        first = max(0, pre - w + 1)
+        table[row, :first] = 1 << 40
+    t = sum(n for _, _, n in exts)
+    q = torch.randn(t, heads, d).to(dtype)
+    out = torch.full((t, heads * d), 7.0).to(dtype)
+    starts = [0, 70, 79]
+    cols = [torch.tensor(c) for c in zip(*[(r, st, p, n) for (r, p, n), st in zip(exts, starts)])]
+    ops.extend_attention_(out, q, k, v, table, *cols, d**-0.5, w)
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    for (row, pre, n), st in zip(exts, starts):
+        rows, lens_ = torch.full((n,), row), torch.arange(pre + 1, pre + n + 1)
+        want = ref_decode(q[st : st + n], k, v, table, rows, lens_, d**-0.5, window=w)
+        close(out[st : st + n], want, dtype, rel=tol, atol=tol)
+        dec = ops.decode_attention(q[st : st + n].contiguous(), k, v, table, rows, lens_, d**-0.5, window=w)
+        assert torch.equal(out[st : st + n], dec)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_each_tokens_heads_at_its_location(dtype):
+    """``store_kv_``: the same pool as ATen's index write of [tokens, kv_heads, head_dim] rows (views
+    of a fused QKV row included); other locations untouched."""
+    kvh, d, locs = 2, 32, 50
+    kc, vc = torch.randn(kvh, locs, d).to(dtype), torch.randn(kvh, locs, d).to(dtype)
+    qkv = torch.randn(7, (4 + 2 * kvh) * d).to(dtype)
+    k, v = qkv[:, 4 * d : (4 + kvh) * d].view(7, kvh, d), qkv[:, (4 + kvh) * d :].view(7, kvh, d)
+    loc = torch.tensor([3, 49, 0, 17, 18, 30, 8])
+    wk, wv = kc.clone(), vc.clone()
+    wk[:, loc], wv[:, loc] = k.transpose(0, 1), v.transpose(0, 1)
+    ops.store_kv_(kc, vc, k, v, loc)
+    assert torch.equal(kc, wk) and torch.equal(vc, wv)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.store_kv_(kc, vc, k, v, loc + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norm_ops_equal_the_step_order(dtype):
+    """``add_kind_norm`` (Gemma's kind) is ``h += delta`` rounded to the dtype then ``kind_norm``, in
+    one pass, over enough rows to split over the pool; ``gated_act``'s GELU-tanh in row blocks equals
+    ATen's gelu times the up half; both within float32 rounding of Gemma's torch norm."""
+    from kvledger.model.layers.norm import gemma_rms_norm
+
+    rows, dim = 300, 96
+    h = torch.randn(rows, dim).to(dtype)
+    delta = torch.randn(rows, dim).to(dtype)
+    w1 = 1.0 + torch.randn(dim) * 0.1
+    want_h = h + delta
+    want = ops.kind_norm(want_h, w1, 1, 1e-6)
+    got = ops.add_kind_norm(h, delta, w1, 1, 1e-6)
+    assert torch.equal(h, want_h) and torch.equal(got, want)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    close(got, gemma_rms_norm(want_h, w1, 1e-6), dtype, rel=tol, atol=tol)
+    gu = torch.randn(rows, 2 * 4096).to(dtype)  # 4 rows a block: many blocks
+    ref = F.gelu(gu[:, :4096], approximate="tanh") * gu[:, 4096:]
+    assert torch.equal(ops.gated_act(gu, 1), ref)
+
+
 def _check_causal(op, exts, dtype, ps, heads, kvh, d, tol, seed, decodes, q_scale=1.0):
     """``op`` (extend_attention_'s contract) over ``exts`` (slot row, prefix, new tokens) after
     ``decodes`` rows it must leave alone: each extend's rows equal the float reference within tol."""

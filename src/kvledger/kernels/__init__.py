@@ -207,8 +207,28 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], dtype=torch.int64)
 
     @torch.library.register_fake(lib + "extend_attention_")
-    def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale):
+    def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale, window=0):
         return None
+
+    @torch.library.register_fake(lib + "kind_norm")
+    def _(x, w, kind, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(lib + "add_kind_norm")
+    def _(h, delta, w, kind, eps):
+        return torch.empty_like(h)
+
+    @torch.library.register_fake(lib + "kind_head_norm_")
+    def _(qkv, col, heads, hd, w, kind, eps):
+        return None
+
+    @torch.library.register_fake(lib + "store_kv_")
+    def _(k_cache, v_cache, k, v, out_loc):
+        return None
+
+    @torch.library.register_fake(lib + "gated_act")
+    def _(gu, act):
+        return gu.new_empty(gu.shape[0], gu.shape[1] // 2)
 
     @torch.library.register_fake(lib + "flash_attention_")
     def _(out, q, k_cache, v_cache, req_to_token, rows, starts, prefix, lens, scale, amx=True):

@@ -206,29 +206,62 @@ class CpuAttention(TorchAttention):
         k_cache, v_cache = kv_buffer.k[layer], kv_buffer.v[layer]
         meta: _CpuMeta = batch.attn_meta
         table = batch.req_to_token
+        window = 0
         if self.is_special(meta.special, layer):
-            # The kernels know no window, soft-capping or sinks: these layers take the reference path.
-            self.store(k_cache, v_cache, k, v, batch)
-            return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)
+            window = self._kernel_window(layer, meta)
+            if not window:
+                # The kernels know no soft-capping or sinks: these layers take the reference path.
+                self.store(k_cache, v_cache, k, v, batch)
+                return self.attend_spans(layer, q, k_cache, v_cache, meta.spans)
         if meta.only_decodes:
             return self.op(
-                q, k_cache, v_cache, table, meta.dec_rows, meta.dec_lens, self.scale, k, v, batch.out_loc
-            )
+                q, k_cache, v_cache, table, meta.dec_rows, meta.dec_lens, self.scale, k, v, batch.out_loc,
+                window=window,
+            )  # fmt: skip
         k, v = self.store(k_cache, v_cache, k, v, batch)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if meta.dec_tok is not None:
             out[meta.dec_tok] = self.op(
-                q[meta.dec_tok], k_cache, v_cache, table, meta.dec_rows, meta.dec_lens, self.scale
+                q[meta.dec_tok], k_cache, v_cache, table, meta.dec_rows, meta.dec_lens, self.scale, window=window
             )
         if meta.ext is not None:
-            self.extend_op(out, q, k_cache, v_cache, table, *meta.ext, self.scale)
+            self.extend_op(out, q, k_cache, v_cache, table, *meta.ext, self.scale, window)
         if meta.flash is not None:
-            self.flash_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale, self.flash_amx)
+            if window:  # the flash kernel knows no window: the per-token kernel, the same rows' bits
+                self.extend_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale, window)
+            else:
+                self.flash_op(out, q, k_cache, v_cache, table, *meta.flash, self.scale, self.flash_amx)
         if meta.long_ext:
             attend_extends(out.view_as(q), q, k_cache, v_cache, meta.long_ext, self.scale, k, v)
         if meta.sparse is not None:
             self.sparse_decode(layer, q, k, v, kv_buffer, batch, out, meta.sparse)
         return out
+
+    def store(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch) -> tuple:
+        """``TorchAttention.store`` as a copy over the kernels' threads where the pool holds the model's
+        dtype (an ATen index write of a 1,024-token prompt's K/V cost ~7% of Gemma 3 270M's prefill)."""
+        rows_whole = all(t.stride(-1) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+        if k_cache.dtype != k.dtype or batch.out_loc.dtype != torch.int64 or not rows_whole:
+            return super().store(k_cache, v_cache, k, v, batch)
+        torch.ops.kvledger_cpu.store_kv_(k_cache, v_cache, k, v, batch.out_loc.contiguous())
+        return k, v
+
+    def _kernel_window(self, layer: int, meta: _CpuMeta) -> int:
+        """A special layer's window where the kernels apply it (they read each query's last ``window``
+        keys: the decode, per-token extend and one-call kernels alike), else 0 (the reference path): a
+        layer special only by its window (no soft-capping, no sinks), in a forward with no SDPA extends,
+        no HiSparse rows and not row by row (deterministic inference)."""
+        window = self._window(layer)
+        if (
+            window is None
+            or self.softcap is not None
+            or self._sink(layer) is not None
+            or meta.long_ext
+            or meta.sparse is not None
+            or self.row_wise
+        ):
+            return 0
+        return int(window)
 
     def sparse_decode(self, layer: int, q, k, v, kv_buffer, batch, out: torch.Tensor, sparse: tuple) -> None:
         """HiSparse rows on the CPU: one kernel call a layer for all of them (selection and attention

@@ -11,11 +11,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "gguf_blocks.h"
 #include "kernels.h"
+#include "pool.h"
 
 namespace kvl {
 namespace {
@@ -59,23 +61,48 @@ void check_norm(const at::Tensor& w, int64_t kind, int64_t dim, const at::Tensor
               " norm: Gemma's weights (1 + w) are float32, RMS norms' of the model's dtype");
 }
 
+// Rows a chunk of the pool's work in the norms below (each row alone: the same bits on any thread).
+constexpr int64_t kNormGrain = 32;
+
 // A new [rows, dim] tensor: the norm of x's rows.
 at::Tensor norm_of(const at::Tensor& x, const at::Tensor& w, int64_t kind, double eps) {
   if (kind == kNormRms) return op_rms_norm(x, w, eps);
   auto out = at::empty_like(x);
   by_dtype(x, [&](auto tag) {
     using T = decltype(tag);
-    norm_rows<T>(reinterpret_cast<const T*>(x.data_ptr()), x.stride(0), reinterpret_cast<T*>(out.data_ptr()),
-                 out.stride(0), w, kind, static_cast<int>(x.size(1)), static_cast<float>(eps), x.size(0));
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    const long xs = x.stride(0), os = out.stride(0);
+    kvl::parallel_for(0, x.size(0), kNormGrain, [&](int64_t r0, int64_t r1) {
+      norm_rows<T>(xp + r0 * xs, xs, op + r0 * os, os, w, kind, static_cast<int>(x.size(1)), static_cast<float>(eps),
+                   r1 - r0);
+    });
   });
   return out;
 }
 
-// h += delta (rounded to the model's dtype, as the eager forward's addition), then the norm of h.
+// h += delta (rounded to the model's dtype, as the eager forward's addition), then the norm of h: one pass
+// over the pool's threads (each row's sum, rounding and norm alone: the bits of h.add_ then norm_of).
 at::Tensor add_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, int64_t kind, double eps) {
   if (kind == kNormRms) return op_add_rms_norm(h, delta, w, eps);
-  h.add_(delta);
-  return norm_of(h, w, kind, eps);
+  if (!h.is_contiguous() || !delta.is_contiguous() || delta.scalar_type() != h.scalar_type()) {
+    h.add_(delta);
+    return norm_of(h, w, kind, eps);
+  }
+  auto out = at::empty_like(h);
+  const int64_t dim = h.size(1);
+  by_dtype(h, [&](auto tag) {
+    using T = decltype(tag);
+    T* hp = reinterpret_cast<T*>(h.data_ptr());
+    const T* dp = reinterpret_cast<const T*>(delta.data_ptr());
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    kvl::parallel_for(0, h.size(0), kNormGrain, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * dim; i < r1 * dim; ++i) hp[i] = from_f<T>(to_f(hp[i]) + to_f(dp[i]));
+      norm_rows<T>(hp + r0 * dim, dim, op + r0 * dim, dim, w, kind, static_cast<int>(dim), static_cast<float>(eps),
+                   r1 - r0);
+    });
+  });
+  return out;
 }
 
 // In place on each of `heads` heads of hd values at column `col` of every row of the fused QKV rows.
@@ -84,22 +111,94 @@ void head_norm_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const a
   by_dtype(qkv, [&](auto tag) {
     using T = decltype(tag);
     T* base = reinterpret_cast<T*>(qkv.data_ptr()) + col;
-    for (int64_t b = 0; b < qkv.size(0); ++b) {
-      T* row = base + b * qkv.stride(0);
-      norm_rows<T>(row, hd, row, hd, w, kind, static_cast<int>(hd), static_cast<float>(eps), heads);
-    }
+    kvl::parallel_for(0, qkv.size(0), kNormGrain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        T* row = base + b * qkv.stride(0);
+        norm_rows<T>(row, hd, row, hd, w, kind, static_cast<int>(hd), static_cast<float>(eps), heads);
+      }
+    });
   });
 }
 
 // act(g) * u of rows [g (dim) | u (dim)]: SiLU in the kernel, GELU (tanh form) in ATen's own op, the
 // product rounded to the model's dtype as the eager forward's.
+// Blocks of rows go over the pool, each of fewer than ATen's grain (32,768 elements) so that ATen's ops
+// run inline on the pool's thread (no OpenMP region): the same elementwise bits as one call.
 at::Tensor gated(const at::Tensor& gu, int64_t act) {
   if (act == kActSilu) return op_silu_mul(gu);
   const int64_t dim = gu.size(1) / 2;
-  return at::gelu(gu.narrow(1, 0, dim), "tanh").mul_(gu.narrow(1, dim, dim)).contiguous();
+  const int64_t rows = gu.size(0), block = std::max<int64_t>(1, 16384 / std::max<int64_t>(dim, 1));
+  if (rows <= block) return at::gelu(gu.narrow(1, 0, dim), "tanh").mul_(gu.narrow(1, dim, dim)).contiguous();
+  auto out = at::empty({rows, dim}, gu.options());
+  kvl::parallel_for(0, (rows + block - 1) / block, 1, [&](int64_t b0, int64_t b1) {
+    c10::InferenceMode guard;  // the pool's threads: writes into the caller's inference tensors
+    const int64_t r0 = b0 * block, r1 = std::min(rows, b1 * block);
+    const at::Tensor g = gu.narrow(0, r0, r1 - r0);
+    at::Tensor o = out.narrow(0, r0, r1 - r0);
+    at::gelu_out(o, g.narrow(1, 0, dim), "tanh");
+    o.mul_(g.narrow(1, dim, dim));
+  });
+  return out;
 }
 
 }  // namespace
+
+// The step's norms and gated activation as ops of their own, for the families' eager prefill (Gemma's
+// float32 (1 + w) norms: the same functions, so a prompt's rows take the decode step's bits).
+at::Tensor kind_norm(const at::Tensor& x, const at::Tensor& w, int64_t kind, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, dim] with unit stride");
+  check_norm(w, kind, x.size(1), x, "the");
+  return norm_of(x, w, kind, eps);
+}
+
+at::Tensor add_kind_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, int64_t kind, double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && delta.sizes() == h.sizes(), "h must be [rows, dim] contiguous, delta its shape");
+  check_norm(w, kind, h.size(1), h, "the");
+  return add_norm(h, delta, w, kind, eps);
+}
+
+void kind_head_norm_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const at::Tensor& w, int64_t kind,
+                     double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && col >= 0 && col + heads * hd <= qkv.size(1),
+              "qkv must be [rows, features] with unit stride, the heads inside its rows");
+  check_norm(w, kind, hd, qkv, "the head");
+  head_norm_(qkv, col, heads, hd, w, kind, eps);
+}
+
+at::Tensor gated_act(const at::Tensor& gu, int64_t act) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gu must be [rows, 2 * dim]");
+  return gated(gu, act);
+}
+
+void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& out_loc) {
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.stride(2) == 1 &&
+                  k_cache.stride(1) == k_cache.size(2) && v_cache.stride(2) == 1 && v_cache.stride(1) == v_cache.size(2),
+              "k_cache/v_cache must be [kv_heads, locations, head_dim], rows contiguous");
+  const int64_t KVH = k_cache.size(0), L = k_cache.size(1), D = k_cache.size(2), T = out_loc.numel();
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == KVH && t->size(2) == D && t->stride(2) == 1 &&
+                    t->stride(1) == D && t->scalar_type() == k_cache.scalar_type() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
+                "k/v must be [tokens, kv_heads, head_dim] (heads contiguous) of the cache's dtype");
+  }
+  TORCH_CHECK(out_loc.scalar_type() == at::kLong && out_loc.is_contiguous(), "out_loc must be int64 [tokens]");
+  const int64_t* lp = out_loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(lp[t] >= 0 && lp[t] < L, "out_loc ", lp[t], " outside the pool");
+  const int64_t bytes = D * static_cast<int64_t>(k.element_size());
+  char *kc = static_cast<char*>(k_cache.data_ptr()), *vc = static_cast<char*>(v_cache.data_ptr());
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  const int64_t kcs = k_cache.stride(0) * k.element_size(), vcs = v_cache.stride(0) * k.element_size();
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * k.element_size();
+  kvl::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < KVH; ++h) {
+        std::memcpy(kc + h * kcs + lp[t] * bytes, kp + t * ks + h * bytes, bytes);
+        std::memcpy(vc + h * vcs + lp[t] * bytes, vp + t * vs + h * bytes, bytes);
+      }
+    }
+  });
+}
 
 void decode_layers(at::Tensor& h, at::TensorList w, at::TensorList scales,
                    const c10::List<std::optional<at::Tensor>>& wsum, at::IntArrayRef bits, at::IntArrayRef n,

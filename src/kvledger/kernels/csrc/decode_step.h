@@ -84,6 +84,18 @@ at::Tensor hisparse_attention(const at::Tensor& q, const at::Tensor& k_new, cons
                               const at::Tensor& host_table, const at::Tensor& lens, int64_t sink, int64_t recent,
                               int64_t top_k, double scale);
 
+// kvledger_cpu::kind_norm / add_kind_norm / kind_head_norm_ / gated_act (decode_step.cpp): the step's norms
+// of a NormKind (add_kind_norm: h += delta first, in place) and its gated activation, for eager forwards.
+at::Tensor kind_norm(const at::Tensor& x, const at::Tensor& w, int64_t kind, double eps);
+at::Tensor add_kind_norm(at::Tensor& h, const at::Tensor& delta, const at::Tensor& w, int64_t kind, double eps);
+void kind_head_norm_(at::Tensor& qkv, int64_t col, int64_t heads, int64_t hd, const at::Tensor& w, int64_t kind,
+                     double eps);
+at::Tensor gated_act(const at::Tensor& gu, int64_t act);
+// kvledger_cpu::store_kv_: new tokens' K/V [tokens, kv_heads, head_dim] into the pool at out_loc (the
+// pool's dtype; a copy over the pool's threads, in place of an ATen index write).
+void store_kv_(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+               const at::Tensor& out_loc);
+
 // kvledger_cpu::head_argmax (decode_step.cpp): a packed LM head's greedy token per row, in chunks.
 at::Tensor head_argmax(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& wsum128, int64_t bits, int64_t n, int64_t valid);

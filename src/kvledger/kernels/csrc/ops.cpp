@@ -473,7 +473,8 @@ ExtendArgs check_extend(const at::Tensor& out, const at::Tensor& q, const at::Te
 // `attend`, Kernels::attend_f8; flash_chunk widens it to bf16).
 template <typename T, typename C, typename A>
 void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at::Tensor& q, const at::Tensor& k_cache,
-                const at::Tensor& v_cache, const ExtendArgs& a, const std::vector<int64_t>& first, double scale) {
+                const at::Tensor& v_cache, const ExtendArgs& a, const std::vector<int64_t>& first, double scale,
+                int64_t window) {
   const int64_t H = a.H, D = a.D, KVH = a.KVH, E = a.E;
   const int G = static_cast<int>(a.G);
   const bool flash = flash_form(q, D);
@@ -486,11 +487,14 @@ void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at:
     for (int64_t i = i0; i < i1; ++i) {
       while (i >= first[e + 1]) ++e;
       const int64_t j = i - first[e], h = j % KVH, t = j / KVH;  // KV heads of one token adjacent
-      const int64_t row = sp[e] + t, n = pp[e] + t + 1;  // >= 1 key: the query's own
+      const int64_t row = sp[e] + t, all = pp[e] + t + 1;  // >= 1 key: the query's own
+      // A sliding window: the query sees its last `window` keys, from st, in chunks from there (as the
+      // decode kernel's window: a row's bits are the decode kernel's for that query and those keys).
+      const int64_t st = window > 0 ? std::max<int64_t>(0, all - window) : 0, n = all - st;
       const int64_t chunks = (n + kKeyChunk - 1) / kKeyChunk;
       const T* qr = qp + row * q.stride(0) + h * G * D;
       for (int64_t c = 0; c < chunks; ++c) {
-        chunk_partial(flash, attend, qr, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts, n, c,
+        chunk_partial(flash, attend, qr, kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), tp + rp[e] * ts + st, n, c,
                       G, static_cast<int>(D), static_cast<float>(scale), pm.data());
         rows_.add(pm.data(), c == 0);
       }
@@ -507,9 +511,12 @@ void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at:
 // range (flash.h's order: a row's bits equal the decode kernel's and the flash kernel's for that query
 // and those keys), so the G query heads of one KV head share every K/V read, and the K/V of one
 // request stay in cache across its query tokens.
+// window > 0: each query attends only its last `window` keys (a sliding-window layer: Gemma 2/3's local
+// layers, Mistral), so keys before a query's window are never read (their pages may be given back).
 void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& table, const at::Tensor& rows, const at::Tensor& starts,
-                      const at::Tensor& prefix, const at::Tensor& lens, double scale) {
+                      const at::Tensor& prefix, const at::Tensor& lens, double scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   const ExtendArgs a = check_extend(out, q, k_cache, v_cache, table, rows, starts, prefix, lens, true);
   const int64_t D = a.D, KVH = a.KVH, E = a.E;
   std::vector<int64_t> first(E + 1, 0);  // work items of extends before e
@@ -520,10 +527,10 @@ void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
     const auto& k = pick<T_>(static_cast<int>(D));
     if (f8cache) {
       run_extend(k.attend_f8, ptr<f8>(k_cache), ptr<f8>(v_cache), ptr<T_>(q), ptr<T_>(out), q, k_cache, v_cache, a,
-                 first, scale);
+                 first, scale, window);
     } else {
       run_extend(k.attend, ptr<T_>(k_cache), ptr<T_>(v_cache), ptr<T_>(q), ptr<T_>(out), q, k_cache, v_cache, a,
-                 first, scale);
+                 first, scale, window);
     }
   });
 }
@@ -1078,7 +1085,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");
   m.def(
       "extend_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
-      "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale) -> ()");
+      "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale, int window=0) -> ()");
   m.def(
       "flash_attention_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor req_to_token, "
       "Tensor rows, Tensor starts, Tensor prefix, Tensor lens, float scale, bool amx=True) -> ()");
@@ -1090,6 +1097,11 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor(d!)? sp_host_k=None, Tensor(e!)? sp_host_v=None, Tensor(f!)? sp_summary=None, Tensor? sp_idx=None, "
       "Tensor? sp_host_table=None, Tensor? sp_lens=None, int[] sp_params=[]) -> ()");
   m.def("head_argmax(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int valid) -> Tensor");
+  m.def("kind_norm(Tensor x, Tensor w, int kind, float eps) -> Tensor");
+  m.def("add_kind_norm(Tensor(a!) h, Tensor delta, Tensor w, int kind, float eps) -> Tensor");
+  m.def("kind_head_norm_(Tensor(a!) qkv, int col, int heads, int hd, Tensor w, int kind, float eps) -> ()");
+  m.def("gated_act(Tensor gu, int act) -> Tensor");
+  m.def("store_kv_(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor out_loc) -> ()");
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);
   m.def("set_flash_amx", &kvl::set_flash_amx);
@@ -1117,6 +1129,11 @@ TORCH_LIBRARY_IMPL(kvledger_cpu, CPU, m) {
   m.impl("flash_attention_", &kvl::flash_attention);
   m.impl("decode_layers", &kvl::decode_layers);
   m.impl("head_argmax", &kvl::head_argmax);
+  m.impl("kind_norm", &kvl::kind_norm);
+  m.impl("add_kind_norm", &kvl::add_kind_norm);
+  m.impl("kind_head_norm_", &kvl::kind_head_norm_);
+  m.impl("gated_act", &kvl::gated_act);
+  m.impl("store_kv_", &kvl::store_kv_);
   m.impl("quantize_rows", &kvl::quantize_rows);
   m.impl("scale_rows", &kvl::scale_rows);
   m.impl("int8_linear", &kvl::int8_linear);

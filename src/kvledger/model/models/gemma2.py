@@ -8,11 +8,13 @@ the pre/post norms under their own names, writes the soft-caps and the window, a
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from ..attention_context import paged_attention
 from ..config import FULL, SLIDING, ModelConfig
 from ..gguf_map import DECODER, GGUFMeta, Keys, T
 from ..layers import Attention, GatedMLP, RMSNorm
@@ -149,10 +151,59 @@ class Gemma2Net(OneCallDecode, CausalNet):
         w = [n.weight for n in norms] + [None, None]
         return desc, LayerNorms(w[0], w[2], post_attn=w[1], post_ffn=w[3], q=w[4], k=w[5])
 
+    @functools.cached_property
+    def eager_descs(self) -> list[tuple[LayerDesc, LayerNorms]] | None:
+        """Each layer's description where eager forwards run the one-call step's C++ pieces (norms in
+        place on the fused rows, the rotary kernel, the gated activation: ``kvledger_cpu.kind_norm`` and
+        its siblings), else None (the torch modules): with the kernels loaded (``fused``), every layer
+        described and the rotary over whole heads."""
+        if not self.fused or any(r.rot_dim != self.cfg.head_dim for r in self.rope_tables()):
+            return None
+        descs = [self.layer_desc(i, L) for i, L in enumerate(self.layers)]
+        return None if any(d is None for d in descs) else descs
+
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        descs = self.eager_descs
+        if descs is not None and not torch.compiler.is_compiling():
+            return self._hidden_fused(input_ids, positions, descs)
         h = self.embed(input_ids)
         cs = self.rotary.lookup(positions)
         cs_local = cs if self.local_rotary is self.rotary else self.local_rotary.lookup(positions)
         for L in self.layers:
             h = L(h, positions, cs_local if L.attn.rotary is self.local_rotary else cs, self.comm)
+        return h
+
+    def _hidden_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, descs: list) -> torch.Tensor:
+        """``hidden`` in the order of the one-call decode (csrc/decode_step.cpp), each piece one C++ call
+        on the kernels' thread pool: no float32 copies of the rows in torch between the projections (the
+        torch modules' Gemma norms cost more than the projections at 1,024 prompt tokens), and a prompt's
+        rows computed as its decodes are."""
+        kops = torch.ops.kvledger_cpu
+        eps, comm = self.cfg.rms_norm_eps, self.comm
+        h = self.embed(input_ids).contiguous()
+        rows = h.shape[0]
+        d0, n0 = descs[0]
+        x = kops.kind_norm(h, n0.pre_attn, d0.norm, eps)
+        for i, (L, (d, n)) in enumerate(zip(self.layers, descs)):
+            attn = L.attn
+            heads, kvh, hd = attn.heads, attn.kv_heads, attn.head_dim
+            qs, ks = attn.q_size, attn.kv_size
+            qkv = attn.qkv(x)
+            if n.q is not None:  # Gemma 3: each head of q, then of k, in place before the rotary
+                kops.kind_head_norm_(qkv, 0, heads, hd, n.q, d.norm, eps)
+                kops.kind_head_norm_(qkv, qs, kvh, hd, n.k, d.norm, eps)
+            rot = attn.rotary
+            kops.rope_(qkv[:, : qs + ks].view(rows, heads + kvh, hd), positions, rot.cos, rot.sin)
+            q = qkv[:, :qs].view(rows, heads, hd)
+            k = qkv[:, qs : qs + ks].view(rows, kvh, hd)
+            v = qkv[:, qs + ks :].view(rows, kvh, hd)
+            a = comm.all_reduce(attn.o(paged_attention(q, k, v, attn.layer_id, attn.handle)))
+            x = kops.add_kind_norm(h, kops.kind_norm(a, n.post_attn, d.norm, eps), n.pre_ffn, d.norm, eps)
+            dn = comm.all_reduce(L.mlp.down(kops.gated_act(L.mlp.gate_up(x), d.act)))
+            dn = kops.kind_norm(dn, n.post_ffn, d.norm, eps)
+            if i + 1 < len(descs):
+                dn_next, n_next = descs[i + 1]
+                x = kops.add_kind_norm(h, dn, n_next.pre_attn, dn_next.norm, eps)
+            else:
+                h.add_(dn)
         return h
