@@ -27,8 +27,8 @@ def _pool(dtype: torch.dtype, host_pages: int, seed: int):
     shape = (host_pages, LAYERS, KVH, PS, D)
     host_k = torch.randn(shape, generator=g).to(dtype)
     host_v = torch.randn(shape, generator=g).to(dtype)
-    kf = host_k.float()
-    summary = torch.stack([kf.amin(3), kf.amax(3)], 3).contiguous()  # [pages, layers, KVH, 2, D]
+    # [layers, pages, KVH, 2, D] in the pool's dtype (min/max of its values: exact)
+    summary = torch.stack([host_k.amin(3), host_k.amax(3)], 3).transpose(0, 1).contiguous()
     return host_k, host_v, summary
 
 
@@ -57,12 +57,12 @@ def _expected_summary(summary, k_new, table, lens, layer):
     for r, n in enumerate(lens.tolist()):
         pos = n - 1
         hp = int(table[r, pos // PS])
-        kf = k_new[r].float()
+        kf = k_new[r]
         if pos % PS == 0:
-            want[hp, layer, :, 0], want[hp, layer, :, 1] = kf, kf
+            want[layer, hp, :, 0], want[layer, hp, :, 1] = kf, kf
         else:
-            want[hp, layer, :, 0] = torch.minimum(want[hp, layer, :, 0], kf)
-            want[hp, layer, :, 1] = torch.maximum(want[hp, layer, :, 1], kf)
+            want[layer, hp, :, 0] = torch.minimum(want[layer, hp, :, 0], kf)
+            want[layer, hp, :, 1] = torch.maximum(want[layer, hp, :, 1], kf)
     return want
 
 
