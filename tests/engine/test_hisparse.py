@@ -63,22 +63,31 @@ def test_sparse_rows_read_fewer_pages_and_both_backends_agree(make_engine):
     assert w.in_place_forwards > 0 and w.misses == 0  # no copy into hot pages at all
 
 
-def test_the_books_name_host_and_hot_pages_while_decoding(make_engine):
-    eng = make_engine(**SMALL)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_books_name_host_and_hot_pages_while_decoding(make_engine, backend):
+    """The torch reference copies selected pages into ``--hisparse-hot-pages`` KV-pool pages; the cpu
+    kernel reads the host pool in place, so its requests hold one hot page (the write page) only."""
+    from kvledger import kernels
+
+    if backend == "cpu" and not kernels.load():
+        pytest.skip("the C++ kernels do not load here")
+    eng = make_engine(attention_backend=backend, **SMALL)
     eng.add_request(input_ids=prompts(1, (300,))[0], sampling_params={**SP, "max_new_tokens": 40}, rid="long")
     core = eng.core
     step_until(eng, lambda: core.scheduler.reqs.get("long") is not None and core.scheduler.reqs["long"].sparse
                is not None and core.scheduler.reqs["long"].sparse.active and core.scheduler.reqs["long"].kv_len > 310)  # fmt: skip
     m = eng.memory()
     ps = 16
-    assert m["kv_hisparse_hot"] == SMALL["hisparse_hot_pages"] * ps
+    hot_pages = SMALL["hisparse_hot_pages"] if backend == "torch" else 1
+    assert m["kv_hisparse_hot"] == hot_pages * ps and m["hisparse"]["hot_pages"] == hot_pages
     assert m["hisparse"]["host_held"] == -(-(300 + 40) // ps) * ps  # prompt + max new, reserved at admission
     assert m["kv_private"] == 0  # its dense pages went back after the first sparse step
     runs = core.view.page_map()["runs"]
     hot = [r for r in runs if r["kind"] == "hisparse_hot"]
-    assert sum(r["count"] for r in hot) == SMALL["hisparse_hot_pages"]
+    assert sum(r["count"] for r in hot) == hot_pages
     assert all(r["owner"] == "req long [hisparse hot]" for r in hot)
     assert eng.audit().ok
+    assert (core.runner.sparse.in_place_forwards > 0) == (backend == "cpu")
     # The prompt's pages went to the prefix cache: a second request on it is a cache hit.
     eng.run_until_idle()
     again = eng.generate(input_ids=prompts(1, (300,))[0], sampling_params=SP)

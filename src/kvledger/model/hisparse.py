@@ -64,7 +64,7 @@ class SparseWorker:
         self.summary = zeroed_host_tensor((num_layers, num_host_pages, kv_heads, 2, head_dim), sdtype)
         self.layers, self.kv_heads, self.head_dim, self.page_size = num_layers, kv_heads, head_dim, page_size
         self.sink, self.recent = cfg.hisparse_sink_pages, cfg.hisparse_recent_pages
-        self.top_k, self.num_hot = cfg.top_k_pages(page_size), cfg.hisparse_hot_pages
+        self.top_k = cfg.top_k_pages(page_size)
         self.dense_layers = cfg.hisparse_dense_layers  # the first layers read every page
         self.slots: dict[int, _SlotState] = {}
         self.hits = self.misses = 0  # hot-slot lookups of selected pages (not the write page)
@@ -100,8 +100,8 @@ class SparseWorker:
             torch.tensor(b.host_pages, dtype=torch.int64),
             list(b.hot_pages),
             np.full((self.layers, kvh, reserved), -1, dtype=np.int32),
-            np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int32),
-            np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int64),
+            np.full((self.layers, kvh, len(b.hot_pages)), -1, dtype=np.int32),
+            np.full((self.layers, kvh, len(b.hot_pages)), -1, dtype=np.int64),
         )
         if n:
             dense = torch.tensor(b.dense_pages[:m], dtype=torch.int64)
