@@ -135,3 +135,35 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="outside the host pool"):
         torch.ops.kvledger_cpu.hisparse_select(q, k_new, v_new, host_k, host_v, summary, LAYERS, table, lens_t,
                                                SINK, RECENT, TOP_K)  # fmt: skip
+
+
+_SCALAR_CHILD = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from kvledger import kernels
+assert kernels.load()
+from tests.unit.test_hisparse_kernel import _case
+q, k_new, v_new, host_k, host_v, summary, table, lens = _case(torch.bfloat16, [37, 9, 64, 13], seed=4)
+sel, counts = torch.ops.kvledger_cpu.hisparse_select(q, k_new, v_new, host_k, host_v, summary, 1, table, lens, 1, 2, 3)
+torch.save((sel, counts), {out!r})
+"""
+
+
+def test_the_portable_scoring_chooses_the_avx512_pages(tmp_path):
+    """``KVLEDGER_CPU_ISA=scalar`` (a CPU without AVX-512): the plain-loop scoring picks the same pages
+    as this process's kernel (AVX-512 where the CPU has it), in a child process (the ISA is read once)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = tmp_path / "scalar.pt"
+    env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
+    subprocess.run([sys.executable, "-c", _SCALAR_CHILD.format(root=root, out=str(out))], env=env, check=True,
+                   timeout=300)  # fmt: skip
+    q, k_new, v_new, host_k, host_v, summary, table, lens = _case(torch.bfloat16, [37, 9, 64, 13], seed=4)
+    sel, counts = torch.ops.kvledger_cpu.hisparse_select(q, k_new, v_new, host_k, host_v, summary, 1, table, lens,
+                                                         SINK, RECENT, TOP_K)  # fmt: skip
+    want_sel, want_counts = torch.load(out)
+    assert torch.equal(counts, want_counts) and torch.equal(sel, want_sel)
