@@ -63,22 +63,31 @@ def test_sparse_rows_read_fewer_pages_and_both_backends_agree(make_engine):
     assert w.in_place_forwards > 0 and w.misses == 0  # no copy into hot pages at all
 
 
-def test_the_books_name_host_and_hot_pages_while_decoding(make_engine):
-    eng = make_engine(**SMALL)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_the_books_name_host_and_hot_pages_while_decoding(make_engine, backend):
+    """The torch reference copies selected pages into ``--hisparse-hot-pages`` KV-pool pages; the cpu
+    kernel reads the host pool in place, so its requests hold one hot page (the write page) only."""
+    from kvledger import kernels
+
+    if backend == "cpu" and not kernels.load():
+        pytest.skip("the C++ kernels do not load here")
+    eng = make_engine(attention_backend=backend, **SMALL)
     eng.add_request(input_ids=prompts(1, (300,))[0], sampling_params={**SP, "max_new_tokens": 40}, rid="long")
     core = eng.core
     step_until(eng, lambda: core.scheduler.reqs.get("long") is not None and core.scheduler.reqs["long"].sparse
                is not None and core.scheduler.reqs["long"].sparse.active and core.scheduler.reqs["long"].kv_len > 310)  # fmt: skip
     m = eng.memory()
     ps = 16
-    assert m["kv_hisparse_hot"] == SMALL["hisparse_hot_pages"] * ps
+    hot_pages = SMALL["hisparse_hot_pages"] if backend == "torch" else 1
+    assert m["kv_hisparse_hot"] == hot_pages * ps and m["hisparse"]["hot_pages"] == hot_pages
     assert m["hisparse"]["host_held"] == -(-(300 + 40) // ps) * ps  # prompt + max new, reserved at admission
     assert m["kv_private"] == 0  # its dense pages went back after the first sparse step
     runs = core.view.page_map()["runs"]
     hot = [r for r in runs if r["kind"] == "hisparse_hot"]
-    assert sum(r["count"] for r in hot) == SMALL["hisparse_hot_pages"]
+    assert sum(r["count"] for r in hot) == hot_pages
     assert all(r["owner"] == "req long [hisparse hot]" for r in hot)
     assert eng.audit().ok
+    assert (core.runner.sparse.in_place_forwards > 0) == (backend == "cpu")
     # The prompt's pages went to the prefix cache: a second request on it is a cache hit.
     eng.run_until_idle()
     again = eng.generate(input_ids=prompts(1, (300,))[0], sampling_params=SP)
@@ -359,3 +368,49 @@ def test_dense_layers_read_every_page_on_both_backends(make_engine):
     ref = outputs(make_engine(attention_backend="torch", **cfg), ps)
     assert outputs(make_engine(attention_backend="cpu", **cfg), ps) == ref
     assert outputs(make_engine(attention_backend="cpu", **SMALL), ps) != ref
+
+
+def test_a_session_that_crosses_the_threshold_stays_dense_and_exact(make_engine):
+    """A conversation whose history crosses ``--hisparse-min-context`` across turns: its turns decode
+    densely (a turn's KV goes to its session), token-equal to the same conversation sent as full
+    prompts without a session, which do decode sparsely past the threshold (fp32, every page selected:
+    dense attention's sums); the books clean after every turn and once the session closes."""
+    from tests.helpers import assert_idle_clean
+
+    rng = random.Random(7)
+    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (60, 40, 50, 30)]
+    sp = {**SP, "max_new_tokens": 10}
+    cfg = {**ALL_PAGES, "hisparse_min_context": 120}
+    ref = make_engine(enable_prefix_cache=False, **cfg)
+    history: list[int] = []
+    want = []
+    for t in turns:
+        out = ref.generate(input_ids=history + t, sampling_params=sp)["output_ids"]
+        want.append(out)
+        history = history + t + out
+    assert ref.memory()["hisparse"]["requests_begun"] == 2  # the last two full prompts pass 120 tokens
+    eng = make_engine(**cfg)
+    sid = eng.open_session()
+    for i, (t, w) in enumerate(zip(turns, want)):
+        assert eng.generate(input_ids=t, sampling_params=sp, session_params={"id": sid})["output_ids"] == w, i
+        assert_idle_clean(eng)
+    assert eng.memory()["hisparse"]["requests_begun"] == 0  # session turns never went sparse
+    eng.close_session(sid)
+    assert_idle_clean(eng)
+    assert eng.memory()["kv_session"] == 0
+
+
+def test_overlap_requested_with_hisparse_runs_synchronous_steps(make_engine):
+    """``--enable-overlap-schedule`` with HiSparse: every step is synchronous (a request's first sparse
+    step gives its dense pages back after that step's result), the output stays dense attention's
+    (fp32, every page selected) and the books are clean."""
+    from tests.helpers import assert_idle_clean
+
+    ps = prompts(3)
+    dense = outputs(make_engine(disable_overlap_schedule=False), ps)
+    eng = make_engine(disable_overlap_schedule=False, **ALL_PAGES)
+    assert not eng.core.overlap
+    assert outputs(eng, ps) == dense
+    assert eng.memory()["hisparse"]["requests_begun"] == 3
+    assert eng.core.overlap_stats["overlapped"] == 0
+    assert_idle_clean(eng)

@@ -27,8 +27,8 @@ def _pool(dtype: torch.dtype, host_pages: int, seed: int):
     shape = (host_pages, LAYERS, KVH, PS, D)
     host_k = torch.randn(shape, generator=g).to(dtype)
     host_v = torch.randn(shape, generator=g).to(dtype)
-    kf = host_k.float()
-    summary = torch.stack([kf.amin(3), kf.amax(3)], 3).contiguous()  # [pages, layers, KVH, 2, D]
+    # [layers, pages, KVH, 2, D] in the pool's dtype (min/max of its values: exact)
+    summary = torch.stack([host_k.amin(3), host_k.amax(3)], 3).transpose(0, 1).contiguous()
     return host_k, host_v, summary
 
 
@@ -57,12 +57,12 @@ def _expected_summary(summary, k_new, table, lens, layer):
     for r, n in enumerate(lens.tolist()):
         pos = n - 1
         hp = int(table[r, pos // PS])
-        kf = k_new[r].float()
+        kf = k_new[r]
         if pos % PS == 0:
-            want[hp, layer, :, 0], want[hp, layer, :, 1] = kf, kf
+            want[layer, hp, :, 0], want[layer, hp, :, 1] = kf, kf
         else:
-            want[hp, layer, :, 0] = torch.minimum(want[hp, layer, :, 0], kf)
-            want[hp, layer, :, 1] = torch.maximum(want[hp, layer, :, 1], kf)
+            want[layer, hp, :, 0] = torch.minimum(want[layer, hp, :, 0], kf)
+            want[layer, hp, :, 1] = torch.maximum(want[layer, hp, :, 1], kf)
     return want
 
 
@@ -135,3 +135,35 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="outside the host pool"):
         torch.ops.kvledger_cpu.hisparse_select(q, k_new, v_new, host_k, host_v, summary, LAYERS, table, lens_t,
                                                SINK, RECENT, TOP_K)  # fmt: skip
+
+
+_SCALAR_CHILD = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from kvledger import kernels
+assert kernels.load()
+from tests.unit.test_hisparse_kernel import _case
+q, k_new, v_new, host_k, host_v, summary, table, lens = _case(torch.bfloat16, [37, 9, 64, 13], seed=4)
+sel, counts = torch.ops.kvledger_cpu.hisparse_select(q, k_new, v_new, host_k, host_v, summary, 1, table, lens, 1, 2, 3)
+torch.save((sel, counts), {out!r})
+"""
+
+
+def test_the_portable_scoring_chooses_the_avx512_pages(tmp_path):
+    """``KVLEDGER_CPU_ISA=scalar`` (a CPU without AVX-512): the plain-loop scoring picks the same pages
+    as this process's kernel (AVX-512 where the CPU has it), in a child process (the ISA is read once)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    out = tmp_path / "scalar.pt"
+    env = {**os.environ, "KVLEDGER_CPU_ISA": "scalar"}
+    subprocess.run([sys.executable, "-c", _SCALAR_CHILD.format(root=root, out=str(out))], env=env, check=True,
+                   timeout=300)  # fmt: skip
+    q, k_new, v_new, host_k, host_v, summary, table, lens = _case(torch.bfloat16, [37, 9, 64, 13], seed=4)
+    sel, counts = torch.ops.kvledger_cpu.hisparse_select(q, k_new, v_new, host_k, host_v, summary, 1, table, lens,
+                                                         SINK, RECENT, TOP_K)  # fmt: skip
+    want_sel, want_counts = torch.load(out)
+    assert torch.equal(counts, want_counts) and torch.equal(sel, want_sel)

@@ -167,6 +167,9 @@ def _build(
     tiers, hicache, tier_books = tiers_of(cfg, connector, loaded.path, lc, kv_buffer, plan.num_pages, device, opened)
     connector = connector if hicache is None else hicache
     num_host, sparse = hisparse_of(cfg, device, model, mc, plan.num_pages, dtype)
+    # KV-pool pages a sparse request holds: --hisparse-hot-pages where selected pages are copied into hot
+    # pages (the torch reference, a device); one (the write page) where the kernel reads the host in place.
+    hot = 0 if sparse is None else (1 if model.attn.hisparse_in_place(sparse) else cfg.hisparse.hisparse_hot_pages)
     # ``scheduler`` is built below: the ledger's owner walk and PD's abort call it once requests run.
     kv_manager = KVManager(
         num_pages=plan.num_pages,
@@ -178,7 +181,7 @@ def _build(
         tiers=tiers,
         window=release_window(mc.layer_windows()),  # every layer windowed: pages leave as requests run
         tier_books=tier_books,
-        sparse=None if sparse is None else (lambda km: SparseKV(km, cfg.hisparse, num_host, context)),
+        sparse=None if sparse is None else (lambda km: SparseKV(km, cfg.hisparse, num_host, context, hot)),
     )
     if cfg.kernels.enable_torch_compile:
         model.enable_compile()  # (before the graphs' capture: it may replace the embedding's table)

@@ -8,7 +8,9 @@ Who owns what, per sparse request (``SparseHold``)::
                                             decoded token is backed up too: SGLang's overflow bug)
     hot pages    ``req X [hisparse hot]``   KV-pool pages: ``hot[0]`` takes the page being written,
                                             ``hot[1:]`` hold the pages attention selected (per layer
-                                            and KV head; the worker's LRU maps say which)
+                                            and KV head; the worker's LRU maps say which). Where the
+                                            kernel reads the host pool in place (the CPU backend) only
+                                            ``hot[0]`` is held: ``hot_pages`` is 1 there
     dense pages  (as any request's)         the prompt's KV until the first decode step has copied it
                                             to the host pages (``begin``); then cached or freed
 
@@ -81,9 +83,12 @@ class HostPagePool(IdPool):
 class SparseKV:
     """Admission's reservation, the first sparse step, and the release of a sparse request's pages."""
 
-    def __init__(self, kv_manager, cfg, num_host_pages: int, context_length: int):
+    def __init__(self, kv_manager, cfg, num_host_pages: int, context_length: int, hot_pages: int | None = None):
         self.kvm = kv_manager
         self.cfg = cfg  # HiSparseSettings
+        # KV-pool pages each sparse request holds (None: --hisparse-hot-pages; 1 where attention reads the
+        # host pool in place and never uses hot[1:])
+        self.hot_pages = cfg.hisparse_hot_pages if hot_pages is None else hot_pages
         self.page_size = kv_manager.page_size
         self.context_length = context_length
         self.host = HostPagePool(num_host_pages)
@@ -130,7 +135,7 @@ class SparseKV:
         host = self.host.alloc_many(self.host_pages_needed(req), f"req {rid} [hisparse host]")
         if host is None:
             return False
-        hot = self.kvm._alloc_pages(self.cfg.hisparse_hot_pages, f"req {rid} [hisparse hot]")
+        hot = self.kvm._alloc_pages(self.hot_pages, f"req {rid} [hisparse hot]")
         if hot is None:
             self.host.free_many(host, f"req {rid}")
             return False
@@ -274,6 +279,6 @@ class SparseBooks:
             "requests_begun": self.sparse.total_begun,
             "requests_landed_in_host": self.sparse.total_landed,
             "top_k_pages": cfg.hisparse_top_k_pages,
-            "hot_pages": cfg.hisparse_hot_pages,
+            "hot_pages": self.sparse.hot_pages,
             "min_context": cfg.hisparse_min_context,
         }

@@ -167,6 +167,11 @@ class TorchAttention:
             decode_group(meta, batch, sp)
         batch.attn_meta = meta
 
+    def hisparse_in_place(self, worker) -> bool:
+        """Whether HiSparse rows read the host pool in place (no hot-page copies): not here, the torch
+        reference copies selected pages into ``hot[1:]``."""
+        return False
+
     def sparse_decode(self, layer: int, q, k, v, kv_buffer, batch, out: torch.Tensor, sparse: tuple) -> None:
         """HiSparse rows (their new K/V already stored): the worker chooses and fills their pages, then
         attention reads those pages only; into ``out``'s rows (any shape with those rows first)."""

@@ -263,6 +263,11 @@ class CpuAttention(TorchAttention):
             return 0
         return int(window)
 
+    def hisparse_in_place(self, worker) -> bool:
+        """The kernel reads the host pool in place wherever the pool is of the model's dtype (``prepare``
+        makes the same choice for every forward): only ``hot[0]``, the write page, is ever used."""
+        return worker.in_place_ok(self.dtype)
+
     def sparse_decode(self, layer: int, q, k, v, kv_buffer, batch, out: torch.Tensor, sparse: tuple) -> None:
         """HiSparse rows on the CPU: one kernel call a layer for all of them (selection and attention
         over the host pages in place: ``SparseWorker.attend_in_place``); the torch reference where the

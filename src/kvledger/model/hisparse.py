@@ -56,11 +56,15 @@ class SparseWorker:
         self.host_k = zeroed_host_tensor(shape, dtype)
         self.host_v = zeroed_host_tensor(shape, dtype)
         # Each host page's key summary per layer and KV head (element-wise min, max: Quest), kept with the
-        # pool rather than the slot, so one kernel call reads every row's through its host page ids.
-        self.summary = zeroed_host_tensor((num_host_pages, num_layers, kv_heads, 2, head_dim), torch.float32)
+        # pool rather than the slot, so one kernel call reads every row's through its host page ids. Layer
+        # first, so that a layer's summaries of a row's pages lie together (the kernel streams them once a
+        # layer), and in the pool's dtype where that holds every key exactly (the min and max of bfloat16
+        # keys are bfloat16 values: half float32's bytes, nothing lost); float32 for other dtypes.
+        sdtype = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+        self.summary = zeroed_host_tensor((num_layers, num_host_pages, kv_heads, 2, head_dim), sdtype)
         self.layers, self.kv_heads, self.head_dim, self.page_size = num_layers, kv_heads, head_dim, page_size
         self.sink, self.recent = cfg.hisparse_sink_pages, cfg.hisparse_recent_pages
-        self.top_k, self.num_hot = cfg.top_k_pages(page_size), cfg.hisparse_hot_pages
+        self.top_k = cfg.top_k_pages(page_size)
         self.dense_layers = cfg.hisparse_dense_layers  # the first layers read every page
         self.slots: dict[int, _SlotState] = {}
         self.hits = self.misses = 0  # hot-slot lookups of selected pages (not the write page)
@@ -96,8 +100,8 @@ class SparseWorker:
             torch.tensor(b.host_pages, dtype=torch.int64),
             list(b.hot_pages),
             np.full((self.layers, kvh, reserved), -1, dtype=np.int32),
-            np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int32),
-            np.full((self.layers, kvh, self.num_hot), -1, dtype=np.int64),
+            np.full((self.layers, kvh, len(b.hot_pages)), -1, dtype=np.int32),
+            np.full((self.layers, kvh, len(b.hot_pages)), -1, dtype=np.int64),
         )
         if n:
             dense = torch.tensor(b.dense_pages[:m], dtype=torch.int64)
@@ -113,7 +117,7 @@ class SparseWorker:
                 lo, hi = kf.amin(2), kf.amax(2)  # [KVH, n, D]
                 last = kf[:, n - 1, :valid]
                 lo[:, n - 1], hi[:, n - 1] = last.amin(1), last.amax(1)
-                self.summary[host, layer] = torch.stack([lo, hi], 2).transpose(0, 1)  # [n, KVH, 2, D]
+                self.summary[layer, host] = torch.stack([lo, hi], 2).transpose(0, 1).to(self.summary.dtype)
             if valid < ps:
                 w = st.hot[0] * ps
                 last_host = int(st.host[n - 1])
@@ -143,8 +147,8 @@ class SparseWorker:
             hp = int(st.host[cur])
             self.host_k[hp, layer, :, off] = k_new[r]
             self.host_v[hp, layer, :, off] = v_new[r]
-            kf = k_new[r].float()
-            s = self.summary[hp, layer]  # [KVH, 2, D]
+            kf = self.host_k[hp, layer, :, off].to(self.summary.dtype)  # the key as stored (exact)
+            s = self.summary[layer, hp]  # [KVH, 2, D]
             if off == 0:
                 s[:, 0], s[:, 1] = kf, kf
             else:
@@ -298,7 +302,7 @@ def quest_pages(summary: torch.Tensor, host: torch.Tensor, layer: int, q: torch.
     """The torch reference of the page choice (csrc/hisparse.cpp's, which tests compare with it): per KV
     head the pages before the current one to read, ascending: the ``sink`` first, the ``top_k`` middle
     pages by Quest's bound, the ``recent - 1`` before the current one. ``summary``: the pool's
-    ``[host pages, layers, KVH, 2, D]``; ``host``: the row's host page of each sequence page; ``q``:
+    ``[layers, host pages, KVH, 2, D]``; ``host``: the row's host page of each sequence page; ``q``:
     ``[KVH, group, D]``. A sequence of no more than sink + recent + top_k pages reads every one."""
     kvh = q.shape[0]
     if n_pages <= sink + recent + top_k:
@@ -309,7 +313,7 @@ def quest_pages(summary: torch.Tensor, host: torch.Tensor, layer: int, q: torch.
     # read: a sum would let the others' indifference drown it).
     qq = torch.cat([qf.clamp(max=0), qf.clamp(min=0)], -1).transpose(1, 2)  # [KVH, 2D, group]
     lo, hi = sink, n_pages - recent
-    summ = summary[host[lo:hi], layer].transpose(0, 1).reshape(kvh, hi - lo, -1)  # [KVH, mid, 2D]
+    summ = summary[layer, host[lo:hi]].float().transpose(0, 1).reshape(kvh, hi - lo, -1)  # [KVH, mid, 2D]
     scores = torch.bmm(summ, qq).amax(-1)  # [KVH, mid]
     top = scores.topk(top_k, dim=-1).indices.numpy() + lo
     top.sort(axis=1)
