@@ -76,7 +76,11 @@ def knobs(draft_model: str) -> dict[str, dict]:
 
 # Images (issue 52) run on the tiny LLaVA, one row per start-up feature the table allows beside them
 # (``image_rows``); these serve another model or its own adapters, so they have no image row.
-IMAGE_ROWS_WITHOUT = {"sliding_window": "a windowed variant of the text model", "lora": "the chat model's adapters"}
+IMAGE_ROWS_WITHOUT = {
+    "sliding_window": "a windowed variant of the text model",
+    "lora": "the chat model's adapters",
+    "pd": "a prefill and a decode engine (tests/engine/test_vision.py runs images through PD)",
+}
 
 
 def image_rows() -> list[Row]:

@@ -163,13 +163,13 @@ def llava_loaded(llava):
 
 @pytest.fixture(scope="module")
 def image_reference(llava, llava_loaded):
-    """The plain fp32 engine's greedy answers, by job (prompt ids and images' digests)."""
+    """The plain fp32 engine's greedy answers, by job (prompt ids and images' pixels)."""
     eng = Engine(loaded_model=llava_loaded, model=llava[0], dtype="float32", page_size=16, max_total_tokens=4096,
                  enable_prefix_cache=False, encoder_cache_bytes=0, strict_memory=True)  # fmt: skip
     cache: dict = {}
 
     def answer(ids: list[int], images: list) -> list[int]:
-        key = (tuple(ids), tuple(id(im) for im in images))
+        key = (tuple(ids), tuple((im.size, im.tobytes()) for im in images))  # by content (ids get reused)
         if key not in cache:
             cache[key] = eng.generate(input_ids=ids, sampling_params=IMAGE_G, image_data=images or None)["output_ids"]
         return cache[key]

@@ -10,6 +10,7 @@ tensors under the names the text families take, the vision side's kept for this 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -82,7 +83,9 @@ class LlavaVision(VisionFamily):
     def encode_batch(self, items: list[ImageItem]) -> list[torch.Tensor]:
         """Same-size images through the tower and projector in one call, each its rows back."""
         p = self.projector.linear_1.weight
-        pixels = torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(p.device, p.dtype)
+        with warnings.catch_warnings():  # the message's bytes are read-only; the tower only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            pixels = torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(p.device, p.dtype)
         states = self.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states[self.layer]
         if self.strategy == "default":
             states = states[:, 1:]

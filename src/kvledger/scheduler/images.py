@@ -21,6 +21,11 @@ help). An entry is put when a chunk first sends the image to the runner (``Image
 ``store``), evicted least recently used past the byte budget — never an entry a feed of the same
 step reads — and its eviction is a drop like a request's (``image_drops``). It is not a request's
 holding: an aborted request leaves its image in the cache as any other, within the budget.
+
+A streaming session keeps the images of its history (their pixels, not their embeddings: the KV
+holds what they made) so that a turn that recomputes the history encodes them again; they are the
+session's, committed with the turn that sent them and gone with the session (``Session.images``,
+reported here as ``session_image_bytes``).
 """
 
 from __future__ import annotations
@@ -110,7 +115,8 @@ class EncoderCacheBooks:
 class ImageBooks:
     """Which image embeddings the runner holds, by key, with their owner and size in tokens."""
 
-    def __init__(self, cache: EncoderCacheBooks | None = None) -> None:
+    def __init__(self, sessions=None, cache: EncoderCacheBooks | None = None) -> None:
+        self.sessions = sessions  # memory.SessionKV: the sessions' images are in the figures and audit
         self.held: dict[str, tuple[str, int]] = {}  # key -> (owner rid, tokens)
         self._drops: list[str] = []
         self.used = False  # a request with images was ever fed (the figure shows from then on)
@@ -163,6 +169,9 @@ class ImageBooks:
         for key, (rid, _) in self.held.items():
             if f"req {rid}" not in live:
                 report.problems.append(f"image embeds {key}: owner req {rid} holds no memory (not live)")
+        for s in self.sessions.by_id.values() if self.sessions is not None else ():
+            if s.images and s.images[-1].end > len(s.tokens):
+                report.problems.append(f"{s.owner}: an image's tokens end past its {len(s.tokens)} tokens")
         if self.cache is not None:
             self.cache.audit(report)
 
@@ -171,16 +180,22 @@ class ImageBooks:
         if self.cache is not None:
             self.cache.clear(self._drops)
 
+    def figures(self) -> dict[str, int]:
+        """The ledger's image figures: embeddings held between chunks (tokens), sessions' images
+        (bytes), the encoder cache's bytes."""
+        out = {"image_embed_tokens": self.held_tokens}
+        if self.sessions is not None:
+            out["session_image_bytes"] = self.sessions.image_bytes()
+        if self.cache is not None:
+            out.update(self.cache.figures())
+        return out
+
     def take_drops(self) -> list[str]:
         """The keys the runner drops before the step just built runs (its feeds read none of them)."""
         if self.cache is not None:
             self.cache.end_step()
         drops, self._drops = self._drops, []
         return drops
-
-    def figures(self) -> dict[str, int]:
-        """The ``memory`` figures: tokens held for requests between chunks, the encoder cache's bytes."""
-        return {"image_embed_tokens": self.held_tokens, **(self.cache.figures() if self.cache is not None else {})}
 
     @property
     def held_tokens(self) -> int:

@@ -88,7 +88,9 @@ class Scheduler:
         self._outputs: list[RequestOutput] = []
         # Components with per-request state register here; ``_finish`` calls each on every ending.
         # Image embeddings the runner holds between a request's chunks, and its encoder cache.
-        self.images = ImageBooks(EncoderCacheBooks(cfg.cache.encoder_cache_bytes, image_bytes_per_token))
+        self.images = ImageBooks(
+            kv_manager.sessions, EncoderCacheBooks(cfg.cache.encoder_cache_bytes, image_bytes_per_token)
+        )
         kv_manager.ledger.images = self.images  # (audited with the pages: every holder a live request)
         self.release_hooks: list[ReleaseHook] = [self.connector.request_finished, drop_grammar, self.images.release]
         self.last_stats = StepStats()
