@@ -74,6 +74,28 @@ def knobs(draft_model: str) -> dict[str, dict]:
     }
 
 
+# Images (issue 52) run on the tiny LLaVA, one row per start-up feature the table allows beside them
+# (``image_rows``); these serve another model or its own adapters, so they have no image row.
+IMAGE_ROWS_WITHOUT = {
+    "sliding_window": "a windowed variant of the text model",
+    "lora": "the chat model's adapters",
+    "pd": "a prefill and a decode engine (tests/engine/test_vision.py runs images through PD)",
+}
+
+
+def image_rows() -> list[Row]:
+    """The plain row and each runnable start-up feature (with what it requires) that the table
+    allows with ``images``: a pair lifted from ``compat.REFUSED`` gets its row here at once."""
+    rows = [frozenset()]
+    for f in runnable_here():
+        if f in IMAGE_ROWS_WITHOUT or compat.BY_NAME[f].request_level:
+            continue
+        row = frozenset(_closure({f}))
+        if compatible(row | {"images"}):
+            rows.append(row)
+    return rows
+
+
 def cuda_here() -> bool:
     return torch.cuda.is_available()
 

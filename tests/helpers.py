@@ -296,22 +296,26 @@ def load_bench_script(name: str) -> ModuleType:
     return mod
 
 
-def build_tiny_llava(path: str, seed: int = 3, image_size: int = 42, patch: int = 7) -> str:
+def build_tiny_llava(
+    path: str, seed: int = 3, image_size: int = 42, patch: int = 7, text: dict | None = None, vision: dict | None = None
+) -> str:
     """A tiny random LLaVA (CLIP vision tower, projector, Llama decoder) with a byte-level tokenizer
     holding an ``<image>`` token and LLaVA's processor (CLIP's PIL image processor): an image is
-    ``(image_size / patch)**2`` placeholder tokens (36 by default)."""
+    ``(image_size / patch)**2`` placeholder tokens (36 by default). ``text`` / ``vision``: config
+    fields over the tiny ones (bench/vision.py's bigger model)."""
     import transformers
 
     fast, vocab = byte_level_tokenizer(TINY_CHAT_TEMPLATE, ("<image>",))
     fast.image_token = "<image>"
-    text = transformers.LlamaConfig(
-        **{**TINY_CONFIG, "vocab_size": len(vocab), "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"]}
-    )
-    vision = transformers.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=image_size, patch_size=patch, projection_dim=32,
-    )  # fmt: skip
-    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_id=vocab["<image>"])
+    text_cfg = transformers.LlamaConfig(**{
+        **TINY_CONFIG, "vocab_size": len(vocab), "bos_token_id": vocab["<s>"], "eos_token_id": vocab["</s>"],
+        **(text or {}),
+    })  # fmt: skip
+    vision_cfg = transformers.CLIPVisionConfig(**{
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "image_size": image_size, "patch_size": patch, "projection_dim": 32, **(vision or {}),
+    })  # fmt: skip
+    cfg = transformers.LlavaConfig(vision_config=vision_cfg, text_config=text_cfg, image_token_id=vocab["<image>"])
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(cfg).float().eval()
     with torch.no_grad():

@@ -125,7 +125,9 @@ FEATURES: tuple[Feature, ...] = (
             request_level=True, fuzzed=False),
     Feature("several_prompts", "several prompts in one request", "a list of prompts", "session_params",
             lambda c, d: False, request_level=True, fuzzed=False),
-    # A request with images (a vision-language model: multimodal/).
+    # A request with images (a vision-language model: multimodal/). Not in the chat model's covering
+    # array (fuzzed False: another model); the combination fuzz runs it beside every start-up feature
+    # this table allows with it, on the tiny LLaVA (tests/combos.py image_rows).
     Feature("images", "image inputs", "image_url / input_image parts, image_data", "image_data",
             lambda c, d: False, request_level=True, fuzzed=False),
     Feature("weight_update", "weight updates", "/update_weights_from_disk", "",

@@ -79,7 +79,7 @@ def test_two_images_token_exact_and_batched_beside_text(llava, make_vlm):
         input_ids=[ids(llava, TWO), text, ids(llava, ONE)], sampling_params=G, image_data=[[a, b], None, b]
     )
     assert [o["output_ids"] for o in outs] == [want_two, want_text, want_one]
-    assert eng.core.runner.images.encoded == 3
+    assert eng.core.runner.images.encoded == 2  # b once: the encoder cache (or the step's batch) has it
 
 
 def test_same_image_reuses_its_kv_and_another_image_never_does(llava, make_vlm):

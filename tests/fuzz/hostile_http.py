@@ -54,6 +54,7 @@ class Outcome:
     status: int | None  # None: the server closed the connection without an answer
     seconds: float
     ok_2xx: bool = False  # the attack may have sent a valid request by chance
+    wrong: str | None = None  # what an attack with an exact expectation found instead (image parts)
 
 
 Attack = Callable[[Target], Outcome]
@@ -258,8 +259,93 @@ def own_things(t: Target) -> None:
         t.owned["responses"].append(r.json()["id"])
 
 
+# -- bad image parts (a vision-language server: issue 52) ----------------------------------------------
+IMAGE_KINDS = ("corrupt", "truncated", "bomb", "bad_base64", "remote_off", "too_many", "unsupported", "junk_url")
+
+
+def _png(img) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def bad_image_url(kind: str, rng: random.Random) -> str | object:
+    """One bad image of ``kind`` as an image part's URL (``too_many`` is a good one sent once too often)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from tests.helpers import tiny_image
+
+    good = _png(tiny_image(rng.randint(0, 10**6)))
+    b64 = lambda b: "data:image/png;base64," + base64.b64encode(b).decode()  # noqa: E731
+    if kind == "corrupt":
+        return b64(b"\x89PNG\r\n\x1a\n" + rng.randbytes(rng.randint(0, 2000)))
+    if kind == "truncated":
+        return b64(good[: rng.randint(8, len(good) - 20)])
+    if kind == "bomb":
+        buf = io.BytesIO()
+        Image.new("1", (rng.choice([6000, 20000]), 6000)).save(buf, format="PNG")
+        return b64(buf.getvalue())
+    if kind == "bad_base64":
+        return "data:image/png;base64," + rng.choice(["!!!", "a", "=" * 7, "AAAA" * 3 + "$", "\u00e9" * 10])
+    if kind == "remote_off":
+        return rng.choice(["https://example.com/cat.png", "http://127.0.0.1:9/x.png", "http://169.254.169.254/latest",
+                           "http://[::1]/a.png", "ftp://example.com/a.png", "gopher://x"])  # fmt: skip
+    if kind == "unsupported":
+        buf = io.BytesIO()
+        tiny_image(1).save(buf, format=rng.choice(["TIFF", "ICO", "PPM"]))
+        return b64(buf.getvalue())
+    if kind == "junk_url":
+        return rng.choice(["", "data:", "data:image/png,notbase64", "x" * 5000, 7, None, {"u": 1}, [b64(good)]])
+    return b64(good)
+
+
+def image_attacks(rng: random.Random, count: int, max_images: int) -> Iterator[tuple[str, Attack]]:
+    """``count`` seeded bad image parts, every kind in turn, each on a random API (chat ``image_url``,
+    ``/generate`` ``image_data``, Responses ``input_image``): each must be a 400 naming the part."""
+    for i in range(count):
+        kind = IMAGE_KINDS[i % len(IMAGE_KINDS)]
+        api = rng.choice(["chat", "generate", "responses"])
+        good = bad_image_url("good", rng)
+        if kind == "too_many":
+            urls, bad_at = [good] * (max_images + 1), max_images
+        else:
+            urls = [good] * rng.randint(0, max_images - 1)
+            bad_at = len(urls)
+            urls.append(bad_image_url(kind, rng))
+        yield f"image_{kind}", lambda t, a=api, u=urls, k=bad_at: _image_request(t, a, u, k)
+
+
+def _image_request(t: Target, api: str, urls: list, bad_at: int) -> Outcome:
+    if api == "chat":
+        parts = [{"type": "text", "text": "look"}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        body = {"model": "default", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+        path, want = "/v1/chat/completions", f"messages[0].content[{bad_at + 1}]"
+    elif api == "generate":
+        text = "<|user|>" + "<image>" * len(urls) + "</s><|assistant|>"
+        body = {"text": text, "image_data": urls, "sampling_params": {"max_new_tokens": 2}}
+        path, want = "/generate", f"image_data[{bad_at}]"
+    else:
+        parts = [{"type": "input_text", "text": "look"}] + [{"type": "input_image", "image_url": u} for u in urls]
+        body = {"model": "default", "input": [{"role": "user", "content": parts}], "max_output_tokens": 2}
+        path, want = "/v1/responses", f"input.0.content.{bad_at + 1}"
+    t0 = time.monotonic()
+    r = httpx.post(t.url + path, json=body, headers=t.headers(), timeout=BOUND_S * 2)
+    out = Outcome(r.status_code, time.monotonic() - t0)
+    param = r.json().get("error", {}).get("param") if r.status_code == 400 else None
+    if r.status_code != 400 or param != want:
+        out.wrong = f"{api}: {r.status_code} naming {param!r}, not a 400 naming {want} ({r.text[:160]})"
+    return out
+
+
 def judge(kind: str, out: Outcome, t: Target) -> str | None:
     """What is wrong with an attack's outcome, or None."""
+    if out.wrong is not None:
+        return f"{kind}: {out.wrong}"
     limit = BOUND_S + (t.body_timeout_s if kind == "stalled_body" else 0)
     if out.seconds > limit:
         return f"{kind}: answered after {out.seconds:.1f} s (bound {limit:.0f} s)"

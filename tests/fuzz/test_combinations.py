@@ -11,6 +11,10 @@ strings, embeddings and label scores, retraction under a small pool) with strict
 points and after, and, in fp32, every deterministic output equal to the plain engine's. PD rows run a
 prefill and a decode engine; TP rows start worker processes (gone after).
 
+Images (issue 52) run on the tiny LLaVA, one row per start-up feature the table allows beside them
+(``combos.image_rows``, read from the table, so a lifted refusal gets its row): image requests with
+repeats, aborts and a small pool, strict books, fp32 rows token-exact to the plain engine.
+
 The CUDA feature's pairs are run only where torch sees a CUDA device; elsewhere they are reported as
 not run here (the first test's output), not skipped. ``KVLEDGER_FUZZ_STEPS`` scales the steps per row;
 bench/fuzz_combinations.py runs the same rows (and random ones) for 10^5 steps.
@@ -27,7 +31,7 @@ import pytest
 from kvledger import Engine, compat
 from tests import combos
 from tests.fuzz.workload import PDPair, Reference, Single, Workload
-from tests.helpers import build_tiny_chat_model
+from tests.helpers import build_tiny_chat_model, tiny_image
 
 ROWS = combos.covering_array()
 STEPS = int(os.environ.get("KVLEDGER_FUZZ_STEPS", "240"))
@@ -129,3 +133,81 @@ def test_combination(row, chat_model, chat_loaded, draft_models, reference, tmp_
         assert stats["turns"] >= 1
     if "sliding_window" in row:
         assert stats["window_released_pages"] >= 1
+
+
+# -- images (issue 52): each start-up feature the table allows beside them, on the tiny LLaVA --------------
+IMAGE_ROWS = combos.image_rows()
+IMAGE_G = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def image_jobs(llava, rng: random.Random, n: int) -> list[tuple[list[int], list]]:
+    """``n`` requests: one or two images of a pool of three (repeats: prefix and encoder-cache hits)
+    behind texts of several lengths (another text before the same image: no prefix hit), and text."""
+    tok = llava[1].tokenizer
+    pool = [tiny_image(60 + k, rng.choice([(50, 40), (30, 60)])) for k in range(3)]
+    jobs = []
+    for _ in range(n):
+        k = rng.choice([0, 1, 1, 2])
+        head = rng.choice(["", "so ", "a longer question first, then "])
+        text = "<|user|>" + head + " and ".join(["<image>"] * k) + rng.choice([" what", " say it"]) + "</s><|assistant|>"
+        jobs.append((tok(text)["input_ids"], [rng.choice(pool) for _ in range(k)]))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def llava_loaded(llava):
+    from kvledger.model import load_model
+
+    return load_model(llava[0])
+
+
+@pytest.fixture(scope="module")
+def image_reference(llava, llava_loaded):
+    """The plain fp32 engine's greedy answers, by job (prompt ids and images' pixels)."""
+    eng = Engine(loaded_model=llava_loaded, model=llava[0], dtype="float32", page_size=16, max_total_tokens=4096,
+                 enable_prefix_cache=False, encoder_cache_bytes=0, strict_memory=True)  # fmt: skip
+    cache: dict = {}
+
+    def answer(ids: list[int], images: list) -> list[int]:
+        key = (tuple(ids), tuple((im.size, im.tobytes()) for im in images))  # by content (ids get reused)
+        if key not in cache:
+            cache[key] = eng.generate(input_ids=ids, sampling_params=IMAGE_G, image_data=images or None)["output_ids"]
+        return cache[key]
+
+    yield answer
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("row", IMAGE_ROWS, ids=combos.row_id)
+def test_images_combined(row, llava, llava_loaded, image_reference, tmp_path):
+    """Image requests (repeats, aborts, a small pool that retracts) under ``row``'s feature, in fp32
+    where the row allows it: strict books every step, token-exact to the plain engine where the row is
+    exact, nothing held after."""
+    from tests.engine.test_vision import assert_images_clean
+
+    rng = random.Random(zlib.crc32(("images " + combos.row_id(row)).encode()))
+    fp32 = combos.compatible(row | {"fp32"})  # (a quantized row runs in bfloat16)
+    started = combos.start(row, llava[0], llava_loaded, llava[0], str(tmp_path), rng, **({"dtype": "float32"} if fp32 else {}))
+    try:
+        eng = started.engines[0]
+        jobs = image_jobs(llava, rng, 10)
+        rids = [eng.add_request(ids, IMAGE_G, image_data=ims or None) for ids, ims in jobs]
+        aborted = set(rng.sample(range(len(rids)), 2))
+        for _ in range(rng.randint(1, 4)):
+            eng.step()
+        for i in aborted:
+            eng.abort(rids[i])
+        eng.run_until_idle()
+        exact = fp32 and combos.exact(row | {"fp32"})
+        for i, ((ids, ims), rid) in enumerate(zip(jobs, rids)):
+            out = eng.result(rid)
+            if i in aborted:
+                continue
+            assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
+            if exact:
+                assert out["output_ids"] == image_reference(ids, ims), (i, combos.row_id(row))
+        assert_images_clean(eng)
+        if eng.core.scheduler.images.cache is not None:
+            assert set(eng.core.runner.images.cache) == set(eng.core.scheduler.images.cache.entries)
+    finally:
+        started.shutdown()

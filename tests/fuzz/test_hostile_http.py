@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.fuzz import hostile_http
+from tests.helpers import tiny_image
 from tests.integration.conftest import started_server
 
 KEYS = ("tenant-a-key", "tenant-b-key")
@@ -84,3 +85,53 @@ def test_hostile_clients_are_refused_and_the_bystander_is_served(server):
         assert r.status_code == 200, r.text
     info = server.wait_idle_clean(timeout=30)
     assert info["engine_restarts"] == restarts
+
+
+@pytest.fixture(scope="module")
+def vlm_server(llava, tmp_path_factory):
+    yield from started_server(
+        llava[0], str(tmp_path_factory.mktemp("hostile_vlm") / "s.log"), "--api-key", *KEYS,
+        "--admin-api-key", "admin-key", "--max-images-per-prompt", "2", "--page-size", "4",
+    )  # fmt: skip
+
+
+class ImageBystander(Bystander):
+    """A greedy request with an image, again and again, beside the bad image parts."""
+
+    BODY: ClassVar[dict] = {
+        "text": "<|user|>see <image></s><|assistant|>",
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
+
+    def __init__(self, url: str, key: str):
+        import base64
+
+        ImageBystander.BODY = {**self.BODY, "image_data": [base64.b64encode(hostile_http._png(tiny_image(5))).decode()]}
+        super().__init__(url, key)
+
+
+def test_bad_image_parts_are_400s_naming_the_part_and_the_bystander_is_served(vlm_server):
+    """Corrupt, truncated, bomb, bad base64, remote URL (off), too many, unsupported format, junk URL
+    values: each on chat, /generate or Responses a 400 naming the part; the server serves an image
+    bystander all along; no engine restart; nothing held after."""
+    vlm_server.headers = {"Authorization": "Bearer admin-key"}
+    restarts = vlm_server.info()["engine_restarts"]
+    target = hostile_http.Target(vlm_server.url, KEYS, max_body_bytes=8 << 20, body_timeout_s=30)
+    bystander = ImageBystander(vlm_server.url, KEYS[1])
+    bystander.start()
+    problems, kinds = [], set()
+    try:
+        for kind, attack in hostile_http.image_attacks(random.Random(52), 48, max_images=2):
+            kinds.add(kind)
+            problem = hostile_http.judge(kind, attack(target), target)
+            if problem:
+                problems.append(problem)
+    finally:
+        bystander.stop.set()
+        bystander.join(60)
+    assert not problems, problems[:20]
+    assert len(kinds) == len(hostile_http.IMAGE_KINDS)
+    assert bystander.runs > 3 and not bystander.errors, (bystander.runs, bystander.errors[:5])
+    info = vlm_server.wait_idle_clean(timeout=30)
+    assert info["engine_restarts"] == restarts
+    assert info["memory"].get("image_embed_tokens", 0) == 0

@@ -44,13 +44,14 @@ class CacheSettings:
     audit_interval_s: float = setting(10.0, "a full ledger audit at least this often while busy (0: only when idle)")
     """A full audit at a safe point at least this often while the engine is busy (0: only when it
     goes idle); an engine that goes idle is audited then, every time."""
+    encoder_cache_bytes: int = setting(64 * 1024 * 1024, "a vision model's encoder-output cache across requests, keyed by image content, in bytes of embeddings (LRU; 0: off)")
 
     def __post_init__(self) -> None:
         self.kv_cache_dtype = _norm(self.kv_cache_dtype) or "auto"
 
     def check(self) -> None:
         _positive(self, "page_size", "max_total_tokens")
-        _positive(self, "audit_interval_s", allow_zero=True)
+        _positive(self, "audit_interval_s", "encoder_cache_bytes", allow_zero=True)
         _one_of(self.kv_cache_dtype, KV_CACHE_DTYPES, "kv_cache_dtype")
 
 

@@ -47,6 +47,12 @@ class ServerConfig:
     max_images_per_prompt: int = setting(8, "images one request may carry (400 past it)")
     max_image_bytes: int = setting(20 * 1024 * 1024, "largest encoded image, in bytes (400 past it)")
     max_image_pixels: int = setting(4096 * 4096, "largest image in pixels (width x height, read from its header before decoding: 400 past it)")
+    allow_remote_media: bool = setting(False, "fetch http(s) image URLs (off: a 400); never from a private, loopback, link-local or reserved address", kind="switch")
+    allowed_media_domains: list[str] | None = setting(  # noqa: RUF009 (a declaration: default None)
+        None, "with --allow-remote-media, fetch only from these hosts and their subdomains (default: any public host)",
+        nargs="+", metavar="DOMAIN")
+    media_fetch_timeout_s: float = setting(10.0, "seconds one remote image fetch may take in all: resolving, redirects and body (400 past it)")
+    media_max_redirects: int = setting(3, "redirects one remote image fetch may follow, each hop checked like the first (400 past it)")
     # What one body and one caller may ask of the engine (server/admission.py).
     max_prompts_per_request: int = setting(2048, "prompts (inputs, items, documents) one body may carry (400 past it; OpenAI's embeddings limit)")
     max_choices_per_request: int = setting(1024, "engine requests one body may fan out to, prompts x n (400 past it)")
@@ -68,6 +74,10 @@ class ServerConfig:
             raise ValidationError("an API key must not be empty", param="api_key")
         if self.admin_api_key is not None and self.admin_api_key in keys:
             raise ValidationError("--admin-api-key must differ from every --api-key", param="admin_api_key")
+        if not self.media_fetch_timeout_s > 0:
+            raise ValidationError("--media-fetch-timeout-s must be positive", param="media_fetch_timeout_s")
+        if self.media_max_redirects < 0:
+            raise ValidationError("--media-max-redirects must be at least 0", param="media_max_redirects")
 
 
 

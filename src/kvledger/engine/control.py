@@ -148,6 +148,7 @@ class EngineControl:
         if core.connector is not None and not self._finish_connector_io():
             return False
         core.kv_manager.tree.flush()
+        core.scheduler.images.flush_cache()  # the encoder cache's entries go with the next step
         return True
 
     def _finish_connector_io(self, timeout_s: float = 60.0) -> bool:

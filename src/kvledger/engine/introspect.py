@@ -91,6 +91,14 @@ class EngineView:
         g = self.core.runner.graphs
         return None if g is None else g.stats()
 
+    def vision_stats(self) -> dict | None:
+        """A vision model's encoder counters: images encoded, vision-tower calls (a batch is one),
+        images read from the encoder cache (None: a text-only model)."""
+        im = self.core.runner.images
+        if im is None:
+            return None
+        return {"images_encoded": im.encoded, "tower_calls": im.encoder.calls, "cache_hits": im.cache_hits}
+
     def rank_stats(self) -> list[dict]:
         """Every rank's ``LlamaModel.compile_stats``, rank 0 first (one entry without TP)."""
         return [{"rank": 0, **self.core.model.compile_stats()}, *self.core.executor.worker_stats()]
@@ -114,5 +122,6 @@ class EngineView:
             "memory": self.memory(),
             "disagg": self.connector_stats(),
             "cuda_graph": self.graph_stats(),
+            "vision": self.vision_stats(),
             "time": time.time(),
         }

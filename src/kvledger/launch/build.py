@@ -206,7 +206,10 @@ def _build(
     grammars = grammars_of(cfg, tokenizer, mc.vocab_size, eos)
     overlap = overlap_schedule(run_cfg, connector)
     decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)) if tokenizer else (lambda ids: "")
-    scheduler = Scheduler(run_cfg, kv_manager, context, eos, decode, connector, proposer, mc.vocab_size, overlap)
+    row_bytes = mc.hidden_size * dtype.itemsize if encoder is not None else 0  # an image embedding's row
+    scheduler = Scheduler(
+        run_cfg, kv_manager, context, eos, decode, connector, proposer, mc.vocab_size, overlap, row_bytes
+    )
     sessions = SessionManager(kv_manager.sessions, cfg.scheduler.max_sessions, cfg.scheduler.session_timeout_s, ps)
     info = engine_info(cfg, mc, loaded, model, plan, workers, (t0, m.t_read, m.t_model))
     return EngineParts(

@@ -40,6 +40,14 @@ class VisionFamily(nn.Module):
     def encode(self, item: ImageItem) -> torch.Tensor:
         raise NotImplementedError
 
+    def batch_key(self, item: ImageItem):
+        """Images with the same (hashable) key are encoded in one call (``encode_batch``); None:
+        this image alone (the default, for a family that does not batch)."""
+        return None
+
+    def encode_batch(self, items: list[ImageItem]) -> list[torch.Tensor]:
+        return [self.encode(it) for it in items]
+
 
 class LlavaVision(VisionFamily):
     """LLaVA 1.5's: the tower's hidden states of ``vision_feature_layer`` (the CLS token dropped
@@ -67,14 +75,23 @@ class LlavaVision(VisionFamily):
         self.projector = LlavaMultiModalProjector(cfg)
 
     def encode(self, item: ImageItem) -> torch.Tensor:
+        return self.encode_batch([item])[0]
+
+    def batch_key(self, item: ImageItem):
+        return item.pixel_values.shape[1:]  # same-size pixel tensors stack
+
+    def encode_batch(self, items: list[ImageItem]) -> list[torch.Tensor]:
+        """Same-size images through the tower and projector in one call, each its rows back."""
         p = self.projector.linear_1.weight
         with warnings.catch_warnings():  # the message's bytes are read-only; the tower only reads them
             warnings.simplefilter("ignore", UserWarning)
-            pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
+            pixels = torch.cat([torch.from_numpy(it.pixel_values) for it in items]).to(p.device, p.dtype)
         states = self.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states[self.layer]
         if self.strategy == "default":
             states = states[:, 1:]
-        return self.projector(states).reshape(-1, self.projector.linear_2.out_features)
+        out = self.projector(states)
+        sizes = [it.pixel_values.shape[0] for it in items]  # crops per image (1 for LLaVA 1.5)
+        return [e.reshape(-1, out.shape[-1]) for e in out.split(sizes)]
 
 
 FAMILIES: dict[str, type[VisionFamily]] = {t: cls for cls in (LlavaVision,) for t in cls.model_types}
@@ -125,10 +142,25 @@ class VisionEncoder:
         self.net = self.net.to(device=device, dtype=dtype).eval()
         self.hidden_size = hidden_size
         self.image_token_id = ckpt.image_token_id
+        self.calls = 0  # vision-tower calls (a batch is one)
 
     @torch.inference_mode()
     def encode(self, item: ImageItem) -> torch.Tensor:
-        out = self.net.encode(item)
-        if out.shape != (item.length, self.hidden_size):
-            raise ValueError(f"image encoded to {tuple(out.shape)}, its prompt run has {item.length} tokens")
+        return self.encode_many([item])[0]
+
+    @torch.inference_mode()
+    def encode_many(self, items: list[ImageItem]) -> list[torch.Tensor]:
+        """Several images' embeddings, those the family batches together (``batch_key``) in one
+        vision-tower call each (``calls`` counts them)."""
+        groups: dict = {}
+        for i, it in enumerate(items):
+            k = self.net.batch_key(it)
+            groups.setdefault(("alone", i) if k is None else ("batch", k), []).append(i)
+        out: list = [None] * len(items)
+        for idx in groups.values():
+            self.calls += 1
+            for i, emb in zip(idx, self.net.encode_batch([items[i] for i in idx])):
+                if emb.shape != (items[i].length, self.hidden_size):
+                    raise ValueError(f"image encoded to {tuple(emb.shape)}, its prompt run has {items[i].length} tokens")
+                out[i] = emb
         return out

@@ -26,11 +26,18 @@ class MediaLimits:
     max_image_bytes: int = 20 * 1024 * 1024  # encoded size
     max_image_pixels: int = 4096 * 4096  # width x height, checked before decoding
     allowed_local_media_path: str | None = None  # None: file paths are refused
+    # Remote http(s) URLs (``remote.py``): off unless the operator allows them.
+    allow_remote_media: bool = False
+    allowed_media_domains: tuple[str, ...] | None = None  # None: any public host
+    media_fetch_timeout_s: float = 10.0  # the whole fetch, redirects and body included
+    media_max_redirects: int = 3
 
 
-def image_bytes(url: str, param: str, limits: MediaLimits) -> bytes:
-    """The encoded bytes an ``image_url``'s ``url`` names: a ``data:`` URL or a local file under the
-    allowed directory. Remote URLs are refused (no fetch from the engine's machine by default)."""
+def image_bytes(url: str, param: str, limits: MediaLimits, fetched: dict[str, bytes] | None = None) -> bytes:
+    """The encoded bytes an ``image_url``'s ``url`` names: a ``data:`` URL, a local file under the
+    allowed directory, or a remote URL's body that ``remote.RemoteFetcher`` fetched beforehand
+    (``fetched``, by URL; the fetch is asynchronous, this is not). Remote URLs are refused when the
+    server does not allow them."""
     if not isinstance(url, str) or not url:
         raise ValidationError("image_url.url must be a non-empty string", param=param)
     if url.startswith("data:"):
@@ -46,7 +53,12 @@ def image_bytes(url: str, param: str, limits: MediaLimits) -> bytes:
     if url.startswith("file:") or url.startswith("/"):
         return _local_file(url.removeprefix("file://").removeprefix("file:"), param, limits)
     if url.startswith(("http://", "https://")):
-        raise ValidationError("remote image URLs are not fetched by this server; send a data: URL", param=param)
+        if not limits.allow_remote_media:
+            raise ValidationError("remote image URLs are off on this server (--allow-remote-media); send a data: URL",
+                                  param=param)  # fmt: skip
+        if fetched is None or url not in fetched:
+            raise ValidationError("remote image URLs are fetched by the HTTP server only", param=param)
+        return fetched[url]
     raise ValidationError("unsupported image URL scheme (data: URLs and allowed local files)", param=param)
 
 

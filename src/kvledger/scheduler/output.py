@@ -18,7 +18,7 @@ from ..memory import PageWrite
 class ImageFeed:
     """An image's share of a chunk (``multimodal/``): its embeddings' rows ``[first, first + count)``
     replace the chunk's tokens ``[at, at + count)``. ``item`` is set when the runner holds no
-    embeddings under ``key`` and must encode the image; ``last``: the chunk holds the image's last
+    embeddings under ``key`` and must encode the image (unless the encoder cache has them); ``last``: the chunk holds the image's last
     token, after which the runner drops them."""
 
     key: str
@@ -27,6 +27,10 @@ class ImageFeed:
     count: int
     item: Any = None  # multimodal.ImageItem
     last: bool = False
+    # The encoder cache (``scheduler/images.py``): where the runner may find the image's embeddings
+    # (read before encoding ``item``), and whether it keeps them there once encoded.
+    cache_key: str | None = None
+    store: bool = False
 
 
 @dataclass(slots=True)

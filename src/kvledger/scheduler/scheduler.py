@@ -32,7 +32,7 @@ from ..config import EngineConfig
 from ..connector import KVConnector, NoOpConnector
 from ..memory import Holding, KVManager
 from .books import SchedulerBooks
-from .images import ImageBooks
+from .images import EncoderCacheBooks, ImageBooks
 from .intake import TIMEOUT_CODE, Intake, drop_grammar
 from .output import ModelRunnerOutput, SchedulerOutput
 from .overlap import InFlight, strip_placeholders
@@ -62,7 +62,10 @@ class Scheduler:
         proposer=None,
         vocab_size: int = 0,
         overlap: bool = False,
+        image_bytes_per_token: int = 0,
     ):
+        """``image_bytes_per_token``: a vision model's embedding row in bytes (the encoder cache's
+        unit; 0: a text-only model)."""
         self.cfg = cfg
         self.vocab_size = vocab_size  # the width of token bitmasks (min_new_tokens)
         self.kv_manager = kv_manager
@@ -84,7 +87,10 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}  # every request the engine knows, queued or live
         self._outputs: list[RequestOutput] = []
         # Components with per-request state register here; ``_finish`` calls each on every ending.
-        self.images = ImageBooks(kv_manager.sessions)  # image embeddings the runner holds between a request's chunks
+        # Image embeddings the runner holds between a request's chunks, and its encoder cache.
+        self.images = ImageBooks(
+            kv_manager.sessions, EncoderCacheBooks(cfg.cache.encoder_cache_bytes, image_bytes_per_token)
+        )
         kv_manager.ledger.images = self.images  # (audited with the pages: every holder a live request)
         self.release_hooks: list[ReleaseHook] = [self.connector.request_finished, drop_grammar, self.images.release]
         self.last_stats = StepStats()

@@ -21,6 +21,37 @@ class ChatImages:
 
     images: list[Any] = field(default_factory=list)  # decoded PIL images
     params: list[str] = field(default_factory=list)
+    fetched: dict[str, bytes] = field(default_factory=dict)  # remote URLs' bodies, fetched beforehand
+
+
+def is_remote(url: Any) -> bool:
+    return isinstance(url, str) and url.startswith(("http://", "https://"))
+
+
+def remote_chat_urls(messages: list, max_images: int) -> list[tuple[str, str]]:
+    """The remote URLs (with their part's name) among a chat request's first ``max_images`` image
+    parts, to fetch before the parts are read (``content_text`` refuses the one past the limit, so
+    nothing past it is fetched)."""
+    out: list[tuple[str, str]] = []
+    seen = 0
+    for i, m in enumerate(messages):
+        content = getattr(m, "content", None)
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if not (isinstance(part, dict) and part.get("type") == "image_url"):
+                continue
+            seen += 1
+            if seen > max_images:
+                return out
+            url = part_url(part)
+            if is_remote(url):
+                where = part.get("_part") if isinstance(part.get("_part"), str) else f"messages[{i}].content[{j}]"
+                out.append((url, where))
+    return out
+
+
+def remote_native_urls(pairs: list[tuple[Any, str]], max_images: int) -> list[tuple[str, str]]:
+    """``/generate``'s remote image URLs of one prompt (its first ``max_images``)."""
+    return [(x, where) for x, where in pairs[:max_images] if is_remote(x)]
 
 
 def native_images(image_data: Any, n: int, single: bool) -> list[list[tuple[Any, str]]]:
@@ -48,17 +79,20 @@ def native_url(x: Any, param: str) -> str:
 
 
 def decode_images(
-    pairs: list[tuple[Any, str]], processing: ImageProcessing | None, limits: MediaLimits, max_images: int
-) -> ChatImages:
-    """``/generate``'s images of one prompt, decoded (400s naming each)."""
-    out = ChatImages()
+    pairs: list[tuple[Any, str]], processing: ImageProcessing | None, limits: MediaLimits, max_images: int,
+    fetched: dict[str, bytes] | None = None,
+) -> ChatImages:  # fmt: skip
+    """``/generate``'s images of one prompt, decoded (400s naming each); ``fetched``: remote URLs'
+    bodies, fetched beforehand."""
+    out = ChatImages(fetched=fetched or {})
     for x, where in pairs:
         if processing is None:
             raise ValidationError("this model takes no images (a text-only model)", param=where)
         if len(out.images) >= max_images:
             raise ValidationError(f"more than {max_images} images in one request (--max-images-per-prompt)",
                                   param=where)  # fmt: skip
-        out.images.append(decode_image(image_bytes(native_url(x, where), where, limits), where, limits))
+        data = image_bytes(native_url(x, where), where, limits, out.fetched)
+        out.images.append(decode_image(data, where, limits))
         out.params.append(where)
     return out
 
@@ -88,7 +122,7 @@ def content_text(
                 raise ValidationError(f"more than {max_images} images in one request (--max-images-per-prompt)",
                                       param=where)  # fmt: skip
             url = part_url(part)
-            out.images.append(decode_image(image_bytes(url, where, limits), where, limits))
+            out.images.append(decode_image(image_bytes(url, where, limits, out.fetched), where, limits))
             out.params.append(where)
             texts.append(processing.image_token)
         else:

@@ -177,7 +177,11 @@ class EngineLifecycle:
             cfg.engine.model.reasoning_parser,
             srv.admission,
             ImageProcessing.for_model(path) if os.path.isdir(path) else None,
-            MediaLimits(cfg.max_image_bytes, cfg.max_image_pixels, cfg.allowed_local_media_path),
+            MediaLimits(
+                cfg.max_image_bytes, cfg.max_image_pixels, cfg.allowed_local_media_path, cfg.allow_remote_media,
+                tuple(cfg.allowed_media_domains) if cfg.allowed_media_domains else None,
+                cfg.media_fetch_timeout_s, cfg.media_max_redirects,
+            ),
             cfg.max_images_per_prompt,
         )
         srv.openai.adapters = lambda: {a["name"] for a in (srv.client.info.get("loras") or [])}

@@ -22,9 +22,10 @@ from ..model.chat_templates import no_template_message
 from ..multimodal.inputs import to_wire
 from ..multimodal.media import MediaLimits
 from ..multimodal.processor import ImageProcessing
+from ..multimodal.remote import RemoteFetcher
 from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
 from .generation import GenerationService
-from .image_parts import ChatImages, content_text
+from .image_parts import ChatImages, content_text, remote_chat_urls
 from .openai_format import Chunks, chat_message, finish_reason, logprobs, matched_stop, usage
 from .openai_params import COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_dict, template_options
 from .openai_stream import StreamWriter, first_events, pump
@@ -68,6 +69,7 @@ class OpenAIServing:
         self.images = images
         self.media = media or MediaLimits()
         self.max_images = max_images
+        self.remote = RemoteFetcher(self.media)
         self.admission = admission or AdmissionLimits()
         self.tool_parser = tool_parser or make_parser("hermes")
         self.reasoning_format = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
@@ -172,10 +174,19 @@ class OpenAIServing:
             raise ValidationError(f"cannot apply the chat template: {e}", param="messages") from None
         return list(ids)
 
-    def chat_job(self, body: ChatRequest, max_param: str | None = None) -> ChatJob:
+    async def remote_images(self, body: ChatRequest) -> dict[str, bytes]:
+        """The bodies of a chat request's remote image URLs, fetched before ``chat_job`` reads its
+        parts (asynchronously: the front serves on meanwhile). Nothing is fetched when the server
+        takes no images or no remote URLs: ``chat_job`` refuses those parts then."""
+        if self.images is None or not self.media.allow_remote_media:
+            return {}
+        return await self.remote.fetch_all(remote_chat_urls(body.messages, self.max_images))
+
+    def chat_job(self, body: ChatRequest, max_param: str | None = None, fetched: dict[str, bytes] | None = None) -> ChatJob:
         """One chat request's prompt ids, sampling params, tool and reasoning parsers: the chat path
         that ``/v1/chat/completions`` and ``/v1/responses`` share. ``max_param`` names the length
-        field in errors (default: the chat field the body used)."""
+        field in errors (default: the chat field the body used); ``fetched`` holds the bodies of its
+        remote image URLs (``remote_images``)."""
         lora = self._check_common(body)
         top = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
@@ -204,7 +215,7 @@ class OpenAIServing:
             if body.separate_reasoning:
                 reasoning = ReasoningParser(self.reasoning_format, thinking, body.stream_reasoning)
         # Without max_tokens a chat answer may use all the context leaves (OpenAI, SGLang, vLLM).
-        images = ChatImages()
+        images = ChatImages(fetched=fetched or {})
         ids = self.chat_input(body, tools=tools, images=images)
         mm = None
         if images.images:  # each placeholder repeated for its image, before the length is checked
@@ -221,7 +232,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
         check_fanout(self.admission, 1, body.n, "messages")
-        job = self.chat_job(body)
+        job = self.chat_job(body, fetched=await self.remote_images(body))
         base = body.rid or body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return await self._run(
             base, [(job.ids, job.params)] * body.n, body, disconnected, chat=True, tools=job.tools,

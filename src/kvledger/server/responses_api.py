@@ -71,9 +71,9 @@ class ResponsesServing:
         self.store.delete(rid, current_principal().owner)
         return {"id": rid, "object": "response", "deleted": True}
 
-    def _job(self, body: ResponsesRequest) -> tuple[list[dict], ChatJob]:
+    async def _job(self, body: ResponsesRequest) -> tuple[list[dict], ChatJob]:
         """The conversation so far (without instructions) and the chat job (prompt ids, sampling
-        params, tool and reasoning parsers)."""
+        params, tool and reasoning parsers; remote image URLs fetched first)."""
         if body.max_output_tokens is not None and body.max_output_tokens < 1:  # no prompt scoring here
             raise ValidationError("max_output_tokens must be at least 1", param="max_output_tokens")
         prev = body.previous_response_id
@@ -90,7 +90,8 @@ class ResponsesServing:
             })  # fmt: skip
         except PydanticValidationError as e:  # a converted value of the wrong type: the client's input
             raise ValidationError(f"input: {e.errors()[0]['msg']}", param="input") from None
-        return conversation, self.chat.chat_job(chat, max_param="max_output_tokens")
+        fetched = await self.chat.remote_images(chat)
+        return conversation, self.chat.chat_job(chat, max_param="max_output_tokens", fetched=fetched)
 
     def _response(self, body: ResponsesRequest, rid: str, created: int, status: str, output, use) -> dict:
         fmt = (body.text or {}).get("format") or {"type": "text"}
@@ -122,7 +123,7 @@ class ResponsesServing:
 
     async def _create(self, body: ResponsesRequest, disconnected) -> dict | AsyncIterator[str]:
         self.chat.check_model(body.model, adapters=True)
-        conversation, job = self._job(body)
+        conversation, job = await self._job(body)
         ids = job.ids
         rid = new_id("resp")
         created = now()

@@ -89,6 +89,7 @@ async def server_info(request: Request):
         "dp_size": 1,
         "disaggregation_mode": client.info.get("disaggregation_mode") or "null",
         "disaggregation": (client.stats or {}).get("disagg"),
+        "vision": (client.stats or {}).get("vision"),  # images encoded, tower calls, encoder-cache hits
     }
     # Session ids only where no key is configured: there everyone may read /memory/pages, which shows
     # them. With keys, no key sees one here (counts only); the admin sees them on /memory/pages.

@@ -14,7 +14,7 @@ from ...errors import ValidationError
 from ...multimodal.inputs import to_wire
 from ..admission import check_fanout, check_prompt_tokens, prompt_count
 from ..handlers import parse_body
-from ..image_parts import decode_images, native_images
+from ..image_parts import decode_images, native_images, native_url, remote_native_urls
 from ..openai_format import sse
 from ..protocol import GenerateRequest
 from ..state import state
@@ -56,7 +56,11 @@ async def generate(request: Request):
     oa = srv.openai
     for k, pairs in enumerate(native_images(body.image_data, len(ids_list), single)):
         if pairs:  # each placeholder repeated for its image, before the length is checked
-            got = decode_images(pairs, oa.images, oa.media, oa.max_images)
+            fetched = {}
+            if oa.images is not None and oa.media.allow_remote_media:  # fetched first, the loop serving on
+                urls = [(native_url(x, where), where) for x, where in pairs[: oa.max_images]]
+                fetched = await oa.remote.fetch_all(remote_native_urls(urls, oa.max_images))
+            got = decode_images(pairs, oa.images, oa.media, oa.max_images, fetched)
             ids_list[k], mm = oa.images.expand(list(ids_list[k]), got.images, got.params)
             images[k] = to_wire(mm)
     jobs = [validate_request(ids, {**sp, **lo}, srv.limits) for ids, lo in zip(ids_list, loras)]
