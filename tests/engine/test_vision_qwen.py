@@ -1,0 +1,183 @@
+"""Images in, the second family: tiny random Qwen2-VL and Qwen2.5-VL (dynamic resolution: an
+image's token count follows its size; M-RoPE: three positions a token, the text after an image
+offset by it) token-exact against transformers in float32 with one image unchunked and with chunked
+prefill splitting it, two images of different sizes batched beside a text request, the prefix cache
+keyed by image content (a hit ending inside or after an image gives the same positions), a
+retracted request's re-prefill; the layout's positions against transformers' ``get_rope_index``.
+Strict engines, audited clean (books, held embeddings) at teardown."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.engine.test_vision import assert_images_clean
+from tests.helpers import tiny_image
+
+G = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+ONE = f"<|user|>look {IMG} and say</s><|assistant|>"
+TWO = f"<|user|>first {IMG} then {IMG} compare</s><|assistant|>"
+
+
+@pytest.fixture
+def make_vlm(qwen_vl):
+    from kvledger import Engine
+
+    engines = []
+
+    def make(**kw):
+        opts = dict(dtype="float32", page_size=4, max_total_tokens=4096, strict_memory=True)
+        opts.update(kw)
+        eng = Engine(model=qwen_vl[0], **opts)
+        engines.append(eng)
+        return eng
+
+    yield make
+    for eng in engines:
+        assert_images_clean(eng)
+
+
+def ids(qwen_vl, text: str) -> list[int]:
+    return qwen_vl[2](text)["input_ids"]
+
+
+def ref_inputs(qwen_vl, text: str, images: list) -> dict:
+    """transformers' inputs: the image processor's patches and grids, each ``<|image_pad|>``
+    repeated for its image's tokens (the grid's product over the 2x2 merge, as Qwen2VLProcessor
+    counts them) and the token types M-RoPE reads."""
+    _, image_proc, tok, _ = qwen_vl
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    px = image_proc(images=images, return_tensors="pt")
+    counts = iter((px["image_grid_thw"].prod(-1) // 4).tolist())
+    prompt = []
+    for t in tok(text)["input_ids"]:
+        prompt.extend([pad] * next(counts) if t == pad else [t])
+    input_ids = torch.tensor([prompt])
+    return dict(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=px["pixel_values"],
+        image_grid_thw=px["image_grid_thw"], mm_token_type_ids=(input_ids == pad).int(),
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def reference(qwen_vl, text: str, images: list, n: int = 8) -> tuple[list[int], list[int]]:
+    """transformers' prompt and greedy continuation."""
+    inputs = ref_inputs(qwen_vl, text, images)
+    out = qwen_vl[3].generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)  # fmt: skip
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt) :].tolist()
+
+
+def test_layout_positions_are_transformers_rope_index(qwen_vl, make_vlm):
+    """Every token's three positions, chunk by chunk from any start, and the decode offset, against
+    ``get_rope_index`` over the whole prompt (two images of different sizes, the second one's grid
+    taller than wide)."""
+    a, b = tiny_image(1), tiny_image(2, (30, 60))
+    inputs = ref_inputs(qwen_vl, TWO, [a, b])
+    want, delta = qwen_vl[3].model.get_rope_index(
+        inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=inputs["image_grid_thw"]
+    )
+    want = want[:, 0].numpy()
+    eng = make_vlm()
+    prompt = ids(qwen_vl, TWO)
+    mm = eng._images([a, b], [prompt], True)[0]  # (the placeholders expanded in place)
+    req = eng.core.make_request(prompt, G, mm=mm)
+    assert req.input_ids == inputs["input_ids"][0].tolist()
+    rope = req.mm.rope
+    assert [g.length for g in rope.grids] == [30, 32]  # dynamic resolution: the size sets the count
+    n = len(req.input_ids)
+    assert rope.delta == int(delta) and rope.delta < 0
+    for step in (1, 5, 16, n):
+        got = []
+        for s in range(0, n, step):
+            off, pos = rope.chunk(s, min(n, s + step))
+            got.append(pos if pos is not None else np.arange(s, min(n, s + step))[None].repeat(3, 0) + off)
+        assert (np.concatenate(got, axis=1) == want).all(), step
+    eng.core.drop_request(req)
+
+
+@pytest.mark.parametrize("chunk", [None, 16, 5])
+def test_one_image_token_exact(qwen_vl, make_vlm, chunk):
+    img = tiny_image(1)
+    prompt, want = reference(qwen_vl, ONE, [img])
+    eng = make_vlm(**({"chunked_prefill_size": chunk} if chunk else {}))
+    out = eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params=G, image_data=img)
+    assert out["output_ids"] == want
+    assert out["meta_info"]["prompt_tokens"] == len(prompt)  # the image's 30 tokens counted
+
+
+def test_two_images_of_different_sizes_token_exact_batched_beside_text(qwen_vl, make_vlm):
+    a, b = tiny_image(1), tiny_image(2, (30, 60))
+    _, want_two = reference(qwen_vl, TWO, [a, b])
+    _, want_one = reference(qwen_vl, ONE, [b])
+    eng = make_vlm(chunked_prefill_size=32)
+    text = list(range(3, 60))
+    with torch.no_grad():  # a text-only request: plain positions (M-RoPE's three equal)
+        ref = qwen_vl[3].generate(torch.tensor([text]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)  # fmt: skip
+    outs = eng.generate(
+        input_ids=[ids(qwen_vl, TWO), text, ids(qwen_vl, ONE)], sampling_params=G, image_data=[[a, b], None, b]
+    )
+    assert [o["output_ids"] for o in outs] == [want_two, ref[0, len(text) :].tolist(), want_one]
+    assert eng.core.runner.images.encoded == 3
+
+
+def test_same_image_reuses_its_kv_with_the_same_positions(qwen_vl, make_vlm):
+    """A prefix-cache hit that ends after the image (the whole prompt but its last token) and one
+    that ends inside it (a shared page boundary in the image's run) give transformers' tokens."""
+    a, b = tiny_image(1), tiny_image(2)
+    _, want_a = reference(qwen_vl, ONE, [a])
+    _, want_b = reference(qwen_vl, ONE, [b])
+    eng = make_vlm()
+    p = ids(qwen_vl, ONE)
+    first = eng.generate(input_ids=p, sampling_params=G, image_data=a)
+    assert first["meta_info"]["cached_tokens"] == 0 and first["output_ids"] == want_a
+    again = eng.generate(input_ids=p, sampling_params=G, image_data=a)
+    assert again["output_ids"] == want_a
+    n = again["meta_info"]["prompt_tokens"]
+    assert again["meta_info"]["cached_tokens"] == (n - 1) // 4 * 4
+    other = eng.generate(input_ids=p, sampling_params=G, image_data=b)
+    assert other["output_ids"] == want_b
+    assert other["meta_info"]["cached_tokens"] < p.index(qwen_vl[2].convert_tokens_to_ids("<|image_pad|>")) + 4
+    # A hit that ends in the text after the image: a longer prompt sharing the image.
+    longer = ONE.replace(" and say", " and say it twice")
+    _, want_long = reference(qwen_vl, longer, [a])
+    out = eng.generate(input_ids=ids(qwen_vl, longer), sampling_params=G, image_data=a)
+    assert out["output_ids"] == want_long and out["meta_info"]["cached_tokens"] > 37
+    # A hit that ends inside the image: a request aborted after three chunks of 8 left its pages.
+    c = tiny_image(6)
+    _, want_c = reference(qwen_vl, ONE, [c])
+    chunked = make_vlm(chunked_prefill_size=8)
+    rid = chunked.add_request(list(p), G, image_data=c)
+    for _ in range(3):
+        chunked.step()
+    chunked.abort(rid)
+    chunked.run_until_idle()
+    out = chunked.generate(input_ids=p, sampling_params=G, image_data=c)
+    assert out["meta_info"]["cached_tokens"] == 24  # the image's run is [7, 37)
+    assert out["output_ids"] == want_c
+
+
+def test_retracted_request_is_reprefilled_at_the_same_positions(qwen_vl, make_vlm):
+    eng = make_vlm(chunked_prefill_size=8)
+    img = tiny_image(4)
+    _, want = reference(qwen_vl, ONE, [img])
+    rid = eng.add_request(ids(qwen_vl, ONE), G, image_data=img)
+    for _ in range(2):
+        eng.step()  # the image's first tokens prefilled: its embeddings wait for the rest
+    assert eng.memory()["image_embed_tokens"] == 30
+    req = eng.core.scheduler.reqs[rid]
+    eng.core.scheduler.policy.retract(req)
+    assert not eng.core.scheduler.images.held
+    eng.run_until_idle()
+    assert eng.result(rid)["output_ids"] == want
+    # Retracted while decoding (past the image: re-prefilled with its output, then decoding on).
+    rid = eng.add_request(ids(qwen_vl, ONE), G, image_data=img)
+    while len(eng.core.scheduler.reqs[rid].output_ids) < 3:
+        eng.step()
+    eng.core.scheduler.policy.retract(eng.core.scheduler.reqs[rid])
+    eng.run_until_idle()
+    assert eng.result(rid)["output_ids"] == want
