@@ -344,7 +344,9 @@ def build_tiny_qwen2_vl(path: str, seed: int = 3, family: str = "qwen2_vl", patc
     fast, vocab = byte_level_tokenizer(TINY_CHAT_TEMPLATE, QWEN_VL_SPECIALS)
     fast.image_token, fast.video_token = "<|image_pad|>", "<|video_pad|>"
     text = dict(TINY_CONFIG, vocab_size=len(vocab), bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
-    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    # rope_theta 10: each section's frequencies turn far enough over an image's few rows and columns
+    # that a token at a wrong (temporal, height, width) position changes the logits well past float noise.
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [2, 3, 3]}
     vision = dict(depth=2, embed_dim=32, hidden_size=TINY_CONFIG["hidden_size"], num_heads=4, patch_size=patch,
                   spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
     if family == "qwen2_5_vl":

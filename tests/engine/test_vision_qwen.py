@@ -62,13 +62,24 @@ def ref_inputs(qwen_vl, text: str, images: list) -> dict:
 
 
 @torch.no_grad()
-def reference(qwen_vl, text: str, images: list, n: int = 8) -> tuple[list[int], list[int]]:
-    """transformers' prompt and greedy continuation."""
+def reference(qwen_vl, text: str, images: list, n: int = 8, logprobs: bool = False):
+    """transformers' prompt and greedy continuation (with ``logprobs``: and each token's logprob)."""
     inputs = ref_inputs(qwen_vl, text, images)
     out = qwen_vl[3].generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                              eos_token_id=None)  # fmt: skip
+                              eos_token_id=None, output_logits=True, return_dict_in_generate=True)  # fmt: skip
     prompt = inputs["input_ids"][0].tolist()
-    return prompt, out[0, len(prompt) :].tolist()
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    if not logprobs:
+        return prompt, tokens
+    lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens)]
+    return prompt, tokens, lps
+
+
+def assert_logprobs(out: dict, want: list[float]) -> None:
+    """The engine's logprob of each token it chose is transformers' (float32: to float noise): a
+    token's position (its image's grid, the offset after it) off by one moves them far more."""
+    got = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    assert np.allclose(got, want, atol=2e-4), (got, want)
 
 
 def test_layout_positions_are_transformers_rope_index(qwen_vl, make_vlm):
@@ -102,26 +113,30 @@ def test_layout_positions_are_transformers_rope_index(qwen_vl, make_vlm):
 @pytest.mark.parametrize("chunk", [None, 16, 5])
 def test_one_image_token_exact(qwen_vl, make_vlm, chunk):
     img = tiny_image(1)
-    prompt, want = reference(qwen_vl, ONE, [img])
+    prompt, want, lps = reference(qwen_vl, ONE, [img], logprobs=True)
     eng = make_vlm(**({"chunked_prefill_size": chunk} if chunk else {}))
-    out = eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params=G, image_data=img)
+    out = eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params={**G, "logprobs": True}, image_data=img)
     assert out["output_ids"] == want
+    assert_logprobs(out, lps)
     assert out["meta_info"]["prompt_tokens"] == len(prompt)  # the image's 30 tokens counted
 
 
 def test_two_images_of_different_sizes_token_exact_batched_beside_text(qwen_vl, make_vlm):
     a, b = tiny_image(1), tiny_image(2, (30, 60))
-    _, want_two = reference(qwen_vl, TWO, [a, b])
-    _, want_one = reference(qwen_vl, ONE, [b])
+    _, want_two, lps_two = reference(qwen_vl, TWO, [a, b], logprobs=True)
+    _, want_one, lps_one = reference(qwen_vl, ONE, [b], logprobs=True)
     eng = make_vlm(chunked_prefill_size=32)
     text = list(range(3, 60))
     with torch.no_grad():  # a text-only request: plain positions (M-RoPE's three equal)
         ref = qwen_vl[3].generate(torch.tensor([text]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                   pad_token_id=0, eos_token_id=None)  # fmt: skip
     outs = eng.generate(
-        input_ids=[ids(qwen_vl, TWO), text, ids(qwen_vl, ONE)], sampling_params=G, image_data=[[a, b], None, b]
-    )
+        input_ids=[ids(qwen_vl, TWO), text, ids(qwen_vl, ONE)], sampling_params={**G, "logprobs": True},
+        image_data=[[a, b], None, b],
+    )  # fmt: skip
     assert [o["output_ids"] for o in outs] == [want_two, ref[0, len(text) :].tolist(), want_one]
+    assert_logprobs(outs[0], lps_two)
+    assert_logprobs(outs[2], lps_one)
     assert eng.core.runner.images.encoded == 3
 
 
