@@ -164,23 +164,24 @@ def test_same_image_reuses_its_kv_with_the_same_positions(qwen_vl, make_vlm):
     assert out["output_ids"] == want_long and out["meta_info"]["cached_tokens"] > 37
     # A hit that ends inside the image: a request aborted after three chunks of 8 left its pages.
     c = tiny_image(6)
-    _, want_c = reference(qwen_vl, ONE, [c])
+    _, want_c, lps_c = reference(qwen_vl, ONE, [c], logprobs=True)
     chunked = make_vlm(chunked_prefill_size=8)
     rid = chunked.add_request(list(p), G, image_data=c)
     for _ in range(3):
         chunked.step()
     chunked.abort(rid)
     chunked.run_until_idle()
-    out = chunked.generate(input_ids=p, sampling_params=G, image_data=c)
+    out = chunked.generate(input_ids=p, sampling_params={**G, "logprobs": True}, image_data=c)
     assert out["meta_info"]["cached_tokens"] == 24  # the image's run is [7, 37)
     assert out["output_ids"] == want_c
+    assert_logprobs(out, lps_c)
 
 
 def test_retracted_request_is_reprefilled_at_the_same_positions(qwen_vl, make_vlm):
     eng = make_vlm(chunked_prefill_size=8)
     img = tiny_image(4)
-    _, want = reference(qwen_vl, ONE, [img])
-    rid = eng.add_request(ids(qwen_vl, ONE), G, image_data=img)
+    _, want, lps = reference(qwen_vl, ONE, [img], logprobs=True)
+    rid = eng.add_request(ids(qwen_vl, ONE), {**G, "logprobs": True}, image_data=img)
     for _ in range(2):
         eng.step()  # the image's first tokens prefilled: its embeddings wait for the rest
     assert eng.memory()["image_embed_tokens"] == 30
@@ -188,7 +189,9 @@ def test_retracted_request_is_reprefilled_at_the_same_positions(qwen_vl, make_vl
     eng.core.scheduler.policy.retract(req)
     assert not eng.core.scheduler.images.held
     eng.run_until_idle()
-    assert eng.result(rid)["output_ids"] == want
+    res = eng.result(rid)
+    assert res["output_ids"] == want
+    assert_logprobs(res, lps)
     # Retracted while decoding (past the image: re-prefilled with its output, then decoding on).
     rid = eng.add_request(ids(qwen_vl, ONE), G, image_data=img)
     while len(eng.core.scheduler.reqs[rid].output_ids) < 3:
