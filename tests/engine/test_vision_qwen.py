@@ -199,3 +199,14 @@ def test_retracted_request_is_reprefilled_at_the_same_positions(qwen_vl, make_vl
     eng.core.scheduler.policy.retract(eng.core.scheduler.reqs[rid])
     eng.run_until_idle()
     assert eng.result(rid)["output_ids"] == want
+
+
+def test_ngram_drafts_verify_at_offset_positions(qwen_vl, make_vlm):
+    """NGRAM drafts after an image: a verify row's drafts run past the sequence at the request's
+    offset positions (the chunk's layout covers them); the tokens are transformers'."""
+    img = tiny_image(1)
+    _, want = reference(qwen_vl, ONE, [img], n=24)
+    eng = make_vlm(speculative_algorithm="NGRAM")
+    out = eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params={**G, "max_new_tokens": 24}, image_data=img)
+    assert out["output_ids"] == want
+    assert out["meta_info"]["spec_verify_ct"] < 24  # drafts were accepted (the tiny model repeats itself)
