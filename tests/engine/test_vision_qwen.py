@@ -110,11 +110,13 @@ def test_layout_positions_are_transformers_rope_index(qwen_vl, make_vlm):
     eng.core.drop_request(req)
 
 
-@pytest.mark.parametrize("chunk", [None, 16, 5])
-def test_one_image_token_exact(qwen_vl, make_vlm, chunk):
+@pytest.mark.parametrize("chunk,overlap", [(None, False), (16, False), (5, False), (16, True)])
+def test_one_image_token_exact(qwen_vl, make_vlm, chunk, overlap):
+    """(``overlap``: each step scheduled while the previous one runs: the rows' positions come
+    from their starts, known before the previous step's token is.)"""
     img = tiny_image(1)
     prompt, want, lps = reference(qwen_vl, ONE, [img], logprobs=True)
-    eng = make_vlm(**({"chunked_prefill_size": chunk} if chunk else {}))
+    eng = make_vlm(disable_overlap_schedule=not overlap, **({"chunked_prefill_size": chunk} if chunk else {}))
     out = eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params={**G, "logprobs": True}, image_data=img)
     assert out["output_ids"] == want
     assert_logprobs(out, lps)
