@@ -83,7 +83,7 @@ def main() -> None:
                 packed = ""
                 if kind in GGUF_REPACK_KINDS and kernels.quant_isa() == "avx512-vnni":
                     pw = torch.ops.kvledger_cpu.gguf_repack(
-                        w.reshape(-1), torch.tensor([[tid, n]]), kk, False
+                        [w.reshape(-1)], torch.tensor([[tid, n]]), kk, False
                     )
                     t2 = timed(f, (x, pw, tid + GGUF_PACKED, n, kk), reps)
                     packed = f"{t2 * 1e6:>10.1f}{w.numel() / t2 / 1e9:>8.2f}"

@@ -271,17 +271,7 @@ OTHER_REFUSALS: dict[frozenset[str], Refusal] = {
         NOT_YET, "a turn's prompt begins with the KV the session holds, which is not computed again"
     ),
     frozenset({"sessions", "several_prompts"}): Refusal(NO_MEANING, "a session takes one turn at a time"),
-    frozenset({"images", "sessions"}): Refusal(
-        NOT_YET, "a session commits a turn's KV by its tokens, which do not say which image an image's tokens were"
-    ),
     frozenset({"images", "pooling"}): Refusal(NOT_YET, "embeddings and scores of images are not served"),
-    frozenset({"images", "draft"}): Refusal(
-        NOT_YET, "the draft model would read the image's placeholder tokens without the image's embeddings"
-    ),
-    frozenset({"images", "pd"}): Refusal(
-        NOT_YET, "the images would have to reach the prefill server with the router's request, and the KV "
-        "sent is keyed by tokens alone"
-    ),
     frozenset({"images", "tp"}): Refusal(
         NOT_YET, "the vision encoder runs on rank 0 and the other ranks' steps carry no image embeddings"
     ),

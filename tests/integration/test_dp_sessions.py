@@ -80,10 +80,11 @@ class DP:
 
 
 
-def _clean(url: str) -> None:
-    srv = Server.__new__(Server)  # the harness's checks of a server it did not start: a url
+def _clean(url: str) -> dict:
+    """The harness's idle-and-clean checks on a server it did not start (a replica's url); its info."""
+    srv = Server.__new__(Server)
     srv.url, srv.headers = url, {}
-    srv.wait_idle_clean()
+    return srv.wait_idle_clean()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from kvledger.disagg.mooncake import available as mooncake_missing
 from tests import openai_suite
@@ -447,6 +448,54 @@ def test_a_pair_with_tiers_and_a_draft_model_through_the_router(chat_model, srv,
         assert dec.info()["memory"]["hicache"]["backed_up_pages"] > 0  # received KV entered its tiers
         assert pd_stats(dec)["transfers_ok"] == len(topics) + 1
         clean(pre, dec)  # (srv's own check runs at teardown)
+    finally:
+        if router is not None:
+            router.stop()
+        for s in (pre, dec):
+            s.stop()
+
+
+def test_images_through_the_pd_router(llava, tmp_path):
+    """A tiny LLaVA as a PD pair behind SGLang's router: chat ``image_url`` parts (streamed and not) and
+    ``/generate`` ``image_data`` reach both sides, and the answer is transformers' (fp32 greedy); both
+    sides' books clean, no image embedding held."""
+    from tests.helpers import tiny_image
+    from tests.integration.test_vision_server import ask, data_url, reference
+
+    bport = free_port()
+    args = ("--dtype", "float32", "--strict-memory")
+    pre = Server(llava[0], *args, "--page-size", "16", "--disaggregation-mode", "prefill",
+                 "--disaggregation-bootstrap-port", str(bport), "--disaggregation-bootstrap-timeout", TIMEOUT_S,
+                 log_path=str(tmp_path / "prefill.log"))  # fmt: skip
+    dec = Server(llava[0], *args, "--page-size", "4", "--disaggregation-mode", "decode",
+                 "--disaggregation-waiting-timeout", TIMEOUT_S, "--disaggregation-prefill-peers", f"127.0.0.1:{bport}",
+                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
+    router = None
+    try:
+        pre.wait_healthy()
+        dec.wait_healthy()
+        router = Router(["--pd-disaggregation", "--prefill", pre.url, str(bport), "--decode", dec.url],
+                        str(tmp_path / "router.log"))  # fmt: skip
+        img = tiny_image(13)
+        want, n = reference(llava, ["what is ", img, " here"])
+        c = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+        r = ask(c, ["what is ", data_url(img), " here"])
+        assert r.choices[0].message.content == want and r.usage.prompt_tokens == n
+        text, usage = ask(c, ["what is ", data_url(img), " here"], stream=True)
+        assert text == want and usage.prompt_tokens == n
+        _, proc, ref = llava
+        inputs = proc(text="look <image> now", images=[img], return_tensors="pt")
+        with torch.no_grad():
+            out = ref.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)  # fmt: skip
+        body = {"text": "look <image> now", "image_data": [data_url(img)],
+                "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+        g = httpx.post(router.url + "/generate", json=body, timeout=60)
+        assert g.status_code == 200, g.text
+        assert g.json()["output_ids"] == out[0, inputs["input_ids"].shape[1] :].tolist()
+        assert pd_stats(dec)["transfers_ok"] >= 3
+        for s in (pre, dec):
+            assert s.wait_idle_clean(timeout=15)["memory"].get("image_embed_tokens", 0) == 0
     finally:
         if router is not None:
             router.stop()

@@ -189,3 +189,60 @@ def test_generate_image_data(llava, vlm_server, client):
     body["image_data"] = [data_url(a)]  # two placeholders, one image
     r = httpx.post(vlm_server.url + "/generate", json=body, timeout=60)
     assert r.status_code == 400 and "placeholders" in r.json()["error"]["message"]
+
+
+def test_a_session_with_images_over_generate_and_an_engine_restart(llava, vlm_server):
+    """SGLang's sessions with images: a turn's image and a later text-only turn answer as transformers
+    does on the whole conversation; the books hold the session's images until it closes. After an
+    engine restart a session with images is not re-opened (its images were the old engine's): its next
+    turn is the 404 of a session that is gone, while a text-only session goes on."""
+    import os
+    import signal
+    import time
+
+    import httpx
+
+    _, proc, ref = llava
+    img = tiny_image(12)
+    t1, t2 = "<|user|>see <image> here</s><|assistant|>", "<|user|>more?</s><|assistant|>"
+    p1 = proc(text=t1, images=[img], return_tensors="pt")
+    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+
+    @torch.no_grad()
+    def want(prompt: list[int]) -> list[int]:
+        x = torch.tensor([prompt])
+        out = ref.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=p1["pixel_values"],
+                           max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    def turn(sid: str, text: str, **kw) -> httpx.Response:
+        body = {"text": text, "sampling_params": sp, "session_params": {"id": sid}, **kw}
+        return httpx.post(vlm_server.url + "/generate", json=body, timeout=60)
+
+    sid = httpx.post(vlm_server.url + "/open_session", json={}, timeout=30).json()
+    r1 = turn(sid, t1, image_data=[data_url(img)])
+    assert r1.status_code == 200, r1.text
+    prompt = p1["input_ids"][0].tolist()
+    assert r1.json()["output_ids"] == want(prompt)
+    prompt += r1.json()["output_ids"] + proc.tokenizer(t2)["input_ids"]
+    r2 = turn(sid, t2)
+    assert r2.json()["output_ids"] == want(prompt)
+    assert vlm_server.info()["memory"]["session_image_bytes"] > 0
+    plain = httpx.post(vlm_server.url + "/open_session", json={}, timeout=30).json()
+    assert turn(plain, t2).status_code == 200
+    restarts = vlm_server.info()["engine_restarts"]
+    os.kill(vlm_server.info()["engine_pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if vlm_server.info()["engine_restarts"] > restarts and httpx.get(vlm_server.url + "/health").status_code == 200:
+                break
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.3)
+    gone = turn(sid, t2)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found", gone.text
+    assert turn(plain, t2).status_code == 200  # a text-only session was re-opened and goes on
+    assert httpx.post(vlm_server.url + "/close_session", json={"session_id": plain}, timeout=30).status_code == 200
+    info = vlm_server.wait_idle_clean()
+    assert info["memory"].get("session_image_bytes", 0) == 0

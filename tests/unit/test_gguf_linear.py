@@ -216,7 +216,7 @@ def repacked(kind: str, raw: np.ndarray) -> torch.Tensor:
     tid = int(gguf.GGMLQuantizationType[kind])
     w = torch.from_numpy(raw).reshape(-1).contiguous()
     k = raw.shape[1] // KINDS[kind][1] * KINDS[kind][0]
-    return torch.ops.kvledger_cpu.gguf_repack(w, torch.tensor([[tid, raw.shape[0]]]), k, False)
+    return torch.ops.kvledger_cpu.gguf_repack([w], torch.tensor([[tid, raw.shape[0]]]), k, False)
 
 
 def run_packed(kind: str, packed: torch.Tensor, n: int, x: torch.Tensor, tile_rows: int = -1) -> torch.Tensor:
@@ -238,10 +238,10 @@ def test_repack_keeps_the_bytes_and_undoes_exactly(kind):
         packed = repacked(kind, raw)
         per_block = 148 if kind == "Q4_K" else nbytes
         assert packed.numel() == (n + 15) // 16 * 16 * (k // block) * per_block
-        back = torch.ops.kvledger_cpu.gguf_repack(packed, torch.tensor([[tid + 100, n]]), k, True)
+        back = torch.ops.kvledger_cpu.gguf_repack([packed], torch.tensor([[tid + 100, n]]), k, True)
         assert torch.equal(back, torch.from_numpy(raw).reshape(-1))
     with pytest.raises(RuntimeError, match="has no repack"):
-        torch.ops.kvledger_cpu.gguf_repack(torch.zeros(18 * 8, dtype=torch.uint8), torch.tensor([[2, 1]]), 256)
+        torch.ops.kvledger_cpu.gguf_repack([torch.zeros(18 * 8, dtype=torch.uint8)], torch.tensor([[2, 1]]), 256)
 
 
 @pytest.mark.parametrize("kind", REPACK_KINDS)
@@ -322,6 +322,41 @@ def test_a_repacked_stack_of_kinds_runs_each_part_in_its_kind():
         single.repack()
         index = torch.tensor([[3, 39], [17, 3]])
         assert torch.equal(single.rows(index), want[index.reshape(-1)])
+
+
+def test_a_fused_projection_is_repacked_part_by_part_from_the_files_views():
+    """The builder leaves a fused gate/up or q/k/v of repacked kinds as views of the file (``cat_rows``
+    apart) and the repack reads each part into the one buffer: the same bytes as repacking the
+    concatenation, a run of one kind served as one part (as the concatenated tensor was), a part of
+    rows not whole groups of 16 kept apart (its padding group between); the outputs equal the
+    concatenated layer's bit for bit; a count of inputs or a size that does not match the parts refused."""
+    from kvledger.kernels.gguf_weight import GgufWeight
+    from kvledger.model.linear import Linear, repacked_at_load
+    from kvledger.model.quantized import BlockStack, BlockWeight, cat_rows
+
+    if not kernels.load() or kernels.quant_isa() != "avx512-vnni":
+        pytest.skip("the load-time repack needs the VNNI kernel")
+    rng = np.random.default_rng(9)
+    k = 512
+    for parts in ((("Q4_K", 48), ("Q4_K", 32)), (("Q6_K", 21), ("Q6_K", 16), ("Q4_K", 16))):
+        blocks = [BlockWeight.from_gguf(kind, random_blocks(kind, n, k, rng)) for kind, n in parts]
+        assert repacked_at_load(blocks)
+        apart = cat_rows(blocks, apart=True)
+        assert isinstance(apart, BlockStack)
+        fused = Linear(apart, None, "int4", dtype=torch.bfloat16)
+        whole = GgufWeight(parts, k, torch.from_numpy(np.concatenate([b.raw.reshape(-1) for b in blocks])))
+        whole.repack()
+        assert torch.equal(fused.qw.w, whole.w)
+        want_parts = (("Q4_K", 80),) if parts[0][1] == 48 else parts  # 21 rows: not one run
+        assert fused.qw.parts == want_parts and fused.qw.packed
+        x = torch.randn(6, k, dtype=torch.bfloat16)
+        assert torch.equal(fused.qw(x), whole(x))
+    segs = torch.tensor([[int(gguf.GGMLQuantizationType["Q6_K"]), 16]] * 2)
+    one = torch.from_numpy(random_blocks("Q6_K", 16, k, rng)).reshape(-1)
+    with pytest.raises(RuntimeError, match="2 inputs for 3 parts"):
+        torch.ops.kvledger_cpu.gguf_repack([one, one], torch.cat([segs, segs[:1]]), k, False)
+    with pytest.raises(RuntimeError, match="part 1 holds"):
+        torch.ops.kvledger_cpu.gguf_repack([one, one[:-1]], segs, k, False)
 
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])

@@ -132,7 +132,7 @@ class DecodeConnector(DecodeReceiver, KVConnector):
         # the claim carries it (prefill was sent the turn's input alone). ``start`` is what the
         # session's borrowed pages already hold; prefill sends the rest.
         tokens = list(req.input_ids) if req.session is not None else None
-        claim = wire.Claim(d.room, end, start, wire.tokens_crc(req.input_ids, req.lora_key), self.layout, target, tokens)
+        claim = wire.Claim(d.room, end, start, wire.prompt_crc(req), self.layout, target, tokens)
         self.io.post(("send", job.addr, claim))
 
     def received_output(self, req):

@@ -124,7 +124,7 @@ class PrefillConnector(PrefillBootstrap, KVConnector):
         ids = claim.tokens
         if ids is None:
             return "a session turn's claim must carry its prompt (a decode server of an older version?)"
-        if len(ids) != claim.num_tokens or wire.tokens_crc(ids, req.lora_key) != claim.tokens_crc:
+        if len(ids) != claim.num_tokens or wire.prompt_crc(req, ids) != claim.tokens_crc:
             return "the claim's prompt does not match its length and checksum"
         lim = self.limits
         if lim is not None:
@@ -174,7 +174,7 @@ class PrefillConnector(PrefillBootstrap, KVConnector):
                     top,
                     cached_tokens=req.cached_tokens,
                 )
-                crc = wire.tokens_crc(req.input_ids, req.lora_key)
+                crc = wire.prompt_crc(req)
                 job = SendJob(req.rid, d.room, list(req.pages), len(req.input_ids), crc, first)
                 self._jobs[d.room] = job
                 claim = self._claims.get(d.room)

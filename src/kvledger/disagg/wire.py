@@ -158,9 +158,21 @@ def _view(frame) -> memoryview:
     return memoryview(buf)
 
 
-def tokens_crc(ids: list[int], adapter: str | None = None) -> int:
+def tokens_crc(ids: list[int], adapter: str | None = None, images: tuple[bytes, ...] = ()) -> int:
     """A cheap check that both sides hold the same prompt (not a security boundary) under the same
-    LoRA adapter (its fingerprint; None: the base model): KV computed under one adapter is never
-    handed to a request of another (refused as a prompt that differs)."""
+    LoRA adapter (its fingerprint; None: the base model) with the same images (their content digests,
+    in prompt order: an image's placeholder tokens are the same ids whatever the picture): KV computed
+    under one adapter or of one picture is never handed to a request of another (refused as a prompt
+    that differs)."""
     crc = zlib.crc32(b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids))
-    return crc if adapter is None else zlib.crc32(b"lora:" + adapter.encode(), crc)
+    if adapter is not None:
+        crc = zlib.crc32(b"lora:" + adapter.encode(), crc)
+    for digest in images:
+        crc = zlib.crc32(b"image:" + digest, crc)
+    return crc
+
+
+def prompt_crc(req, ids: list[int] | None = None) -> int:
+    """``tokens_crc`` of a request's prompt (``ids``, else its own), adapter and images."""
+    images = tuple(im.digest for im in req.mm.images) if req.mm is not None else ()
+    return tokens_crc(req.input_ids if ids is None else ids, req.lora_key, images)

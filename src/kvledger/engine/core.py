@@ -228,11 +228,11 @@ class EngineCore:
             if req.disagg is not None:
                 self._disagg_params(req, session_params)
             if session_params is not None:
-                if req.mm is not None:
-                    check_request(self.cfg, "images", ["sessions"])
                 if req.params.lora_path is not None:
                     check_request(self.cfg, "adapter", ["sessions"])
                 check_request(self.cfg, "sessions")  # the compatibility table, for a request-level feature
+                if req.disagg is not None:
+                    self._no_session_images(req, session_params)
                 if req.disagg is not None and self._pd_mode == "prefill":
                     # A session turn through PD, prefill's half: the session is decode's. The request is a
                     # plain one whose prompt decode's claim supplies (``disagg/prefill.py``).
@@ -246,6 +246,18 @@ class EngineCore:
         if self.connector is not None:
             self.connector.check_request(req)  # last: it may take the request's room
         self.scheduler.submit(req)
+
+    def _no_session_images(self, req: Req, session_params: dict) -> None:
+        """A PD session turn computes its history on prefill, which holds neither the session nor its
+        images: a turn with images, or of a session whose history has some, is refused (a 400)."""
+        sid = session_params.get("id") if isinstance(session_params, dict) else None
+        s = self.sessions.sessions.get(sid) if isinstance(sid, str) else None
+        if req.mm is not None or (s is not None and s.images):
+            raise ValidationError(
+                "a session turn with images (or of a session whose history holds images) is not served "
+                "through PD yet: the prefill server holds neither the session nor its images",
+                param="session_params",
+            )
 
     @property
     def _pd_mode(self) -> str | None:

@@ -85,7 +85,7 @@ class GgufWeight:
         segs = torch.tensor(
             [[int(gguf.GGMLQuantizationType[k]), r] for k, r in self.parts], dtype=torch.int64
         )
-        self.w = torch.ops.kvledger_cpu.gguf_repack(self.w, segs, self.in_features, False)
+        self.w = torch.ops.kvledger_cpu.gguf_repack([self.w], segs, self.in_features, False)
         self.packed = True
         self._set_scales()
 
@@ -94,7 +94,7 @@ class GgufWeight:
         if not self.packed:
             return self.w
         segs = torch.tensor([[self._id(k), r] for k, r in self.parts], dtype=torch.int64)
-        return torch.ops.kvledger_cpu.gguf_repack(self.w, segs, self.in_features, True)
+        return torch.ops.kvledger_cpu.gguf_repack([self.w], segs, self.in_features, True)
 
     def _group_rows(self, index: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         """A repacked single part: the file's bytes of the groups of 16 holding ``index``'s rows, and
@@ -107,7 +107,7 @@ class GgufWeight:
         sel = torch.cat([flat[int(g) * gbytes : (int(g) + 1) * gbytes] for g in groups])
         n = 16 * len(groups)
         segs = torch.tensor([[self._id(kind), n]], dtype=torch.int64)
-        raw = torch.ops.kvledger_cpu.gguf_repack(sel.contiguous(), segs, self.in_features, True)
+        raw = torch.ops.kvledger_cpu.gguf_repack([sel.contiguous()], segs, self.in_features, True)
         return raw.numpy().reshape(n, -1), pos * 16 + idx % 16
 
     def nbytes(self) -> int:

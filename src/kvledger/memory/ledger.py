@@ -126,7 +126,7 @@ class Ledger:
             **({"hicache": self.tiers.figures(list(self.holdings()))} if self.tiers is not None else {}),
             **({"hisparse": self.sparse.figures(list(self.holdings()))} if self.sparse is not None else {}),
             **({"window": self.window.figures(list(self.holdings()))} if self.window is not None else {}),
-            **({"image_embed_tokens": self.images.held_tokens} if self.images is not None and self.images.used else {}),
+            **(self.images.figures() if self.images is not None and self.images.used else {}),
             "leak_check": {
                 "ok": self.violations == 0,
                 "checks": self.checks,

@@ -39,6 +39,14 @@ class Session:
     closing: bool = False  # close requested while a turn runs (close_on_finish)
     last_used: float = field(default_factory=time.monotonic)
     turns: int = 0
+    # The images among ``tokens`` (``multimodal.ImageItem``s at their positions there): the session's
+    # own, committed with the turn that sent them, so that a turn that recomputes the history (its KV
+    # dropped for room, a rewind) encodes them again; gone with the session.
+    images: tuple = ()
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(im.pixel_values.nbytes for im in self.images)
 
     @property
     def owner(self) -> str:
@@ -53,6 +61,10 @@ class SessionKV:
 
     def idle_pages(self) -> int:
         return sum(len(s.pages) - s.num_out for s in self.by_id.values() if s.busy_rid is None)
+
+    def image_bytes(self) -> int:
+        """The pixel bytes the open sessions keep for their histories' images."""
+        return sum(s.image_bytes for s in self.by_id.values())
 
     @staticmethod
     def held(s: Session) -> list[int]:
@@ -156,6 +168,7 @@ class SessionKV:
             self._drop_out_of_window(s, req.kv_len)
             s.kv_len = req.kv_len
             s.tokens = req.fill_ids
+            s.images = req.mm.images if req.mm is not None else ()  # (every image is in the prompt)
             s.turns += 1
         else:
             self.kv_manager.free(req.pages[first:], owner)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import gguf
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -374,9 +375,12 @@ def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
     if isinstance(w, BlockStack) and all(p.kind in GGUF_KERNEL_KINDS for p in w.parts):
         parts = tuple((p.kind, p.shape[0]) for p in w.parts)
         if _repacks(parts, w.shape[1]):  # the file's pages dropped after the build (release_file_pages)
-            stack = GgufWeight(parts, w.shape[1], torch.cat([_view(p.raw) for p in w.parts]))
-            stack.repack()
-            return stack
+            # Each part read from its view of the file into the one repacked buffer (no concatenated
+            # copy first); a run of one kind then served as one part, as a fused tensor of that kind is
+            # (the same bytes: every part before the run's last holds whole groups of 16 rows).
+            segs = torch.tensor([[int(gguf.GGMLQuantizationType[k]), r] for k, r in parts], dtype=torch.int64)
+            out = torch.ops.kvledger_cpu.gguf_repack([_view(p.raw) for p in w.parts], segs, w.shape[1], False)
+            return GgufWeight(_merge_runs(parts), w.shape[1], out, packed=True)
         flat = np.concatenate([p.raw.reshape(-1) for p in w.parts])  # one copy, as a fused tensor's
         return GgufWeight(parts, w.shape[1], torch.from_numpy(flat))
     if isinstance(w, BlockWeight) and w.kind in GGUF_KERNEL_KINDS:
@@ -389,6 +393,28 @@ def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
     if isinstance(w, BlockWeight) and w.bits == bits:
         return pack_blocks(*w.codes(), bits=bits)
     return pack(dense(w), bits)
+
+
+def _merge_runs(parts: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+    """Adjacent parts of one kind as one part where the repacked bytes are the same (the earlier part
+    holds whole groups of 16 rows, so no padding group lies between them)."""
+    out: list[tuple[str, int]] = []
+    for kind, rows in parts:
+        if out and out[-1][0] == kind and out[-1][1] % 16 == 0:
+            out[-1] = (kind, out[-1][1] + rows)
+        else:
+            out.append((kind, rows))
+    return tuple(out)
+
+
+def repacked_at_load(parts: list[Weight]) -> bool:
+    """Whether a fused projection of ``parts`` (a GGUF file's blocks) is repacked when built
+    (``_pack``): every part blocks of the kernel's kinds, and the repack applying to them."""
+    if not all(isinstance(p, BlockWeight) and p.kind in GGUF_KERNEL_KINDS for p in parts):
+        return False
+    if len({p.shape[1] for p in parts}) != 1 or not kernels.load():
+        return False
+    return _repacks(tuple((p.kind, p.shape[0]) for p in parts), parts[0].shape[1])
 
 
 def _view(raw: np.ndarray) -> torch.Tensor:

@@ -163,11 +163,13 @@ def select_rows(w: Weight, index: slice) -> Weight:
     return w.rows(index) if isinstance(w, BlockWeight) else dense(w)[index]
 
 
-def cat_rows(parts: list[Weight]) -> Weight:
+def cat_rows(parts: list[Weight], apart: bool = False) -> Weight:
     """Weights stacked along rows, kept as blocks when every part is blocks: one kind stacked into
-    one ``BlockWeight``, several into a ``BlockStack`` (each part served in its own kind)."""
+    one ``BlockWeight``, several into a ``BlockStack`` (each part served in its own kind). ``apart``:
+    one kind's parts too are left a ``BlockStack`` (views of the file), for a layer the load-time repack
+    reads part by part into its own buffer: a concatenated copy first would only be thrown away."""
     if all(isinstance(p, BlockWeight) for p in parts):
-        if len({p.kind for p in parts}) == 1:
+        if len({p.kind for p in parts}) == 1 and not apart:
             return BlockWeight.cat(parts)
         if len({p.shape[1] for p in parts}) == 1:
             return BlockStack(tuple(parts))

@@ -11,6 +11,7 @@ tensors under the names the text families take, the vision side's kept for this 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -77,7 +78,9 @@ class LlavaVision(VisionFamily):
 
     def encode(self, item: ImageItem) -> torch.Tensor:
         p = self.projector.linear_1.weight
-        pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
+        with warnings.catch_warnings():  # the message's bytes are read-only; the tower only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
         states = self.tower(pixels, output_hidden_states=True, return_dict=True).hidden_states[self.layer]
         if self.strategy == "default":
             states = states[:, 1:]
@@ -126,7 +129,9 @@ class Qwen2VLVision(VisionFamily):
 
     def encode(self, item: ImageItem) -> torch.Tensor:
         p = next(self.tower.parameters())
-        pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
+        with warnings.catch_warnings():  # the message's bytes are read-only; the tower only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
         grid = torch.from_numpy(np.asarray(item.extra["image_grid_thw"], dtype=np.int64).reshape(1, 3)).to(p.device)
         return self.tower(pixels, grid_thw=grid).pooler_output
 

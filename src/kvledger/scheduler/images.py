@@ -12,6 +12,11 @@ with the next step (``SchedulerOutput.image_drops``), before it runs.
 |---|---|
 | not begun, or fully prefilled | nobody |
 | encoded: tokens fed, its last one not yet | the runner, owned by the request (``held``) |
+
+A streaming session keeps the images of its history (their pixels, not their embeddings: the KV
+holds what they made) so that a turn that recomputes the history encodes them again; they are the
+session's, committed with the turn that sent them and gone with the session (``Session.images``,
+reported here as ``session_image_bytes``).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from .request import Req
 class ImageBooks:
     """Which image embeddings the runner holds, by key, with their owner and size in tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, sessions=None) -> None:
+        self.sessions = sessions  # memory.SessionKV: the sessions' images are in the figures and audit
         self.held: dict[str, tuple[str, int]] = {}  # key -> (owner rid, tokens)
         self._drops: list[str] = []
         self.used = False  # a request with images was ever fed (the figure shows from then on)
@@ -68,6 +74,16 @@ class ImageBooks:
         for key, (rid, _) in self.held.items():
             if f"req {rid}" not in live:
                 report.problems.append(f"image embeds {key}: owner req {rid} holds no memory (not live)")
+        for s in self.sessions.by_id.values() if self.sessions is not None else ():
+            if s.images and s.images[-1].end > len(s.tokens):
+                report.problems.append(f"{s.owner}: an image's tokens end past its {len(s.tokens)} tokens")
+
+    def figures(self) -> dict[str, int]:
+        """The ledger's image figures: embeddings held between chunks (tokens), sessions' images (bytes)."""
+        out = {"image_embed_tokens": self.held_tokens}
+        if self.sessions is not None:
+            out["session_image_bytes"] = self.sessions.image_bytes()
+        return out
 
     def take_drops(self) -> list[str]:
         drops, self._drops = self._drops, []

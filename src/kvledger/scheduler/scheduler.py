@@ -84,7 +84,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}  # every request the engine knows, queued or live
         self._outputs: list[RequestOutput] = []
         # Components with per-request state register here; ``_finish`` calls each on every ending.
-        self.images = ImageBooks()  # image embeddings the runner holds between a request's chunks
+        self.images = ImageBooks(kv_manager.sessions)  # image embeddings the runner holds between a request's chunks
         kv_manager.ledger.images = self.images  # (audited with the pages: every holder a live request)
         self.release_hooks: list[ReleaseHook] = [self.connector.request_finished, drop_grammar, self.images.release]
         self.last_stats = StepStats()

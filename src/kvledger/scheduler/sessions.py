@@ -11,6 +11,7 @@ dropped, least recently used first (their tokens are kept and recomputed on the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -20,6 +21,7 @@ import msgspec
 from ..compat import refusal_error
 from ..errors import ConflictError, NotFoundError, OverloadedError, ValidationError
 from ..memory import Session, SessionKV
+from ..multimodal import MultiModalInputs
 
 
 def session_not_found(sid, param: str) -> NotFoundError:
@@ -139,6 +141,7 @@ class SessionManager:
                 f"session_params.offset must be an integer in [0, {len(s.tokens)}]",
                 param="session_params.offset",
             )
+        images = self._turn_images(s, req, offset)
         prompt = s.tokens[:offset] + req.input_ids
         if len(prompt) >= context_length:
             raise ValidationError(
@@ -147,12 +150,27 @@ class SessionManager:
                 code="context_length_exceeded",
             )
         req.input_ids = prompt
+        req.mm = images
         left = context_length - len(prompt)  # (a copy: params may be the caller's, shared by several requests)
         req.params = msgspec.structs.replace(req.params, max_new_tokens=min(req.params.max_new_tokens, left))
         req.session = s
         req.session_offset = offset
         s.busy_rid = req.rid
         s.last_used = time.monotonic()
+
+    @staticmethod
+    def _turn_images(s: Session, req, offset: int) -> MultiModalInputs | None:
+        """The images of a turn's whole prompt: the history's up to ``offset`` (a rewind into an image's
+        tokens is refused: half an image is no image), then the turn's own, moved past the history."""
+        history = tuple(im for im in s.images if im.offset < offset)
+        if history and history[-1].end > offset:
+            raise ValidationError(
+                f"session_params.offset {offset} falls inside an image's tokens "
+                f"[{history[-1].offset}, {history[-1].end}); rewind to before or after it",
+                param="session_params.offset",
+            )
+        own = tuple(dataclasses.replace(im, offset=im.offset + offset) for im in req.mm.images) if req.mm else ()
+        return MultiModalInputs(history + own) if history or own else None
 
     def describe(self) -> list[dict]:
         return [
@@ -164,6 +182,7 @@ class SessionManager:
                 "busy_rid": s.busy_rid,
                 "closing": s.closing,
                 "turns": s.turns,
+                **({"images": len(s.images)} if s.images else {}),
             }
             for s in self.sessions.values()
         ]

@@ -173,7 +173,7 @@ class GenerationService:
                 if st.finish is not None:
                     self._account(st, now - t0)
                     if session_params is not None:
-                        self.sessions.turn_ended(session_params, input_ids, st.finish, st.output_ids)
+                        self.sessions.turn_ended(session_params, input_ids, st.finish, st.output_ids, bool(images))
                 st.visible = st.text.update(st.output_ids, st.finish)
                 yield st
         finally:

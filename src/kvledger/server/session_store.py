@@ -15,6 +15,10 @@ The history follows the engine's commit rule (``memory/session_kv.py``): a turn 
 or length) makes the session ``tokens[:offset] + turn input + turn output``; a turn that ends by
 abort, error or a crash leaves it as it was.
 
+A session whose turns sent images is the exception: the images' pixels live in the engine with the
+session (``memory/session_kv.py``), not here, so after an engine restart it is dropped (its next turn
+gets the 404 of a session that is gone) and it is never journaled.
+
 Bounded: at most ``max_sessions`` records (the engine's cap; expired ones pruned, then the least
 recently used dropped), each at most ``context_length`` tokens as 4-byte ints.
 
@@ -27,6 +31,7 @@ keeps only that), and a session whose key is no longer configured is dropped.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from array import array
@@ -45,10 +50,15 @@ class SessionRecord:
     salt: str | None = None  # the tag of its turns' cache salt (NO_SALT: none), set by its first turn
     tokens: array = field(default_factory=lambda: array("i"))
     last_used: float = field(default_factory=time.monotonic)
+    # A completed turn sent images: their pixels are the engine's (``Session.images``), so the history
+    # cannot be recomputed on another engine, and the session is neither journaled nor re-opened.
+    images: bool = False
 
     def expired(self, now: float) -> bool:
         return self.timeout_s is not None and now - self.last_used > self.timeout_s
 
+
+log = logging.getLogger("kvledger.server")
 
 NO_SALT = "-"  # the salt tag of turns without a cache salt (a tag is hex: never this)
 
@@ -114,7 +124,9 @@ class SessionStore:
             self._drop(min(self.records, key=lambda k: self.records[k].last_used))
 
     def _saved(self, sid: str, rec: SessionRecord) -> None:
-        if self.journal is not None:
+        if self.journal is not None and rec.images:
+            self.journal.remove(sid)  # (not restorable: see SessionRecord.images)
+        elif self.journal is not None:
             wall = time.time() - (time.monotonic() - rec.last_used)
             self.journal.write(JournalEntry(sid, rec.timeout_s, rec.owner, rec.salt, wall, rec.tokens))
 
@@ -125,8 +137,11 @@ class SessionStore:
     def closed(self, sid: str) -> None:
         self._drop(sid)
 
-    def turn_ended(self, session_params: dict, input_ids: list[int], finish, output_ids: list[int]) -> None:
-        """Apply the engine's commit rule to the front's copy of the session."""
+    def turn_ended(
+        self, session_params: dict, input_ids: list[int], finish, output_ids: list[int], images: bool = False
+    ) -> None:
+        """Apply the engine's commit rule to the front's copy of the session (``images``: the turn sent
+        some)."""
         sid = session_params.get("id") if isinstance(session_params, dict) else None
         rec = self.records.get(sid) if isinstance(sid, str) else None
         if rec is None or finish is None:
@@ -141,6 +156,7 @@ class SessionStore:
         del rec.tokens[offset:]
         rec.tokens.extend(input_ids)
         rec.tokens.extend(output_ids)
+        rec.images = rec.images or images
         rec.last_used = time.monotonic()
         self._saved(sid, rec)
 
@@ -153,6 +169,11 @@ class SessionStore:
         """What the new engine needs to re-open every live session (``restore_sessions``): with how
         long each has been idle, so that it expires when it would have."""
         self.prune()
+        gone = [sid for sid, r in self.records.items() if r.images]
+        for sid in gone:
+            self._drop(sid)  # their images died with the engine: their next turn is a 404
+        if gone:
+            log.warning("%d session(s) with images not re-opened: their images were the old engine's", len(gone))
         now = time.monotonic()
         return [
             {"id": sid, "timeout": r.timeout_s, "tokens": r.tokens.tolist(), "idle_s": now - r.last_used}

@@ -914,15 +914,20 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
 
 // The load-time repack (gguf_blocks.h) of a weight's parts (segments as gguf_linear's: kind, rows),
 // every part Q4_K, Q6_K, Q8_0 or Q5_0 -> kind + 100, groups of 16 rows over the threads; inverse: back to the
-// file's bytes (parts then given in their packed kinds). A new uint8 tensor; w is only read.
-at::Tensor gguf_repack(const at::Tensor& w, const at::Tensor& segments, int64_t k, bool inverse) {
-  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte, "w must be contiguous uint8");
+// file's bytes (parts then given in their packed kinds). ws: the parts' bytes, one tensor holding every
+// part in order, or one tensor a part (a fused projection's q/k/v or gate/up straight from the file's
+// map: no concatenated copy first). A new uint8 tensor; ws are only read.
+at::Tensor gguf_repack(const at::TensorList ws, const at::Tensor& segments, int64_t k, bool inverse) {
+  TORCH_CHECK(!ws.empty(), "no input");
+  for (const at::Tensor& w : ws)
+    TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte, "w must be contiguous uint8");
   TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 2 && segments.scalar_type() == at::kLong &&
                   segments.is_contiguous(),
               "segments must be [parts, 2] int64 (kind, rows)");
   struct Part {
     int kind;
     int64_t rows, src, dst, g0;
+    const uint8_t* in;
   };
   std::vector<Part> parts;
   int64_t src = 0, dst = 0, groups = 0;
@@ -940,17 +945,26 @@ at::Tensor gguf_repack(const at::Tensor& w, const at::Tensor& segments, int64_t 
     dst += gguf_rows_bytes(inverse ? fk : pk, rows, k);
     groups += (rows + kGgufGroup - 1) / kGgufGroup;
   }
-  TORCH_CHECK(w.numel() == src, "w holds ", w.numel(), " bytes, the parts ", src);
-  auto out = at::empty({dst}, w.options());
-  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (ws.size() == 1) {
+    TORCH_CHECK(ws[0].numel() == src, "w holds ", ws[0].numel(), " bytes, the parts ", src);
+    for (Part& p : parts) p.in = ws[0].data_ptr<uint8_t>() + p.src;
+  } else {
+    TORCH_CHECK(ws.size() == parts.size(), ws.size(), " inputs for ", parts.size(), " parts");
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const int64_t want = (i + 1 < parts.size() ? parts[i + 1].src : src) - parts[i].src;
+      TORCH_CHECK(ws[i].numel() == want, "part ", i, " holds ", ws[i].numel(), " bytes, its rows ", want);
+      parts[i].in = ws[i].data_ptr<uint8_t>();
+    }
+  }
+  auto out = at::empty({dst}, ws[0].options());
   uint8_t* op = out.data_ptr<uint8_t>();
   kvl::parallel_for(0, groups, 1, [&](int64_t a, int64_t b) {
     for (const Part& p : parts) {
       const int64_t pg = (p.rows + kGgufGroup - 1) / kGgufGroup;
       const int64_t g0 = std::max<int64_t>(a, p.g0) - p.g0, g1 = std::min<int64_t>(b, p.g0 + pg) - p.g0;
       if (g0 >= g1) continue;
-      if (inverse) gguf_unpack_groups(p.kind, wp + p.src, p.rows, k, op + p.dst, g0, g1);
-      else gguf_repack_groups(p.kind, wp + p.src, p.rows, k, op + p.dst, g0, g1);
+      if (inverse) gguf_unpack_groups(p.kind, p.in, p.rows, k, op + p.dst, g0, g1);
+      else gguf_repack_groups(p.kind, p.in, p.rows, k, op + p.dst, g0, g1);
     }
   });
   return out;
@@ -1058,7 +1072,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
       "Tensor lens, float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? out_loc=None, "
       "int head_stride=0, int window=0) -> Tensor");
   m.def("gguf_linear(Tensor x, Tensor w, int kind, int n, int k, Tensor? segments=None, int tile_rows=-1) -> Tensor");
-  m.def("gguf_repack(Tensor w, Tensor segments, int k, bool inverse=False) -> Tensor");
+  m.def("gguf_repack(Tensor[] ws, Tensor segments, int k, bool inverse=False) -> Tensor");
   m.def("release_pages(Tensor w) -> int");
   m.def(
       "quant_linear(Tensor x, Tensor w, Tensor scales, Tensor? wsum128, int bits, int n, int amx_rows=0) -> Tensor");

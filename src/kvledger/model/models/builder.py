@@ -15,7 +15,7 @@ from ...errors import ModelLoadError
 from ...kernels.gguf_weight import GGUF_KERNEL_KINDS, GgufWeight
 from ..config import ModelConfig
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding
-from ..linear import Linear
+from ..linear import Linear, repacked_at_load
 from ..quantized import PACKED_BITS, BlockWeight, Weight, cat_rows, dense
 
 
@@ -58,7 +58,8 @@ class Builder:
 
     def proj(self, names: list[str], bias: bool = False) -> Linear:
         """The rows of ``names`` (``...q_proj`` ...) fused into one ``Linear``."""
-        w = cat_rows([self.take(n + ".weight") for n in names])
+        parts = [self.take(n + ".weight") for n in names]
+        w = cat_rows(parts, apart=self.quantization is not None and repacked_at_load(parts))
         b = torch.cat([dense(self.take(n + ".bias")) for n in names]) if bias else None
         return self.lin(w, b)
 
