@@ -212,3 +212,76 @@ def test_ngram_drafts_verify_at_offset_positions(qwen_vl, make_vlm):
     out = eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params={**G, "max_new_tokens": 24}, image_data=img)
     assert out["output_ids"] == want
     assert out["meta_info"]["spec_verify_ct"] < 24  # drafts were accepted (the tiny model repeats itself)
+
+
+TURN2 = f"<|user|>now {IMG} again</s><|assistant|>"
+TURN3 = "<|user|>and so?</s><|assistant|>"
+
+
+@torch.no_grad()
+def reference_ids(qwen_vl, prompt: list[int], images: list, n: int = 8) -> list[int]:
+    """transformers' greedy continuation of an expanded prompt (ids) whose image runs are ``images``."""
+    _, image_proc, tok, ref = qwen_vl
+    px = image_proc(images=images, return_tensors="pt")
+    x = torch.tensor([prompt])
+    mm = (x == tok.convert_tokens_to_ids("<|image_pad|>")).int()
+    out = ref.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=px["pixel_values"],
+                       image_grid_thw=px["image_grid_thw"], mm_token_type_ids=mm, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+def test_session_turns_take_the_whole_conversations_positions(qwen_vl, make_vlm):
+    """A session's turns: each turn's layout is the whole conversation's (the history's images, then
+    its own moved past the history), so a text-only turn after an image turn, a turn whose history
+    KV was dropped and is recomputed, and a rewind equal transformers on the whole conversation."""
+    a, b = tiny_image(1), tiny_image(2, (30, 60))
+    eng = make_vlm()
+    sid = eng.open_session()
+    p1, want1 = reference(qwen_vl, ONE, [a])
+    t1 = eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params=G, image_data=a, session_params={"id": sid})
+    assert t1["output_ids"] == want1
+    history = p1 + want1 + ids(qwen_vl, TURN3)  # a text-only turn: its positions offset by the history's image
+    want2 = reference_ids(qwen_vl, history, [a])
+    t2 = eng.generate(input_ids=ids(qwen_vl, TURN3), sampling_params=G, session_params={"id": sid})
+    assert t2["output_ids"] == want2 and t2["meta_info"]["cached_tokens"] >= len(p1)
+    history += want2 + ref_inputs(qwen_vl, TURN2, [b])["input_ids"][0].tolist()
+    want3 = reference_ids(qwen_vl, history, [a, b])
+    t3 = eng.generate(input_ids=ids(qwen_vl, TURN2), sampling_params=G, image_data=b, session_params={"id": sid})
+    assert t3["output_ids"] == want3
+    assert eng.core.kv_manager.sessions.drop_all_kv() > 0  # recomputed from the tokens, both images again
+    history += want3 + ids(qwen_vl, TURN3)
+    t4 = eng.generate(input_ids=ids(qwen_vl, TURN3), sampling_params=G, session_params={"id": sid})
+    assert t4["output_ids"] == reference_ids(qwen_vl, history, [a, b])
+    back = len(p1) + len(want1)  # a rewind to after the first turn: its image only
+    t5 = eng.generate(input_ids=ids(qwen_vl, TURN3), sampling_params=G, session_params={"id": sid, "offset": back})
+    assert t5["output_ids"] == want2
+    eng.close_session(sid)
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+def test_pd_decode_side_decodes_at_the_offset_positions(qwen_vl, make_vlm):
+    """PD: decode takes prefill's KV of the prompt (computed at M-RoPE's positions) and decodes at
+    the request's offset positions (its layout built from the same images): one engine's tokens."""
+    from kvledger.common.disagg import DisaggParams
+    from tests.engine.test_disagg import drive, until_idle
+    from tests.server_harness import free_port
+
+    port = free_port()
+    pre = make_vlm(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                   disaggregation_bind_host="127.0.0.1", page_size=16)  # fmt: skip
+    dec = make_vlm(disaggregation_mode="decode", disaggregation_bootstrap_port=port, page_size=4)
+    p = ids(qwen_vl, TWO)
+    a, b = tiny_image(1), tiny_image(2, (30, 60))
+    try:
+        room = DisaggParams("127.0.0.1", port, 10)
+        pre.add_request(p, G, rid="p0", disagg=room, image_data=[a, b])
+        dec.add_request(p, G, rid="d0", disagg=room, image_data=[a, b])
+        out = drive([pre, dec], {id(pre): ["p0"], id(dec): ["d0"]})["d0"]
+        assert out["output_ids"] == reference(qwen_vl, TWO, [a, b])[1]
+    finally:
+        for eng in (pre, dec):
+            eng.core.disagg_connector.timeout_s = 0.1
+            until_idle(eng)
+            eng.core.disagg_connector.close()

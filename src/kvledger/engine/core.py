@@ -272,6 +272,8 @@ class EngineCore:
             self.settle_in_flight()
             self.scheduler.settle()
         self.sessions.attach(req, session_params, self.limits.context_length)
+        if req.mm is not None:  # the whole prompt's images (the history's too): M-RoPE's layout anew
+            req.mm = self.runner.images.encoder.with_rope(req.mm)
 
     def _disagg_params(self, req: Req, session_params: dict | None) -> None:
         """A request with a bootstrap room on a PD server: prefill computes the prompt and one token;
