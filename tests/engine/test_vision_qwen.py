@@ -285,3 +285,25 @@ def test_pd_decode_side_decodes_at_the_offset_positions(qwen_vl, make_vlm):
             eng.core.disagg_connector.timeout_s = 0.1
             until_idle(eng)
             eng.core.disagg_connector.close()
+
+
+@pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
+def test_decode_graphs_run_offset_rows_eager(qwen_vl, make_vlm):
+    """CUDA graphs (the CPU's stand-in capture): a graph's positions also index the page table, so a
+    decode row whose rope positions are offset by its images runs eager (reason ``mrope``); a
+    text-only request's rows replay the graphs. Both transformers' tokens."""
+    from kvledger.engine import graph_runner as gr
+    from kvledger.engine.graph_capture import EagerCapture
+
+    img = tiny_image(1)
+    _, want = reference(qwen_vl, ONE, [img])
+    eng = make_vlm(graph_capture=EagerCapture(), cuda_graph_max_bs=4)
+    graphs = eng.core.runner.graphs
+    assert eng.generate(input_ids=ids(qwen_vl, ONE), sampling_params=G, image_data=img)["output_ids"] == want
+    assert graphs.eager_steps[gr.MROPE] == 7 and graphs.replays == 0  # every decode step after the prefill
+    text = list(range(3, 40))
+    with torch.no_grad():
+        ref = qwen_vl[3].generate(torch.tensor([text]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                  pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert eng.generate(input_ids=text, sampling_params=G)["output_ids"] == ref[0, len(text) :].tolist()
+    assert graphs.replays == 7
