@@ -164,3 +164,21 @@ def llava(tmp_path_factory):
     proc = transformers.AutoProcessor.from_pretrained(path)
     ref = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     return path, proc, ref
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen_vl(request, tmp_path_factory):
+    """A tiny random Qwen2-VL, then Qwen2.5-VL (``helpers.build_tiny_qwen2_vl``): its path, its
+    image processor, tokenizer and transformers' float32 model of it (the reference)."""
+    import torch
+    import transformers
+
+    from tests.helpers import build_tiny_qwen2_vl
+
+    family = request.param
+    path = build_tiny_qwen2_vl(str(tmp_path_factory.mktemp(family)), family=family)
+    cls = transformers.Qwen2VLForConditionalGeneration if family == "qwen2_vl" else (
+        transformers.Qwen2_5_VLForConditionalGeneration)  # fmt: skip
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    images = transformers.AutoImageProcessor.from_pretrained(path)
+    return path, images, transformers.AutoTokenizer.from_pretrained(path), ref

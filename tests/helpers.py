@@ -334,6 +334,55 @@ def build_tiny_llava(
     return path
 
 
+QWEN_VL_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+def build_tiny_qwen2_vl(path: str, seed: int = 3, family: str = "qwen2_vl", patch: int = 4) -> str:
+    """A tiny random Qwen2-VL (``family="qwen2_5_vl"``: Qwen2.5-VL) with a byte-level tokenizer holding
+    Qwen's vision tokens and the family's processor (``Qwen2VLImageProcessorPil``, no torchvision):
+    dynamic resolution, an image of ``h x w`` pixels is ``(h/patch/2) x (w/patch/2)`` placeholder
+    tokens after the 2x2 merge (``smart_resize`` rounds the sides to ``2 * patch``). The decoder's
+    M-RoPE sections ``[2, 3, 3]`` split its 8 rotary frequencies over (temporal, height, width)."""
+    import transformers
+
+    fast, vocab = byte_level_tokenizer(TINY_CHAT_TEMPLATE, QWEN_VL_SPECIALS)
+    fast.image_token, fast.video_token = "<|image_pad|>", "<|video_pad|>"
+    text = dict(TINY_CONFIG, vocab_size=len(vocab), bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"])
+    # rope_theta 10: each section's frequencies turn far enough over an image's few rows and columns
+    # that a token at a wrong (temporal, height, width) position changes the logits well past float noise.
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10.0, "mrope_section": [2, 3, 3]}
+    vision = dict(depth=2, embed_dim=32, hidden_size=TINY_CONFIG["hidden_size"], num_heads=4, patch_size=patch,
+                  spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    if family == "qwen2_5_vl":
+        vision.update(intermediate_size=64, out_hidden_size=TINY_CONFIG["hidden_size"], window_size=4 * patch,
+                      fullatt_block_indexes=[1])  # fmt: skip
+        vision.pop("embed_dim")
+        vision["hidden_size"] = 32
+        cfg_cls, model_cls = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        cfg_cls, model_cls = transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration
+    cfg = cfg_cls(
+        text_config=text, vision_config=vision, image_token_id=vocab["<|image_pad|>"],
+        video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
+        vision_end_token_id=vocab["<|vision_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(2.5)
+    model.save_pretrained(path)
+    image_proc = transformers.Qwen2VLImageProcessorPil(
+        patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=(4 * patch) ** 2, max_pixels=(24 * patch) ** 2
+    )
+    # (The family's ``Qwen2VLProcessor`` needs a video processor, which needs torchvision: the
+    # image processor and the tokenizer are saved alone, as the engine reads them.)
+    image_proc.save_pretrained(path)
+    fast.save_pretrained(path)
+    return path
+
+
 def tiny_image(seed: int, size: tuple[int, int] = (50, 40)):
     """A random RGB ``PIL.Image`` (``size``: width, height)."""
     import numpy as np

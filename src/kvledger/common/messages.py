@@ -27,13 +27,15 @@ def ipc_paths(ipc_dir: str, generation: int) -> tuple[str, str]:
 
 class WireImage(msgspec.Struct):
     """One image of a request as it crosses to the engine (``multimodal/inputs.py``): its run of
-    placeholder tokens, content digest, and float32 pixel values (raw bytes and shape)."""
+    placeholder tokens, content digest, float32 pixel values (raw bytes and shape), and the
+    processor's other per-image outputs, integers by name as (shape, values): Qwen2-VL's grid."""
 
     offset: int
     length: int
     digest: bytes
     pixels: bytes
     shape: list[int]
+    extra: dict[str, tuple[list[int], list[int]]] = {}
 
 
 class AddRequest(msgspec.Struct, tag="add"):

@@ -190,6 +190,8 @@ class EngineCore:
             raise ValidationError("rid must be a non-empty string of at most 256 characters", param="rid")
         if mm is not None and mm.images[-1].end > len(ids):
             raise ValidationError("an image's tokens run past the prompt", param="image_data")
+        if mm is not None:  # its M-RoPE layout where the decoder takes one (multimodal/mrope.py)
+            mm = self.runner.images.encoder.with_rope(mm)
         req = Req(rid=rid, input_ids=ids, params=params, pooling=pooling, mm=mm)
         if params.lora_path is not None:
             req.lora_key = self.lora_adapter(params.lora_path).fingerprint
@@ -270,6 +272,8 @@ class EngineCore:
             self.settle_in_flight()
             self.scheduler.settle()
         self.sessions.attach(req, session_params, self.limits.context_length)
+        if req.mm is not None:  # the whole prompt's images (the history's too): M-RoPE's layout anew
+            req.mm = self.runner.images.encoder.with_rope(req.mm)
 
     def _disagg_params(self, req: Req, session_params: dict | None) -> None:
         """A request with a bootstrap room on a PD server: prefill computes the prompt and one token;

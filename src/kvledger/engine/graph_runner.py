@@ -54,6 +54,7 @@ HISPARSE = "hisparse"
 KV_CONNECTOR = "kv_connector"  # the connector's worker side runs per layer (hierarchical cache, PD)
 SLIDING_WINDOW = "sliding_window"  # some sequence is longer than a layer's window
 BATCH_SIZE = "batch_size"  # more requests than the largest captured size
+MROPE = "mrope"  # a row's rope positions are offset by its images (M-RoPE): the graphs take the index
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -159,6 +160,8 @@ class DecodeGraphRunner:
                 return PREFILL
             if r.lora is not None:
                 return LORA
+            if r.rope_delta:
+                return MROPE
         if sched.hisparse is not None and sched.hisparse.rows:
             return HISPARSE
         if len(sched.reqs) > self.max_bs:

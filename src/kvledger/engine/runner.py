@@ -75,7 +75,9 @@ class ModelRunner:
             a, n = r.start, r.num_tokens
             starts.append(t)
             ids.extend(r.token_ids)
-            positions.append(torch.arange(a, a + n))
+            # (M-RoPE: a text row's positions are offset by its images'; an image chunk's are three rows)
+            positions.append(torch.arange(a + r.rope_delta, a + r.rope_delta + n) if r.mrope is None
+                             else torch.from_numpy(r.mrope[0]))  # fmt: skip
             out_loc.append(table[r.slot, a : a + n])
             rows.append(r.slot)
             prefix.append(a)
@@ -96,7 +98,14 @@ class ModelRunner:
             splice = self.images.splice(sched.reqs, starts)
         elif any(r.images for r in sched.reqs):
             raise RuntimeError("a step feeds image tokens to a model without a vision encoder")
+        mrope = None
+        if any(r.mrope is not None for r in sched.reqs):
+            mrope = torch.cat([
+                torch.from_numpy(r.mrope) if r.mrope is not None else p.expand(3, -1)
+                for r, p in zip(sched.reqs, positions)
+            ], dim=1)  # fmt: skip
         return ForwardBatch(
+            mrope_positions=mrope,
             mm_index=None if splice is None else splice.index,
             mm_rows=None if splice is None else splice.rows,
             input_ids=torch.tensor(ids, dtype=torch.int64),

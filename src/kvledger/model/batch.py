@@ -40,12 +40,17 @@ class ForwardBatch:
     # embeddings that replace theirs ([len(mm_index), hidden]); None: a text-only forward.
     mm_index: torch.Tensor | None = None
     mm_rows: torch.Tensor | None = None
+    # M-RoPE (``multimodal/mrope.py``): each token's (temporal, height, width) positions [3, T] where
+    # a row of this forward meets an image; None: ``positions`` alone (each token's three equal).
+    mrope_positions: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The host-built index tensors moved to the model's device (``req_to_token`` lives there)."""
         if device.type == "cpu":
             return self
-        for name in ("input_ids", "positions", "out_loc", "logit_index", "pool_index", "mm_index", "mm_rows"):
+        for name in (
+            "input_ids", "positions", "out_loc", "logit_index", "pool_index", "mm_index", "mm_rows", "mrope_positions",
+        ):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device, non_blocking=True))

@@ -20,6 +20,7 @@ from .batch import ForwardBatch
 from .config import ModelConfig
 from .layers import MoE
 from .layers.embedding import spliced
+from .layers.rotary import mrope_positions
 from .linear import Linear, place_packed_weights, use_amx
 from .models.builder import Builder
 from .models.registry import family_for, supported
@@ -183,6 +184,7 @@ class CausalLM:
             and batch.logit_index.shape[0] > 1
             and not greedy
             and batch.mm_index is None  # image embeddings are spliced in eager forwards
+            and batch.mrope_positions is None  # (and M-RoPE's three positions read there)
         )
         net = self.compiled if use else self.net
         self.compiled_forwards += use
@@ -193,6 +195,7 @@ class CausalLM:
             and connector is None
             and batch.lora is None  # the one-call decode bypasses the projections (and their LoRA deltas)
             and batch.mm_index is None  # (a one-token prefill chunk of an image's tokens)
+            and batch.mrope_positions is None  # (its kernel turns one position a token)
             and DECODE_IN_ONE_CALL
             and (getattr(meta, "only_decodes", False) or getattr(meta, "one_call_sparse", None) is not None)
         ):
@@ -216,6 +219,7 @@ class CausalLM:
             attention_context(self.handle, self.attn, kv_buffer, batch, connector),
             sdpa_backends(self.device),
             spliced(batch.mm_index, batch.mm_rows),
+            mrope_positions(batch.mrope_positions),
         ):
             if pool is None:
                 if greedy:

@@ -10,14 +10,17 @@ tensors under the names the text families take, the vision side's kept for this 
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
-from .inputs import ImageItem
+from .inputs import ImageItem, MultiModalInputs
+from .mrope import MRope
 
 
 @dataclass
@@ -36,6 +39,8 @@ class VisionFamily(nn.Module):
     model_types: ClassVar[tuple[str, ...]] = ()
     # checkpoint prefix -> this module's attribute, for the vision side's tensors
     prefixes: ClassVar[dict[str, str]] = {}
+    # The spatial merge of a family whose decoder takes M-RoPE positions (``mrope.py``); 0: none.
+    mrope_merge: int = 0
 
     def encode(self, item: ImageItem) -> torch.Tensor:
         raise NotImplementedError
@@ -47,6 +52,11 @@ class VisionFamily(nn.Module):
 
     def encode_batch(self, items: list[ImageItem]) -> list[torch.Tensor]:
         return [self.encode(it) for it in items]
+
+    @staticmethod
+    def text_config(raw: dict) -> dict:
+        """The language model's config.json dict."""
+        return dict(raw.get("text_config") or {})
 
 
 class LlavaVision(VisionFamily):
@@ -94,7 +104,58 @@ class LlavaVision(VisionFamily):
         return [e.reshape(-1, out.shape[-1]) for e in out.split(sizes)]
 
 
-FAMILIES: dict[str, type[VisionFamily]] = {t: cls for cls in (LlavaVision,) for t in cls.model_types}
+class Qwen2VLVision(VisionFamily):
+    """Qwen2-VL's and Qwen2.5-VL's: transformers' vision transformer (patch embedding, the 2D
+    rotary blocks, Qwen2.5's windowed attention, the 2x2 patch merger into the decoder's hidden size)
+    over the image's patches and grid, one image at a time. The decoder takes M-RoPE positions."""
+
+    model_types = ("qwen2_vl", "qwen2_5_vl")
+    prefixes: ClassVar[dict[str, str]] = {"model.visual.": "tower.", "visual.": "tower."}
+
+    def __init__(self, raw: dict):
+        super().__init__()
+        cfg = self._config(raw)
+        if raw["model_type"] == "qwen2_vl":
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+                Qwen2VisionTransformerPretrainedModel as Tower,
+            )
+        else:
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+                Qwen2_5_VisionTransformerPretrainedModel as Tower,
+            )
+        self.tower = Tower._from_config(cfg.vision_config)
+        self.mrope_merge = int(cfg.vision_config.spatial_merge_size)
+
+    @staticmethod
+    def _config(raw: dict):
+        # (the modules by path: the engine reads the model while its tokenizer loads on another
+        # thread, and transformers' lazy top-level names are not safe to resolve from two at once)
+        if raw["model_type"] == "qwen2_vl":
+            from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig as Config
+        else:
+            from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig as Config
+        return Config.from_dict(raw)
+
+    @staticmethod
+    def text_config(raw: dict) -> dict:
+        """transformers' reading of it: a nested ``text_config`` (transformers 5) or the flat
+        config.json of the published checkpoints, ``rope_scaling`` ``{"type": "mrope"}`` included."""
+        cfg = Qwen2VLVision._config(raw).text_config.to_dict()
+        cfg.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
+        return cfg
+
+    def encode(self, item: ImageItem) -> torch.Tensor:
+        p = next(self.tower.parameters())
+        with warnings.catch_warnings():  # the message's bytes are read-only; the tower only reads them
+            warnings.simplefilter("ignore", UserWarning)
+            pixels = torch.from_numpy(item.pixel_values).to(p.device, p.dtype)
+        grid = torch.from_numpy(np.asarray(item.extra["image_grid_thw"], dtype=np.int64).reshape(1, 3)).to(p.device)
+        return self.tower(pixels, grid_thw=grid).pooler_output
+
+
+FAMILIES: dict[str, type[VisionFamily]] = {
+    t: cls for cls in (LlavaVision, Qwen2VLVision) for t in cls.model_types
+}
 
 
 def is_vision_config(raw: dict) -> bool:
@@ -105,7 +166,7 @@ def split_checkpoint(raw: dict, weights: dict[str, torch.Tensor]) -> tuple[dict,
     """A vision-language checkpoint as (the language model's config dict, its tensors under the
     text families' names, the vision side). Raises ``ValueError`` for one this module does not serve."""
     family = FAMILIES[raw["model_type"]]
-    text = dict(raw.get("text_config") or {})
+    text = family.text_config(raw)
     if "model_type" not in text:
         raise ValueError("text_config without a model_type")
     text.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
@@ -143,6 +204,14 @@ class VisionEncoder:
         self.hidden_size = hidden_size
         self.image_token_id = ckpt.image_token_id
         self.calls = 0  # vision-tower calls (a batch is one)
+        self.mrope_merge = self.net.mrope_merge
+
+    def with_rope(self, mm: MultiModalInputs) -> MultiModalInputs:
+        """``mm`` with its M-RoPE layout where the decoder takes M-RoPE positions (a 400 where an
+        image's grid does not match its tokens); as it is for any other family."""
+        if not self.mrope_merge:
+            return mm
+        return dataclasses.replace(mm, rope=MRope.of(mm.images, self.mrope_merge))
 
     @torch.inference_mode()
     def encode(self, item: ImageItem) -> torch.Tensor:

@@ -6,11 +6,15 @@ tokens all have the same id, so two different images would otherwise share KV)."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..common.messages import WireImage
 from ..errors import ValidationError
+
+if TYPE_CHECKING:
+    from .mrope import MRope
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,9 +35,12 @@ class ImageItem:
 
 @dataclass(frozen=True, eq=False)
 class MultiModalInputs:
-    """The images of one prompt, in prompt order, their runs disjoint."""
+    """The images of one prompt, in prompt order, their runs disjoint. ``rope``: the prompt's M-RoPE
+    layout where the model's decoder takes three positions a token (Qwen2-VL: ``mrope.py``), set by
+    the engine when it makes the request; None: a token's position is its index."""
 
     images: tuple[ImageItem, ...]
+    rope: MRope | None = None
 
     def __post_init__(self) -> None:
         end = 0
@@ -52,14 +59,17 @@ class MultiModalInputs:
 
 
 def to_wire(mm: MultiModalInputs) -> list[WireImage]:
-    """The images as they cross to the engine process (an image with extra processor outputs does
-    not: no family served so far has any)."""
+    """The images as they cross to the engine process: pixels as float32 bytes, the processor's
+    other outputs (Qwen2-VL's grid: integers) as (shape, values)."""
     out = []
     for im in mm.images:
-        if im.extra:
-            raise ValueError("images with extra processor outputs do not cross the process boundary yet")
         px = np.ascontiguousarray(im.pixel_values, dtype=np.float32)
-        out.append(WireImage(im.offset, im.length, im.digest, px.tobytes(), list(px.shape)))
+        extra = {}
+        for name, a in im.extra.items():
+            if not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"processor output {name} is not integer: it does not cross to the engine")
+            extra[name] = (list(a.shape), [int(x) for x in a.reshape(-1)])
+        out.append(WireImage(im.offset, im.length, im.digest, px.tobytes(), list(px.shape), extra))
     return out
 
 
@@ -67,7 +77,10 @@ def from_wire(images: list[WireImage]) -> MultiModalInputs:
     """The engine's side of ``to_wire`` (a malformed image: a 400)."""
     try:
         items = [
-            ImageItem(w.offset, w.length, w.digest, np.frombuffer(w.pixels, dtype=np.float32).reshape(w.shape))
+            ImageItem(
+                w.offset, w.length, w.digest, np.frombuffer(w.pixels, dtype=np.float32).reshape(w.shape),
+                {k: np.asarray(v, dtype=np.int64).reshape(shape) for k, (shape, v) in w.extra.items()},
+            )
             for w in images
         ]
         return MultiModalInputs(tuple(items))

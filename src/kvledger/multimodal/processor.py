@@ -17,14 +17,22 @@ import numpy as np
 from ..errors import ValidationError
 from .inputs import ImageItem, MultiModalInputs
 
+# The families whose image processor gives a patch grid (``image_grid_thw``) per image: their
+# token count is the grid's product over the merge size squared (their processor's
+# ``replace_image_token``), and a chat message's image is ``<|vision_start|><|image_pad|><|vision_end|>``.
+GRID_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
 
 class ImageProcessing:
-    """One model's image processor and its placeholder token."""
+    """One model's image processor and its placeholder token. ``chat_placeholder``: what a chat
+    message's image part becomes in the text the chat template reads (the placeholder token, in
+    the markers the family's template writes around it)."""
 
-    def __init__(self, processor: Any, image_token: str, image_token_id: int):
+    def __init__(self, processor: Any, image_token: str, image_token_id: int, chat_placeholder: str | None = None):
         self.processor = processor
         self.image_token = image_token
         self.image_token_id = image_token_id
+        self.chat_placeholder = chat_placeholder or image_token
 
     @classmethod
     def load(cls, path: str, image_token_id: int) -> ImageProcessing:
@@ -33,6 +41,9 @@ class ImageProcessing:
 
         if not any(os.path.isfile(os.path.join(path, n)) for n in ("processor_config.json", "preprocessor_config.json")):
             raise ValueError(f"{path}: a vision model without its processor (processor_config.json)")
+        raw = _config(path)
+        if raw.get("model_type") in GRID_FAMILIES:
+            return GridImageProcessing.load_grid(path, raw, image_token_id)
         proc = AutoProcessor.from_pretrained(path)
         token = getattr(proc, "image_token", None) or proc.tokenizer.convert_ids_to_tokens(image_token_id)
         return cls(proc, token, image_token_id)
@@ -41,15 +52,11 @@ class ImageProcessing:
     def for_model(cls, path: str) -> ImageProcessing | None:
         """The processor of the vision-language model in directory ``path``; None for another model
         (a text-only one, a GGUF file)."""
-        import json
-
         from .encoder import is_vision_config
 
-        cfg = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg):
+        if not os.path.isfile(os.path.join(path, "config.json")):
             return None
-        with open(cfg) as f:
-            raw = json.load(f)
+        raw = _config(path)
         if not is_vision_config(raw):
             return None
         return cls.load(path, int(raw.get("image_token_id", raw.get("image_token_index"))))
@@ -63,7 +70,7 @@ class ImageProcessing:
             raise ValidationError(f"image rejected by the model's processor ({str(e)[:120]})", param=param) from None
         ids = np.asarray(out["input_ids"]).reshape(-1)
         n = int((ids == self.image_token_id).sum())
-        extra = {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+        extra = {k: np.asarray(v) for k, v in out.items() if k not in NOT_PER_IMAGE}
         return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), n, extra
 
     def expand(self, ids: list[int], images: list, params: list[str]) -> tuple[list[int], MultiModalInputs]:
@@ -86,6 +93,47 @@ class ImageProcessing:
             prev = pos + 1
         out.extend(ids[prev:])
         return out, MultiModalInputs(tuple(items))
+
+
+# The processor's outputs that are not the image's: the prompt's (``mm_token_type_ids`` marks its
+# image tokens) and the pixels (hashed by name first).
+NOT_PER_IMAGE = ("input_ids", "attention_mask", "pixel_values", "mm_token_type_ids")
+
+
+class GridImageProcessing(ImageProcessing):
+    """Qwen2-VL's and Qwen2.5-VL's: dynamic resolution, the image processor
+    (``Qwen2VLImageProcessorPil``, Pillow) resizes each image to a multiple of the patch x merge size
+    and gives its patches and their grid (``image_grid_thw``); the image's token count is the grid's
+    product over ``merge_size**2``, as the family's ``Qwen2VLProcessor.replace_image_token`` counts
+    them. (That processor class needs a video processor, hence torchvision: its image processor and
+    the tokenizer are used alone.)"""
+
+    @classmethod
+    def load_grid(cls, path: str, raw: dict, image_token_id: int) -> GridImageProcessing:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        images = AutoImageProcessor.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path)
+        token = tok.convert_ids_to_tokens(image_token_id)
+        marks = [raw.get(k) for k in ("vision_start_token_id", "vision_end_token_id")]
+        wrap = "" if None in marks else "{}" + token + "{}"
+        return cls(images, token, image_token_id, wrap.format(*tok.convert_ids_to_tokens(marks)) if wrap else None)
+
+    def image(self, img, param: str) -> tuple[np.ndarray, int, dict[str, np.ndarray]]:
+        try:
+            out = self.processor(images=[img], return_tensors="np")
+        except Exception as e:
+            raise ValidationError(f"image rejected by the model's processor ({str(e)[:120]})", param=param) from None
+        grid = np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(1, 3)
+        n = int(grid.prod()) // int(self.processor.merge_size) ** 2
+        return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), n, {"image_grid_thw": grid}
+
+
+def _config(path: str) -> dict:
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
 
 
 def content_digest(pixels: np.ndarray, extra: dict[str, np.ndarray]) -> bytes:

@@ -62,6 +62,11 @@ class ScheduledReq:
     # placeholder ``-1 - future`` (-1: the row is not overlapped).
     future: int = -1
     images: list[ImageFeed] | None = None  # the images whose tokens this chunk feeds
+    # M-RoPE (``multimodal/mrope.py``): the offset added to the rows' positions (the request's
+    # images before them), or, for a chunk that meets an image, each token's three positions
+    # (int64 ``[3, num_tokens]``); 0 and None for every other model's rows.
+    rope_delta: int = 0
+    mrope: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:

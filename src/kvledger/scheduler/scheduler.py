@@ -242,6 +242,9 @@ class Scheduler:
         )
         for c, row in zip(chunks, out.reqs):
             row.images = self.images.feeds(c.req, row.start, row.start + row.num_tokens)
+            rope = c.req.mm.rope if c.req.mm is not None else None
+            if rope is not None:  # the rows' M-RoPE positions: from their indices, wherever the chunk starts
+                row.rope_delta, row.mrope = rope.chunk(row.start, row.start + row.num_tokens)
         out.image_drops = self.images.take_drops()
         if self.kv_manager.sparse is not None:
             rows = [c.req.slot for c in chunks if c.req.sparse is not None and c.req.sparse.active]

@@ -124,7 +124,7 @@ def content_text(
             url = part_url(part)
             out.images.append(decode_image(image_bytes(url, where, limits, out.fetched), where, limits))
             out.params.append(where)
-            texts.append(processing.image_token)
+            texts.append(processing.chat_placeholder)
         else:
             raise ValidationError(
                 f"{where} must be a text part or an image_url part; got {str(part)[:80]}", param=where

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -86,6 +89,26 @@ def rope_attention_factor(scaling: dict | None, max_positions: int | None = None
     return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
+_mrope = threading.local()
+
+
+@contextmanager
+def mrope_positions(positions: torch.Tensor | None) -> Iterator[None]:
+    """Inside this block a family with M-RoPE sections (``Rotary.lookup_sections``) reads each
+    token's (temporal, height, width) positions ``[3, T]`` from here (a forward where a row meets an
+    image, ``multimodal/mrope.py``); per thread, as the forward runs on one. None: ``positions``."""
+    prev = getattr(_mrope, "value", None)
+    _mrope.value = positions
+    try:
+        yield
+    finally:
+        _mrope.value = prev
+
+
+def current_mrope() -> torch.Tensor | None:
+    return getattr(_mrope, "value", None)
+
+
 class Rotary(nn.Module):
     """cos/sin tables ``[max_positions, rot_dim / 2]`` in the model dtype (YaRN's attention factor
     folded in: it scales q and k alike, so each score by its square, as transformers does)."""
@@ -115,6 +138,19 @@ class Rotary(nn.Module):
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``positions``, shaped to broadcast over heads: once per forward, all layers."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def lookup_sections(self, positions: torch.Tensor, sections: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE's rows (Qwen2-VL): frequency section ``i`` of ``sections`` (over the ``rot_dim / 2``
+        frequencies) turns at position row ``i % 3`` of ``positions`` ``[3, T]`` (temporal, height,
+        width), as transformers' ``recomposition_frequencies`` does."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [3, T, rot_dim / 2]
+        cut = [0]
+        for n in sections:
+            cut.append(cut[-1] + n)
+        pick = [slice(cut[i], cut[i + 1]) for i in range(len(sections))]
+        cos = torch.cat([cos[i % 3, :, sl] for i, sl in enumerate(pick)], dim=-1)
+        sin = torch.cat([sin[i % 3, :, sl] for i, sl in enumerate(pick)], dim=-1)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``x`` ``[T, heads, head_dim]`` rotated at the positions of ``cs`` (``lookup``)."""

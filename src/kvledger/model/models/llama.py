@@ -1,5 +1,9 @@
 """The Llama family: Llama, SmolLM, Mistral, Qwen2, Qwen3 (pre-norm decoder, SwiGLU, rotary;
-Qwen2's QKV biases, Qwen3's per-head q/k norms, Mistral's sliding window).
+Qwen2's QKV biases, Qwen3's per-head q/k norms, Mistral's sliding window), and the language models
+of Qwen2-VL and Qwen2.5-VL (Qwen2's, with M-RoPE: ``mrope_section`` splits the rotary frequencies
+over three positions a token, ``multimodal/mrope.py``; a forward where a row meets an image reads
+them from ``layers/rotary.mrope_positions`` and runs the torch rotary; every other forward, the
+decode steps' one kernel call included, turns each token at its one position, offset by its images').
 
 The fast path of kvledger's default model: eager forwards with the ``cpu`` attention backend run
 the norms, rotary and SiLU in the C++ kernels (``fused``), and a batch of decodes runs every layer
@@ -13,9 +17,11 @@ import torch
 from torch import nn
 
 from ...comm import Comm
+from ...errors import ModelLoadError
 from ..config import SLIDING, ModelConfig
 from ..gguf_map import unpermute_attention
 from ..layers import Attention, GatedMLP, LMHead, RMSNorm, Rotary, VocabEmbedding, rms_norm
+from ..layers.rotary import current_mrope
 from ..quantized import Weight
 from .base import CausalNet, Projections
 from .builder import Builder
@@ -27,6 +33,8 @@ VARIANTS: dict[str, tuple[bool, bool]] = {
     "mistral": (False, False),
     "qwen2": (True, False),
     "qwen3": (False, True),
+    "qwen2_vl_text": (True, False),
+    "qwen2_5_vl_text": (True, False),
 }
 
 
@@ -57,10 +65,19 @@ class LlamaNet(OneCallDecode, CausalNet):
         super().__init__(cfg, embed, layers, norm, lm_head, comm)
         self.rotary = rotary
         self.fused = fused
+        self.mrope_section: list[int] | None = cfg.extra.get("mrope_section")
 
     @classmethod
     def hf_config(cls, raw: dict, cfg: ModelConfig) -> None:
         bias, qk_norm = VARIANTS[cfg.arch]
+        if cfg.arch.endswith("_vl_text"):  # M-RoPE: the sections; the frequencies are the default rope's
+            rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+            section = rope.get("mrope_section")
+            if not section or sum(section) * 2 != cfg.head_dim:
+                raise ModelLoadError(f"M-RoPE sections {section!r} do not cover head_dim {cfg.head_dim}")
+            cfg.extra["mrope_section"] = [int(n) for n in section]
+            if (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type")) in ("mrope", "default"):
+                cfg.rope_scaling = None
         cfg.attention_bias = bool(raw.get("attention_bias", bias))
         cfg.qk_norm = qk_norm
         window = raw.get("sliding_window") if raw.get("use_sliding_window", cfg.arch == "mistral") else None
@@ -116,9 +133,13 @@ class LlamaNet(OneCallDecode, CausalNet):
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # The C++ kernels in eager forwards; a compiled graph keeps the torch ops (Inductor fuses them).
-        fused = self.fused and not torch.compiler.is_compiling()
+        mrope = current_mrope() if self.mrope_section is not None else None
+        fused = self.fused and not torch.compiler.is_compiling() and mrope is None
         kops = torch.ops.kvledger_cpu if fused else None
-        cs = None if fused else self.rotary.lookup(positions)
+        if mrope is not None:  # a row meets an image: three positions a token
+            cs = self.rotary.lookup_sections(mrope, self.mrope_section)
+        else:
+            cs = None if fused else self.rotary.lookup(positions)
         comm = self.comm
         eps = self.cfg.rms_norm_eps
         h = self.embed(input_ids)

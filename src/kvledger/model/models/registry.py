@@ -12,6 +12,8 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "llama:LlamaNet",
     "qwen2": "llama:LlamaNet",
     "qwen3": "llama:LlamaNet",
+    "qwen2_vl_text": "llama:LlamaNet",  # Qwen2-VL's language model (M-RoPE; its vision side: multimodal/)
+    "qwen2_5_vl_text": "llama:LlamaNet",
     "gemma2": "gemma2:Gemma2Net",
     "gemma3_text": "gemma3:Gemma3Net",
     "phi3": "phi3:Phi3Net",
