@@ -220,7 +220,8 @@ REFUSED: dict[frozenset[str], Refusal] = {
         "buffer, not one per row"
     ),
     frozenset({"deterministic", "hisparse"}): Refusal(
-        NOT_YET, "HiSparse chooses each step's pages by scores from torch's batched matmuls"
+        NOT_YET, "HiSparse's page choice and sparse attention have no proof of one order of sums per row (its torch "
+        "path scores pages with batched matmuls)"
     ),
     # Settings that contradict each other.
     frozenset({"hicache", "no_prefix_cache"}): Refusal(
