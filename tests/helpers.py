@@ -316,13 +316,7 @@ def build_tiny_llava(
         "image_size": image_size, "patch_size": patch, "projection_dim": 32, **(vision or {}),
     })  # fmt: skip
     cfg = transformers.LlavaConfig(vision_config=vision_cfg, text_config=text_cfg, image_token_id=vocab["<image>"])
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(2.5)
-    model.save_pretrained(path)
+    save_scaled(transformers.LlavaForConditionalGeneration, cfg, seed, path)
     image_proc = transformers.CLIPImageProcessorPil(
         size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
     )
@@ -332,6 +326,18 @@ def build_tiny_llava(
     )  # fmt: skip
     proc.save_pretrained(path)
     return path
+
+
+def save_scaled(model_cls, cfg, seed: int, path: str) -> None:
+    """A random ``model_cls(cfg)`` (seeded), its weights but the norms' scaled 2.5x so that a tiny
+    model's logits are far apart (greedy choices not decided by float noise), saved at ``path``."""
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(2.5)
+    model.save_pretrained(path)
 
 
 QWEN_VL_SPECIALS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
@@ -366,13 +372,7 @@ def build_tiny_qwen2_vl(path: str, seed: int = 3, family: str = "qwen2_vl", patc
         video_token_id=vocab["<|video_pad|>"], vision_start_token_id=vocab["<|vision_start|>"],
         vision_end_token_id=vocab["<|vision_end|>"],
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = model_cls(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(2.5)
-    model.save_pretrained(path)
+    save_scaled(model_cls, cfg, seed, path)
     image_proc = transformers.Qwen2VLImageProcessorPil(
         patch_size=patch, merge_size=2, temporal_patch_size=2, min_pixels=(4 * patch) ** 2, max_pixels=(24 * patch) ** 2
     )

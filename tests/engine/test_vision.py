@@ -19,8 +19,9 @@ ONE = "<|user|>look <image> and say</s><|assistant|>"
 TWO = "<|user|>first <image> then <image> compare</s><|assistant|>"
 
 
-@pytest.fixture
-def make_vlm(llava):
+def vlm_engines(path: str):
+    """A fixture's body: ``make(**kw)`` builds strict fp32 engines of the vision model at ``path``,
+    each audited clean (images included) at teardown."""
     from kvledger import Engine
 
     engines = []
@@ -28,13 +29,18 @@ def make_vlm(llava):
     def make(**kw):
         opts = dict(dtype="float32", page_size=4, max_total_tokens=4096, strict_memory=True)
         opts.update(kw)
-        eng = Engine(model=llava[0], **opts)
+        eng = Engine(model=path, **opts)
         engines.append(eng)
         return eng
 
     yield make
     for eng in engines:
         assert_images_clean(eng)
+
+
+@pytest.fixture
+def make_vlm(llava):
+    yield from vlm_engines(llava[0])
 
 
 def assert_images_clean(eng) -> None:

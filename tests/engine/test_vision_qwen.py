@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.engine.test_vision import assert_images_clean
+from tests.engine.test_vision import vlm_engines
 from tests.helpers import tiny_image
 
 G = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -23,20 +23,7 @@ TWO = f"<|user|>first {IMG} then {IMG} compare</s><|assistant|>"
 
 @pytest.fixture
 def make_vlm(qwen_vl):
-    from kvledger import Engine
-
-    engines = []
-
-    def make(**kw):
-        opts = dict(dtype="float32", page_size=4, max_total_tokens=4096, strict_memory=True)
-        opts.update(kw)
-        eng = Engine(model=qwen_vl[0], **opts)
-        engines.append(eng)
-        return eng
-
-    yield make
-    for eng in engines:
-        assert_images_clean(eng)
+    yield from vlm_engines(qwen_vl[0])
 
 
 def ids(qwen_vl, text: str) -> list[int]:

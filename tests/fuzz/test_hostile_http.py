@@ -60,16 +60,13 @@ class Bystander(threading.Thread):
                 self.errors.append(repr(e))
 
 
-def test_hostile_clients_are_refused_and_the_bystander_is_served(server):
-    server.headers = {"Authorization": "Bearer admin-key"}
-    restarts = server.info()["engine_restarts"]
-    target = hostile_http.Target(server.url, KEYS, max_body_bytes=200000, body_timeout_s=BODY_TIMEOUT_S)
-    hostile_http.own_things(target)
-    bystander = Bystander(server.url, KEYS[1])
+def beside(bystander: Bystander, target, attacks) -> tuple[list, set]:
+    """Run ``attacks`` (kind, attack) at ``target`` while ``bystander`` is served; the judges'
+    problems and the kinds run."""
     bystander.start()
     problems, kinds = [], set()
     try:
-        for kind, attack in hostile_http.attacks(random.Random(50), ATTACKS):
+        for kind, attack in attacks:
             kinds.add(kind)
             problem = hostile_http.judge(kind, attack(target), target)
             if problem:
@@ -77,6 +74,16 @@ def test_hostile_clients_are_refused_and_the_bystander_is_served(server):
     finally:
         bystander.stop.set()
         bystander.join(60)
+    return problems, kinds
+
+
+def test_hostile_clients_are_refused_and_the_bystander_is_served(server):
+    server.headers = {"Authorization": "Bearer admin-key"}
+    restarts = server.info()["engine_restarts"]
+    target = hostile_http.Target(server.url, KEYS, max_body_bytes=200000, body_timeout_s=BODY_TIMEOUT_S)
+    hostile_http.own_things(target)
+    bystander = Bystander(server.url, KEYS[1])
+    problems, kinds = beside(bystander, target, hostile_http.attacks(random.Random(50), ATTACKS))
     assert not problems, problems[:20]
     assert len(kinds) == 13
     assert bystander.runs > 10 and not bystander.errors, (bystander.runs, bystander.errors[:5])
@@ -118,17 +125,7 @@ def test_bad_image_parts_are_400s_naming_the_part_and_the_bystander_is_served(vl
     restarts = vlm_server.info()["engine_restarts"]
     target = hostile_http.Target(vlm_server.url, KEYS, max_body_bytes=8 << 20, body_timeout_s=30)
     bystander = ImageBystander(vlm_server.url, KEYS[1])
-    bystander.start()
-    problems, kinds = [], set()
-    try:
-        for kind, attack in hostile_http.image_attacks(random.Random(52), 48, max_images=2):
-            kinds.add(kind)
-            problem = hostile_http.judge(kind, attack(target), target)
-            if problem:
-                problems.append(problem)
-    finally:
-        bystander.stop.set()
-        bystander.join(60)
+    problems, kinds = beside(bystander, target, hostile_http.image_attacks(random.Random(52), 48, max_images=2))
     assert not problems, problems[:20]
     assert len(kinds) == len(hostile_http.IMAGE_KINDS)
     assert bystander.runs > 3 and not bystander.errors, (bystander.runs, bystander.errors[:5])

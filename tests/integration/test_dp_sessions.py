@@ -87,15 +87,20 @@ def _clean(url: str) -> dict:
     return srv.wait_idle_clean()
 
 
-@pytest.fixture(scope="module")
-def dp(chat_model, tmp_path_factory):
-    d = DP(chat_model, str(tmp_path_factory.mktemp("dp") / "dp.log"))
+def running_dp(model: str, log_path: str):
+    """A fixture's body: ``DP`` of ``model`` up; stopped after, exiting 0."""
+    d = DP(model, log_path)
     try:
         d.wait_up()
         yield d
     finally:
         rc = d.stop()
     assert rc == 0, d.logs()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def dp(chat_model, tmp_path_factory):
+    yield from running_dp(chat_model, str(tmp_path_factory.mktemp("dp") / "dp.log"))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.helpers import tiny_image
-from tests.integration.test_dp_sessions import DP, _clean
+from tests.integration.test_dp_launcher import served
+from tests.integration.test_dp_sessions import _clean, running_dp
 from tests.integration.test_vision_server import ask, data_url, reference
 
 pytest.importorskip("sglang_router", reason="sglang-router is a test dependency (.ci/run installs it)")
@@ -20,13 +21,7 @@ pytest.importorskip("sglang_router", reason="sglang-router is a test dependency 
 
 @pytest.fixture(scope="module")
 def dp_vlm(llava, tmp_path_factory):
-    d = DP(llava[0], str(tmp_path_factory.mktemp("dp_vlm") / "dp.log"))
-    try:
-        d.wait_up()
-        yield d
-    finally:
-        rc = d.stop()
-        assert rc == 0, d.logs()[-3000:]
+    yield from running_dp(llava[0], str(tmp_path_factory.mktemp("dp_vlm") / "dp.log"))
 
 
 @torch.no_grad()
@@ -42,7 +37,7 @@ def test_images_through_the_router_on_both_replicas(llava, dp_vlm):
     img = tiny_image(11)
     want, n = reference(llava, ["what is ", img, " here"])
     client = openai.OpenAI(base_url=dp_vlm.url + "/v1", api_key="none", max_retries=0)
-    served_before = [_requests(u) for u in dp_vlm.replicas]
+    served_before = [served(u) for u in dp_vlm.replicas]
     for _ in range(2):  # round robin: one on each replica
         r = ask(client, ["what is ", data_url(img), " here"])
         assert r.choices[0].message.content == want
@@ -54,7 +49,7 @@ def test_images_through_the_router_on_both_replicas(llava, dp_vlm):
         g = httpx.post(dp_vlm.url + "/generate", json=body, timeout=120)
         assert g.status_code == 200, g.text
         assert g.json()["output_ids"] == ids
-    gained = [_requests(u) - b for u, b in zip(dp_vlm.replicas, served_before, strict=True)]
+    gained = [served(u) - b for u, b in zip(dp_vlm.replicas, served_before, strict=True)]
     assert min(gained) >= 2, gained  # both replicas encoded images
     for u in dp_vlm.replicas:
         info = _clean(u)
@@ -74,10 +69,3 @@ def test_a_bad_image_through_the_router_is_the_replicas_400(dp_vlm):
     for u in dp_vlm.replicas:
         _clean(u)
 
-
-def _requests(url: str) -> float:
-    total = 0.0
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("kvledger_requests_total{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total

@@ -26,39 +26,33 @@ pytest.importorskip("sglang_router", reason="sglang-router is a test dependency 
 TIMEOUT_S = "3"  # both sides' transfer timeouts, short so the fault tests are quick
 
 
-@pytest.fixture(scope="module")
-def pd_pair(chat_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("pd")
+def pd_servers(model: str, logs):
+    """A fixture's body: a prefill and a decode server of ``model`` (pages of 16 and 4) behind SGLang's
+    router in round robin; ``(prefill, decode, router, bootstrap port)``; all stopped after."""
     bport = free_port()
-    pre = Server(chat_model, *ENGINE_ARGS, "--disaggregation-mode", "prefill",
+    pre = Server(model, *ENGINE_ARGS, "--disaggregation-mode", "prefill",
                  "--disaggregation-bootstrap-port", str(bport), "--disaggregation-bootstrap-timeout", TIMEOUT_S,
                  log_path=str(logs / "prefill.log"))  # fmt: skip
-    dec = Server(chat_model, *ENGINE_ARGS, "--page-size", "4", "--disaggregation-mode", "decode",
+    dec = Server(model, *ENGINE_ARGS, "--page-size", "4", "--disaggregation-mode", "decode",
                  "--disaggregation-waiting-timeout", TIMEOUT_S, "--disaggregation-prefill-peers", f"127.0.0.1:{bport}",
                  log_path=str(logs / "decode.log"))  # fmt: skip
     router = None
     try:
         pre.wait_healthy()
         dec.wait_healthy()
-        router = Router(
-            [
-                "--pd-disaggregation",
-                "--prefill",
-                pre.url,
-                str(bport),
-                "--decode",
-                dec.url,
-                "--policy",
-                "round_robin",
-            ],
-            str(logs / "router.log"),
-        )
+        router = Router(["--pd-disaggregation", "--prefill", pre.url, str(bport), "--decode", dec.url,
+                         "--policy", "round_robin"], str(logs / "router.log"))  # fmt: skip
         yield pre, dec, router, bport
     finally:
         if router is not None:
             router.stop()
         for s in (pre, dec):
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def pd_pair(chat_model, tmp_path_factory):
+    yield from pd_servers(chat_model, tmp_path_factory.mktemp("pd"))
 
 
 def pd_stats(s: Server) -> dict:
@@ -462,20 +456,9 @@ def test_images_through_the_pd_router(llava, tmp_path):
     from tests.helpers import tiny_image
     from tests.integration.test_vision_server import ask, data_url, reference
 
-    bport = free_port()
-    args = ("--dtype", "float32", "--strict-memory")
-    pre = Server(llava[0], *args, "--page-size", "16", "--disaggregation-mode", "prefill",
-                 "--disaggregation-bootstrap-port", str(bport), "--disaggregation-bootstrap-timeout", TIMEOUT_S,
-                 log_path=str(tmp_path / "prefill.log"))  # fmt: skip
-    dec = Server(llava[0], *args, "--page-size", "4", "--disaggregation-mode", "decode",
-                 "--disaggregation-waiting-timeout", TIMEOUT_S, "--disaggregation-prefill-peers", f"127.0.0.1:{bport}",
-                 log_path=str(tmp_path / "decode.log"))  # fmt: skip
-    router = None
+    pair = pd_servers(llava[0], tmp_path)
+    pre, dec, router, _ = next(pair)
     try:
-        pre.wait_healthy()
-        dec.wait_healthy()
-        router = Router(["--pd-disaggregation", "--prefill", pre.url, str(bport), "--decode", dec.url],
-                        str(tmp_path / "router.log"))  # fmt: skip
         img = tiny_image(13)
         want, n = reference(llava, ["what is ", img, " here"])
         c = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
@@ -497,7 +480,4 @@ def test_images_through_the_pd_router(llava, tmp_path):
         for s in (pre, dec):
             assert s.wait_idle_clean(timeout=15)["memory"].get("image_embed_tokens", 0) == 0
     finally:
-        if router is not None:
-            router.stop()
-        for s in (pre, dec):
-            s.stop()
+        pair.close()  # (the generator's own finally stops the router and both servers)

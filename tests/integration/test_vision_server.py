@@ -38,13 +38,19 @@ def vlm_server(llava, media_dir, tmp_path_factory):
     )
 
 
-@pytest.fixture
-def client(vlm_server):
-    restarts = vlm_server.info()["engine_restarts"]
-    yield openai.OpenAI(base_url=vlm_server.url + "/v1", api_key="none", max_retries=0)
-    info = vlm_server.wait_idle_clean()
+def clean_client(server):
+    """A fixture's body: an ``openai`` client of ``server``; afterwards the server idle and clean, no
+    engine restart, no image embedding held."""
+    restarts = server.info()["engine_restarts"]
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    info = server.wait_idle_clean()
     assert info["engine_restarts"] == restarts
     assert info["memory"].get("image_embed_tokens", 0) == 0
+
+
+@pytest.fixture
+def client(vlm_server):
+    yield from clean_client(vlm_server)
 
 
 @torch.no_grad()

@@ -6,14 +6,13 @@ the same answer (M-RoPE positions after a prefix hit), another image none; books
 
 from __future__ import annotations
 
-import openai
 import pytest
 import torch
 
 from tests.engine.test_vision_qwen import IMG, ref_inputs
 from tests.helpers import tiny_image
 from tests.integration.conftest import started_server
-from tests.integration.test_vision_server import ask, data_url
+from tests.integration.test_vision_server import ask, clean_client, data_url
 
 pytestmark = pytest.mark.parametrize("qwen_vl", ["qwen2_vl"], indirect=True)
 
@@ -26,11 +25,7 @@ def qwen_server(qwen_vl, tmp_path_factory):
 
 @pytest.fixture
 def client(qwen_server):
-    restarts = qwen_server.info()["engine_restarts"]
-    yield openai.OpenAI(base_url=qwen_server.url + "/v1", api_key="none", max_retries=0)
-    info = qwen_server.wait_idle_clean()
-    assert info["engine_restarts"] == restarts
-    assert info["memory"].get("image_embed_tokens", 0) == 0
+    yield from clean_client(qwen_server)
 
 
 @torch.no_grad()
