@@ -359,6 +359,51 @@ def test_a_fused_projection_is_repacked_part_by_part_from_the_files_views():
         torch.ops.kvledger_cpu.gguf_repack([one, one[:-1]], segs, k, False)
 
 
+def test_a_q_k_projection_is_repacked_through_llama_cpps_row_order_without_a_copy():
+    """A Llama GGUF's q and k rows in llama.cpp's interleaved order (``unpermute_qk`` on blocks): the
+    weight reads them in HF's order without copying the file's bytes (``stored`` is the same view), and
+    the repack reads that order in place (the segments' heads column): the same repacked bytes and the
+    same outputs as repacking the unpermuted copy; ``raw`` (the copy, for everything else) in HF's
+    order; whole heads of a shard stay a view; heads that do not divide the rows refused."""
+    from kvledger.kernels.gguf_weight import GgufWeight
+    from kvledger.model.gguf_map import permute_qk, unpermute_qk
+    from kvledger.model.linear import Linear
+    from kvledger.model.quantized import BlockWeight, cat_rows
+
+    if not kernels.load() or kernels.quant_isa() != "avx512-vnni":
+        pytest.skip("the load-time repack needs the VNNI kernel")
+    rng = np.random.default_rng(11)
+    k = 512
+    heads = {"q": 4, "k": 2}
+    hf = {n: random_blocks(kind, 4 * 16, k, rng) for n, kind in (("q", "Q4_K"), ("k", "Q4_K"), ("v", "Q6_K"))}
+    hf["k"] = hf["k"][:32]
+    stored = {n: permute_qk(torch.from_numpy(hf[n]), heads[n]).numpy() for n in ("q", "k")}
+    q = unpermute_qk(BlockWeight.from_gguf("Q4_K", stored["q"]), heads["q"])
+    kk = unpermute_qk(BlockWeight.from_gguf("Q4_K", stored["k"]), heads["k"])
+    v = BlockWeight.from_gguf("Q6_K", hf["v"])
+    assert np.shares_memory(q.stored, stored["q"])  # a view: nothing copied
+    assert np.array_equal(q.raw, hf["q"].reshape(q.raw.shape))  # the copy, in HF's order
+    fused = Linear(cat_rows([q, kk, v], apart=True), None, "int4", dtype=torch.bfloat16)
+    flat = np.concatenate([hf[n].reshape(-1) for n in ("q", "k", "v")])
+    whole = GgufWeight((("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 64)), k, torch.from_numpy(flat))
+    whole.repack()
+    assert torch.equal(fused.qw.w, whole.w)
+    x = torch.randn(3, k, dtype=torch.bfloat16)
+    assert torch.equal(fused.qw(x), whole(x))
+    alone = Linear(unpermute_qk(BlockWeight.from_gguf("Q4_K", stored["q"]), heads["q"]), None, "int4",
+                   dtype=torch.bfloat16)
+    one = GgufWeight((("Q4_K", 64),), k, torch.from_numpy(hf["q"].reshape(-1).copy()))
+    one.repack()
+    assert torch.equal(alone.qw.w, one.w)
+    shard = q.rows(slice(16, 48))  # heads 1 and 2 of 4 (16 rows a head)
+    assert shard.heads == 2 and np.shares_memory(shard.stored, stored["q"])
+    assert np.array_equal(shard.raw, hf["q"][16:48].reshape(shard.raw.shape))
+    assert np.array_equal(q.rows(slice(8, 24)).raw, hf["q"][8:24].reshape(16, *q.raw.shape[1:]))
+    segs = torch.tensor([[int(gguf.GGMLQuantizationType["Q4_K"]), 64, 3]])
+    with pytest.raises(RuntimeError, match="not 3 heads"):
+        torch.ops.kvledger_cpu.gguf_repack([torch.from_numpy(stored["q"]).reshape(-1)], segs, k, False)
+
+
 @pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
 def test_head_argmax_on_repacked_blocks(kind):
     """A head repacked (a Q4_K_M file's Q6_K output.weight, or Gemma's tied Q8_0 token table):

@@ -113,8 +113,8 @@ class GGUFMeta:
 def unpermute_qk(w: Weight, n_head: int) -> Weight:
     """Undo llama.cpp's q/k row permutation (its Llama converter interleaves the rotary halves of each
     head for its own RoPE); a block weight's rows are reordered whole."""
-    if isinstance(w, BlockWeight):
-        return w.rows(unpermute_qk(torch.arange(w.shape[0]), n_head))
+    if isinstance(w, BlockWeight):  # read through the order, not copied (a repack reads the file's)
+        return w.interleaved(n_head)
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 

@@ -378,21 +378,30 @@ def _pack(w: Weight, bits: int) -> PackedWeight | GgufWeight | None:
             # Each part read from its view of the file into the one repacked buffer (no concatenated
             # copy first); a run of one kind then served as one part, as a fused tensor of that kind is
             # (the same bytes: every part before the run's last holds whole groups of 16 rows).
-            segs = torch.tensor([[int(gguf.GGMLQuantizationType[k]), r] for k, r in parts], dtype=torch.int64)
-            out = torch.ops.kvledger_cpu.gguf_repack([_view(p.raw) for p in w.parts], segs, w.shape[1], False)
-            return GgufWeight(_merge_runs(parts), w.shape[1], out, packed=True)
+            return _repacked(w.parts)
         flat = np.concatenate([p.raw.reshape(-1) for p in w.parts])  # one copy, as a fused tensor's
         return GgufWeight(parts, w.shape[1], torch.from_numpy(flat))
     if isinstance(w, BlockWeight) and w.kind in GGUF_KERNEL_KINDS:
-        qw = GgufWeight(((w.kind, w.shape[0]),), w.shape[1], _view(w.raw))
-        if _repacks(qw.parts, w.shape[1]):  # Q8_0 too: the file's size, where the int8 copy is 1.18x
-            qw.repack()
-            return qw
+        if _repacks(((w.kind, w.shape[0]),), w.shape[1]):  # Q8_0 too: the file's size, where int8 is 1.18x
+            return _repacked((w,))
         if w.kind not in PACKED_BITS:
-            return qw
+            return GgufWeight(((w.kind, w.shape[0]),), w.shape[1], _view(w.raw))
     if isinstance(w, BlockWeight) and w.bits == bits:
         return pack_blocks(*w.codes(), bits=bits)
     return pack(dense(w), bits)
+
+
+def _repacked(blocks: tuple[BlockWeight, ...]) -> GgufWeight:
+    """``blocks`` (a layer's parts, each a view of the file) repacked into one new buffer, each read
+    in place: in its stored order, a q/k part's llama.cpp row order undone as it is read (the segments'
+    heads column), so no part is copied before the repack."""
+    in_features = blocks[0].shape[1]
+    segs = torch.tensor(
+        [[int(gguf.GGMLQuantizationType[b.kind]), b.shape[0], b.heads] for b in blocks], dtype=torch.int64
+    )
+    out = torch.ops.kvledger_cpu.gguf_repack([_view(b.stored) for b in blocks], segs, in_features, False)
+    parts = tuple((b.kind, b.shape[0]) for b in blocks)
+    return GgufWeight(_merge_runs(parts), in_features, out, packed=True)
 
 
 def _merge_runs(parts: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
@@ -430,4 +439,3 @@ def _repacks(parts: tuple[tuple[str, int], ...], in_features: int) -> bool:
     group back on every call)."""
     probe = GgufWeight(parts, in_features, torch.empty(0, dtype=torch.uint8))
     return probe.repackable() and kernels.quant_isa() == "avx512-vnni" and REPACK
-

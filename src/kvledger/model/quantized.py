@@ -19,6 +19,7 @@ packed ones:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import gguf
 import numpy as np
@@ -36,16 +37,37 @@ PACKED_BITS = {"Q4_1": 4, "Q8_0": 8}
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A ``[rows, cols]`` weight as GGUF blocks: ``raw`` is ``[rows, cols / block, block bytes]`` uint8."""
+    """A ``[rows, cols]`` weight as GGUF blocks: ``raw`` is ``[rows, cols / block, block bytes]`` uint8.
+
+    ``heads`` > 0: ``stored`` holds the rows in llama.cpp's q/k order for that many heads (its Llama
+    converter interleaves each head's two rotary halves) and the weight's rows are HF's (``raw`` puts
+    them back, a copy made once, on first use); the load-time repack reads the stored order directly
+    (``kvledger_cpu::gguf_repack``'s heads column), so a repacked q/k projection never pays that copy."""
 
     kind: str  # one of BLOCK_KINDS
-    raw: np.ndarray
+    stored: np.ndarray
+    heads: int = 0
 
     @classmethod
     def from_gguf(cls, kind: str, data: np.ndarray) -> BlockWeight:
         """``data``: the reader's ``[rows, row bytes]`` uint8 view of one tensor (not copied)."""
         rows = data.shape[0]
         return cls(kind, data.reshape(rows, -1, FORMATS[kind][1]))
+
+    @cached_property
+    def raw(self) -> np.ndarray:
+        """The blocks in the weight's row order (``stored`` itself unless ``heads``)."""
+        if not self.heads:
+            return self.stored
+        n = self.stored.shape[0]
+        order = np.arange(n).reshape(self.heads, n // self.heads // 2, 2).transpose(0, 2, 1).reshape(n)
+        return self.stored[order]
+
+    def interleaved(self, heads: int) -> BlockWeight:
+        """These rows read as llama.cpp's q/k order for ``heads`` heads (``unpermute_qk``): no copy."""
+        if self.heads:
+            raise ValueError("the rows are already read as an interleaved q/k order")
+        return BlockWeight(self.kind, self.stored, heads)
 
     @property
     def block(self) -> int:
@@ -54,7 +76,7 @@ class BlockWeight:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.raw.shape[0], self.raw.shape[1] * self.block
+        return self.stored.shape[0], self.stored.shape[1] * self.block
 
     @property
     def bits(self) -> int:
@@ -62,13 +84,19 @@ class BlockWeight:
         return PACKED_BITS.get(self.kind, 0)
 
     def nbytes(self) -> int:
-        return self.raw.size
+        return self.stored.size
 
     # -- selections (all in whole blocks; the raw bytes are copied only by ``cat``) ---------------------
     def rows(self, index: slice | torch.Tensor | np.ndarray) -> BlockWeight:
-        """Rows ``index`` (a slice, or a permutation / selection of row numbers)."""
+        """Rows ``index`` (a slice, or a permutation / selection of row numbers); whole heads of an
+        interleaved q/k order stay a view (a tensor-parallel shard)."""
         if isinstance(index, torch.Tensor):
             index = index.numpy()
+        if self.heads and isinstance(index, slice):
+            rph = self.stored.shape[0] // self.heads
+            start, stop, step = index.indices(self.stored.shape[0])
+            if step == 1 and start % rph == 0 and stop % rph == 0 and stop > start:
+                return BlockWeight(self.kind, self.stored[start:stop], (stop - start) // rph)
         return BlockWeight(self.kind, self.raw[index])
 
     def cols(self, index: slice) -> BlockWeight | None:
@@ -77,7 +105,7 @@ class BlockWeight:
         b = self.block
         if step != 1 or start % b or stop % b:
             return None
-        return BlockWeight(self.kind, self.raw[:, start // b : stop // b])
+        return BlockWeight(self.kind, self.stored[:, start // b : stop // b], self.heads)
 
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight:

@@ -109,7 +109,11 @@ inline long gguf_rows_bytes(int kind, long rows, long K) {
 }
 // kind -> kind + kGgufPacked of rows [0, rows) of src (src: the part's rows as stored), groups [g0, g1);
 // inverse: back (the file's bytes exactly; the padding rows dropped).
-void gguf_repack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1);
+// heads > 0: src's rows are in llama.cpp's q/k order for that many heads (its Llama converter interleaves
+// each head's rotary halves); row r of the result is read from where that order put it, so the weight
+// comes out in HF's row order without a permuted copy of the file's bytes first.
+void gguf_repack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1,
+                        long heads = 0);
 void gguf_unpack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1);
 
 inline long gguf_padded(long K) { return (K + 63) / 64 * 64; }

@@ -180,12 +180,21 @@ long file_block_bytes(int kind) {
 
 }  // namespace
 
-void gguf_repack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1) {
+void gguf_repack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t* dst, long g0, long g1,
+                        long heads) {
   const int pk = kind + kGgufPacked;
   const long nb = K / gguf_packed_block(pk), fb = file_block_bytes(kind), gb = gguf_group_bytes(pk),
              row_bytes = nb * fb;
   const bool small = gguf_packed_block(pk) == 32;  // the scale plane, then the codes (gguf_blocks.h)
   const long cbytes = kind == kQ8_0 ? 512 : 320;
+  // HF's row r inside a head (rph rows: two rotary halves of half rows each) is the file's row 2 j + i
+  // where r = i * half + j (llama.cpp's permute: the halves' elements interleaved pairwise).
+  const long rph = heads > 0 ? rows / heads : rows, half = rph / 2;
+  auto file_row = [&](long r) {
+    if (heads <= 0) return r;
+    const long h = r / rph, rem = r % rph;
+    return h * rph + 2 * (rem % half) + rem / half;
+  };
   for (long g = g0; g < g1; ++g) {
     uint8_t* og = dst + g * nb * gb;
     const int valid = static_cast<int>(std::min<long>(kGgufGroup, rows - g * kGgufGroup));
@@ -195,7 +204,7 @@ void gguf_repack_groups(int kind, const uint8_t* src, long rows, long K, uint8_t
     }
     for (long b = 0; b < nb; ++b) {
       for (int j = 0; j < valid; ++j) {
-        const uint8_t* blk = src + (g * kGgufGroup + j) * row_bytes + b * fb;
+        const uint8_t* blk = src + file_row(g * kGgufGroup + j) * row_bytes + b * fb;
         if (small) {
           if (kind == kQ8_0) q80_in(blk, j, og + 32 * b, og + 32 * nb + cbytes * b);
           else q50_in(blk, j, og + 32 * b, og + 32 * nb + cbytes * b);

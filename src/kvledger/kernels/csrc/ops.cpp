@@ -923,31 +923,36 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, i
 // every part Q4_K, Q6_K, Q8_0 or Q5_0 -> kind + 100, groups of 16 rows over the threads; inverse: back to the
 // file's bytes (parts then given in their packed kinds). ws: the parts' bytes, one tensor holding every
 // part in order, or one tensor a part (a fused projection's q/k/v or gate/up straight from the file's
-// map: no concatenated copy first). A new uint8 tensor; ws are only read.
+// map: no concatenated copy first). segments may carry a third column, a part's heads when its rows are in
+// llama.cpp's q/k order (gguf_repack_groups reads them in HF's; 0: as stored; not with inverse). A new
+// uint8 tensor; ws are only read.
 at::Tensor gguf_repack(const at::TensorList ws, const at::Tensor& segments, int64_t k, bool inverse) {
   TORCH_CHECK(!ws.empty(), "no input");
   for (const at::Tensor& w : ws)
     TORCH_CHECK(w.is_contiguous() && w.scalar_type() == at::kByte, "w must be contiguous uint8");
-  TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 2 && segments.scalar_type() == at::kLong &&
-                  segments.is_contiguous(),
-              "segments must be [parts, 2] int64 (kind, rows)");
+  TORCH_CHECK(segments.dim() == 2 && (segments.size(1) == 2 || segments.size(1) == 3) &&
+                  segments.scalar_type() == at::kLong && segments.is_contiguous(),
+              "segments must be [parts, 2 or 3] int64 (kind, rows[, heads])");
   struct Part {
     int kind;
-    int64_t rows, src, dst, g0;
+    int64_t rows, src, dst, g0, heads;
     const uint8_t* in;
   };
   std::vector<Part> parts;
   int64_t src = 0, dst = 0, groups = 0;
   const int64_t* sp = segments.data_ptr<int64_t>();
+  const int64_t cols = segments.size(1);
   for (int64_t i = 0; i < segments.size(0); ++i) {
-    const int kd = static_cast<int>(sp[2 * i]);
-    const int64_t rows = sp[2 * i + 1];
+    const int kd = static_cast<int>(sp[cols * i]);
+    const int64_t rows = sp[cols * i + 1], heads = cols == 3 ? sp[cols * i + 2] : 0;
     TORCH_CHECK(rows > 0 && (inverse ? gguf_is_packed(kd) : gguf_repackable(kd)), "GGML type ", kd,
                 inverse ? " is not a repacked kind" : " has no repack");
+    TORCH_CHECK(heads == 0 || (!inverse && heads > 0 && rows % (2 * heads) == 0), "part ", i, ": ", rows,
+                " rows are not ", heads, " heads of two rotary halves");
     const int pk = inverse ? kd : kd + kGgufPacked, fk = inverse ? kd - kGgufPacked : kd;
     TORCH_CHECK(k > 0 && k % gguf_packed_block(pk) == 0, "in_features ", k, " is not whole blocks of ",
                 gguf_packed_block(pk));
-    parts.push_back({kd, rows, src, dst, groups});
+    parts.push_back({kd, rows, src, dst, groups, heads});
     src += gguf_rows_bytes(inverse ? pk : fk, rows, k);
     dst += gguf_rows_bytes(inverse ? fk : pk, rows, k);
     groups += (rows + kGgufGroup - 1) / kGgufGroup;
@@ -971,7 +976,7 @@ at::Tensor gguf_repack(const at::TensorList ws, const at::Tensor& segments, int6
       const int64_t g0 = std::max<int64_t>(a, p.g0) - p.g0, g1 = std::min<int64_t>(b, p.g0 + pg) - p.g0;
       if (g0 >= g1) continue;
       if (inverse) gguf_unpack_groups(p.kind, p.in, p.rows, k, op + p.dst, g0, g1);
-      else gguf_repack_groups(p.kind, p.in, p.rows, k, op + p.dst, g0, g1);
+      else gguf_repack_groups(p.kind, p.in, p.rows, k, op + p.dst, g0, g1, p.heads);
     }
   });
   return out;
