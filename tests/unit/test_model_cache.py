@@ -43,12 +43,11 @@ def test_the_cached_tokenizer_is_the_converted_one_and_a_changed_file_is_a_miss(
     monkeypatch.setenv("KVLEDGER_CACHE_DIR", str(tmp_path / "cache"))
     path = str(tmp_path / "model.gguf")
     shutil.copy(default_model_path(), path)
-    conversions = []
+    conversions, auto_loads = [], []
     real = loader._hf_tokenizer
 
     def counting(p, **kw):
-        if "gguf_file" in kw:
-            conversions.append(p)
+        (conversions if "gguf_file" in kw else auto_loads).append(p)
         return real(p, **kw)
 
     monkeypatch.setattr(loader, "_hf_tokenizer", counting)
@@ -57,6 +56,9 @@ def test_the_cached_tokenizer_is_the_converted_one_and_a_changed_file_is_a_miss(
     cached = load_tokenizer(path)
     assert len(conversions) == 1  # served from the cache
     _same(converted, cached)
+    # A plain fast tokenizer's entry loads through its own class, not AutoTokenizer's mapping (whose
+    # import a warm start would wait on): the same class as the converted one.
+    assert auto_loads == [] and type(cached) is type(converted)
     # The engine's load (the model's tokenizer) reads the same entry.
     assert load_model_tokenizer(path) is not None and len(conversions) == 1
 

@@ -145,11 +145,34 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
 
 def _gguf_tokenizer(path: str) -> Any:
     """The GGUF's tokenizer: from kvledger's cache, else converted by transformers and kept there."""
-    tok = model_cache.load_tokenizer_entry(path, _hf_tokenizer)
+    tok = model_cache.load_tokenizer_entry(path, _saved_tokenizer)
     if tok is None:
         tok = _hf_tokenizer(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
         model_cache.store_tokenizer(path, tok)
     return tok
+
+
+# The classes a saved fast tokenizer names that are one class (transformers 5 keeps the old name as an
+# alias); loaded through it directly, AutoTokenizer's mapping of every model's classes is never imported.
+_FAST_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _saved_tokenizer(path: str) -> Any:
+    """A tokenizer kvledger saved (``model_cache``): a plain fast tokenizer straight through its class
+    (~0.3-0.6 s of a warm start's critical path: AutoTokenizer's import), any other through
+    ``AutoTokenizer`` (Gemma's has its own class)."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls in _FAST_CLASSES:
+        try:
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # another transformers layout: the mapping finds it
+            return _hf_tokenizer(path)
+        return TokenizersBackend.from_pretrained(path)
+    return _hf_tokenizer(path)
 
 
 def _hf_tokenizer(path: str, **kwargs) -> Any:
@@ -357,7 +380,7 @@ def load_tokenizer(path: str, *, read_file: bool = True) -> Any | None:
         return _hf_tokenizer(path) if any(os.path.isfile(os.path.join(path, n)) for n in names) else None
     if not os.path.isfile(path):
         raise ModelLoadError(f"model not found: {path}")
-    tok = model_cache.load_tokenizer_entry(path, _hf_tokenizer)  # no need to read the file at all
+    tok = model_cache.load_tokenizer_entry(path, _saved_tokenizer)  # no need to read the file at all
     if tok is not None or not read_file:
         return tok
     return _gguf_tokenizer(path) if _read_gguf(path).has_tokenizer else None

@@ -52,10 +52,9 @@ def tokenizer_cache_dir() -> Path:
 
 
 def _tokenizer_entry(path: str) -> Path:
-    import tokenizers
-    import transformers
-
-    return tokenizer_cache_dir() / file_key(path, transformers.__version__, tokenizers.__version__)
+    # The versions from the installed packages' metadata: importing transformers only to read its
+    # version would put its import on a warm start's path.
+    return tokenizer_cache_dir() / file_key(path, _version("transformers", None), _version("tokenizers", None))
 
 
 def load_tokenizer_entry(path: str, load) -> Any | None:
@@ -99,11 +98,15 @@ def _index_entry(path: str) -> Path:
 
 
 def _version(name: str, module) -> str:
+    """``name``'s installed version (its metadata; else ``module``'s, or the module imported, ``__version__``)."""
+    import importlib
     import importlib.metadata
 
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
+        if module is None:
+            module = importlib.import_module(name)
         return getattr(module, "__version__", "?")
 
 
