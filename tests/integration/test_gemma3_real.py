@@ -67,6 +67,39 @@ def test_float32_greedy_equals_transformers_on_the_file(hf_gemma):
         eng.shutdown()
 
 
+def test_the_cached_tokenizer_reads_its_file_once_and_is_transformers_conversion(hf_gemma):
+    """The model cache's Gemma entry (``model_cache._entry_config``): saved as a plain fast tokenizer
+    with its added tokens in the config, so a start reads the 262,144-token ``tokenizer.json`` once, in
+    Rust — and it is still transformers' own conversion of the file: the same ids, texts, specials,
+    vocabulary, added tokens, padding side and input names."""
+    import json
+
+    from kvledger.model import loader, model_cache
+
+    ref = hf_gemma[0]
+    load_tokenizer(str(GEMMA))  # converted and kept, if the cache did not hold it
+    entry = model_cache._tokenizer_entry(str(GEMMA))
+    with open(entry / "tokenizer_config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    assert cfg["tokenizer_class"] == "TokenizersBackend" and len(cfg["added_tokens_decoder"]) == len(ref.added_tokens_decoder)
+    cached = model_cache.load_tokenizer_entry(str(GEMMA), loader._saved_tokenizer)
+    texts = ["Hello world", "  two spaces\n\ttab", "<start_of_turn>user\nHi<end_of_turn>\n", "émoji 🤖 中文 ÿ", "",
+             " lead", "<bos><eos><pad> <mask>", "a\u00a0b\r\n"]  # fmt: skip
+    for text in texts:
+        assert cached(text) == ref(text), text
+        assert cached.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False), text
+    ids = list(range(0, len(ref), 37))
+    for skip in (False, True):
+        assert cached.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip)
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "all_special_ids", "padding_side",
+                 "model_input_names"):  # fmt: skip
+        assert getattr(cached, attr) == getattr(ref, attr), attr
+    assert cached.get_vocab() == ref.get_vocab()
+    assert {i: str(t) for i, t in cached.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in ref.added_tokens_decoder.items()
+    }
+
+
 def test_gemmas_end_of_turn_is_a_stop_token():
     tok = load_tokenizer(str(GEMMA))
     assert not tok.chat_template  # the file carries none: --chat-template is how it chats

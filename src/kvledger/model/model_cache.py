@@ -51,10 +51,14 @@ def tokenizer_cache_dir() -> Path:
     return cache_root() / "tokenizers"
 
 
+TOKENIZER_ENTRY = "read-once"  # the entry's config as ``_entry_config`` writes it (a new layout: a new key)
+
+
 def _tokenizer_entry(path: str) -> Path:
     # The versions from the installed packages' metadata: importing transformers only to read its
     # version would put its import on a warm start's path.
-    return tokenizer_cache_dir() / file_key(path, _version("transformers", None), _version("tokenizers", None))
+    versions = (_version("transformers", None), _version("tokenizers", None), TOKENIZER_ENTRY)
+    return tokenizer_cache_dir() / file_key(path, *versions)
 
 
 def load_tokenizer_entry(path: str, load) -> Any | None:
@@ -78,6 +82,7 @@ def store_tokenizer(path: str, tokenizer) -> None:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent)
         tokenizer.save_pretrained(tmp)
+        _entry_config(tmp, tokenizer)
         os.rename(tmp, entry)  # atomic; loses to a concurrent writer of the same entry
         tmp = None
     except OSError as e:
@@ -85,6 +90,48 @@ def store_tokenizer(path: str, tokenizer) -> None:
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+# What a saved tokenizer's class adds to ``TokenizersBackend`` when it only builds the backend from a
+# vocabulary and merges (Gemma's, Llama's): nothing a saved ``tokenizer.json`` does not hold.
+_BUILD_ONLY = {
+    "__init__", "__module__", "__doc__", "__qualname__", "__annotations__", "__firstlineno__",
+    "__static_attributes__", "vocab_files_names", "padding_side", "model_input_names", "model",
+    "slow_tokenizer_class",
+}  # fmt: skip
+
+
+def _entry_config(directory: str, tokenizer) -> None:
+    """Rewrite a saved tokenizer's config so that loading it reads ``tokenizer.json`` once, in Rust.
+
+    transformers' ``from_pretrained`` parses ``tokenizer.json`` in Python (Gemma's: 33 MB, 262,144
+    tokens) to find the added tokens when the config does not list them, and a class with its own
+    ``__init__`` (GemmaTokenizer) parses it again to rebuild the BPE from the vocabulary and merges; a
+    Gemma start waited ~4 s on that. So the config lists ``added_tokens_decoder`` (what the file's
+    ``added_tokens`` hold), and a class that adds nothing but that rebuild is saved as
+    ``TokenizersBackend`` with its class's padding side and input names: the same pipeline (the
+    saved file is the rebuilt backend), encodings, specials and template (tests/unit/test_model_cache.py,
+    tests/integration/test_gemma3_real.py). Not carried: the class's ``add_bos_token`` attribute, which
+    transformers drops when it loads any ``tokenizer.json`` (the file's post-processor adds the BOS, as
+    before); kvledger never reads it. Anything unexpected leaves the config as saved (correct, slower)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cfg_path = os.path.join(directory, "tokenizer_config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        added = {str(i): t.__getstate__() for i, t in tokenizer.added_tokens_decoder.items()}
+        cls = type(tokenizer)
+        if cls is not TokenizersBackend and cls.__mro__[1] is TokenizersBackend and set(cls.__dict__) <= _BUILD_ONLY:
+            cfg["tokenizer_class"] = "TokenizersBackend"
+            cfg.setdefault("padding_side", tokenizer.padding_side)
+            cfg.setdefault("model_input_names", list(tokenizer.model_input_names))
+        cfg["added_tokens_decoder"] = added
+    except (AttributeError, TypeError, ValueError, OSError) as e:
+        log.debug("tokenizer entry kept as saved (%s)", e)
+        return
+    with open(cfg_path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, ensure_ascii=False, indent=1)
 
 
 # -- the GGUF index ----------------------------------------------------------------------------------------
