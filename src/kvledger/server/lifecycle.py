@@ -90,6 +90,8 @@ class EngineLifecycle:
 
     async def stop(self) -> None:
         """Stop the engine (after the HTTP server stopped listening and its connections ended)."""
+        if getattr(self.srv, "openai", None) is not None:
+            self.srv.openai.close()
         if self.srv.client is not None:
             await self.srv.client.close()
 
