@@ -190,7 +190,7 @@ class EngineLifecycle:
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.pooling = PoolingServing(
             srv.gen, srv.openai.check_model, name, srv.limits, tokenizer, cfg.pooling,
-            client.engine_config["max_running_requests"], srv.admission,
+            client.engine_config["max_running_requests"], srv.admission, srv.openai,
         )  # fmt: skip
 
 
