@@ -274,10 +274,6 @@ OTHER_REFUSALS: dict[frozenset[str], Refusal] = {
         NOT_YET, "a turn's prompt begins with the KV the session holds, which is not computed again"
     ),
     frozenset({"sessions", "several_prompts"}): Refusal(NO_MEANING, "a session takes one turn at a time"),
-    frozenset({"images", "pooling"}): Refusal(NOT_YET, "embeddings and scores of images are not served"),
-    frozenset({"images", "tp"}): Refusal(
-        NOT_YET, "the vision encoder runs on rank 0 and the other ranks' steps carry no image embeddings"
-    ),
     frozenset({"weight_update", "tp"}): Refusal(
         NOT_YET, "every rank would have to load its shard in step; restart the server on the new weights"
     ),

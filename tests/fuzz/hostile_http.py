@@ -306,10 +306,11 @@ def bad_image_url(kind: str, rng: random.Random) -> str | object:
 
 def image_attacks(rng: random.Random, count: int, max_images: int) -> Iterator[tuple[str, Attack]]:
     """``count`` seeded bad image parts, every kind in turn, each on a random API (chat ``image_url``,
-    ``/generate`` ``image_data``, Responses ``input_image``): each must be a 400 naming the part."""
+    ``/generate`` ``image_data``, Responses ``input_image``, ``/v1/embeddings``' ``messages``): each
+    must be a 400 naming the part."""
     for i in range(count):
         kind = IMAGE_KINDS[i % len(IMAGE_KINDS)]
-        api = rng.choice(["chat", "generate", "responses"])
+        api = rng.choice(["chat", "generate", "responses", "embeddings"])
         good = bad_image_url("good", rng)
         if kind == "too_many":
             urls, bad_at = [good] * (max_images + 1), max_images
@@ -321,10 +322,13 @@ def image_attacks(rng: random.Random, count: int, max_images: int) -> Iterator[t
 
 
 def _image_request(t: Target, api: str, urls: list, bad_at: int) -> Outcome:
-    if api == "chat":
+    if api in ("chat", "embeddings"):
         parts = [{"type": "text", "text": "look"}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
-        body = {"model": "default", "messages": [{"role": "user", "content": parts}], "max_tokens": 2}
-        path, want = "/v1/chat/completions", f"messages[0].content[{bad_at + 1}]"
+        body = {"model": "default", "messages": [{"role": "user", "content": parts}]}
+        if api == "chat":
+            body["max_tokens"] = 2
+        path = "/v1/chat/completions" if api == "chat" else "/v1/embeddings"
+        want = f"messages[0].content[{bad_at + 1}]"
     elif api == "generate":
         text = "<|user|>" + "<image>" * len(urls) + "</s><|assistant|>"
         body = {"text": text, "image_data": urls, "sampling_params": {"max_new_tokens": 2}}

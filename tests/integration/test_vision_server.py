@@ -252,3 +252,31 @@ def test_a_session_with_images_over_generate_and_an_engine_restart(llava, vlm_se
     assert httpx.post(vlm_server.url + "/close_session", json={"session_id": plain}, timeout=30).status_code == 200
     info = vlm_server.wait_idle_clean()
     assert info["memory"].get("session_image_bytes", 0) == 0
+
+
+@torch.no_grad()
+def test_embeddings_of_chat_messages_with_images(llava, vlm_server, client):
+    """vLLM's chat form of ``/v1/embeddings``: the messages (an image part included) through the chat
+    template, the last row's final hidden state (``--pooling last``) equal to transformers'; a bad
+    image part a 400 naming it; ``input`` and ``messages`` together a 400."""
+    import httpx
+    import numpy as np
+
+    _, proc, ref = llava
+    img = tiny_image(5)
+    text = proc.tokenizer.apply_chat_template([{"role": "user", "content": "what is <image> here"}],
+                                              add_generation_prompt=False, tokenize=False)  # fmt: skip
+    inputs = proc(text=text, images=[img], return_tensors="pt")
+    want = ref.model(**inputs).last_hidden_state[0, -1]
+    want = (want / want.norm()).numpy()
+    body = {"model": "default", "messages": message(["what is ", data_url(img), " here"])}
+    r = httpx.post(vlm_server.url + "/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    np.testing.assert_allclose(out["data"][0]["embedding"], want, atol=2e-5)
+    assert out["usage"]["prompt_tokens"] == inputs["input_ids"].shape[1]  # the image's tokens counted
+    bad = {"model": "default", "messages": message(["what is ", "data:image/png;base64,AAAA"])}
+    r = httpx.post(vlm_server.url + "/v1/embeddings", json=bad, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[1]"
+    r = httpx.post(vlm_server.url + "/v1/embeddings", json={**body, "input": "x"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

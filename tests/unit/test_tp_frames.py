@@ -122,6 +122,39 @@ def _with_bitmask(array) -> bytes:
     return msgspec.msgpack.encode(raw)
 
 
+def image_step(dtype: torch.dtype) -> SchedulerOutput:
+    """A step feeding an image (its pixels in the feed), with the rows rank 0 encoded for it."""
+    from kvledger.multimodal.embeds import Splice
+    from kvledger.multimodal.inputs import ImageItem
+    from kvledger.scheduler.output import ImageFeed
+
+    item = ImageItem(2, 3, b"digest", np.ones((3, 4), dtype=np.float32))
+    feed = ImageFeed("r:0", 2, 0, 3, item, True, "cache-key", True)
+    req = ScheduledReq("r", 0, 0, [1, 2, 9, 9, 9], images=[feed], mrope=np.arange(15).reshape(3, 5))
+    rows = torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8).to(dtype) / 7
+    return SchedulerOutput([req], image_drops=["q:0"], image_rows=Splice(torch.arange(2, 5), rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_step_with_images_crosses_with_its_rows_and_without_its_pixels(dtype):
+    sent = image_step(dtype)
+    got = frames.decode(frames.encode(frames.Step.of(sent)), frames.ToWorker).scheduler_output()
+    assert torch.equal(got.image_rows.index, sent.image_rows.index)
+    assert got.image_rows.rows.dtype == dtype and torch.equal(got.image_rows.rows, sent.image_rows.rows)
+    (feed,) = got.reqs[0].images
+    assert feed.item is None and (feed.key, feed.at, feed.count, feed.last) == ("r:0", 2, 3, True)
+    assert sent.reqs[0].images[0].item is not None  # rank 0's own row keeps its pixels
+    assert np.array_equal(got.reqs[0].mrope, sent.reqs[0].mrope) and got.image_drops == ["q:0"]
+    with pytest.raises(ValueError, match="crosses with its image rows"):  # rank 0 encodes before it sends
+        frames.Step.of(dataclasses.replace(sent, image_rows=None))
+    raw = msgspec.msgpack.decode(frames.encode(frames.Step.of(sent)))
+    for lie in ({"shape": [4, 8]}, {"dtype": "float64"}, {"index": ["int64", [2], b"\0" * 16]},
+                {"index": ["int32", [3], b"\0" * 12]}):  # fmt: skip
+        bad = dict(zip(("index", "dtype", "shape", "data"), raw["image_rows"], strict=True)) | lie
+        with pytest.raises(FrameError):
+            frames.decode(msgspec.msgpack.encode({**raw, "image_rows": list(bad.values())}), frames.ToWorker)
+
+
 def test_connector_metadata_without_a_frame_is_refused_when_sent():
     with pytest.raises(TypeError, match="has no tensor-parallel frame"):
         frames.Step.of(SchedulerOutput(connector_meta={"any": "dict"}))

@@ -93,11 +93,11 @@ class ModelRunner:
                 pool_index.extend(range(t - n + r.pool_from, t - r.num_draft))
             if r.sampling is not None:
                 logit_index.extend(range(t - 1 - r.num_draft, t))
-        splice = None
-        if self.images is not None:
+        splice = sched.image_rows  # encoded before the step crossed to the other ranks (TP), or:
+        if splice is None and any(r.images for r in sched.reqs):
+            if self.images is None:
+                raise RuntimeError("a step feeds image tokens to a model without a vision encoder")
             splice = self.images.splice(sched.reqs, starts)
-        elif any(r.images for r in sched.reqs):
-            raise RuntimeError("a step feeds image tokens to a model without a vision encoder")
         mrope = None
         if any(r.mrope is not None for r in sched.reqs):
             mrope = torch.cat([
@@ -124,13 +124,27 @@ class ModelRunner:
             lora=lora_mod.LoraBatch.of([r.lora for r in sched.reqs], ext, table.device),
         ).to(table.device)
 
+    def encode_images(self, sched: SchedulerOutput) -> None:
+        """Tensor parallel, rank 0, before the step is broadcast: apply the step's image drops, encode
+        every image it feeds and keep the rows in ``sched.image_rows``, so that every rank splices the
+        same rows (the workers hold no encoder, no embeddings and no encoder cache: rank 0's books
+        describe everything there is)."""
+        if self.images is None or sched.image_rows is not None:
+            return
+        if sched.image_drops:
+            self.images.drop(sched.image_drops)
+        if any(r.images for r in sched.reqs):
+            starts = np.cumsum([0] + [r.num_tokens for r in sched.reqs[:-1]]).tolist()
+            sched.image_rows = self.images.splice(sched.reqs, starts)
+
     def execute(
         self, sched: SchedulerOutput, connector=None, sample: bool = True
     ) -> ModelRunnerOutput | None:
         """One step; a tensor-parallel worker rank runs the forward only (``sample=False``): rank 0
         samples from the same gathered logits."""
         self.page_table.apply(sched.page_writes)
-        if self.images is not None and sched.image_drops:
+        # (With ``image_rows`` set, ``encode_images`` applied the drops before it encoded.)
+        if self.images is not None and sched.image_drops and sched.image_rows is None:
             self.images.drop(sched.image_drops)
         if sched.hisparse is not None:
             self.sparse.apply(sched.hisparse, self.kv_buffer)  # copies to host before the forward
@@ -145,7 +159,7 @@ class ModelRunner:
         # forward, seconds of compilation each time a core comes or goes).
         if self.threads is not None and getattr(self.model, "compiled", None) is None:
             self.threads.tick()
-        if self.graphs is not None and not any(r.images for r in sched.reqs):
+        if self.graphs is not None and sched.image_rows is None and not any(r.images for r in sched.reqs):
             logits = self.graphs.try_run(sched, connector)  # None: this step runs eager (counted)
             if logits is not None:
                 return self._sample(sched, logits) if sample else None

@@ -229,7 +229,7 @@ def _executor(
         from ..parallel.executor import TPExecutor, share_pool
 
         share_pool(plan.total, plan.context)  # the workers build the same pool, then their runners
-        executor = TPExecutor(executor, workers)
+        executor = TPExecutor(executor, workers, runner)
     return executor
 
 

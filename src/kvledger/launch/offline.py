@@ -191,11 +191,13 @@ class Engine(EngineAdmin):
         input_ids: list[int] | list[list[int]] | None = None,
         pooling: str = "last",
         rid: str | list[str] | None = None,
+        image_data=None,
     ):
         """Embeddings (SGLang's ``Engine.encode``): ``{"embedding", "meta_info"}`` per prompt, the
         final-norm hidden states pooled (``last`` or ``mean``) and L2-normalised; batched through the
-        scheduler like any request, with no decode."""
-        reqs, single = self._prepare(prompt, None, input_ids, rid, PoolingParams(embed=pooling))
+        scheduler like any request, with no decode. ``image_data``: as ``generate``'s (a vision model's
+        image tokens are pooled with the rest: their rows after the decoder, as the text's)."""
+        reqs, single = self._prepare(prompt, None, input_ids, rid, PoolingParams(embed=pooling), image_data)
         results = self._run(reqs)
         return results[0] if single else results
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,17 @@ from .inputs import ImageItem, MultiModalInputs
 # token count is the grid's product over the merge size squared (their processor's
 # ``replace_image_token``), and a chat message's image is ``<|vision_start|><|image_pad|><|vision_end|>``.
 GRID_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedImage:
+    """A decoded image through the family's processor (``ImageProcessing.prepare``), ready for
+    ``expand``: the HTTP front prepares its requests' images off the event loop (``ImageReader``)."""
+
+    pixels: np.ndarray  # float32, the processor's pixel values
+    length: int  # the image's token count
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # the processor's other per-image outputs
+    digest: bytes = b""  # ``content_digest(pixels, extra)``
 
 
 class ImageProcessing:
@@ -73,9 +85,16 @@ class ImageProcessing:
         extra = {k: np.asarray(v) for k, v in out.items() if k not in NOT_PER_IMAGE}
         return np.ascontiguousarray(out["pixel_values"], dtype=np.float32), n, extra
 
+    def prepare(self, img, param: str) -> PreparedImage:
+        """One decoded image through the processor, and its content digest (a 400 naming ``param``
+        if the processor refuses it). Thread-safe: the front runs it in a pool."""
+        pixels, n, extra = self.image(img, param)
+        return PreparedImage(pixels, n, extra, content_digest(pixels, extra))
+
     def expand(self, ids: list[int], images: list, params: list[str]) -> tuple[list[int], MultiModalInputs]:
         """``ids`` with each placeholder token repeated for its image (``images[k]`` for the k-th
-        placeholder; ``params[k]`` names its part in a 400), and where each image's run is."""
+        placeholder: a decoded image, or one already ``prepare``d; ``params[k]`` names its part in a
+        400), and where each image's run is."""
         marks = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(marks) != len(images):
             raise ValidationError(
@@ -86,10 +105,10 @@ class ImageProcessing:
         items: list[ImageItem] = []
         prev = 0
         for pos, img, param in zip(marks, images, params):
-            pixels, n, extra = self.image(img, param)
+            p = img if isinstance(img, PreparedImage) else self.prepare(img, param)
             out.extend(ids[prev:pos])
-            items.append(ImageItem(len(out), n, content_digest(pixels, extra), pixels, extra))
-            out.extend([self.image_token_id] * n)
+            items.append(ImageItem(len(out), p.length, p.digest, p.pixels, p.extra))
+            out.extend([self.image_token_id] * p.length)
             prev = pos + 1
         out.extend(ids[prev:])
         return out, MultiModalInputs(tuple(items))

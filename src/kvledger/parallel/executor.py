@@ -29,6 +29,7 @@ import uuid
 from ..comm import TPComm
 from ..config import EngineConfig
 from ..engine.executor import Executor
+from ..engine.runner import ModelRunner
 from ..scheduler.output import ModelRunnerOutput, SchedulerOutput
 from . import rendezvous
 from .errors import TPGroupBroken
@@ -153,11 +154,13 @@ def join_setup(rank: int, size: int) -> tuple[Setup, TPComm]:
 
 
 class TPExecutor(Executor):
-    """Rank 0: broadcast the step, run rank 0's shard through ``inner``, return its output."""
+    """Rank 0: encode the step's images (``runner``'s vision encoder: rank 0 alone has one), broadcast
+    the step with their rows, run rank 0's shard through ``inner``, return its output."""
 
-    def __init__(self, inner: Executor, workers: list[subprocess.Popen]):
+    def __init__(self, inner: Executor, workers: list[subprocess.Popen], runner: ModelRunner | None = None):
         self.inner = inner
         self.workers = workers
+        self.runner = runner
 
     def _check_alive(self) -> None:
         dead = [p.pid for p in self.workers if p.poll() is not None]
@@ -166,6 +169,9 @@ class TPExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._check_alive()
+        if self.runner is not None:
+            # Before the broadcast, so a failed encoding is an ordinary step fault: no rank has the step.
+            self.runner.encode_images(sched)
         try:
             broadcast(Step.of(sched), ToWorker)
             return self.inner.execute_model(sched)

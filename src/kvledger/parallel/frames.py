@@ -16,6 +16,7 @@ a tagged frame per kind; a kind without one is refused when it is sent, not gues
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import types
@@ -29,6 +30,7 @@ from ..disagg.tp import PDMeta
 from ..hicache.ops import HiCacheMeta, TierReport
 from ..memory import PageWrite
 from ..memory.sparse_kv import SparseStep
+from ..multimodal.embeds import Splice
 from ..scheduler.output import ScheduledReq, SchedulerOutput
 from .errors import FrameError
 
@@ -101,6 +103,45 @@ class Setup(msgspec.Struct, tag="setup", frozen=True):
     context: int
 
 
+class ImageRows(msgspec.Struct, array_like=True):
+    """A step's image rows (``multimodal.embeds.Splice``), encoded on rank 0: the flat positions they
+    replace and the rows, raw in the model's dtype (bfloat16 has no numpy form)."""
+
+    index: torch.Tensor  # int64 [n]
+    dtype: Literal["float32", "float16", "bfloat16"]
+    shape: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(min_length=2, max_length=2)]
+    data: bytes
+
+    @classmethod
+    def of(cls, splice: Splice | None) -> ImageRows | None:
+        if splice is None:
+            return None
+        rows = splice.rows.detach().contiguous().cpu()
+        raw = rows.view(torch.uint8) if rows.numel() else rows.new_empty(0, dtype=torch.uint8)
+        return cls(splice.index, str(rows.dtype).removeprefix("torch."), list(rows.shape), raw.numpy().tobytes())
+
+    def __post_init__(self) -> None:  # (raised while decoding: a ``FrameError``)
+        n, hidden = self.shape
+        if n * hidden * getattr(torch, self.dtype).itemsize != len(self.data):
+            raise ValueError(f"image rows of shape {self.shape} cannot be {len(self.data)} bytes of {self.dtype}")
+        if self.index.shape != (n,) or self.index.dtype != torch.int64:
+            raise ValueError(f"image rows' index is not {n} int64 positions")
+
+    def splice(self) -> Splice:
+        dtype = getattr(torch, self.dtype)
+        n, hidden = self.shape
+        rows = torch.frombuffer(bytearray(self.data), dtype=dtype) if self.data else torch.empty(0, dtype=dtype)
+        return Splice(self.index, rows.reshape(n, hidden))
+
+
+def _for_workers(r: ScheduledReq) -> ScheduledReq:
+    """A row as the workers get it: its image feeds without their pixels (rank 0 encoded them; the
+    step's ``ImageRows`` carry what every rank splices)."""
+    if not r.images:
+        return r
+    return dataclasses.replace(r, images=[dataclasses.replace(f, item=None) for f in r.images])
+
+
 class Step(msgspec.Struct, tag="step"):
     """A ``SchedulerOutput`` (every field of it: a test keeps the two equal)."""
 
@@ -109,16 +150,22 @@ class Step(msgspec.Struct, tag="step"):
     connector_meta: ConnectorMetaFrame | None
     hisparse: SparseStep | None
     step: int
-    image_drops: list[str]  # (images are refused with TP today: compat.py; carried so the frame stays whole)
+    image_drops: list[str]  # (rank 0's: the workers hold no image embeddings; carried so the frame stays whole)
+    image_rows: ImageRows | None  # the step's image embeddings, encoded by rank 0
 
     @classmethod
     def of(cls, sched: SchedulerOutput) -> Step:
         meta = wrap_meta(sched.connector_meta)
-        return cls(sched.reqs, sched.page_writes, meta, sched.hisparse, sched.step, sched.image_drops)
+        if any(r.images for r in sched.reqs) and sched.image_rows is None:
+            raise ValueError("a step that feeds images crosses with its image rows (TPExecutor encodes them first)")
+        reqs = [_for_workers(r) for r in sched.reqs]
+        return cls(reqs, sched.page_writes, meta, sched.hisparse, sched.step, sched.image_drops,
+                   ImageRows.of(sched.image_rows))  # fmt: skip
 
     def scheduler_output(self) -> SchedulerOutput:
         meta = unwrap_meta(self.connector_meta)
-        return SchedulerOutput(self.reqs, self.page_writes, meta, self.hisparse, self.step, self.image_drops)
+        rows = None if self.image_rows is None else self.image_rows.splice()
+        return SchedulerOutput(self.reqs, self.page_writes, meta, self.hisparse, self.step, self.image_drops, rows)
 
 
 class StatsQuery(msgspec.Struct, tag="stats_query"):

@@ -83,6 +83,10 @@ class SchedulerOutput:
     # Image embeddings the runner holds that no later chunk will read (their requests ended or were
     # retracted): dropped before this step runs (``scheduler/images.py``).
     image_drops: list[str] = field(default_factory=list)
+    # The step's image rows already encoded (``multimodal.embeds.Splice``): with tensor parallel, rank 0
+    # encodes every image of the step (its drops applied first) before it broadcasts the step, and every
+    # rank splices these rows; None: the runner encodes (one rank), or the step feeds no image.
+    image_rows: Any = None
 
     @property
     def num_tokens(self) -> int:

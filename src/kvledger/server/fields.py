@@ -107,7 +107,10 @@ _POOLING_REFUSED: Refused = {
     "chat_template": _NONE, "chat_template_kwargs": _EMPTY, "add_generation_prompt": _OFF,
     "continue_final_message": _OFF, "image": _NONE, "routed_dp_rank": (None, 0),
 }  # fmt: skip
-EMBEDDINGS_REFUSED: Refused = {**_POOLING_REFUSED, "add_special_tokens": (None, True)}
+EMBEDDINGS_REFUSED: Refused = {
+    **{k: v for k, v in _POOLING_REFUSED.items() if k not in ("messages", "add_generation_prompt")},
+    "add_special_tokens": (None, True),
+}  # (the chat form, ``messages``, is served: pooling_api.py)
 SCORE_REFUSED: Refused = {**_POOLING_REFUSED, "text_1": _NONE, "text_2": _NONE, "data_1": _NONE, "data_2": _NONE}
 RERANK_REFUSED: Refused = {**_POOLING_REFUSED, "instruct": _NONE, "instruction": _NONE}
 

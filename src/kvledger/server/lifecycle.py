@@ -90,6 +90,8 @@ class EngineLifecycle:
 
     async def stop(self) -> None:
         """Stop the engine (after the HTTP server stopped listening and its connections ended)."""
+        if getattr(self.srv, "openai", None) is not None:
+            self.srv.openai.close()
         if self.srv.client is not None:
             await self.srv.client.close()
 
@@ -188,7 +190,7 @@ class EngineLifecycle:
         srv.responses = ResponsesServing(srv.openai, ResponseStore(cfg.max_stored_responses))
         srv.pooling = PoolingServing(
             srv.gen, srv.openai.check_model, name, srv.limits, tokenizer, cfg.pooling,
-            client.engine_config["max_running_requests"], srv.admission,
+            client.engine_config["max_running_requests"], srv.admission, srv.openai,
         )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from ..multimodal.processor import ImageProcessing
 from ..multimodal.remote import RemoteFetcher
 from .admission import AdmissionLimits, check_fanout, check_prompt_tokens, prompt_count
 from .generation import GenerationService
-from .image_parts import ChatImages, content_text, remote_chat_urls
+from .image_parts import ChatImages, ImageReader, chat_image_parts, content_text, remote_chat_urls
 from .openai_format import Chunks, chat_message, finish_reason, logprobs, matched_stop, usage
 from .openai_params import COMPLETIONS_DEFAULT_MAX_TOKENS, sampling_dict, template_options
 from .openai_stream import StreamWriter, first_events, pump
@@ -70,6 +70,8 @@ class OpenAIServing:
         self.media = media or MediaLimits()
         self.max_images = max_images
         self.remote = RemoteFetcher(self.media)
+        # Image parts are read, decoded and processed in a bounded thread pool, off the event loop.
+        self.reader = ImageReader(images, self.media) if images is not None else None
         self.admission = admission or AdmissionLimits()
         self.tool_parser = tool_parser or make_parser("hermes")
         self.reasoning_format = REASONING_FORMATS[reasoning_parser] if reasoning_parser else None
@@ -182,11 +184,34 @@ class OpenAIServing:
             return {}
         return await self.remote.fetch_all(remote_chat_urls(body.messages, self.max_images))
 
-    def chat_job(self, body: ChatRequest, max_param: str | None = None, fetched: dict[str, bytes] | None = None) -> ChatJob:
+    async def read_images(self, body: ChatRequest, fetched: dict[str, bytes]) -> dict:
+        """A chat request's image parts read, decoded and processed in the reader's thread pool (the
+        loop serves on meanwhile), by part name, for ``chat_job``; a bad part's 400 is raised here,
+        before anything is sent to the engine. Nothing is read for a text-only model."""
+        if self.reader is None:
+            return {}
+        return await self.reader.read_all(chat_image_parts(body.messages, self.max_images), fetched)
+
+    async def prepared_chat_job(self, body: ChatRequest, max_param: str | None = None) -> ChatJob:
+        """``chat_job`` after its remote images are fetched and its image parts read off the loop."""
+        fetched = await self.remote_images(body)
+        prepared = await self.read_images(body, fetched)
+        return self.chat_job(body, max_param, fetched, prepared)
+
+    def close(self) -> None:
+        """The front ends: the image reader's threads go."""
+        if self.reader is not None:
+            self.reader.close()
+
+    def chat_job(
+        self, body: ChatRequest, max_param: str | None = None, fetched: dict[str, bytes] | None = None,
+        prepared: dict | None = None,
+    ) -> ChatJob:  # fmt: skip
         """One chat request's prompt ids, sampling params, tool and reasoning parsers: the chat path
         that ``/v1/chat/completions`` and ``/v1/responses`` share. ``max_param`` names the length
         field in errors (default: the chat field the body used); ``fetched`` holds the bodies of its
-        remote image URLs (``remote_images``)."""
+        remote image URLs (``remote_images``), ``prepared`` its image parts already read
+        (``read_images``; a part not there is read here, on the caller's thread)."""
         lora = self._check_common(body)
         top = body.top_logprobs or 0
         if body.top_logprobs is not None and not body.logprobs:
@@ -215,7 +240,7 @@ class OpenAIServing:
             if body.separate_reasoning:
                 reasoning = ReasoningParser(self.reasoning_format, thinking, body.stream_reasoning)
         # Without max_tokens a chat answer may use all the context leaves (OpenAI, SGLang, vLLM).
-        images = ChatImages(fetched=fetched or {})
+        images = ChatImages(fetched=fetched or {}, prepared=prepared or {})
         ids = self.chat_input(body, tools=tools, images=images)
         mm = None
         if images.images:  # each placeholder repeated for its image, before the length is checked
@@ -232,7 +257,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
         check_fanout(self.admission, 1, body.n, "messages")
-        job = self.chat_job(body, fetched=await self.remote_images(body))
+        job = await self.prepared_chat_job(body)
         base = body.rid or body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         return await self._run(
             base, [(job.ids, job.params)] * body.n, body, disconnected, chat=True, tools=job.tools,

@@ -34,7 +34,11 @@ class PoolingServing:
         pooling: str,
         max_in_flight: int,
         admission: AdmissionLimits | None = None,
+        chat=None,
     ):
+        """``chat``: the OpenAI serving (``openai_api.OpenAIServing``) whose chat template and image
+        parts an embedding's ``messages`` go through (None: ``messages`` is refused)."""
+        self.chat = chat
         self.gen = gen
         self.admission = admission or AdmissionLimits()
         self.max_in_flight = max_in_flight
@@ -61,11 +65,42 @@ class PoolingServing:
                 raise ValidationError(e.message, param=where, code=e.code) from None
         return jobs
 
-    async def _run(self, base: str, jobs, pooling: PoolingParams, disconnected) -> list[GenState]:
+    async def _chat_prompt(self, body: EmbeddingRequest) -> tuple[list[tuple[list[int], SamplingParams]], Any]:
+        """vLLM's chat form of an embedding: ``messages`` (image parts included: read off the loop
+        like chat's, each a 400 naming its part) through the chat template, as one prompt; its job
+        and its images (``WireImage``s, or None)."""
+        from ..multimodal.inputs import to_wire
+        from .image_parts import ChatImages
+        from .protocol import ChatRequest
+
+        if self.chat is None:
+            raise ValidationError("messages is not served here", param="messages")
+        if body.input is not None:
+            raise ValidationError("give input or messages, not both", param="messages")
+        chat = ChatRequest.model_construct(
+            messages=body.messages, add_generation_prompt=body.add_generation_prompt, continue_final_message=False,
+            chat_template_kwargs=None, documents=None,
+        )  # fmt: skip
+        fetched = await self.chat.remote_images(chat)
+        images = ChatImages(fetched=fetched, prepared=await self.chat.read_images(chat, fetched))
+        ids = self.chat.chat_input(chat, images=images)
+        mm = None
+        if images.images:  # each placeholder repeated for its image, before the length is checked
+            ids, mm = self.chat.images.expand(ids, images.images, images.params)
+        sampling = {"cache_salt": body.salt()} if body.salt() is not None else None
+        check_prompt_tokens(self.admission, [ids], "messages")
+        try:
+            job = validate_request(ids, sampling, self.limits, scoring=True)
+        except ValidationError as e:
+            raise ValidationError(e.message, param="messages", code=e.code) from None
+        return [job], to_wire(mm) if mm else None
+
+    async def _run(self, base: str, jobs, pooling: PoolingParams, disconnected, images=None) -> list[GenState]:
         # At most --max-running-requests of one call in the engine at a time: a batch larger than the
         # waiting queue (--max-queued-requests) is fed to it, not refused by it with 429s.
         # One failed or the client left: the rest are aborted, not left running (collect_all).
-        runs = [self.gen.collect(ids, p, f"{base}-{i}", pooling=pooling) for i, (ids, p) in enumerate(jobs)]
+        # ``images``: the one prompt's (the chat form's).
+        runs = [self.gen.collect(ids, p, f"{base}-{i}", pooling=pooling, images=images) for i, (ids, p) in enumerate(jobs)]
         states = await self.gen.collect_all(runs, disconnected, concurrency=self.max_in_flight)
         for st in states:
             err = st.error()
@@ -90,15 +125,19 @@ class PoolingServing:
                 param="dimensions",
                 code="unsupported_parameter",
             )
-        if body.input is None:
-            raise ValidationError("input is required", param="input")
-        try:
-            text, ids = split_openai_prompt(body.input)
-        except ValidationError as e:
-            raise ValidationError(e.message.replace("prompt", "input"), param="input", code=e.code) from None
-        jobs = self._prompts(text, ids, "input", body.salt())
+        images = None
+        if body.messages is not None:
+            jobs, images = await self._chat_prompt(body)
+        else:
+            if body.input is None:
+                raise ValidationError("input is required", param="input")
+            try:
+                text, ids = split_openai_prompt(body.input)
+            except ValidationError as e:
+                raise ValidationError(e.message.replace("prompt", "input"), param="input", code=e.code) from None
+            jobs = self._prompts(text, ids, "input", body.salt())
         base = body.rid or body.request_id or f"embd-{uuid.uuid4().hex}"
-        states = await self._run(base, jobs, PoolingParams(embed=self.pooling), disconnected)
+        states = await self._run(base, jobs, PoolingParams(embed=self.pooling), disconnected, images)
         data = [
             {"object": "embedding", "index": i, "embedding": _encode(st.embedding, body.encoding_format)}
             for i, st in enumerate(states)

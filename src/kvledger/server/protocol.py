@@ -183,10 +183,13 @@ class ResponsesRequest(_Salted):
 
 
 class EmbeddingRequest(_Salted):
-    """OpenAI's ``POST /v1/embeddings`` (``input``: a string, strings, token ids or lists of them)."""
+    """OpenAI's ``POST /v1/embeddings`` (``input``: a string, strings, token ids or lists of them), or
+    vLLM's chat form (``messages``, image parts included, through the chat template)."""
 
     model: str | None = None
     input: Any = None  # checked by the one prompt parser (pooling_api.py), so errors name "input"
+    messages: list[ChatMessage] | None = None  # vLLM's: one prompt, the chat template's rendering
+    add_generation_prompt: bool = False  # (vLLM's default for an embedding's chat prompt)
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # refused: the model is not Matryoshka-trained
     user: str | None = None  # a tag: no effect

@@ -90,8 +90,7 @@ class ResponsesServing:
             })  # fmt: skip
         except PydanticValidationError as e:  # a converted value of the wrong type: the client's input
             raise ValidationError(f"input: {e.errors()[0]['msg']}", param="input") from None
-        fetched = await self.chat.remote_images(chat)
-        return conversation, self.chat.chat_job(chat, max_param="max_output_tokens", fetched=fetched)
+        return conversation, await self.chat.prepared_chat_job(chat, max_param="max_output_tokens")
 
     def _response(self, body: ResponsesRequest, rid: str, created: int, status: str, output, use) -> dict:
         fmt = (body.text or {}).get("format") or {"type": "text"}

@@ -60,7 +60,10 @@ async def generate(request: Request):
             if oa.images is not None and oa.media.allow_remote_media:  # fetched first, the loop serving on
                 urls = [(native_url(x, where), where) for x, where in pairs[: oa.max_images]]
                 fetched = await oa.remote.fetch_all(remote_native_urls(urls, oa.max_images))
-            got = decode_images(pairs, oa.images, oa.media, oa.max_images, fetched)
+            prepared = {}
+            if oa.reader is not None:  # read, decoded and processed in the reader's threads, the loop serving on
+                prepared = await oa.reader.read_all(pairs[: oa.max_images], fetched, native=True)
+            got = decode_images(pairs, oa.images, oa.media, oa.max_images, fetched, prepared)
             ids_list[k], mm = oa.images.expand(list(ids_list[k]), got.images, got.params)
             images[k] = to_wire(mm)
     jobs = [validate_request(ids, {**sp, **lo}, srv.limits) for ids, lo in zip(ids_list, loras)]
