@@ -1,7 +1,7 @@
 """``python -m kvledger.bench``: same as ``kvledger bench``."""
 
-import sys
-
+from ..common.quick_exit import exit_now
 from . import main
 
-sys.exit(main())
+# sys.exit(main()) but for the interpreter's teardown of torch and transformers (common/quick_exit.py)
+exit_now(main())

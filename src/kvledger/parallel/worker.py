@@ -76,4 +76,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..common.quick_exit import exit_now
+
+    exit_now(main())  # sys.exit(main()) but for the interpreter's teardown of torch (common/quick_exit.py)

@@ -33,9 +33,11 @@ class StartInterrupted(BaseException):
 def run_engine(cfg: dict, ipc_dir: str, generation: int, log_level: str) -> None:
     """The spawned process's target: the engine's modules (torch ...) are imported there, never in
     the front (``engine_main``, ``launch/process.py``)."""
+    from ..common.quick_exit import exit_now
     from ..launch.process import engine_main
 
     engine_main(cfg, ipc_dir, generation, log_level)
+    exit_now(0)  # what multiprocessing's exit does, minus torch's teardown (common/quick_exit.py)
 
 
 def spawn_engine(cfg: EngineConfig, ipc_dir: str, generation: int, log_level: str) -> BaseProcess:
