@@ -282,6 +282,44 @@ def test_extend_attention_with_a_window_reads_each_querys_last_keys(dtype, heads
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(4, 1, 256), (9, 3, 64), (4, 4, 80), (16, 2, 128)])
+@pytest.mark.parametrize("window", [0, 7, 64, 300])
+def test_tiled_extend_gives_each_row_the_per_token_kernels_bits(dtype, heads, kvh, d, window):
+    """Where the bf16 flash kernel does not run (float32, or a CPU without AVX512-BF16), long extends
+    run in tiles of query tokens sharing each K row (``set_tiled_extend``): every row bit for bit the
+    per-token kernel's (and so the decode kernel's: one order of sums per row), with and without a
+    window (each token's chunks then start one key later than its predecessor's), a cached prefix,
+    pages of 16 out of order, a head dim that is not a multiple of 64 (80) and Gemma 3's (4 heads on
+    one KV head of 256); other rows of the forward untouched."""
+    ps = 16
+    exts = [(0, 0, 130), (1, 40, 33), (2, 5, 3), (3, 17, 64)]  # (slot row, prefix, new tokens)
+    lens = [p + n for _, p, n in exts]
+    pages = sum(-(-n // ps) for n in lens) + 2
+    k, v = _pool(kvh, pages, ps, d, dtype, 41)
+    table = _table(lens, ps, pages, 42)
+    t = sum(n for _, _, n in exts) + 2  # 2 rows of no extend (decodes sharing the forward)
+    q = (torch.randn(t, heads, d, generator=torch.Generator().manual_seed(43)) * 3).to(dtype)
+    starts = [0, 130, 163, 166]
+    cols = [torch.tensor(c) for c in zip(*[(r, st, p, n) for (r, p, n), st in zip(exts, starts)])]
+    outs = []
+    for tiled in (False, True):
+        was = ops.set_tiled_extend(tiled)
+        try:
+            out = torch.full((t, heads * d), 7.0).to(dtype)
+            ops.extend_attention_(out, q, k, v, table, *cols, d**-0.5, window)
+            outs.append(out)
+        finally:
+            ops.set_tiled_extend(was)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[1][-2:], torch.full((2, heads * d), 7.0).to(dtype))
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    for (row, pre, n), st in zip(exts, starts):
+        rows, lens_ = torch.full((n,), row), torch.arange(pre + 1, pre + n + 1)
+        want = ref_decode(q[st : st + n], k, v, table, rows, lens_, d**-0.5, window=window)
+        close(outs[1][st : st + n], want, dtype, rel=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_kv_writes_each_tokens_heads_at_its_location(dtype):
     """``store_kv_``: the same pool as ATen's index write of [tokens, kv_heads, head_dim] rows (views
     of a fused QKV row included); other locations untouched."""

@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "flash.h"
 #include "kernels.h"
 #include "simd512.h"
 
@@ -261,6 +263,195 @@ void attend(const T* q, long qs, const C* k, const C* v, const int64_t* locs, lo
   attend_nd<T, C, 0>(q, qs, k, v, locs, n, G, D, scale, m, l, acc);
 }
 
+// acc[g][dc*16 ..) = acc * corr[g] + sum_j p[g][j] v[j] for GN heads and DN chunks of 16 dims from dc
+// (acc rows D apart, p rows 16 apart): pv_heads's operations per lane, for any head dim.
+template <typename C, int GN, int DN>
+inline void pv_part(float* acc, int D, int dc, const float* corr, const float* p, const C* const* vr, int nb) {
+  __m512 o[GN][DN];
+  for (int g = 0; g < GN; ++g) {
+    const __m512 c = _mm512_set1_ps(corr[g]);
+    for (int d = 0; d < DN; ++d) o[g][d] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + (dc + d) * 16), c);
+  }
+  for (int j = 0; j < nb; ++j) {
+    __m512 vj[DN];
+    for (int d = 0; d < DN; ++d) vj[d] = load16(vr[j] + (dc + d) * 16);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pj = _mm512_set1_ps(p[g * 16 + j]);
+      for (int d = 0; d < DN; ++d) o[g][d] = _mm512_fmadd_ps(pj, vj[d], o[g][d]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int d = 0; d < DN; ++d) _mm512_storeu_ps(acc + g * D + (dc + d) * 16, o[g][d]);
+}
+
+template <typename C, int GN>
+inline void pv_heads_any(float* acc, int D, const float* corr, const float* p, const C* const* vr, int nb) {
+  const int nd = D / 16;
+  int dc = 0;
+  for (; dc + 4 <= nd; dc += 4) pv_part<C, GN, 4>(acc, D, dc, corr, p, vr, nb);
+  for (; dc < nd; ++dc) pv_part<C, GN, 1>(acc, D, dc, corr, p, vr, nb);
+}
+
+// flash.h's fold_chunk and fold_out, the same operations, defined here: an inline function of a header
+// compiled under this file's AVX-512 target could otherwise be the copy the linker keeps for the
+// portable callers too.
+inline void fold_chunk512(float& M, float& L, float* O, float m, float l, const float* o, int D, bool first) {
+  if (first) {
+    M = m, L = l;
+    std::memcpy(O, o, sizeof(float) * D);
+    return;
+  }
+  const float mn = m > M ? m : M;
+  const float a = std::exp(M - mn), b = std::exp(m - mn);
+  M = mn;
+  L = L * a + l * b;
+  for (int d = 0; d < D; ++d) O[d] = O[d] * a + o[d] * b;
+}
+
+template <typename T> inline void fold_out512(float L, const float* O, int D, T* out) {
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  const __m512 vi = _mm512_set1_ps(inv), zero = _mm512_setzero_ps();
+  for (int d = 0; d < D; d += 16) store16(out + d, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(O + d), vi), zero));
+}
+
+// The tiled extend (Kernels::extend_tile): prompt attention on CPUs without AVX512-BF16, where every
+// extend runs the float form. Each query row's bits are attend's over its chunks (so the decode
+// kernel's, issue 56); only the work is shared. K and V come widened to float once per extend and KV
+// head (ops.cpp), where attend widens each K and V row once per query token.
+//  1. Scores: the tile's rows (token-major, a token's G heads adjacent) in octets against keys in
+//     pairs over the union of the tokens' ranges, 16 keys at a time for every octet (the 16 rows stay
+//     in L1): 16 accumulators (8 rows x 2 keys) over the head dim, the 16 dot vectors reduced by one
+//     sum16x16. A lane's sum is attend's: the same products in the same order (q * scale first), and
+//     sum16x16's tree has one shape for every lane, whichever 16 vectors it takes (a score does not
+//     depend on how keys were grouped into blocks).
+//  2. Per token, its own chunks of 64 from st[i] and blocks of 16 within them (a sliding window starts
+//     each token's chunks one key later than its predecessor's), the tokens in step: block b of every
+//     token, then b + 1, so the V rows of block b for all of them (16 + ntok - 1 rows at most) are
+//     read from L1 after the first token. Per token and block attend's online softmax and V products
+//     (pv_part: pv_heads's operations per lane), each chunk's partial folded in order (fold_chunk512).
+template <typename T>
+void extend_tile(const T* const* q, const long* st, const long* n, int ntok, const float* kf, const float* vf,
+                 long base, int G, int D, float scale, T* const* out) {
+  constexpr int B = 16;
+  const int nd = D / 16, NR = ntok * G;
+  long x0 = st[0], x1 = st[0] + n[0], nmax = n[0];
+  for (int i = 1; i < ntok; ++i) {
+    x0 = std::min(x0, st[i]), x1 = std::max(x1, st[i] + n[i]), nmax = std::max(nmax, n[i]);
+  }
+  const long span = x1 - x0, sp = (span + 1) / 2 * 2;  // a row's scores, padded to whole key pairs
+  const size_t GD = static_cast<size_t>(G) * D;
+  thread_local std::vector<float> qf_, sc_, acc_, fo_, st8_;
+  // Scratch kept by the thread (a layer calls this once per tile); plain pointers from here on.
+  if (qf_.size() < static_cast<size_t>(NR) * D) qf_.resize(static_cast<size_t>(NR) * D);
+  if (sc_.size() < static_cast<size_t>(NR) * sp) sc_.resize(static_cast<size_t>(NR) * sp);
+  if (acc_.size() < ntok * GD) acc_.resize(ntok * GD), fo_.resize(ntok * GD);
+  if (st8_.size() < static_cast<size_t>(ntok) * G * 5 + static_cast<size_t>(G) * B) {
+    st8_.resize(static_cast<size_t>(ntok) * G * 5 + static_cast<size_t>(G) * B);
+  }
+  float* const qf = qf_.data();
+  float* const sc = sc_.data();
+  float* const acc = acc_.data();
+  float* const fo = fo_.data();
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int r = 0; r < NR; ++r) {
+    const T* qr = q[r / G] + static_cast<long>(r % G) * D;
+    for (int j = 0; j < nd; ++j) _mm512_storeu_ps(qf + static_cast<size_t>(r) * D + j * 16, _mm512_mul_ps(load16(qr + j * 16), vs));
+  }
+  // 1. Scores sc[r][x - x0] of every row against every key of the union, 16 keys at a time.
+  alignas(64) float lanes[16];
+  for (long xb = x0; xb < x1; xb += B) {
+    const long kn = std::min<long>(B, x1 - xb);
+    for (int r0 = 0; r0 < NR; r0 += 8) {
+      const float* qr[8];
+      for (int i = 0; i < 8; ++i) qr[i] = qf + static_cast<size_t>(std::min(r0 + i, NR - 1)) * D;
+      const int rn = std::min(8, NR - r0);
+      for (long xj = 0; xj < kn; xj += 2) {
+        const float* k0 = kf + (xb + xj - base) * D;
+        const float* k1 = xj + 1 < kn ? k0 + D : k0;  // an odd last key: its pair is itself (not stored)
+        __m512 a[16];
+        {
+          const __m512 ka = _mm512_loadu_ps(k0), kb = _mm512_loadu_ps(k1);
+          for (int i = 0; i < 8; ++i) {
+            const __m512 qv = _mm512_loadu_ps(qr[i]);
+            a[2 * i] = _mm512_mul_ps(qv, ka);
+            a[2 * i + 1] = _mm512_mul_ps(qv, kb);
+          }
+        }
+        for (int d = 1; d < nd; ++d) {
+          const __m512 ka = _mm512_loadu_ps(k0 + d * 16), kb = _mm512_loadu_ps(k1 + d * 16);
+          for (int i = 0; i < 8; ++i) {
+            const __m512 qv = _mm512_loadu_ps(qr[i] + d * 16);
+            a[2 * i] = _mm512_fmadd_ps(qv, ka, a[2 * i]);
+            a[2 * i + 1] = _mm512_fmadd_ps(qv, kb, a[2 * i + 1]);
+          }
+        }
+        _mm512_store_ps(lanes, sum16x16(a));
+        for (int i = 0; i < rn; ++i) {
+          float* s = sc + static_cast<size_t>(r0 + i) * sp + (xb - x0 + xj);
+          s[0] = lanes[2 * i];
+          s[1] = lanes[2 * i + 1];
+        }
+      }
+    }
+  }
+  // 2. Block b of every token, then b + 1: attend's softmax and V products, chunks folded in order.
+  float* m = st8_.data();  // [ntok][G] each: the chunk's m, l; the folded M, L; the block's corrections
+  float* l = m + ntok * G;
+  float* M = l + ntok * G;
+  float* L = M + ntok * G;
+  float* corr = L + ntok * G;
+  float* p = corr + ntok * G;  // [G][16], one token's at a time
+  const float* vr[B];
+  for (long b0 = 0; b0 < nmax; b0 += B) {
+    const bool chunk_start = b0 % kKeyChunk == 0;
+    for (int i = 0; i < ntok; ++i) {
+      if (b0 >= n[i]) continue;
+      const long s0 = st[i];
+      const int nb = static_cast<int>(std::min<long>(B, n[i] - b0));
+      float* mi = m + i * G;
+      float* li = l + i * G;
+      float* ci = corr + i * G;
+      float* ai = acc + i * GD;
+      if (chunk_start) {
+        for (int g = 0; g < G; ++g) mi[g] = -std::numeric_limits<float>::infinity(), li[g] = 0.f;
+        std::fill(ai, ai + GD, 0.f);
+      }
+      const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
+      for (int g = 0; g < G; ++g) {
+        const float* srow = sc + static_cast<size_t>(i * G + g) * sp + (s0 + b0 - x0);
+        const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, srow);
+        const float mn = std::max(mi[g], _mm512_reduce_max_ps(s));
+        const __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mn))));
+        const float cg = std::exp(mi[g] - mn);
+        li[g] = li[g] * cg + _mm512_reduce_add_ps(pv);
+        mi[g] = mn;
+        ci[g] = cg;
+        _mm512_storeu_ps(p + g * B, pv);
+      }
+      for (int j = 0; j < nb; ++j) vr[j] = vf + (s0 + b0 + j - base) * D;
+      for (int g0 = 0; g0 < G; g0 += 4) {
+        float* ag = ai + static_cast<long>(g0) * D;
+        switch (std::min(4, G - g0)) {
+          case 1: pv_heads_any<float, 1>(ag, D, ci + g0, p + g0 * B, vr, nb); break;
+          case 2: pv_heads_any<float, 2>(ag, D, ci + g0, p + g0 * B, vr, nb); break;
+          case 3: pv_heads_any<float, 3>(ag, D, ci + g0, p + g0 * B, vr, nb); break;
+          default: pv_heads_any<float, 4>(ag, D, ci + g0, p + g0 * B, vr, nb);
+        }
+      }
+      if ((b0 + B) % kKeyChunk == 0 || b0 + B >= n[i]) {  // the chunk's last block: fold its partial
+        const bool first = b0 < kKeyChunk;
+        for (int g = 0; g < G; ++g) {
+          fold_chunk512(M[i * G + g], L[i * G + g], fo + i * GD + static_cast<size_t>(g) * D, mi[g], li[g],
+                        ai + static_cast<size_t>(g) * D, D, first);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < ntok; ++i)
+    for (int g = 0; g < G; ++g)
+      fold_out512(L[i * G + g], fo + i * GD + static_cast<size_t>(g) * D, D, out[i] + static_cast<long>(g) * D);
+}
+
 template <typename T>
 void from_f8s(const f8* x, T* out, long n) {
   long i = 0;
@@ -304,7 +495,7 @@ void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N
 template <typename T>
 Kernels<T> make() {
   return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>, &from_f8s<T>,
-                    &quantize_rows<T>, &scale_rows<T>};
+                    &quantize_rows<T>, &scale_rows<T>, &extend_tile<T>};
 }
 
 }  // namespace

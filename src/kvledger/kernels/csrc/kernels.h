@@ -46,6 +46,13 @@ struct Kernels {
   void (*quantize_rows)(const T* x, int K, uint8_t* q, float* scale, long r0, long r1);
   // out[r, i] = T(y[r, i] * scale[r]) (+ bias[i] after rounding, as torch adds a bias), y float [.., N].
   void (*scale_rows)(const float* y, const float* scale, const T* bias, T* out, int N, long r0, long r1);
+  // A tile of ntok query tokens of one extend and KV head: token i's G query heads at q[i] (D apart) over
+  // keys st[i] .. st[i] + n[i] of the extend's row, each written to out[i] (G * D): the same bits as
+  // `attend`'s chunks folded in order (flash.h) per token, each key's K row shared by the tile's rows.
+  // kf, vf: the keys' K and V rows widened to float, key x at (x - base) * D (ops.cpp packs them once
+  // per extend and KV head, where the bf16 flash kernel does not run). nullptr: not in this build.
+  void (*extend_tile)(const T* const* q, const long* st, const long* n, int ntok, const float* kf, const float* vf,
+                      long base, int G, int D, float scale, T* const* out);
 };
 
 // y [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), x, w, bias, y all float32 or all bf16, for outputs

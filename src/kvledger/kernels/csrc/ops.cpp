@@ -50,6 +50,9 @@ const bool kBf16Dot = kAvx512 && __builtin_cpu_supports("avx512bf16");
 const bool kAmx = kBf16Dot && amx_ready();  // AMX-BF16 tiles granted to this process
 // flash_attention_ on AMX tiles where kAmx (set_flash_amx turns it off: tests compare both kernels).
 bool flash_amx_enabled = true;
+// extend_attention_ in tiles (run_extend_tiles) where it applies (set_tiled_extend turns it off: tests
+// compare both forms bit for bit).
+bool tiled_extend_enabled = true;
 
 template <typename T> const Kernels<T>& portable();
 template <> const Kernels<float>& portable<float>() { static const auto k = scalar_f32(); return k; }
@@ -503,6 +506,104 @@ void run_extend(A attend, const C* kc, const C* vc, const T* qp, T* o, const at:
   });
 }
 
+// Query tokens a tile of the tiled extend (Kernels::extend_tile): about 16 query rows, so that each K row
+// read serves two octets of rows; calls with fewer new tokens in all than kTileMinNew keep the per-token
+// items (a few verify tokens spread over the threads one token an item).
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileMinNew = 16;
+
+// Most bytes of float K/V the tiled extend packs for one call; past it the per-token items run (a long
+// cached prefix: 32K keys x 8 KV heads of 128 would be 256 MB).
+constexpr int64_t kTilePackBytes = int64_t{64} << 20;
+
+// The keys an extend's queries read: [key0, prefix + lens) (a window cuts the first ones).
+inline int64_t first_key(int64_t prefix, int64_t window) { return window > 0 ? std::max<int64_t>(0, prefix + 1 - window) : 0; }
+
+// Whether run_extend_tiles takes this call (its float copy of the keys within kTilePackBytes).
+bool tiles_fit(const ExtendArgs& a, int64_t window) {
+  int64_t keys = 0;
+  for (int64_t e = 0; e < a.E; ++e) keys += a.prefix[e] + a.lens[e] - first_key(a.prefix[e], window);
+  return keys * a.KVH * a.D * 8 <= kTilePackBytes;
+}
+
+// extend_attention in tiles of consecutive query tokens of one (extend, KV head), where the build has
+// extend_tile (AVX-512) and the flash kernel does not run: the same bits per row as run_extend. First
+// every (extend, KV head)'s keys are widened to float once ([keys, D] for K and for V, in parallel by
+// runs of 64 keys): the tiles then read them where run_extend widened each K and V row once per query
+// token. Tiles are dealt out light and heavy alternately by the keys they read (as flash_attention's),
+// so the pool's contiguous ranges carry about equal work.
+template <typename T>
+void run_extend_tiles(const Kernels<T>& k, const T* kc, const T* vc, const T* qp, T* o, const at::Tensor& q,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const ExtendArgs& a, double scale,
+                      int64_t window) {
+  const int64_t H = a.H, D = a.D, KVH = a.KVH, G = a.G, E = a.E;
+  const int64_t per = std::max<int64_t>(1, kTileRows / G);
+  const int64_t *rp = a.rows, *sp = a.starts, *pp = a.prefix, *lp = a.lens, *tp = a.table, ts = a.table_stride;
+  // Packed keys: (e, h)'s at pack_at[e * KVH + h], its key x at row x - first_key(pp[e], window).
+  std::vector<int64_t> pack_at(static_cast<size_t>(E * KVH) + 1, 0);
+  struct Run { int64_t e, h, x0, x1; };
+  std::vector<Run> runs;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t k0 = first_key(pp[e], window), k1 = pp[e] + lp[e];
+    for (int64_t h = 0; h < KVH; ++h) {
+      pack_at[e * KVH + h + 1] = pack_at[e * KVH + h] + (k1 - k0) * D;
+      for (int64_t x = k0; x < k1; x += kKeyChunk) runs.push_back({e, h, x, std::min(k1, x + kKeyChunk)});
+    }
+  }
+  const auto kf = scratch_of<float>(pack_at[E * KVH]), vf = scratch_of<float>(pack_at[E * KVH]);
+  kvl::parallel_for(0, static_cast<int64_t>(runs.size()), 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Run& r = runs[static_cast<size_t>(i)];
+      const int64_t* locs = tp + rp[r.e] * ts;
+      const T* kh = kc + r.h * k_cache.stride(0);
+      const T* vh = vc + r.h * v_cache.stride(0);
+      const int64_t off = pack_at[r.e * KVH + r.h] + (r.x0 - first_key(pp[r.e], window)) * D;
+      for (int64_t x = r.x0; x < r.x1; ++x) {
+        float* kd = kf.get() + off + (x - r.x0) * D;
+        float* vd = vf.get() + off + (x - r.x0) * D;
+        const T* ks = kh + locs[x] * D;
+        const T* vs = vh + locs[x] * D;
+        for (int64_t d = 0; d < D; ++d) kd[d] = to_f(ks[d]), vd[d] = to_f(vs[d]);
+      }
+    }
+  });
+  struct Tile { int64_t e, h, t0, n, cost; };
+  std::vector<Tile> tiles;
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t t0 = 0; t0 < lp[e]; t0 += per) {
+      const int64_t n = std::min(per, lp[e] - t0), last = pp[e] + t0 + n;  // keys of the tile's last token
+      const int64_t keys = window > 0 ? std::min(window, last) : last;
+      for (int64_t h = 0; h < KVH; ++h) tiles.push_back({e, h, t0, n, keys * n});
+    }
+  }
+  std::vector<int64_t> order(tiles.size());
+  {
+    std::vector<int64_t> by_cost(tiles.size());
+    for (size_t i = 0; i < tiles.size(); ++i) by_cost[i] = static_cast<int64_t>(i);
+    std::stable_sort(by_cost.begin(), by_cost.end(), [&](int64_t x, int64_t y) { return tiles[x].cost < tiles[y].cost; });
+    for (size_t i = 0, lo = 0, hi = tiles.size(); i < tiles.size(); ++i) order[i] = by_cost[i % 2 ? --hi : lo++];
+  }
+  kvl::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t i0, int64_t i1) {
+    const T* qs[kTileRows];
+    T* outs[kTileRows];
+    long st[kTileRows], cnt[kTileRows];
+    for (int64_t i = i0; i < i1; ++i) {
+      const Tile& t = tiles[static_cast<size_t>(order[i])];
+      for (int64_t j = 0; j < t.n; ++j) {
+        const int64_t row = sp[t.e] + t.t0 + j, all = pp[t.e] + t.t0 + j + 1;
+        const int64_t s0 = window > 0 ? std::max<int64_t>(0, all - window) : 0;
+        qs[j] = qp + row * q.stride(0) + t.h * G * D;
+        outs[j] = o + row * H * D + t.h * G * D;
+        st[j] = static_cast<long>(s0), cnt[j] = static_cast<long>(all - s0);
+      }
+      const int64_t at_ = pack_at[t.e * KVH + t.h];
+      k.extend_tile(qs, st, cnt, static_cast<int>(t.n), kf.get() + at_, vf.get() + at_,
+                    static_cast<long>(first_key(pp[t.e], window)), static_cast<int>(G), static_cast<int>(D),
+                    static_cast<float>(scale), outs);
+    }
+  });
+}
+
 // Attention of prefill chunks (extends) over the paged pool, in place: extend e's query rows
 // q[starts[e] .. starts[e] + lens[e]) [T, H, D] attend causally over the tokens at
 // req_to_token[rows[e], :prefix[e] + i + 1] (query i sees its prefix and the new tokens up to itself);
@@ -525,7 +626,13 @@ void extend_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_
   by_dtype(q, [&](auto tag) {
     using T_ = decltype(tag);
     const auto& k = pick<T_>(static_cast<int>(D));
-    if (f8cache) {
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; ++e) total += a.lens[e];
+    if (!f8cache && k.extend_tile && !flash_form(q, D) && total >= kTileMinNew && tiled_extend_enabled &&
+        tiles_fit(a, window)) {
+      run_extend_tiles(k, ptr<T_>(k_cache), ptr<T_>(v_cache), ptr<T_>(q), ptr<T_>(out), q, k_cache, v_cache, a, scale,
+                       window);
+    } else if (f8cache) {
       run_extend(k.attend_f8, ptr<f8>(k_cache), ptr<f8>(v_cache), ptr<T_>(q), ptr<T_>(out), q, k_cache, v_cache, a,
                  first, scale, window);
     } else {
@@ -638,6 +745,13 @@ bool has_bf16_dot() { return kBf16Dot; }
 bool set_flash_amx(bool on) {
   const bool was = flash_amx_enabled;
   flash_amx_enabled = on;
+  return was;
+}
+
+// Whether extend_attention_ may run in tiles (run_extend_tiles); returns the previous setting.
+bool set_tiled_extend(bool on) {
+  const bool was = tiled_extend_enabled;
+  tiled_extend_enabled = on;
   return was;
 }
 
@@ -1110,6 +1224,7 @@ TORCH_LIBRARY(kvledger_cpu, m) {
   m.def("has_bf16_dot", &kvl::has_bf16_dot);
   m.def("has_amx", &kvl::has_amx);
   m.def("set_flash_amx", &kvl::set_flash_amx);
+  m.def("set_tiled_extend", &kvl::set_tiled_extend);
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("scale_rows(Tensor y, Tensor scale, Tensor? bias, Tensor like) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor w, Tensor w_scale, Tensor woff, Tensor? bias=None) -> Tensor");

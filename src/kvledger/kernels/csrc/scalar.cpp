@@ -126,7 +126,7 @@ void scale_rows(const float* y, const float* scale, const T* bias, T* out, int N
 template <typename T>
 Kernels<T> make() {
   return Kernels<T>{&rms_norm<T>, &silu_mul<T>, &rope<T>, &attend<T, T>, &attend<T, f8>, &to_f8s<T>, &from_f8s<T>,
-                    &quantize_rows<T>, &scale_rows<T>};
+                    &quantize_rows<T>, &scale_rows<T>, nullptr};  // no tiled extend: the per-token path
 }
 
 }  // namespace
