@@ -4,8 +4,9 @@ fp32: with every page selected the output is dense attention's (and transformers
 backends; the books name the host and hot pages while a request decodes and hold none once idle; every
 way a request ends gives them back (finish, abort before and after its first sparse step, retraction,
 a PD-less health check); admission reserves prompt + max new tokens of host room; a reused request slot
-starts clean; NGRAM drafts go on for dense rows and never for sparse ones. Quest's page choice finds
-the page whose keys answer the query.
+starts clean; NGRAM drafts go on for dense rows and never for sparse ones; a session that crosses the
+threshold decodes sparsely, exact across turns, a rewind, an abort and a close mid-turn. Quest's page
+choice finds the page whose keys answer the query.
 """
 
 from __future__ import annotations
@@ -370,34 +371,93 @@ def test_dense_layers_read_every_page_on_both_backends(make_engine):
     assert outputs(make_engine(attention_backend="cpu", **SMALL), ps) != ref
 
 
-def test_a_session_that_crosses_the_threshold_stays_dense_and_exact(make_engine):
-    """A conversation whose history crosses ``--hisparse-min-context`` across turns: its turns decode
-    densely (a turn's KV goes to its session), token-equal to the same conversation sent as full
-    prompts without a session, which do decode sparsely past the threshold (fp32, every page selected:
-    dense attention's sums); the books clean after every turn and once the session closes."""
+def _conversation(turns, eng, sp, sid=None, rewind=None):
+    """Each turn's output: as turns of session ``sid`` on ``eng``, or (``sid`` None) as full prompts
+    holding the conversation so far. ``rewind``: (turn index, offset) sends that turn at ``offset``."""
+    history: list[int] = []
+    got = []
+    for i, t in enumerate(turns):
+        offset = rewind[1] if rewind and rewind[0] == i else len(history)
+        if sid is None:
+            out = eng.generate(input_ids=history[:offset] + t, sampling_params=sp)["output_ids"]
+        else:
+            sess = {"id": sid, "offset": offset}
+            out = eng.generate(input_ids=t, sampling_params=sp, session_params=sess)["output_ids"]
+        got.append(out)
+        history = history[:offset] + t + out
+    return got
+
+
+@pytest.mark.parametrize("budget", ["all_pages", "small"])
+def test_a_session_that_crosses_the_threshold_goes_sparse_and_stays_exact(make_engine, budget):
+    """A conversation whose history crosses ``--hisparse-min-context`` across turns: its later turns
+    decode sparsely (reading the host copy of the session's KV), one turn rewinds into the history,
+    and each turn's tokens equal the same conversation sent as full prompts without a session: with
+    every page selected that is dense attention's (fp32), with a small budget the same selection of
+    the same KV (the non-session requests go sparse at the same turns). The books are clean after
+    every turn (the session holds its prompt's pages, the turn's host and hot pages are back) and
+    once the session closes."""
     from tests.helpers import assert_idle_clean
 
     rng = random.Random(7)
-    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (60, 40, 50, 30)]
+    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (60, 40, 50, 30, 25)]
     sp = {**SP, "max_new_tokens": 10}
-    cfg = {**ALL_PAGES, "hisparse_min_context": 120}
+    cfg = {**(ALL_PAGES if budget == "all_pages" else SMALL), "hisparse_min_context": 120}
+    rewind = (4, 60 + 10 + 40 + 10 + 5)  # into the third turn's input: 125 + 25 >= 120, sparse again
     ref = make_engine(enable_prefix_cache=False, **cfg)
-    history: list[int] = []
-    want = []
-    for t in turns:
-        out = ref.generate(input_ids=history + t, sampling_params=sp)["output_ids"]
-        want.append(out)
-        history = history + t + out
-    assert ref.memory()["hisparse"]["requests_begun"] == 2  # the last two full prompts pass 120 tokens
+    want = _conversation(turns, ref, sp, rewind=rewind)
+    assert ref.memory()["hisparse"]["requests_begun"] == 3  # turns 3, 4 and the rewound 5 pass 120 tokens
+    if budget == "all_pages":
+        assert want == _conversation(turns, make_engine(enable_prefix_cache=False), sp, rewind=rewind)
     eng = make_engine(**cfg)
     sid = eng.open_session()
     for i, (t, w) in enumerate(zip(turns, want)):
-        assert eng.generate(input_ids=t, sampling_params=sp, session_params={"id": sid})["output_ids"] == w, i
+        offset = rewind[1] if i == rewind[0] else None
+        sess = {"id": sid} if offset is None else {"id": sid, "offset": offset}
+        assert eng.generate(input_ids=t, sampling_params=sp, session_params=sess)["output_ids"] == w, i
         assert_idle_clean(eng)
-    assert eng.memory()["hisparse"]["requests_begun"] == 0  # session turns never went sparse
+        assert eng.memory()["hisparse"]["host_held"] == 0
+    assert eng.memory()["hisparse"]["requests_begun"] == 3  # the same turns went sparse in the session
+    assert eng.memory()["kv_session"] > 0
     eng.close_session(sid)
     assert_idle_clean(eng)
     assert eng.memory()["kv_session"] == 0
+
+
+@pytest.mark.parametrize("how", ["abort", "close"])
+def test_a_sparse_session_turn_ended_mid_decode_leaves_the_session_clean(make_engine, how):
+    """A sparse session turn aborted mid-decode leaves the session as it was (the next turn's tokens
+    equal those of a conversation that never had the aborted turn); a close while the sparse turn
+    decodes releases the session at the turn's finish. Books clean either way."""
+    from tests.helpers import assert_idle_clean
+
+    rng = random.Random(3)
+    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (130, 30)]
+    sp = {**SP, "max_new_tokens": 10}
+    cfg = {**SMALL, "hisparse_min_context": 120}
+    want = _conversation(turns, make_engine(enable_prefix_cache=False, **cfg), sp)
+    eng = make_engine(**cfg)
+    sid = eng.open_session()
+    assert eng.generate(input_ids=turns[0], sampling_params=sp, session_params={"id": sid})["output_ids"] == want[0]
+    s = eng.core.scheduler
+    eng.add_request(input_ids=turns[1][:20], sampling_params={**sp, "max_new_tokens": 30}, rid="x",
+                    session_params={"id": sid})  # fmt: skip
+    step_until(eng, lambda: "x" in s.reqs and s.reqs["x"].sparse is not None and len(s.reqs["x"].output_ids) > 3)
+    if how == "abort":
+        eng.abort("x")
+    else:
+        eng.close_session(sid)
+    eng.run_until_idle()
+    assert eng.result("x")["meta_info"]["finish_reason"]["type"] == ("abort" if how == "abort" else "length")
+    assert_idle_clean(eng)
+    assert eng.memory()["hisparse"]["host_held"] == 0
+    if how == "close":
+        assert eng.memory()["kv_session"] == 0 and not eng.core.sessions.sessions
+        return
+    assert eng.generate(input_ids=turns[1], sampling_params=sp, session_params={"id": sid})["output_ids"] == want[1]
+    assert eng.memory()["hisparse"]["requests_begun"] == 3
+    eng.close_session(sid)
+    assert_idle_clean(eng)
 
 
 def test_overlap_requested_with_hisparse_runs_synchronous_steps(make_engine):
