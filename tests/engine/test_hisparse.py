@@ -460,17 +460,45 @@ def test_a_sparse_session_turn_ended_mid_decode_leaves_the_session_clean(make_en
     assert_idle_clean(eng)
 
 
-def test_overlap_requested_with_hisparse_runs_synchronous_steps(make_engine):
-    """``--enable-overlap-schedule`` with HiSparse: every step is synchronous (a request's first sparse
-    step gives its dense pages back after that step's result), the output stays dense attention's
-    (fp32, every page selected) and the books are clean."""
+def test_sparse_rows_overlap_and_keep_their_tokens(make_engine):
+    """``--enable-overlap-schedule`` with HiSparse: sparse decodes run in overlapped steps (a first
+    sparse step's dense pages go back after that step's own result, not the one before it). The
+    output stays dense attention's with every page selected (fp32), and with a small budget it equals
+    the synchronous engine's, two slots reused by eight requests (a slot's sparse state dropped before
+    its next request begins) and a session crossing the threshold included; the books are clean."""
     from tests.helpers import assert_idle_clean
 
     ps = prompts(3)
     dense = outputs(make_engine(disable_overlap_schedule=False), ps)
     eng = make_engine(disable_overlap_schedule=False, **ALL_PAGES)
-    assert not eng.core.overlap
+    assert eng.core.overlap
     assert outputs(eng, ps) == dense
     assert eng.memory()["hisparse"]["requests_begun"] == 3
-    assert eng.core.overlap_stats["overlapped"] == 0
+    assert eng.core.overlap_stats["overlapped"] > 20  # the decodes overlapped
+    assert_idle_clean(eng)
+    s = eng.core.scheduler
+    eng.add_request(input_ids=ps[0], sampling_params=SP, rid="a")
+    step_until(eng, lambda: "a" in s.reqs and s.reqs["a"].sparse is not None and s.reqs["a"].sparse.active)
+    r = s.reqs["a"]
+    # Its first sparse step is launched and not landed: the dense pages it copies are still its own.
+    assert s.in_flight.holds(r) and r.pages
+    eng.step()  # that step's result is in: they are given back
+    assert r.sparse.active and not r.pages
+    eng.run_until_idle()
+    assert eng.result("a")["output_ids"] == dense[0]
+    ps = prompts(8, (140, 260, 200, 330))
+    sync = make_engine(max_running_requests=2, **SMALL)
+    want = outputs(sync, ps)
+    eng = make_engine(max_running_requests=2, disable_overlap_schedule=False, **SMALL)
+    assert outputs(eng, ps) == want
+    assert eng.core.overlap_stats["overlapped"] > 20
+    assert_idle_clean(eng)
+    rng = random.Random(7)
+    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (60, 40, 50, 30)]
+    sp = {**SP, "max_new_tokens": 10}
+    cfg = {**SMALL, "hisparse_min_context": 120}
+    want = _conversation(turns, make_engine(**cfg), sp)
+    eng = make_engine(disable_overlap_schedule=False, **cfg)
+    assert _conversation(turns, eng, sp, sid=eng.open_session()) == want
+    assert eng.memory()["hisparse"]["requests_begun"] == 2
     assert_idle_clean(eng)

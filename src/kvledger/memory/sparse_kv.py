@@ -106,7 +106,10 @@ class SparseKV:
         self.host = HostPagePool(num_host_pages)
         self._ends: list[int] = []
         self._begins: list[SparseBegin] = []
-        self.begun: list[tuple] = []  # (req, hold) begun this step: dense pages go after the step
+        self.begun: list[tuple] = []  # (req, hold) begun in the step being scheduled
+        # (req, hold) begun, by the step whose forward copies their KV: their dense pages go back once
+        # that step's result is in (overlap: a later step may be scheduled and launched before that)
+        self._begun_by_step: dict[int, list[tuple]] = {}
         self.total_begun = 0
         self.total_landed = 0  # PD decode: requests whose KV was sent into their host pages
 
@@ -197,16 +200,16 @@ class SparseKV:
                 continue  # mid-page: already mapped
             self.kvm._map(req, p, [h.hot[0]])
 
-    def drop_begun(self) -> None:
-        """After a step: the begun requests' prompt KV now lives in host pages; their dense pages go
-        back (cached for later requests' prefix matches, as any finished prompt)."""
-        for req, h in self.begun:
+    def drop_begun(self, step: int) -> None:
+        """After step ``step``'s result: the requests it began have their prompt KV in host pages now;
+        their dense pages go back (cached for later requests' prefix matches, as any finished prompt).
+        Under overlap the next step was scheduled already: what it began waits for its own result."""
+        for req, h in self._begun_by_step.pop(step, ()):
             # (A request retracted after its begin and admitted again in the same step has a new hold.
             # A session turn keeps its dense pages for its session: ``KVManager.release``.)
             if req.sparse is h and req.to_finish is None and req.slot is not None and req.session is None:
                 # (What the KV pool held: all of it, or only decode's own prefix match under PD.)
                 self.kvm.give_back_dense(req, min(h.begun_len, len(req.pages) * self.page_size))
-        self.begun.clear()
 
     # -- the one release path -----------------------------------------------------------------------------
     def release(self, req) -> None:
@@ -229,7 +232,11 @@ class SparseKV:
         """Ops the worker has not had yet (the slots' state of requests that ended)."""
         return bool(self._ends or self._begins)
 
-    def take_step(self, rows: list[int]) -> SparseStep | None:
+    def take_step(self, rows: list[int], step_id: int) -> SparseStep | None:
+        """The worker's ops for step ``step_id`` (its begins' dense pages go at ``drop_begun(step_id)``)."""
+        if self.begun:
+            self._begun_by_step[step_id] = self.begun
+            self.begun = []
         step = SparseStep(self._ends, self._begins, rows)
         self._ends, self._begins = [], []
         return step if step else None
