@@ -200,17 +200,25 @@ def test_a_reused_request_slot_starts_clean(make_engine):
         alone.shutdown()
 
 
-def test_ngram_drafts_for_dense_rows_never_sparse_ones(make_engine):
-    """Sparse rows decode one token a step (a verify would need sparse extends); the short prompt's
-    dense row still speculates. fp32 all-pages output equals plain dense decoding."""
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_drafts_for_dense_rows_never_sparse_ones(make_engine, tiny_llama, algo):
+    """Sparse rows decode one token a step, with NGRAM drafts as with a draft model (a verify would
+    need sparse extends: each draft's own page choice, and summaries without the rejected drafts'
+    keys); the short prompt's dense row still speculates. fp32 all-pages output equals plain dense
+    decoding, and the books are clean (the draft model's pages included)."""
+    from tests.helpers import assert_idle_clean
+
     ps = [list(range(10, 40)) * 10, [5, 6, 7, 8] * 4]  # a long repetitive prompt (sparse), a short one
     dense = outputs(make_engine(), ps)
-    eng = make_engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+    draft = {"speculative_draft_model_path": tiny_llama} if algo == "STANDALONE" else {}
+    eng = make_engine(speculative_algorithm=algo, speculative_num_draft_tokens=4, **draft,
                       **{**ALL_PAGES, "hisparse_min_context": 100})  # fmt: skip
     res = eng.generate(input_ids=ps, sampling_params=[SP, SP])
     assert [r["output_ids"] for r in res] == dense
     assert "spec_verify_ct" not in res[0]["meta_info"]  # the sparse row never drafted (0: left out)
     assert res[1]["meta_info"]["spec_verify_ct"] > 0
+    assert eng.memory()["hisparse"]["requests_begun"] == 1
+    assert_idle_clean(eng)
 
 
 def test_settings_are_checked(make_engine):
