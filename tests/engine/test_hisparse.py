@@ -317,6 +317,43 @@ def test_pd_decode_kv_lands_in_host_pages(make_engine):
             eng.core.disagg_connector.close()
 
 
+def test_pd_decode_session_turns_go_sparse_with_their_kv_in_host_pages(make_engine):
+    """A session on a PD decode server crosses the threshold: its later turns' KV, sent by prefill past
+    what the session holds, lands in host pages and the turn decodes sparsely; the session keeps only
+    the pages its page list holds (the KV that landed in host pages is recomputed by the next turn as
+    prefill's). fp32, every page selected: each turn equals the same session on one dense engine; the
+    books are clean after each turn and the close."""
+    from tests.engine.test_disagg import TURNS, drive, free_port, room
+    from tests.helpers import assert_idle_clean
+
+    sp = {**SP, "max_new_tokens": 6}
+    one = make_engine()
+    sid = one.open_session()
+    want = [one.generate(input_ids=t, sampling_params=sp, session_params={"id": sid})["output_ids"] for t in TURNS]
+    port = free_port()
+    pre = make_engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                      disaggregation_bind_host="127.0.0.1")  # fmt: skip
+    dec = make_engine(disaggregation_mode="decode", disaggregation_bootstrap_port=port,
+                      **{**ALL_PAGES, "hisparse_min_context": 40})  # fmt: skip
+    try:
+        sid = dec.open_session()
+        for k, t in enumerate(TURNS):
+            dec.add_request(t, sp, rid=f"d{k}", session_params={"id": sid}, disagg=room(port, 700 + k))
+            pre.add_request(t, sp, rid=f"p{k}", session_params={"id": sid}, disagg=room(port, 700 + k))
+            out = drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"]
+            assert out["output_ids"] == want[k], k
+            assert_idle_clean(dec)
+        sparse = dec.memory()["hisparse"]
+        assert sparse["requests_begun"] == 3 and sparse["requests_landed_in_host"] == 3  # turns 2-4: 47+ tokens
+        dec.close_session(sid)
+        assert_idle_clean(dec)
+    finally:
+        for eng in (pre, dec):
+            eng.core.disagg_connector.timeout_s = 0.2
+            eng.run_until_idle()
+            eng.core.disagg_connector.close()
+
+
 def test_a_failed_first_sparse_step_is_rerun_request_by_request(make_engine):
     """Fault isolation reruns a failed step one request at a time: each rerun applies only its own
     request's first sparse step (another slot's again would reset that slot after its own rerun and
