@@ -460,7 +460,7 @@ def report(results: dict, args) -> str:
             f"{L} tokens" for L in args.needle_lengths) + " |", "|---|" + "---|" * len(args.needle_lengths)]  # fmt: skip
         for key, v in results["needle"].items():
             lines.append(f"| {key} | " + " | ".join(f"{v[str(L)][0]}/{v[str(L)][1]}" for L in args.needle_lengths) + " |")
-    if "logprob" in results:
+    if results.get("logprob"):
         lines += ["", "| chosen-token logprob vs dense | positions | mean abs delta | median | max | forced positions "
                   "per prompt | tokenization breaks | free greedy agreement (mean tokens, all agree) |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
