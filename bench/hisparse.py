@@ -136,6 +136,8 @@ def engine(loaded, args, sparse: bool, **extra):
     if sparse:
         kw.update(enable_hisparse=True, hisparse_top_k_pages=args.top_k, hisparse_hot_pages=args.hot_pages,
                   hisparse_host_ratio=args.host_ratio)  # fmt: skip
+        if args.dense_layers is not None:
+            kw.update(hisparse_dense_layers=args.dense_layers)
     kw.update(extra)
     return Engine(loaded_model=loaded, **kw)
 
@@ -324,7 +326,7 @@ def bench_quality(loaded, args, tok, results: dict, save) -> None:
     floor = {"deltas": [], "free_agree": []}
     rng = random.Random(args.seed * 31337)
     base = make_text(rng, tok, args.lp_len - args.lp_tail)  # shared (cached); each prompt its own tail
-    for _ in tqdm(range(args.lp_prompts), desc="logprob delta"):
+    for _ in tqdm(range(args.lp_prompts), desc="logprob delta"):  # (0: the needles alone)
         ids = base + make_text(rng, tok, args.lp_tail)
         sp = {"max_new_tokens": args.lp_tokens, "ignore_eos": True, "logprobs": True}
         w = q.run(ids, sparse=False, **sp)  # full prefill: fills the prefix cache (see Quality.warm)
@@ -353,7 +355,7 @@ def bench_quality(loaded, args, tok, results: dict, save) -> None:
                 n += 1
             acc["forced_len"].append(n)
         q.worker.top_k = args.top_k
-    results["logprob"] = {
+    results["logprob"] = {} if not args.lp_prompts else {
         key: {
             "prompts": args.lp_prompts,
             "positions": len(v["deltas"]),
@@ -367,7 +369,7 @@ def bench_quality(loaded, args, tok, results: dict, save) -> None:
         }
         for key, v in lp.items()
     }
-    results["logprob_floor"] = {
+    results["logprob_floor"] = {} if not args.lp_prompts else {
         "positions": len(floor["deltas"]),
         "mean_abs_delta": statistics.fmean(floor["deltas"]) if floor["deltas"] else None,
         "max_abs_delta": max(floor["deltas"]) if floor["deltas"] else None,
@@ -458,7 +460,7 @@ def report(results: dict, args) -> str:
             f"{L} tokens" for L in args.needle_lengths) + " |", "|---|" + "---|" * len(args.needle_lengths)]  # fmt: skip
         for key, v in results["needle"].items():
             lines.append(f"| {key} | " + " | ".join(f"{v[str(L)][0]}/{v[str(L)][1]}" for L in args.needle_lengths) + " |")
-    if "logprob" in results:
+    if results.get("logprob"):
         lines += ["", "| chosen-token logprob vs dense | positions | mean abs delta | median | max | forced positions "
                   "per prompt | tokenization breaks | free greedy agreement (mean tokens, all agree) |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -471,7 +473,7 @@ def report(results: dict, args) -> str:
                 f"{v['max_abs_delta']:.3f} | {v['forced_positions_mean']:.1f} | {v['tokenization_breaks']} | "
                 f"{v['free_agree_mean']:.1f}, {v['free_agree_all']}/{v['prompts']} |"
             )
-    if "logprob_floor" in results and results["logprob_floor"]["mean_abs_delta"] is not None:
+    if results.get("logprob_floor") and results["logprob_floor"]["mean_abs_delta"] is not None:
         f = results["logprob_floor"]
         lines.append(f"| dense: full prefill vs cached prefix (noise floor; positions before the first disagreement) "
                      f"| {f['positions']} | {f['mean_abs_delta']:.4f} | - | {f['max_abs_delta']:.3f} | - | - | "
@@ -500,6 +502,8 @@ def main() -> None:
     ap.add_argument("--lp-tokens", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--hot-pages", type=int, default=32)
+    ap.add_argument("--dense-layers", type=int, default=None,
+                    help="--hisparse-dense-layers of the sparse engine (default: the setting's)")
     ap.add_argument("--extra-top-k", type=ints, default=[8], help="more top-k rows for the quality sets")
     ap.add_argument("--host-ratio", type=float, default=1.0)
     ap.add_argument("--kv-tokens", type=int, default=80_000)

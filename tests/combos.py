@@ -31,8 +31,8 @@ REQUIRES = {"int8_batch": "quantized", "amx": "quantized"}
 # choices the covering array takes the cheaper feature, so the expensive ones sit in fewer rows.
 COST = {"compile": 11.0, "tp": 2.0, "pd": 1.0, "cpu_attention": 0.5, "deterministic": 0.5}
 # A feature that takes effect only with some others off (overlap scheduling runs synchronously under
-# TP, with a KV connector and with HiSparse): some row must have it on with all of those off, ("alone", feature).
-EFFECTIVE_WITHOUT = {"overlap": frozenset({"tp", "pd", "hicache", "hisparse"})}
+# TP and with a KV connector): some row must have it on with all of those off, ("alone", feature).
+EFFECTIVE_WITHOUT = {"overlap": frozenset({"tp", "pd", "hicache"})}
 COST_OF_A_RUN = 5.0  # a row's workload (the CI's steps), whatever its features
 # A request-level feature: on in every configuration whose start-up features allow it (the workload
 # always has session turns then).

@@ -86,7 +86,7 @@ FEATURES: tuple[Feature, ...] = (
             lambda c, d: c.lora.enable_lora),
     Feature("deterministic", "deterministic inference", "--enable-deterministic-inference",
             "enable_deterministic_inference", lambda c, d: c.kernels.enable_deterministic_inference),
-    # On: it overlaps where it can; under TP and with PD, the hierarchical cache or HiSparse every step is
+    # On: it overlaps where it can; under TP and with PD or the hierarchical cache every step is
     # synchronous (engine/core.overlap_schedule), so it combines with everything.
     Feature("overlap", "overlap schedule", "--enable-overlap-schedule", "disable_overlap_schedule",
             lambda c, d: c.scheduler.overlap_wanted(d)),

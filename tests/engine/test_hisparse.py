@@ -4,8 +4,9 @@ fp32: with every page selected the output is dense attention's (and transformers
 backends; the books name the host and hot pages while a request decodes and hold none once idle; every
 way a request ends gives them back (finish, abort before and after its first sparse step, retraction,
 a PD-less health check); admission reserves prompt + max new tokens of host room; a reused request slot
-starts clean; NGRAM drafts go on for dense rows and never for sparse ones. Quest's page choice finds
-the page whose keys answer the query.
+starts clean; NGRAM drafts go on for dense rows and never for sparse ones; a session that crosses the
+threshold decodes sparsely, exact across turns, a rewind, an abort and a close mid-turn. Quest's page
+choice finds the page whose keys answer the query.
 """
 
 from __future__ import annotations
@@ -199,17 +200,25 @@ def test_a_reused_request_slot_starts_clean(make_engine):
         alone.shutdown()
 
 
-def test_ngram_drafts_for_dense_rows_never_sparse_ones(make_engine):
-    """Sparse rows decode one token a step (a verify would need sparse extends); the short prompt's
-    dense row still speculates. fp32 all-pages output equals plain dense decoding."""
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_drafts_for_dense_rows_never_sparse_ones(make_engine, tiny_llama, algo):
+    """Sparse rows decode one token a step, with NGRAM drafts as with a draft model (a verify would
+    need sparse extends: each draft's own page choice, and summaries without the rejected drafts'
+    keys); the short prompt's dense row still speculates. fp32 all-pages output equals plain dense
+    decoding, and the books are clean (the draft model's pages included)."""
+    from tests.helpers import assert_idle_clean
+
     ps = [list(range(10, 40)) * 10, [5, 6, 7, 8] * 4]  # a long repetitive prompt (sparse), a short one
     dense = outputs(make_engine(), ps)
-    eng = make_engine(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+    draft = {"speculative_draft_model_path": tiny_llama} if algo == "STANDALONE" else {}
+    eng = make_engine(speculative_algorithm=algo, speculative_num_draft_tokens=4, **draft,
                       **{**ALL_PAGES, "hisparse_min_context": 100})  # fmt: skip
     res = eng.generate(input_ids=ps, sampling_params=[SP, SP])
     assert [r["output_ids"] for r in res] == dense
     assert "spec_verify_ct" not in res[0]["meta_info"]  # the sparse row never drafted (0: left out)
     assert res[1]["meta_info"]["spec_verify_ct"] > 0
+    assert eng.memory()["hisparse"]["requests_begun"] == 1
+    assert_idle_clean(eng)
 
 
 def test_settings_are_checked(make_engine):
@@ -308,6 +317,43 @@ def test_pd_decode_kv_lands_in_host_pages(make_engine):
             eng.core.disagg_connector.close()
 
 
+def test_pd_decode_session_turns_go_sparse_with_their_kv_in_host_pages(make_engine):
+    """A session on a PD decode server crosses the threshold: its later turns' KV, sent by prefill past
+    what the session holds, lands in host pages and the turn decodes sparsely; the session keeps only
+    the pages its page list holds (the KV that landed in host pages is recomputed by the next turn as
+    prefill's). fp32, every page selected: each turn equals the same session on one dense engine; the
+    books are clean after each turn and the close."""
+    from tests.engine.test_disagg import TURNS, drive, free_port, room
+    from tests.helpers import assert_idle_clean
+
+    sp = {**SP, "max_new_tokens": 6}
+    one = make_engine()
+    sid = one.open_session()
+    want = [one.generate(input_ids=t, sampling_params=sp, session_params={"id": sid})["output_ids"] for t in TURNS]
+    port = free_port()
+    pre = make_engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                      disaggregation_bind_host="127.0.0.1")  # fmt: skip
+    dec = make_engine(disaggregation_mode="decode", disaggregation_bootstrap_port=port,
+                      **{**ALL_PAGES, "hisparse_min_context": 40})  # fmt: skip
+    try:
+        sid = dec.open_session()
+        for k, t in enumerate(TURNS):
+            dec.add_request(t, sp, rid=f"d{k}", session_params={"id": sid}, disagg=room(port, 700 + k))
+            pre.add_request(t, sp, rid=f"p{k}", session_params={"id": sid}, disagg=room(port, 700 + k))
+            out = drive([pre, dec], {id(pre): [f"p{k}"], id(dec): [f"d{k}"]})[f"d{k}"]
+            assert out["output_ids"] == want[k], k
+            assert_idle_clean(dec)
+        sparse = dec.memory()["hisparse"]
+        assert sparse["requests_begun"] == 3 and sparse["requests_landed_in_host"] == 3  # turns 2-4: 47+ tokens
+        dec.close_session(sid)
+        assert_idle_clean(dec)
+    finally:
+        for eng in (pre, dec):
+            eng.core.disagg_connector.timeout_s = 0.2
+            eng.run_until_idle()
+            eng.core.disagg_connector.close()
+
+
 def test_a_failed_first_sparse_step_is_rerun_request_by_request(make_engine):
     """Fault isolation reruns a failed step one request at a time: each rerun applies only its own
     request's first sparse step (another slot's again would reset that slot after its own rerun and
@@ -370,47 +416,134 @@ def test_dense_layers_read_every_page_on_both_backends(make_engine):
     assert outputs(make_engine(attention_backend="cpu", **SMALL), ps) != ref
 
 
-def test_a_session_that_crosses_the_threshold_stays_dense_and_exact(make_engine):
-    """A conversation whose history crosses ``--hisparse-min-context`` across turns: its turns decode
-    densely (a turn's KV goes to its session), token-equal to the same conversation sent as full
-    prompts without a session, which do decode sparsely past the threshold (fp32, every page selected:
-    dense attention's sums); the books clean after every turn and once the session closes."""
+def _conversation(turns, eng, sp, sid=None, rewind=None):
+    """Each turn's output: as turns of session ``sid`` on ``eng``, or (``sid`` None) as full prompts
+    holding the conversation so far. ``rewind``: (turn index, offset) sends that turn at ``offset``."""
+    history: list[int] = []
+    got = []
+    for i, t in enumerate(turns):
+        offset = rewind[1] if rewind and rewind[0] == i else len(history)
+        if sid is None:
+            out = eng.generate(input_ids=history[:offset] + t, sampling_params=sp)["output_ids"]
+        else:
+            sess = {"id": sid, "offset": offset}
+            out = eng.generate(input_ids=t, sampling_params=sp, session_params=sess)["output_ids"]
+        got.append(out)
+        history = history[:offset] + t + out
+    return got
+
+
+@pytest.mark.parametrize("budget", ["all_pages", "small"])
+def test_a_session_that_crosses_the_threshold_goes_sparse_and_stays_exact(make_engine, budget):
+    """A conversation whose history crosses ``--hisparse-min-context`` across turns: its later turns
+    decode sparsely (reading the host copy of the session's KV), one turn rewinds into the history,
+    and each turn's tokens equal the same conversation sent as full prompts without a session: with
+    every page selected that is dense attention's (fp32), with a small budget the same selection of
+    the same KV (the non-session requests go sparse at the same turns). The books are clean after
+    every turn (the session holds its prompt's pages, the turn's host and hot pages are back) and
+    once the session closes."""
     from tests.helpers import assert_idle_clean
 
     rng = random.Random(7)
-    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (60, 40, 50, 30)]
+    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (60, 40, 50, 30, 25)]
     sp = {**SP, "max_new_tokens": 10}
-    cfg = {**ALL_PAGES, "hisparse_min_context": 120}
+    cfg = {**(ALL_PAGES if budget == "all_pages" else SMALL), "hisparse_min_context": 120}
+    rewind = (4, 60 + 10 + 40 + 10 + 5)  # into the third turn's input: 125 + 25 >= 120, sparse again
     ref = make_engine(enable_prefix_cache=False, **cfg)
-    history: list[int] = []
-    want = []
-    for t in turns:
-        out = ref.generate(input_ids=history + t, sampling_params=sp)["output_ids"]
-        want.append(out)
-        history = history + t + out
-    assert ref.memory()["hisparse"]["requests_begun"] == 2  # the last two full prompts pass 120 tokens
+    want = _conversation(turns, ref, sp, rewind=rewind)
+    assert ref.memory()["hisparse"]["requests_begun"] == 3  # turns 3, 4 and the rewound 5 pass 120 tokens
+    if budget == "all_pages":
+        assert want == _conversation(turns, make_engine(enable_prefix_cache=False), sp, rewind=rewind)
     eng = make_engine(**cfg)
     sid = eng.open_session()
     for i, (t, w) in enumerate(zip(turns, want)):
-        assert eng.generate(input_ids=t, sampling_params=sp, session_params={"id": sid})["output_ids"] == w, i
+        offset = rewind[1] if i == rewind[0] else None
+        sess = {"id": sid} if offset is None else {"id": sid, "offset": offset}
+        assert eng.generate(input_ids=t, sampling_params=sp, session_params=sess)["output_ids"] == w, i
         assert_idle_clean(eng)
-    assert eng.memory()["hisparse"]["requests_begun"] == 0  # session turns never went sparse
+        assert eng.memory()["hisparse"]["host_held"] == 0
+    assert eng.memory()["hisparse"]["requests_begun"] == 3  # the same turns went sparse in the session
+    assert eng.memory()["kv_session"] > 0
     eng.close_session(sid)
     assert_idle_clean(eng)
     assert eng.memory()["kv_session"] == 0
 
 
-def test_overlap_requested_with_hisparse_runs_synchronous_steps(make_engine):
-    """``--enable-overlap-schedule`` with HiSparse: every step is synchronous (a request's first sparse
-    step gives its dense pages back after that step's result), the output stays dense attention's
-    (fp32, every page selected) and the books are clean."""
+@pytest.mark.parametrize("how", ["abort", "close"])
+def test_a_sparse_session_turn_ended_mid_decode_leaves_the_session_clean(make_engine, how):
+    """A sparse session turn aborted mid-decode leaves the session as it was (the next turn's tokens
+    equal those of a conversation that never had the aborted turn); a close while the sparse turn
+    decodes releases the session at the turn's finish. Books clean either way."""
+    from tests.helpers import assert_idle_clean
+
+    rng = random.Random(3)
+    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (130, 30)]
+    sp = {**SP, "max_new_tokens": 10}
+    cfg = {**SMALL, "hisparse_min_context": 120}
+    want = _conversation(turns, make_engine(enable_prefix_cache=False, **cfg), sp)
+    eng = make_engine(**cfg)
+    sid = eng.open_session()
+    assert eng.generate(input_ids=turns[0], sampling_params=sp, session_params={"id": sid})["output_ids"] == want[0]
+    s = eng.core.scheduler
+    eng.add_request(input_ids=turns[1][:20], sampling_params={**sp, "max_new_tokens": 30}, rid="x",
+                    session_params={"id": sid})  # fmt: skip
+    step_until(eng, lambda: "x" in s.reqs and s.reqs["x"].sparse is not None and len(s.reqs["x"].output_ids) > 3)
+    if how == "abort":
+        eng.abort("x")
+    else:
+        eng.close_session(sid)
+    eng.run_until_idle()
+    assert eng.result("x")["meta_info"]["finish_reason"]["type"] == ("abort" if how == "abort" else "length")
+    assert_idle_clean(eng)
+    assert eng.memory()["hisparse"]["host_held"] == 0
+    if how == "close":
+        assert eng.memory()["kv_session"] == 0 and not eng.core.sessions.sessions
+        return
+    assert eng.generate(input_ids=turns[1], sampling_params=sp, session_params={"id": sid})["output_ids"] == want[1]
+    assert eng.memory()["hisparse"]["requests_begun"] == 3
+    eng.close_session(sid)
+    assert_idle_clean(eng)
+
+
+def test_sparse_rows_overlap_and_keep_their_tokens(make_engine):
+    """``--enable-overlap-schedule`` with HiSparse: sparse decodes run in overlapped steps (a first
+    sparse step's dense pages go back after that step's own result, not the one before it). The
+    output stays dense attention's with every page selected (fp32), and with a small budget it equals
+    the synchronous engine's, two slots reused by eight requests (a slot's sparse state dropped before
+    its next request begins) and a session crossing the threshold included; the books are clean."""
     from tests.helpers import assert_idle_clean
 
     ps = prompts(3)
     dense = outputs(make_engine(disable_overlap_schedule=False), ps)
     eng = make_engine(disable_overlap_schedule=False, **ALL_PAGES)
-    assert not eng.core.overlap
+    assert eng.core.overlap
     assert outputs(eng, ps) == dense
     assert eng.memory()["hisparse"]["requests_begun"] == 3
-    assert eng.core.overlap_stats["overlapped"] == 0
+    assert eng.core.overlap_stats["overlapped"] > 20  # the decodes overlapped
+    assert_idle_clean(eng)
+    s = eng.core.scheduler
+    eng.add_request(input_ids=ps[0], sampling_params=SP, rid="a")
+    step_until(eng, lambda: "a" in s.reqs and s.reqs["a"].sparse is not None and s.reqs["a"].sparse.active)
+    r = s.reqs["a"]
+    # Its first sparse step is launched and not landed: the dense pages it copies are still its own.
+    assert s.in_flight.holds(r) and r.pages
+    eng.step()  # that step's result is in: they are given back
+    assert r.sparse.active and not r.pages
+    eng.run_until_idle()
+    assert eng.result("a")["output_ids"] == dense[0]
+    ps = prompts(8, (140, 260, 200, 330))
+    sync = make_engine(max_running_requests=2, **SMALL)
+    want = outputs(sync, ps)
+    eng = make_engine(max_running_requests=2, disable_overlap_schedule=False, **SMALL)
+    assert outputs(eng, ps) == want
+    assert eng.core.overlap_stats["overlapped"] > 20
+    assert_idle_clean(eng)
+    rng = random.Random(7)
+    turns = [[rng.randrange(3, 200) for _ in range(n)] for n in (60, 40, 50, 30)]
+    sp = {**SP, "max_new_tokens": 10}
+    cfg = {**SMALL, "hisparse_min_context": 120}
+    want = _conversation(turns, make_engine(**cfg), sp)
+    eng = make_engine(disable_overlap_schedule=False, **cfg)
+    assert _conversation(turns, eng, sp, sid=eng.open_session()) == want
+    assert eng.memory()["hisparse"]["requests_begun"] == 2
     assert_idle_clean(eng)

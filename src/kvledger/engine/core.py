@@ -77,7 +77,7 @@ class EngineCore:
         self.last_step_ran = bool(sched.reqs)
         if not sched.reqs:
             outs += self.wait_in_flight()
-            pending = sched.page_writes or sched.image_drops or s.has_pending_kv
+            pending = sched.page_writes or sched.hisparse or sched.image_drops or s.has_pending_kv
             return outs + s.update(sched, self._execute(sched) if pending else None)
         launched = (sched, self._forward.submit(sched))
         overlapped = self._in_flight is not None

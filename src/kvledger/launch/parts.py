@@ -44,9 +44,10 @@ def overlap_schedule(cfg: EngineConfig, connector: KVConnector | None) -> bool:
     """Whether steps overlap (``scheduler/overlap.py``): ``--disable-overlap-schedule`` unset is on for
     CUDA and ``CPU_OVERLAP_DEFAULT`` on the CPU. Synchronous whatever the flag under tensor
     parallelism (the workers feed the tokens they are broadcast; rank 0 alone samples), with a KV
-    connector (its worker side moves pages on its own threads, by the step's plan) and with HiSparse
-    (a request's first sparse step gives its dense pages back after that step's result)."""
-    if cfg.parallel.tp_size > 1 or connector is not None or cfg.hisparse.enable_hisparse:
+    connector (its worker side moves pages on its own threads, by the step's plan). HiSparse overlaps:
+    a request's first sparse step gives its dense pages back after that step's own result
+    (``SparseKV.drop_begun``), its rows feed placeholders like any decode's."""
+    if cfg.parallel.tp_size > 1 or connector is not None:
         return False
     return cfg.scheduler.overlap_wanted(cfg.model.device)
 

@@ -223,8 +223,13 @@ class KVManager:
         contain = self.ledger.contain
         if req.sparse is not None:
             # Its host and hot pages (HiSparse). Once it decodes sparsely its dense pages are gone
-            # (the prompt cached at its first decode); its decoded KV lived in host pages only.
-            commit = commit and not req.sparse.active
+            # (the prompt cached at its first decode); its decoded KV lived in host pages only. A
+            # session turn kept its dense pages: what they hold, the prompt's KV, goes to its session
+            # (under PD, KV that prefill sent landed in host pages: only what its page list holds).
+            if req.sparse.active and req.session is not None and req.slot is not None:
+                req.kv_len = min(req.kv_len, req.sparse.begun_len, len(req.pages) * self.page_size)
+            else:
+                commit = commit and not req.sparse.active
             contain(f"{owner}: HiSparse release", self.sparse.release, req)
             req.sparse = None  # (after a failure, what it held is the audit's to find)
         if req.slot is not None:

@@ -12,7 +12,19 @@ Who owns what, per sparse request (``SparseHold``)::
                                             kernel reads the host pool in place (the CPU backend) only
                                             ``hot[0]`` is held: ``hot_pages`` is 1 there
     dense pages  (as any request's)         the prompt's KV until the first decode step has copied it
-                                            to the host pages (``begin``); then cached or freed
+                                            to the host pages (``begin``); then cached or freed -- a
+                                            session turn's stay its own (borrowed: the session's) to
+                                            the end of the turn, when the prompt's pages become the
+                                            session's as a dense turn's do (``KVManager.release``)
+
+Session turns: a turn whose whole prompt (history + input) crosses ``--hisparse-min-context`` decodes
+sparsely like any request (its attention reads the host copy made at its first decode step). Its
+dense pages are not given back at that step: the session's own pages are borrowed and its new ones
+are the turn's, and a completed turn hands the prompt's pages (``begun_len`` tokens) to its session;
+the KV of the turn's output tokens lived in host pages only and is recomputed by the next turn, whose
+prompt holds them. An aborted turn frees its own pages and leaves the session as it was. A turn whose
+host room could never be had decodes densely (it is not refused: the history was accepted turn by
+turn).
 
 The pages are taken at admission, so the hot-buffer budget gates admission like any page. Everything
 goes back on the one release path (``KVManager.release`` calls ``release``): finish (a PD
@@ -94,18 +106,22 @@ class SparseKV:
         self.host = HostPagePool(num_host_pages)
         self._ends: list[int] = []
         self._begins: list[SparseBegin] = []
-        self.begun: list[tuple] = []  # (req, hold) begun this step: dense pages go after the step
+        self.begun: list[tuple] = []  # (req, hold) begun in the step being scheduled
+        # (req, hold) begun, by the step whose forward copies their KV: their dense pages go back once
+        # that step's result is in (overlap: a later step may be scheduled and launched before that)
+        self._begun_by_step: dict[int, list[tuple]] = {}
         self.total_begun = 0
         self.total_landed = 0  # PD decode: requests whose KV was sent into their host pages
 
     # -- which requests ----------------------------------------------------------------------------
     def eligible(self, req) -> bool:
-        """Long enough, decodes, and not a session turn (a turn's KV goes to its session dense)."""
+        """Long enough and decodes; a session turn also needs host room the pool can ever give (else it
+        decodes densely: its history was accepted turn by turn and is not refused now)."""
         return (
             len(req.input_ids) >= self.cfg.hisparse_min_context
             and not req.params.scoring
-            and req.session is None
             and req.pooling is None
+            and (req.session is None or self.host_pages_needed(req) <= self.host.num_ids)
         )
 
     def host_pages_needed(self, req) -> int:
@@ -114,7 +130,7 @@ class SparseKV:
 
     def too_big(self, req) -> str | None:
         """Why ``req`` can never get its host room (checked before anything is held), or None."""
-        if not self.eligible(req):
+        if req.session is not None or not self.eligible(req):
             return None
         need = self.host_pages_needed(req)
         if need > self.host.num_ids:
@@ -184,15 +200,16 @@ class SparseKV:
                 continue  # mid-page: already mapped
             self.kvm._map(req, p, [h.hot[0]])
 
-    def drop_begun(self) -> None:
-        """After a step: the begun requests' prompt KV now lives in host pages; their dense pages go
-        back (cached for later requests' prefix matches, as any finished prompt)."""
-        for req, h in self.begun:
-            # (A request retracted after its begin and admitted again in the same step has a new hold.)
-            if req.sparse is h and req.to_finish is None and req.slot is not None:
+    def drop_begun(self, step: int) -> None:
+        """After step ``step``'s result: the requests it began have their prompt KV in host pages now;
+        their dense pages go back (cached for later requests' prefix matches, as any finished prompt).
+        Under overlap the next step was scheduled already: what it began waits for its own result."""
+        for req, h in self._begun_by_step.pop(step, ()):
+            # (A request retracted after its begin and admitted again in the same step has a new hold.
+            # A session turn keeps its dense pages for its session: ``KVManager.release``.)
+            if req.sparse is h and req.to_finish is None and req.slot is not None and req.session is None:
                 # (What the KV pool held: all of it, or only decode's own prefix match under PD.)
                 self.kvm.give_back_dense(req, min(h.begun_len, len(req.pages) * self.page_size))
-        self.begun.clear()
 
     # -- the one release path -----------------------------------------------------------------------------
     def release(self, req) -> None:
@@ -215,7 +232,11 @@ class SparseKV:
         """Ops the worker has not had yet (the slots' state of requests that ended)."""
         return bool(self._ends or self._begins)
 
-    def take_step(self, rows: list[int]) -> SparseStep | None:
+    def take_step(self, rows: list[int], step_id: int) -> SparseStep | None:
+        """The worker's ops for step ``step_id`` (its begins' dense pages go at ``drop_begun(step_id)``)."""
+        if self.begun:
+            self._begun_by_step[step_id] = self.begun
+            self.begun = []
         step = SparseStep(self._ends, self._begins, rows)
         self._ends, self._begins = [], []
         return step if step else None

@@ -246,11 +246,11 @@ class Scheduler:
             if rope is not None:  # the rows' M-RoPE positions: from their indices, wherever the chunk starts
                 row.rope_delta, row.mrope = rope.chunk(row.start, row.start + row.num_tokens)
         out.image_drops = self.images.take_drops()
+        out.step = next(self._step_ids)
         if self.kv_manager.sparse is not None:
             rows = [c.req.slot for c in chunks if c.req.sparse is not None and c.req.sparse.active]
-            out.hisparse = self.kv_manager.sparse.take_step(rows)
+            out.hisparse = self.kv_manager.sparse.take_step(rows, out.step)
         out.connector_meta = self.connector.build_connector_meta(out)
-        out.step = next(self._step_ids)
         if self.overlap and chunks:
             self.in_flight.launch(out, [c.req for c in chunks], drafting=self.proposer is not None)
         if chunks:
@@ -280,7 +280,7 @@ class Scheduler:
             self.in_flight.releasing.remove(req)
             self._release(req)
         if self.kv_manager.sparse is not None:
-            self.kv_manager.sparse.drop_begun()  # their prompt KV is in host pages now
+            self.kv_manager.sparse.drop_begun(sched.step)  # the step's begun: their prompt KV is in host pages
         self.connector.step_finished()
         self.settle()
         self.books.check()
