@@ -7,6 +7,7 @@ a 400 before anything is held. Strict engines, audited clean at teardown."""
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -72,6 +73,8 @@ def test_one_image_token_exact(llava, make_vlm, chunk):
     out = eng.generate(input_ids=ids(llava, ONE), sampling_params=G, image_data=img)
     assert out["output_ids"] == want
     assert out["meta_info"]["prompt_tokens"] == len(prompt)  # the image's 36 tokens counted
+    # The served name is the directory's (it once came out as the checkpoint's last tensor name).
+    assert eng.core.view.info_dict()["model_name"] == os.path.basename(os.path.normpath(llava[0]))
 
 
 def test_two_images_token_exact_and_batched_beside_text(llava, make_vlm):

@@ -122,8 +122,8 @@ def _load_hf_dir(path: str, load_tokenizer: bool) -> LoadedModel:
     try:
         for file in tqdm(files, desc="Loading safetensors", unit="file", disable=len(files) < 2):
             with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    weights[name] = f.get_tensor(name).float()
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    weights[key] = f.get_tensor(key).float()
     except Exception as e:  # safetensors raises its own error types for truncated headers/data
         raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({_one_line(e)})") from None
     vision = None
