@@ -89,22 +89,29 @@ def ask(client, parts, stream: bool = False, **kw):
     return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_chat_with_images_is_token_exact(llava, client, stream):
+def check_chat_with_images(client, reference_of, stream: bool) -> tuple[int, int]:
+    """One image, then two of different sizes, through the ``openai`` client (streamed or not): each
+    answer ``reference_of(parts)``'s text and its usage the reference's prompt length (the images'
+    tokens counted). Returns the two prompts' lengths."""
     a, b = tiny_image(1), tiny_image(2, (30, 60))
-    want1, n1 = reference(llava, ["what is ", a, " here"])
-    want2, n2 = reference(llava, ["compare ", a, " and ", b])
-    for parts, want, n in (
-        (["what is ", data_url(a), " here"], want1, n1),
-        (["compare ", data_url(a), " and ", data_url(b)], want2, n2),
-    ):
+    lengths = []
+    for parts in (["what is ", a, " here"], ["compare ", a, " and ", b]):
+        want, n = reference_of(parts)
+        sent = [data_url(x) if not isinstance(x, str) else x for x in parts]
         if stream:
-            text, usage = ask(client, parts, stream=True)
+            text, usage = ask(client, sent, stream=True)
         else:
-            r = ask(client, parts)
+            r = ask(client, sent)
             text, usage = r.choices[0].message.content, r.usage
         assert text == want
         assert usage.prompt_tokens == n  # the image tokens counted
+        lengths.append(n)
+    return lengths[0], lengths[1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_with_images_is_token_exact(llava, client, stream):
+    check_chat_with_images(client, lambda parts: reference(llava, parts), stream)
 
 
 def test_same_image_reports_cached_tokens_and_another_none(llava, client, media_dir):
