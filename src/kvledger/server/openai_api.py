@@ -240,11 +240,7 @@ class OpenAIServing:
             if body.separate_reasoning:
                 reasoning = ReasoningParser(self.reasoning_format, thinking, body.stream_reasoning)
         # Without max_tokens a chat answer may use all the context leaves (OpenAI, SGLang, vLLM).
-        images = ChatImages(fetched=fetched or {}, prepared=prepared or {})
-        ids = self.chat_input(body, tools=tools, images=images)
-        mm = None
-        if images.images:  # each placeholder repeated for its image, before the length is checked
-            ids, mm = self.images.expand(ids, images.images, images.params)
+        ids, mm = self.chat_prompt(body, tools, fetched, prepared)
         ids, params = validate_request(
             ids,
             sp,
@@ -254,6 +250,17 @@ class OpenAIServing:
             prompt_name="messages",
         )
         return ChatJob(ids, params, self.tool_parser if tools else None, reasoning, to_wire(mm) if mm else None)
+
+    def chat_prompt(
+        self, body: ChatRequest, tools=None, fetched: dict[str, bytes] | None = None, prepared: dict | None = None
+    ) -> tuple[list[int], Any]:
+        """The messages through the chat template as token ids, each image's placeholder repeated for its
+        image (before the length is checked), and the images' ``MultimodalInputs`` (None: no image)."""
+        images = ChatImages(fetched=fetched or {}, prepared=prepared or {})
+        ids = self.chat_input(body, tools=tools, images=images)
+        if not images.images:
+            return ids, None
+        return self.images.expand(ids, images.images, images.params)
 
     async def chat(self, body: ChatRequest, disconnected) -> dict | AsyncIterator[str]:
         check_fanout(self.admission, 1, body.n, "messages")

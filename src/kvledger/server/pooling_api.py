@@ -70,7 +70,6 @@ class PoolingServing:
         like chat's, each a 400 naming its part) through the chat template, as one prompt; its job
         and its images (``WireImage``s, or None)."""
         from ..multimodal.inputs import to_wire
-        from .image_parts import ChatImages
         from .protocol import ChatRequest
 
         if self.chat is None:
@@ -82,11 +81,7 @@ class PoolingServing:
             chat_template_kwargs=None, documents=None,
         )  # fmt: skip
         fetched = await self.chat.remote_images(chat)
-        images = ChatImages(fetched=fetched, prepared=await self.chat.read_images(chat, fetched))
-        ids = self.chat.chat_input(chat, images=images)
-        mm = None
-        if images.images:  # each placeholder repeated for its image, before the length is checked
-            ids, mm = self.chat.images.expand(ids, images.images, images.params)
+        ids, mm = self.chat.chat_prompt(chat, fetched=fetched, prepared=await self.chat.read_images(chat, fetched))
         sampling = {"cache_salt": body.salt()} if body.salt() is not None else None
         check_prompt_tokens(self.admission, [ids], "messages")
         try:
